@@ -1,0 +1,37 @@
+# CacheRoute Proxy, multi-process edition.
+# Every target installs what it needs into .venv first, so a fresh clone needs only `make`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+N      ?= 4
+SIM    ?= 2
+STRATEGY ?= round_robin
+PYTEST_ARGS ?=
+
+.PHONY: install run-workers test bench clean-shm clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Sidecar + N workers on :8001 + (by default) SIM simulated instances. SIM=0 for a real deployment.
+run-workers: $(STAMP)
+	PROXY_SIM_INSTANCES=$${PROXY_SIM_INSTANCES:-$(SIM)} $(PY) -m supervisor run --workers $(N) --strategy $(STRATEGY)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.bench_select --out bench/results/select.json
+
+# Remove a segment left by a crashed run (the launcher removes it on a clean stop).
+clean-shm: $(STAMP)
+	$(PY) -m shm_schema.cli unlink
+
+clean:
+	rm -rf $(VENV) *.egg-info build .pytest_cache

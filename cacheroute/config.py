@@ -1,0 +1,183 @@
+"""The one typed place for configuration.
+
+Every knob has a default here and an environment variable, named as in the original Proxy
+where one existed (`PROXY_INSTANCE_STRATEGY`, `PROXY_INSTANCE_TTL_S`, `PROXY_CP_PORT`, ...).
+Command-line flags override the environment by calling :meth:`Settings.with_overrides`.
+A bad value fails at start with a message naming the variable, never later on a request.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import msgspec
+
+# (field name, environment variable). The order is the order of the docs table in README.
+ENV_NAMES: dict[str, str] = {
+    "dp_host": "PROXY_DP_HOST",
+    "dp_port": "PROXY_DP_PORT",
+    "cp_host": "PROXY_CP_HOST",
+    "cp_port": "PROXY_CP_PORT",
+    "workers": "PROXY_WORKERS",
+    "worker_private_host": "PROXY_WORKER_PRIVATE_HOST",
+    "worker_private_port_base": "PROXY_WORKER_PRIVATE_PORT_BASE",
+    "instance_strategy": "PROXY_INSTANCE_STRATEGY",
+    "load_view": "PROXY_LOAD_VIEW",
+    "instance_ttl_s": "PROXY_INSTANCE_TTL_S",
+    "instance_purge_grace_s": "PROXY_INSTANCE_PURGE_GRACE_S",
+    "shm_name": "PROXY_SHM_NAME",
+    "shm_instance_capacity": "PROXY_SHM_INSTANCE_CAPACITY",
+    "shm_worker_capacity": "PROXY_SHM_WORKER_CAPACITY",
+    "upstream_connect_timeout_s": "PROXY_UPSTREAM_CONNECT_TIMEOUT_S",
+    "upstream_first_byte_timeout_s": "PROXY_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
+    "upstream_idle_timeout_s": "PROXY_UPSTREAM_IDLE_TIMEOUT_S",
+    "upstream_pool_size": "PROXY_UPSTREAM_POOL_SIZE",
+    "max_body_bytes": "PROXY_MAX_BODY_BYTES",
+    "openai_api_key": "OPENAI_API_KEY",
+    "least_load_weights": "PROXY_LEAST_LOAD_WEIGHTS",
+    "sim_instances": "PROXY_SIM_INSTANCES",
+    "sim_instance_port_base": "PROXY_SIM_INSTANCE_PORT_BASE",
+    "worker_restart_backoff_s": "PROXY_WORKER_RESTART_BACKOFF_S",
+    "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
+    "log_level": "PROXY_LOG_LEVEL",
+}
+
+STRATEGY_ALIASES: dict[str, str] = {
+    "round_robin": "round_robin",
+    "round-robin": "round_robin",
+    "rr": "round_robin",
+    "least_load": "least_load",
+    "least-load": "least_load",
+    "ll": "least_load",
+}
+
+LOAD_VIEWS = ("shared", "per_worker")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    dp_host: str = "127.0.0.1"
+    dp_port: int = 8001
+    cp_host: str = "127.0.0.1"
+    cp_port: int = 8002
+    workers: int = 4
+    worker_private_host: str = "127.0.0.1"
+    # Worker i is also reachable on worker_private_port_base + i (to ask one specific worker).
+    worker_private_port_base: int = 8100
+    instance_strategy: str = "round_robin"
+    # "shared": least_load reads the host-wide table. "per_worker": each worker sees only its
+    # own contributions, like N copies of the original Proxy (an ablation for benchmarks).
+    load_view: str = "shared"
+    instance_ttl_s: float = 30.0
+    instance_purge_grace_s: float = 60.0
+    shm_name: str = "/cacheroute_proxy"
+    shm_instance_capacity: int = 256
+    shm_worker_capacity: int = 64
+    upstream_connect_timeout_s: float = 5.0
+    upstream_first_byte_timeout_s: float = 600.0
+    upstream_idle_timeout_s: float = 120.0
+    upstream_pool_size: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    openai_api_key: str | None = None
+    least_load_weights: dict[str, float] = {}
+    sim_instances: int = 0
+    sim_instance_port_base: int = 9001
+    worker_restart_backoff_s: float = 0.5
+    reaper_interval_s: float = 0.25
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
+               f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
+        _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
+        for name in ("dp_port", "cp_port", "worker_private_port_base", "sim_instance_port_base"):
+            _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
+        _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")
+        _check(self.workers <= self.shm_worker_capacity, "workers",
+               f"exceeds the shared table's worker capacity ({self.shm_worker_capacity})")
+        _check(1 <= self.shm_instance_capacity <= 4096, "shm_instance_capacity", "must be 1..4096")
+        _check(1 <= self.shm_worker_capacity <= 1024, "shm_worker_capacity", "must be 1..1024")
+        _check(self.shm_name.startswith("/") and "/" not in self.shm_name[1:], "shm_name",
+               "must look like /name (one leading slash, no other)")
+        for name in ("instance_ttl_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
+                     "upstream_idle_timeout_s", "reaper_interval_s"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.instance_purge_grace_s >= 0, "instance_purge_grace_s", "must be >= 0")
+        _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
+        _check(0 <= self.sim_instances <= 16, "sim_instances", "must be 0..16")
+
+    @property
+    def strategy_name(self) -> str:
+        """The canonical strategy name behind an alias."""
+        return STRATEGY_ALIASES[self.instance_strategy]
+
+    @property
+    def heartbeat_interval_s(self) -> int:
+        # The original's formula, so Instances keep their heartbeat cadence.
+        return int(min(10, max(1, self.instance_ttl_s // 3)))
+
+    @property
+    def cp_url(self) -> str:
+        return f"http://{self.cp_host}:{self.cp_port}"
+
+    def worker_private_port(self, index: int) -> int:
+        return self.worker_private_port_base + index
+
+    def with_overrides(self, **overrides: Any) -> "Settings":
+        """A copy with the non-None overrides applied (for CLI flags), validated again."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if not given:
+            return self
+        return _convert({**msgspec.structs.asdict(self), **given})
+
+    def to_env(self) -> dict[str, str]:
+        """Environment that reproduces these settings in a child process."""
+        env: dict[str, str] = {}
+        for field, var in ENV_NAMES.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            env[var] = msgspec.json.encode(value).decode() if isinstance(value, dict) else str(value)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for field, var in ENV_NAMES.items():
+            if var in environ and environ[var] != "":
+                raw[field] = _parse_env_value(field, var, environ[var])
+        return _convert(raw)
+
+
+def _parse_env_value(field: str, var: str, text: str) -> Any:
+    if field == "least_load_weights":
+        try:
+            return msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{var}: not valid JSON ({exc})") from None
+    return text
+
+
+def _convert(raw: dict[str, Any]) -> Settings:
+    try:
+        return msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_name_the_variable(str(exc))) from None
+
+
+def _name_the_variable(message: str) -> str:
+    # msgspec says "... - at `$.dp_port`"; operators set PROXY_DP_PORT, so say that.
+    for field, var in ENV_NAMES.items():
+        if f"`$.{field}`" in message or f"`$.{field}[" in message:
+            return f"{var}: {message}"
+    return message
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{ENV_NAMES.get(field, field)}: {message}")
