@@ -86,7 +86,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     least_load_weights: dict[str, float] = {}
     sim_instances: int = 0
     sim_instance_port_base: int = 9001
-    worker_restart_backoff_s: float = 0.5
+    worker_restart_backoff_s: float = 0.2
     reaper_interval_s: float = 0.25
     log_level: str = "info"
 

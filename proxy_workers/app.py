@@ -1,0 +1,103 @@
+"""The data plane of one worker: OpenAI-compatible routes plus per-worker debug endpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cacheroute.config import Settings
+from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, error_response, from_http_error, read_body
+from cacheroute.routing.report import instance_loads
+
+from .exchange import ProxyExchange
+from .request_model import Endpoint, recover
+from .router import Router
+from .upstream import Upstream
+
+log = logging.getLogger("cacheroute.worker")
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+    index: int
+    router: Router
+    upstream: Upstream
+
+    @property
+    def name(self) -> str:
+        return f"w{self.index}-pid{os.getpid()}"
+
+    def identity(self) -> dict[str, Any]:
+        return {"role": "worker", "worker_index": self.index, "pid": os.getpid(),
+                "row": self.router.row.row, "name": self.name}
+
+
+def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
+    limit = ctx.settings.max_body_bytes
+
+    def proxy_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
+        async def handle(request: Request) -> Any:
+            trace: dict[str, Any] = {"proxy_recv_ms": int(time.time() * 1000), "worker": ctx.name}
+            try:
+                proxy_request = recover(endpoint, await read_body(request, limit))
+            except HTTPError as exc:
+                return from_http_error(exc)
+            trace["request_id"] = proxy_request.request_id
+            return ProxyExchange(ctx.router, ctx.upstream, proxy_request, trace)
+        return handle
+
+    async def debug_instance_loads(request: Request) -> Response:
+        include_dead = request.query_params.get("include_dead", "true").lower() in ("1", "true", "yes")
+        return JSONResponse(instance_loads(
+            ctx.router.view, ctx.router.scorer, strategy=ctx.router.strategy.name,
+            ttl_s=ctx.settings.instance_ttl_s, include_dead=include_dead,
+            answered_by=ctx.identity()))
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True, **ctx.identity()})
+
+    routes = [
+        Route(Endpoint.CHAT.path, proxy_route(Endpoint.CHAT), methods=["POST"]),
+        Route(Endpoint.COMPLETIONS.path, proxy_route(Endpoint.COMPLETIONS), methods=["POST"]),
+        Route("/debug/instance_loads", debug_instance_loads, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        **ERROR_HANDLERS, Exception: _internal_error})
+    return WorkerHeader(app, ctx.name)
+
+
+class WorkerHeader:
+    """Names the worker that served every response (x-cacheroute-worker)."""
+
+    def __init__(self, app: ASGIApp, name: str) -> None:
+        self._app = app
+        self._header = (b"x-cacheroute-worker", name.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        header = self._header
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self._app(scope, receive, send_named)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", f"{type(exc).__name__} (details in the worker log)")

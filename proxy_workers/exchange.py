@@ -1,0 +1,163 @@
+"""One proxied request, from lease to last byte, as an ASGI callable.
+
+The lease is taken and released here and nowhere else, in one try/finally that covers every
+way out: success, upstream error, timeout, client disconnect (watched on `receive` while the
+upstream is read, so a silent stall is noticed too) and cancellation. A client that goes away
+also closes the upstream connection, so the instance stops generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import msgspec
+
+from cacheroute.http import HTTPError
+
+from .request_model import ProxyRequest
+from .router import Lease, Router
+from .sse import DONE_EVENT, DoneStripper, meta_event, meta_object
+from .upstream import Upstream, UpstreamFailure
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+_encoder = msgspec.json.Encoder()
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class ProxyExchange:
+    def __init__(self, router: Router, upstream: Upstream, request: ProxyRequest,
+                 trace: dict[str, Any]) -> None:
+        self._router = router
+        self._upstream = upstream
+        self._request = request
+        self._trace = trace
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        try:
+            lease = self._router.acquire(self._trace)
+        except HTTPError as exc:
+            await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail})
+            return
+        try:
+            await run_until_disconnect(self._forward(lease, send), receive)
+        finally:
+            lease.release()
+
+    async def _forward(self, lease: Lease, send: Send) -> None:
+        request, trace = self._request, self._trace
+        trace["forward_start_ms"] = _now_ms()
+        try:
+            response = await self._upstream.open(lease.base_url + request.endpoint.path,
+                                                 request.upstream_body)
+        except HTTPError as exc:
+            await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, lease)
+            return
+        finished = False
+        try:
+            if response.status >= 400:
+                await self._relay_error(response, send, lease)
+            elif request.stream:
+                await self._relay_stream(response, send, lease)
+            else:
+                await self._relay_whole(response, send, lease)
+            finished = True
+        finally:
+            # A fully read response goes back to the pool; anything else (cancelled, failed)
+            # closes the connection so the instance stops work on it.
+            response.release() if finished and response.content.at_eof() else response.close()
+
+    async def _relay_error(self, response: aiohttp.ClientResponse, send: Send, lease: Lease) -> None:
+        """Upstream 4xx/5xx keep their status and body."""
+        try:
+            body = await self._upstream.read_all(response)
+        except UpstreamFailure as exc:
+            await send_json(send, 502, {"error": "upstream_failed", "detail": exc.reason}, lease)
+            return
+        content_type = response.headers.get("Content-Type", "application/json").encode("latin-1")
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": [(b"content-type", content_type), _instance_header(lease)]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _relay_stream(self, response: aiohttp.ClientResponse, send: Send, lease: Lease) -> None:
+        trace = self._trace
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE_HEADERS, _instance_header(lease)]})
+        stripper = DoneStripper()
+        error: str | None = None
+        try:
+            async for chunk in self._upstream.chunks(response):
+                if "first_token_ms" not in trace:
+                    trace["first_token_ms"] = _now_ms()
+                out = stripper.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            tail = stripper.flush()
+            if tail:
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
+        except UpstreamFailure as exc:
+            error = exc.reason
+        trace["forward_end_ms"] = _now_ms()
+        # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
+        final = meta_event(trace, error) + (DONE_EVENT if error is None else b"")
+        await send({"type": "http.response.body", "body": final, "more_body": False})
+
+    async def _relay_whole(self, response: aiohttp.ClientResponse, send: Send, lease: Lease) -> None:
+        trace = self._trace
+        try:
+            body = await self._upstream.read_all(response)
+        except UpstreamFailure as exc:
+            await send_json(send, 502, {"error": "upstream_failed", "detail": exc.reason}, lease)
+            return
+        trace["forward_end_ms"] = _now_ms()
+        meta = meta_object(trace, None)
+        try:
+            parsed = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            parsed["_cacheroute_meta"] = meta
+        else:
+            parsed = {"raw": body.decode("utf-8", "replace"), "_cacheroute_meta": meta}
+        await send_json(send, 200, parsed, lease)
+
+
+async def run_until_disconnect(work: Awaitable[None], receive: Receive) -> None:
+    """Run `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if not task.cancelled():
+        task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def send_json(send: Send, status: int, content: Any, lease: Lease | None = None) -> None:
+    headers = [_JSON] if lease is None else [_JSON, _instance_header(lease)]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": _encoder.encode(content)})
+
+
+def _instance_header(lease: Lease) -> tuple[bytes, bytes]:
+    return (b"x-cacheroute-instance", lease.instance.instance_id.encode())
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,152 @@
+"""Recovering a data-plane request: the Scheduler's CacheRoute `Request` (protocol §2.1-2.2) or a
+plain OpenAI body, validated with msgspec and turned into what goes to the instance.
+
+Unlike the original, types are checked on decode (a `token_length` of "abc" is a 422 naming the
+field, not a hang later), and a plain OpenAI body is forwarded byte for byte, so system
+messages, history, tools and stop sequences reach the backend.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any
+
+import msgspec
+
+from cacheroute.http import HTTPError
+
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=100_000_000)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=100)]
+
+
+class Endpoint(str, Enum):
+    CHAT = "chat/completions"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/" + self.value
+
+
+class PromptSection(msgspec.Struct):
+    model: str
+    user_prompt: str
+    token_length: TokenCount | None = None
+    bs: int = 1
+    max_tokens: MaxTokens | None = None
+    stream: bool = False
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+
+
+class ServiceSection(msgspec.Struct):
+    Enable_know_injection: bool = False
+    Injection_type: str = "kvcache"
+    Knowledge_List: list[str] = []
+    Knowledge_length: TokenCount = 0
+    Endpoint_type: str | None = None
+
+
+class TaskSection(msgspec.Struct):
+    KDN_server_addr: str = ""
+
+
+class SchedulerRequest(msgspec.Struct):
+    """The Scheduler's `Request` dataclass as JSON; unknown keys are carried and ignored."""
+
+    Prompt: PromptSection
+    Request_ID: int = 0
+    Request_type: str = "request"
+    Service: ServiceSection = msgspec.field(default_factory=ServiceSection)
+    Task: TaskSection = msgspec.field(default_factory=TaskSection)
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: Any = None
+
+
+class OpenAIChatBody(msgspec.Struct):
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    model: str | None = None
+    stream: bool = False
+    max_tokens: MaxTokens | None = None
+
+
+class OpenAICompletionBody(msgspec.Struct):
+    prompt: str | list[Any]
+    model: str | None = None
+    stream: bool = False
+    max_tokens: MaxTokens | None = None
+
+
+class ProxyRequest(msgspec.Struct):
+    """What the worker forwards, whatever shape the client used."""
+
+    endpoint: Endpoint
+    upstream_body: bytes
+    stream: bool
+    model: str | None
+    request_id: int
+    token_length: int | None
+    source: str  # "cacheroute" or "openai"
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def recover(endpoint: Endpoint, body: bytes) -> ProxyRequest:
+    """Validate and normalise a body; HTTPError 400/422 naming the problem otherwise."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise HTTPError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise HTTPError(400, "invalid_request_payload", "body must be a JSON object")
+    if "Prompt" in raw:
+        return _from_scheduler(endpoint, raw)
+    return _from_openai(endpoint, raw, body)
+
+
+def _convert(raw: Any, schema: type[Any]) -> Any:
+    try:
+        return msgspec.convert(raw, schema)
+    except msgspec.ValidationError as exc:
+        raise HTTPError(422, "invalid_request_payload", str(exc)) from None
+
+
+def _from_scheduler(endpoint: Endpoint, raw: dict[str, Any]) -> ProxyRequest:
+    req: SchedulerRequest = _convert(raw, SchedulerRequest)
+    prompt = req.Prompt
+    # Completions answer JSON (protocol §2.3): the Scheduler's stream flag applies to chat only.
+    stream = prompt.stream if endpoint is Endpoint.CHAT else False
+    body: dict[str, Any] = {"model": prompt.model}
+    if endpoint is Endpoint.CHAT:
+        body["messages"] = [{"role": "user", "content": prompt.user_prompt}]
+    else:
+        body["prompt"] = prompt.user_prompt
+    body["stream"] = stream
+    for name in ("max_tokens", "temperature", "top_p"):
+        value = getattr(prompt, name)
+        if value is not None:
+            body[name] = value
+    return ProxyRequest(endpoint=endpoint, upstream_body=_encoder.encode(body), stream=stream,
+                        model=prompt.model, request_id=req.Request_ID,
+                        token_length=prompt.token_length, source="cacheroute")
+
+
+def _from_openai(endpoint: Endpoint, raw: dict[str, Any], body: bytes) -> ProxyRequest:
+    if endpoint is Endpoint.CHAT:
+        if "messages" not in raw:
+            raise HTTPError(422, "invalid_request_payload",
+                            "Object missing required field `messages` (or a CacheRoute `Prompt`)")
+        parsed: Any = _convert(raw, OpenAIChatBody)
+    else:
+        if "prompt" not in raw:
+            raise HTTPError(422, "invalid_request_payload",
+                            "Object missing required field `prompt` (or a CacheRoute `Prompt`)")
+        parsed = _convert(raw, OpenAICompletionBody)
+    return ProxyRequest(endpoint=endpoint, upstream_body=body, stream=parsed.stream,
+                        model=parsed.model, request_id=0, token_length=None, source="openai")

@@ -1,0 +1,73 @@
+"""Selection and leases: pick an instance from the shared table, hold it while a request runs.
+
+A Lease is the only way inflight changes on the data plane: `Router.acquire` begins it, and
+`Lease.release` ends it at most once, so a double release cannot decrement twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from cacheroute.config import Settings
+from cacheroute.http import HTTPError
+from cacheroute.routing.load_view import LoadView
+from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
+from shm_schema import InstanceSlot, Segment, WorkerRow, header
+
+
+class Lease:
+    __slots__ = ("instance", "_row", "_held")
+
+    def __init__(self, instance: InstanceSlot, row: WorkerRow) -> None:
+        self.instance = instance
+        self._row = row
+        self._held = True
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.instance.host}:{self.instance.port}"
+
+    def release(self) -> bool:
+        """End the request on this instance; False if already released or the slot is stale."""
+        if not self._held:
+            return False
+        self._held = False
+        return self._row.end(self.instance.slot, self.instance.generation)
+
+
+class Router:
+    def __init__(self, settings: Settings, seg: Segment, row: WorkerRow) -> None:
+        self.row = row
+        self.view = LoadView(seg, settings.load_view, row)
+        if settings.load_view == "shared":
+            cursor, tie_cursor = (lambda: header.next_round_robin(seg)), (lambda: header.next_tie_break(seg))
+        else:  # the ablation: N independent proxies, each with its own rotation
+            cursor, tie_cursor = itertools.count().__next__, itertools.count().__next__
+        self.strategy: Strategy = build_strategy(settings.instance_strategy,
+                                                 weights=settings.least_load_weights,
+                                                 cursor=cursor, tie_cursor=tie_cursor)
+        self._needs_loads = isinstance(self.strategy, LeastLoadStrategy)
+        self.scorer = (self.strategy if isinstance(self.strategy, LeastLoadStrategy)
+                       else LeastLoadStrategy(settings.least_load_weights))
+
+    def choose(self) -> InstanceSlot:
+        snapshot = self.view.directory.snapshot()
+        candidates = snapshot.alive
+        if not candidates:
+            raise HTTPError(503, "no_instance", "proxy has no alive instance")
+        components = self.view.components(candidates, snapshot.slot_span) if self._needs_loads else None
+        return self.strategy.select(candidates, components)
+
+    def acquire(self, trace: dict[str, int | str]) -> Lease:
+        trace["route_select_start_ms"] = _now_ms()
+        instance = self.choose()
+        trace["route_select_end_ms"] = _now_ms()
+        if not self.row.begin(instance.slot, instance.generation):
+            raise HTTPError(503, "no_instance", "selected instance is no longer registered")
+        trace["instance_id"] = instance.instance_id
+        return Lease(instance, self.row)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

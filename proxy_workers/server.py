@@ -1,0 +1,105 @@
+"""Run one proxy worker: bind the shared service port (SO_REUSEPORT) and a private port,
+attach to the sidecar's segment, claim a worker row, serve until SIGTERM/SIGINT, then give
+back whatever the worker still holds and free its row."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import AsyncIterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from cacheroute import logs
+from cacheroute.config import Settings
+from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
+
+from .app import WorkerContext, build_app
+from .router import Router
+from .upstream import Upstream
+
+log = logging.getLogger("cacheroute.worker")
+
+SEGMENT_WAIT_S = 15.0
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        # Every worker binds the same port; the kernel spreads new connections across them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class _Lifespan:
+    """Starts and stops what lives as long as the server: upstream pool, row heartbeat."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, app: object) -> AsyncIterator[None]:
+        await self._ctx.upstream.start()
+        beat = asyncio.create_task(self._heartbeat())
+        try:
+            yield
+        finally:
+            beat.cancel()
+            await self._ctx.upstream.close()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._ctx.router.row.heartbeat()
+            await asyncio.sleep(1.0)
+
+
+def run(settings: Settings, index: int) -> int:
+    try:
+        shared = bind_socket(settings.dp_host, settings.dp_port, reuse_port=True)
+        private = bind_socket(settings.worker_private_host, settings.worker_private_port(index),
+                              reuse_port=False)
+    except OSError as exc:
+        log.error("cannot bind: %s", exc)
+        return 2
+    try:
+        seg = Segment.attach(settings.shm_name, wait_s=SEGMENT_WAIT_S)
+    except SegmentError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        row = WorkerRow.claim(seg, index)
+    except WorkerTableFull as exc:
+        log.error("%s", exc)
+        seg.close()
+        return 2
+    try:
+        ctx = WorkerContext(settings=settings, index=index, router=Router(settings, seg, row),
+                            upstream=Upstream(settings))
+        app = build_app(ctx, lifespan=_Lifespan(ctx))
+        log.info("worker %d serving %s:%d (shared) and %s:%d (private), row %d, strategy %s, view %s",
+                 index, settings.dp_host, settings.dp_port, settings.worker_private_host,
+                 settings.worker_private_port(index), row.row, ctx.router.strategy.name,
+                 settings.load_view)
+        return _serve(app, settings, [shared, private])
+    finally:
+        leftover = row.release()
+        if leftover:
+            log.warning("released inflight still held at exit: %s", leftover)
+        seg.close()
+
+
+def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket]) -> int:
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_config=None,
+                            log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=30)
+    logs.keep_control_after_signals()
+    server = uvicorn.Server(config)
+    server.run(sockets=sockets)
+    return 0 if server.started else 3

@@ -1,0 +1,62 @@
+"""SSE pass-through: the instance's bytes go to the client unchanged, except its `data: [DONE]`,
+which is withheld so the proxy's `cacheroute_meta` event can come first (protocol §2.5).
+
+Chunks that cannot contain the marker are passed on without being split or copied; only a
+chunk boundary inside a line costs a concatenation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_MARKER = b"[DONE]"
+_encoder = msgspec.json.Encoder()
+
+
+class DoneStripper:
+    """Feeds upstream chunks, returns what to send now; remembers whether [DONE] was seen."""
+
+    __slots__ = ("_pending", "saw_done")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.saw_done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n") + 1
+        self._pending = data[cut:]
+        complete = data[:cut] if self._pending else data
+        if _MARKER not in complete:
+            return complete
+        return self._drop_done_lines(complete)
+
+    def flush(self) -> bytes:
+        """What is left after the upstream ended (a trailing partial line, unchanged)."""
+        rest, self._pending = self._pending, b""
+        if rest.strip().startswith(b"data:") and rest.split(b":", 1)[1].strip() == _MARKER:
+            self.saw_done = True
+            return b""
+        return rest
+
+    def _drop_done_lines(self, data: bytes) -> bytes:
+        kept = []
+        for line in data.splitlines(keepends=True):
+            if line.startswith(b"data:") and line[5:].strip() == _MARKER:
+                self.saw_done = True
+                continue
+            kept.append(line)
+        return b"".join(kept)
+
+
+def meta_object(trace: dict[str, Any], error: str | None) -> dict[str, Any]:
+    """The `cacheroute_meta` payload, keys in the original's order."""
+    return {"trace": trace, "kv_ack": {}, "kv_ready_kids": [], "text_only_kids": [],
+            "miss_kids": [], "error": error}
+
+
+def meta_event(trace: dict[str, Any], error: str | None) -> bytes:
+    return b"event: cacheroute_meta\ndata: " + _encoder.encode(meta_object(trace, error)) + b"\n\n"

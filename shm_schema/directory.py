@@ -1,0 +1,232 @@
+"""The instance directory in the segment: slot <-> instance id, address, alive flag, generation.
+
+Only the sidecar writes it (DirectoryWriter). Every worker reads it (DirectoryReader) through a
+cache keyed on the header's directory sequence: the common case is one 8-byte load. Writes are
+bracketed by an odd/even sequence; a reader that sees an odd or changed sequence simply keeps
+its previous snapshot and looks again on the next request, so a writer that is descheduled or
+killed mid-write never makes a reader spin, and workers keep serving from the last published
+directory while the sidecar restarts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from . import layout
+from .segment import Segment
+
+
+class DirectoryFull(RuntimeError):
+    pass
+
+
+class InstanceSlot(NamedTuple):
+    slot: int
+    generation: int
+    instance_id: str
+    host: str
+    port: int
+    alive: bool
+    registered_at_ms: int
+    last_seen_ms: int
+    qps_1m: float | None
+
+
+class DirectorySnapshot(NamedTuple):
+    seq: int
+    instances: tuple[InstanceSlot, ...]  # every ACTIVE slot, in registration order
+    alive: tuple[InstanceSlot, ...]      # the candidate set
+    slot_span: int                       # 1 + highest active slot index (0 if none)
+    stable: bool                         # False if decoded while a write was in progress
+
+
+def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
+    base = seg.geometry.slot_offset(slot)
+    (generation, state, alive, port, registered_at_ms, last_seen_ms, qps_bits, id_len,
+     host_len) = layout.SLOT_FIELDS.unpack_from(seg.buf, base)
+    if state != layout.SLOT_ACTIVE:
+        return None
+    id_start = base + layout.S_INSTANCE_ID
+    host_start = base + layout.S_HOST
+    id_len = min(id_len, layout.MAX_ID_BYTES)
+    host_len = min(host_len, layout.MAX_HOST_BYTES)
+    return InstanceSlot(
+        slot=slot,
+        generation=generation,
+        instance_id=bytes(seg.buf[id_start:id_start + id_len]).decode("utf-8", "replace"),
+        host=bytes(seg.buf[host_start:host_start + host_len]).decode("utf-8", "replace"),
+        port=port,
+        alive=bool(alive),
+        registered_at_ms=registered_at_ms,
+        last_seen_ms=last_seen_ms,
+        qps_1m=layout.bits_to_qps(qps_bits),
+    )
+
+
+def read_all(seg: Segment) -> tuple[InstanceSlot, ...]:
+    """Decode every active slot now (no caching, no consistency check)."""
+    found = (_decode_slot(seg, slot) for slot in range(seg.geometry.instance_capacity))
+    return tuple(sorted((s for s in found if s is not None),
+                        key=lambda s: (s.registered_at_ms, s.slot)))
+
+
+class DirectoryReader:
+    """A worker's cached view of the directory."""
+
+    EMPTY = DirectorySnapshot(seq=-1, instances=(), alive=(), slot_span=0, stable=False)
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+        self._cached = self.EMPTY
+
+    @property
+    def segment(self) -> Segment:
+        return self._seg
+
+    def snapshot(self) -> DirectorySnapshot:
+        seq = self._seg.load(layout.H_DIRECTORY_SEQ)
+        cached = self._cached
+        if seq == cached.seq and cached.stable:
+            return cached
+        if seq & 1 and cached.seq >= 0:
+            return cached  # a write is in progress: the previous snapshot is still valid
+        return self._decode(seq)
+
+    def _decode(self, seq: int) -> DirectorySnapshot:
+        instances = read_all(self._seg)
+        stable = (seq & 1) == 0 and self._seg.load(layout.H_DIRECTORY_SEQ) == seq
+        if not stable and self._cached.seq >= 0:
+            return self._cached  # changed while we read: keep the old one, retry next call
+        span = 1 + max((s.slot for s in instances), default=-1)
+        snapshot = DirectorySnapshot(seq=seq, instances=instances,
+                                     alive=tuple(s for s in instances if s.alive),
+                                     slot_span=span, stable=stable)
+        # An unstable first snapshot (sidecar died mid-write) is used but never trusted as
+        # cached: the next call decodes again.
+        self._cached = snapshot
+        return snapshot
+
+
+class DirectoryWriter:
+    """The sidecar's write access. Single writer: the sidecar process."""
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+
+    def repair(self) -> None:
+        """A sidecar killed mid-write leaves the sequence odd; make it even again."""
+        if self._seg.load(layout.H_DIRECTORY_SEQ) & 1:
+            self._seg.fetch_add(layout.H_DIRECTORY_SEQ, 1)
+
+    def _begin(self) -> None:
+        self._seg.fetch_add(layout.H_DIRECTORY_SEQ, 1)
+
+    def _end(self) -> None:
+        self._seg.fetch_add(layout.H_DIRECTORY_SEQ, 1)
+
+    def free_slot_index(self) -> int | None:
+        seg = self._seg
+        for slot in range(seg.geometry.instance_capacity):
+            if seg.load(seg.geometry.slot_offset(slot) + layout.S_STATE) == layout.SLOT_FREE:
+                return slot
+        return None
+
+    def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None) -> InstanceSlot:
+        """Put a new instance in a free slot under a new generation."""
+        id_bytes, host_bytes = encode_identity(instance_id, host)
+        slot = self.free_slot_index()
+        if slot is None:
+            raise DirectoryFull(
+                f"the shared table is full ({self._seg.geometry.instance_capacity} instance slots); "
+                f"raise PROXY_SHM_INSTANCE_CAPACITY or unregister instances")
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        seg = self._seg
+        base = seg.geometry.slot_offset(slot)
+        generation = _next_generation(seg.load(base + layout.S_GENERATION))
+        self._begin()
+        try:
+            # The inflight word first: from here on only leases of the new generation count.
+            seg.atomic.exchange_u64(seg.geometry.inflight_offset(slot), layout.pack_word(generation, 0))
+            _write_text(seg, base + layout.S_INSTANCE_ID, id_bytes, layout.MAX_ID_BYTES)
+            _write_text(seg, base + layout.S_HOST, host_bytes, layout.MAX_HOST_BYTES)
+            for offset, value in ((layout.S_GENERATION, generation), (layout.S_PORT, port),
+                                  (layout.S_REGISTERED_AT_MS, now_ms), (layout.S_LAST_SEEN_MS, now_ms),
+                                  (layout.S_QPS_1M, layout.qps_to_bits(None)),
+                                  (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
+                                  (layout.S_ALIVE, 1)):
+                seg.store(base + offset, value)
+            seg.store(base + layout.S_STATE, layout.SLOT_ACTIVE)
+        finally:
+            self._end()
+        decoded = _decode_slot(seg, slot)
+        assert decoded is not None
+        return decoded
+
+    def update_address(self, slot: int, host: str, port: int) -> None:
+        _, host_bytes = encode_identity("x", host)
+        seg = self._seg
+        base = seg.geometry.slot_offset(slot)
+        self._begin()
+        try:
+            _write_text(seg, base + layout.S_HOST, host_bytes, layout.MAX_HOST_BYTES)
+            seg.store(base + layout.S_HOST_LEN, len(host_bytes))
+            seg.store(base + layout.S_PORT, port)
+        finally:
+            self._end()
+
+    def set_alive(self, slot: int, alive: bool) -> None:
+        base = self._seg.geometry.slot_offset(slot)
+        if bool(self._seg.load(base + layout.S_ALIVE)) == alive:
+            return
+        self._begin()
+        try:
+            self._seg.store(base + layout.S_ALIVE, int(alive))
+        finally:
+            self._end()
+
+    def touch(self, slot: int, last_seen_ms: int, qps_1m: float | None = None) -> None:
+        """Heartbeat bookkeeping; not part of what selection reads, so no sequence bump."""
+        base = self._seg.geometry.slot_offset(slot)
+        self._seg.store(base + layout.S_LAST_SEEN_MS, last_seen_ms)
+        if qps_1m is not None:
+            self._seg.store(base + layout.S_QPS_1M, layout.qps_to_bits(qps_1m))
+
+    def free(self, slot: int) -> None:
+        """Remove the instance; bump the generation so every outstanding lease goes stale."""
+        seg = self._seg
+        base = seg.geometry.slot_offset(slot)
+        generation = _next_generation(seg.load(base + layout.S_GENERATION))
+        self._begin()
+        try:
+            seg.store(base + layout.S_STATE, layout.SLOT_FREE)
+            seg.store(base + layout.S_ALIVE, 0)
+            seg.store(base + layout.S_GENERATION, generation)
+            seg.atomic.exchange_u64(seg.geometry.inflight_offset(slot), layout.pack_word(generation, 0))
+        finally:
+            self._end()
+
+
+def encode_identity(instance_id: str, host: str) -> tuple[bytes, bytes]:
+    """UTF-8 of id and host, or ValueError naming the field that does not fit a slot."""
+    id_bytes = instance_id.encode("utf-8")
+    host_bytes = host.encode("utf-8")
+    if not id_bytes:
+        raise ValueError("instance_id: must not be empty")
+    if len(id_bytes) > layout.MAX_ID_BYTES:
+        raise ValueError(f"instance_id: {len(id_bytes)} bytes, at most {layout.MAX_ID_BYTES} fit a slot")
+    if not host_bytes:
+        raise ValueError("host: must not be empty")
+    if len(host_bytes) > layout.MAX_HOST_BYTES:
+        raise ValueError(f"host: {len(host_bytes)} bytes, at most {layout.MAX_HOST_BYTES} fit a slot")
+    return id_bytes, host_bytes
+
+
+def _next_generation(generation: int) -> int:
+    nxt = (generation + 1) & layout.GEN_MASK
+    return nxt or 1  # never 0: a zeroed word must not look like a live generation
+
+
+def _write_text(seg: Segment, offset: int, data: bytes, capacity: int) -> None:
+    seg.buf[offset:offset + capacity] = data.ljust(capacity, b"\0")
+

@@ -1,0 +1,50 @@
+"""Who is a process, in a way that survives pid reuse: pid plus kernel start time.
+
+The start time is field 22 of /proc/<pid>/stat, in clock ticks since boot. It never changes
+for a process and a new process with a recycled pid gets a different one, so the pair names
+exactly one process for the life of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import layout
+
+
+def start_ticks(pid: int) -> int | None:
+    """Kernel start time of `pid` in clock ticks, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields_after_comm = raw[raw.rfind(b")") + 2:].split()
+    return int(fields_after_comm[19])  # field 22 overall
+
+
+def own_identity() -> int:
+    pid = os.getpid()
+    ticks = start_ticks(pid)
+    assert ticks is not None
+    return layout.pack_identity(pid, ticks)
+
+
+def identity_of(pid: int) -> int | None:
+    ticks = start_ticks(pid)
+    return None if ticks is None else layout.pack_identity(pid, ticks)
+
+
+def is_alive(identity: int) -> bool:
+    """True if the process that `identity` names still runs (a zombie counts as dead)."""
+    pid, ticks = layout.unpack_identity(identity)
+    if start_ticks(pid) != ticks:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except OSError:
+        return False
+    state = raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3]
+    return state not in (b"Z", b"X")

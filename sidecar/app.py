@@ -1,0 +1,119 @@
+"""The control plane on 127.0.0.1:8002, wire-compatible with the original (§1.2, §3)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from cacheroute.config import Settings
+from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, decode_json, from_http_error, read_body
+from cacheroute.routing.load_view import LoadView
+from cacheroute.routing.report import instance_loads
+from cacheroute.routing.strategies import LeastLoadStrategy
+from shm_schema import DirectoryFull, Segment, header
+
+from . import wire
+from .reaper import WorkerReaper
+from .registry import InstanceRegistry
+
+CONTROL_BODY_LIMIT = 1024 * 1024
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass
+class SidecarState:
+    settings: Settings
+    seg: Segment
+    registry: InstanceRegistry
+    reaper: WorkerReaper
+    view: LoadView
+    scorer: LeastLoadStrategy
+    epoch: int
+
+
+def build_app(state: SidecarState) -> Starlette:
+    registry = state.registry
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True, "ttl_s": state.settings.instance_ttl_s})
+
+    async def register(request: Request) -> Response:
+        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.RegisterRequest)
+        try:
+            record = registry.register(req)
+        except ValueError as exc:
+            raise HTTPError(422, "invalid_payload", str(exc)) from None
+        except DirectoryFull as exc:
+            raise HTTPError(507, "instance_table_full", str(exc)) from None
+        return JSONResponse(wire.RegisterReply(
+            instance_id=record.instance_id, heartbeat_interval_s=state.settings.heartbeat_interval_s,
+            ttl_s=state.settings.instance_ttl_s, capability_fingerprint=record.capability_fingerprint))
+
+    async def heartbeat(request: Request) -> Response:
+        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.HeartbeatRequest)
+        return JSONResponse(registry.heartbeat(req))
+
+    async def unregister(request: Request) -> Response:
+        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.UnregisterRequest)
+        return JSONResponse({"ok": registry.unregister(req.instance_id)})
+
+    async def list_instances(request: Request) -> Response:
+        include_dead = _flag(request, "include_dead", False)
+        records = registry.records(include_dead)
+        inflight = state.view.inflight(records) if records else []
+        return JSONResponse([registry.row(r, n) for r, n in zip(records, inflight)])
+
+    async def status(request: Request) -> Response:
+        records = registry.records(include_dead=True)
+        alive = [r for r in records if r.alive]
+        return JSONResponse({
+            "ok": True, "ttl_s": state.settings.instance_ttl_s,
+            "alive_instances": len(alive), "total_instances": len(records),
+            "expired_instances": len(records) - len(alive),
+            "sample_ids": [r.instance_id for r in alive[:10]], "topology_kdn_links": 0,
+            "sidecar": {"pid": os.getpid(), "epoch": state.epoch},
+            "segment": header.describe(state.seg),
+            "workers": state.reaper.workers(),
+            "reaper": {"reaped": state.reaper.stats.reaped, "subtracted": state.reaper.stats.subtracted,
+                       "corrections": state.reaper.stats.corrections,
+                       "last_reaped": state.reaper.stats.last_reaped},
+        })
+
+    async def debug_instance_loads(request: Request) -> Response:
+        return JSONResponse(instance_loads(
+            state.view, state.scorer, strategy=state.settings.strategy_name,
+            ttl_s=state.settings.instance_ttl_s, include_dead=_flag(request, "include_dead", True),
+            answered_by={"role": "sidecar", "pid": os.getpid()}))
+
+    routes = [
+        Route("/healthz", _guard(healthz), methods=["GET"]),
+        Route("/debug/status", _guard(status), methods=["GET"]),
+        Route("/debug/instance_loads", _guard(debug_instance_loads), methods=["GET"]),
+        Route("/v1/instance/register", _guard(register), methods=["POST"]),
+        Route("/v1/instance/heartbeat", _guard(heartbeat), methods=["POST"]),
+        Route("/v1/instance/unregister", _guard(unregister), methods=["POST"]),
+        Route("/v1/instance/list", _guard(list_instances), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS)
+
+
+def _flag(request: Request, name: str, default: bool) -> bool:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _guard(handler: Handler) -> Handler:
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except HTTPError as exc:
+            return from_http_error(exc)
+    return guarded

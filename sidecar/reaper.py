@@ -1,0 +1,86 @@
+"""Worker liveness and crash cleanup.
+
+A worker is dead when the process its row names (pid + kernel start time) no longer runs, so
+a recycled pid cannot keep a dead worker's row alive, and a stopped (SIGSTOP) worker is never
+mistaken for a dead one: its share stays until it really exits. The dead worker's exact share
+is subtracted; if it died between its two writes (journal names a slot), that slot is
+re-derived from the live rows as soon as a quiescent moment allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shm_schema import Segment, free_row, read_all, read_rows, reconcile_slot, subtract_row
+from shm_schema import header, process_identity
+
+log = logging.getLogger("cacheroute.sidecar.reaper")
+
+
+@dataclass
+class ReaperStats:
+    reaped: int = 0
+    subtracted: int = 0
+    corrections: int = 0
+    last_reaped: list[dict[str, Any]] = field(default_factory=list)
+
+
+class WorkerReaper:
+    def __init__(self, seg: Segment, audit_interval_s: float = 5.0) -> None:
+        self._seg = seg
+        self._pending_reconcile: set[int] = set()
+        self._audit_interval_s = audit_interval_s
+        self._next_audit = time.monotonic() + audit_interval_s
+        self.stats = ReaperStats()
+
+    def tick(self) -> None:
+        """One pass: reap dead rows, then reconcile what needs it."""
+        for row in read_rows(self._seg):
+            if not process_identity.is_alive(row.identity):
+                self._reap(row.row, row.identity, row.pid, row.worker_index, row.pending_slot)
+        if time.monotonic() >= self._next_audit:
+            self._next_audit = time.monotonic() + self._audit_interval_s
+            self._pending_reconcile.update(self._active_slots())
+        self._reconcile_pending()
+
+    def _reap(self, row: int, identity: int, pid: int, worker_index: int, pending: int | None) -> None:
+        subtracted = subtract_row(self._seg, row)
+        if pending is not None:
+            self._pending_reconcile.add(pending)
+        if not free_row(self._seg, row, identity):
+            return  # someone else (a second sidecar?) already freed it
+        header.count_reaped_worker(self._seg)
+        total = sum(subtracted.values())
+        self.stats.reaped += 1
+        self.stats.subtracted += total
+        self.stats.last_reaped = (self.stats.last_reaped + [{
+            "pid": pid, "worker_index": worker_index, "row": row, "subtracted": total,
+            "died_mid_update": pending is not None, "at_ms": int(time.time() * 1000)}])[-10:]
+        log.warning("worker pid %d (index %d, row %d) is gone: subtracted %d inflight %s%s",
+                    pid, worker_index, row, total, subtracted,
+                    f"; slot {pending} will be reconciled (died mid-update)" if pending is not None else "")
+
+    def _reconcile_pending(self) -> None:
+        for slot in list(self._pending_reconcile):
+            correction = reconcile_slot(self._seg, slot)
+            if correction is None:
+                continue  # busy right now; next tick
+            self._pending_reconcile.discard(slot)
+            if correction:
+                self.stats.corrections += 1
+                log.warning("slot %d inflight corrected by %+d to match the live workers' shares",
+                            slot, correction)
+
+    def _active_slots(self) -> set[int]:
+        return {s.slot for s in read_all(self._seg)}
+
+    def workers(self) -> list[dict[str, Any]]:
+        now_ns = time.time_ns()
+        return [{"row": r.row, "pid": r.pid, "worker_index": r.worker_index,
+                 "alive": process_identity.is_alive(r.identity),
+                 "heartbeat_age_ms": (now_ns - r.heartbeat_ns) // 1_000_000,
+                 "mid_update_slot": r.pending_slot}
+                for r in read_rows(self._seg)]

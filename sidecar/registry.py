@@ -1,0 +1,167 @@
+"""The instance directory: registration, heartbeats, TTL liveness and purge.
+
+The sidecar is its single owner. What selection needs (id, address, alive, generation) is
+published into the shared table through DirectoryWriter; the rest (endpoints, meta,
+capabilities, qps) lives here. After a sidecar restart the shared table is the source of
+truth: `rebuild` recreates records from it, without capabilities, so the next heartbeat asks
+the instance to resend them (`requires_capabilities`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+
+from shm_schema import DirectoryWriter, Segment, read_all
+
+from . import wire
+
+log = logging.getLogger("cacheroute.sidecar.registry")
+
+
+@dataclass
+class InstanceRecord:
+    instance_id: str
+    slot: int
+    generation: int
+    host: str
+    port: int
+    registered_at: float
+    last_seen_at: float
+    endpoints: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
+    weight: float = 1.0
+    meta: dict[str, Any] = field(default_factory=dict)
+    capabilities: wire.Capabilities | None = None
+    capability_fingerprint: str | None = None
+    qps_1m: float | None = None
+    gpu_util: float | None = None
+    alive: bool = True
+
+
+class InstanceRegistry:
+    def __init__(self, seg: Segment, ttl_s: float, purge_grace_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._writer = DirectoryWriter(seg)
+        self._seg = seg
+        self.ttl_s = ttl_s
+        self.purge_grace_s = purge_grace_s
+        self._clock = clock
+        self._records: dict[str, InstanceRecord] = {}
+
+    # --- restart ---------------------------------------------------------------------------
+    def rebuild(self) -> int:
+        """Adopt the instances already in the shared table (a restarted sidecar)."""
+        self._writer.repair()
+        for slot in read_all(self._seg):
+            self._records[slot.instance_id] = InstanceRecord(
+                instance_id=slot.instance_id, slot=slot.slot, generation=slot.generation,
+                host=slot.host, port=slot.port, registered_at=slot.registered_at_ms / 1000,
+                last_seen_at=slot.last_seen_ms / 1000, qps_1m=slot.qps_1m, alive=slot.alive)
+        return len(self._records)
+
+    # --- control-plane operations --------------------------------------------------------------
+    def register(self, req: wire.RegisterRequest) -> InstanceRecord:
+        """Upsert (protocol §3.1). Raises ValueError naming a field that does not fit a slot,
+        DirectoryFull when no slot is free; in both cases nothing has changed."""
+        now = self._clock()
+        instance_id = req.resolved_id
+        record = self._records.get(instance_id)
+        if record is None:
+            slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000))
+            record = InstanceRecord(instance_id=instance_id, slot=slot.slot,
+                                    generation=slot.generation, host=req.host, port=req.port,
+                                    registered_at=now, last_seen_at=now)
+            self._records[instance_id] = record
+            log.info("registered %s at %s:%s (slot %d, generation %d)", instance_id, req.host,
+                     req.port, record.slot, record.generation)
+        elif (record.host, record.port) != (req.host, req.port):
+            self._writer.update_address(record.slot, req.host, req.port)
+            record.host, record.port = req.host, req.port
+        record.weight = req.weight
+        if req.endpoints:
+            record.endpoints = list(req.endpoints)
+        if req.tags:
+            record.tags = list(req.tags)
+        record.meta.update(req.meta)
+        record.capabilities = req.capabilities
+        record.capability_fingerprint = wire.fingerprint(req.capabilities)
+        self._seen(record, now)
+        return record
+
+    def heartbeat(self, req: wire.HeartbeatRequest) -> dict[str, Any]:
+        record = self._records.get(req.instance_id)
+        if record is None:
+            return {"ok": False}
+        if req.capabilities is None and req.capability_fingerprint is not None \
+                and req.capability_fingerprint != record.capability_fingerprint:
+            reason = ("capability_fingerprint_unknown" if record.capability_fingerprint is None
+                      else "capability_fingerprint_mismatch")
+            return {"ok": False, "error": reason, "requires_capabilities": True,
+                    "expected_fingerprint": record.capability_fingerprint,
+                    "reported_fingerprint": req.capability_fingerprint}
+        if req.capabilities is not None:
+            record.capabilities = req.capabilities
+            record.capability_fingerprint = wire.fingerprint(req.capabilities)
+        if req.qps_1m is not None:
+            record.qps_1m = req.qps_1m
+        if req.gpu_util is not None:
+            record.gpu_util = req.gpu_util
+        self._seen(record, self._clock())
+        return {"ok": True}
+
+    def unregister(self, instance_id: str) -> bool:
+        record = self._records.pop(instance_id, None)
+        if record is None:
+            return False
+        self._writer.free(record.slot)
+        log.info("unregistered %s (slot %d freed)", instance_id, record.slot)
+        return True
+
+    def _seen(self, record: InstanceRecord, now: float) -> None:
+        record.last_seen_at = now
+        self._writer.touch(record.slot, int(now * 1000), record.qps_1m)
+        if not record.alive:
+            record.alive = True
+            self._writer.set_alive(record.slot, True)
+            log.info("%s is alive again", record.instance_id)
+
+    # --- liveness ------------------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Publish TTL expiry to the alive flags; purge instances dead for longer than the grace."""
+        now = self._clock()
+        for record in list(self._records.values()):
+            silent_for = now - record.last_seen_at
+            if record.alive and silent_for > self.ttl_s:
+                record.alive = False
+                self._writer.set_alive(record.slot, False)
+                log.warning("%s missed heartbeats for %.1fs (ttl %.1fs): out of the candidate set",
+                            record.instance_id, silent_for, self.ttl_s)
+            elif not record.alive and silent_for > self.ttl_s + self.purge_grace_s:
+                self._records.pop(record.instance_id, None)
+                self._writer.free(record.slot)
+                log.warning("%s purged after %.1fs without heartbeat (slot %d freed)",
+                            record.instance_id, silent_for, record.slot)
+
+    # --- reads -----------------------------------------------------------------------------------
+    def records(self, include_dead: bool = True) -> list[InstanceRecord]:
+        rows = sorted(self._records.values(), key=lambda r: (r.registered_at, r.slot))
+        return [r for r in rows if include_dead or r.alive]
+
+    def row(self, record: InstanceRecord, inflight: int | None) -> dict[str, Any]:
+        """A `/v1/instance/list` row (protocol §3.3)."""
+        return {
+            "instance_id": record.instance_id, "host": record.host, "port": record.port,
+            "endpoints": record.endpoints, "tags": record.tags, "weight": record.weight,
+            "meta": record.meta,
+            "capabilities": None if record.capabilities is None else msgspec.to_builtins(record.capabilities),
+            "capability_fingerprint": record.capability_fingerprint,
+            "registered_at": record.registered_at, "last_seen_at": record.last_seen_at,
+            "load": {"inflight": inflight, "qps_1m": record.qps_1m, "gpu_util": record.gpu_util},
+            "slot": record.slot, "slot_generation": record.generation, "is_alive": record.alive,
+        }
+

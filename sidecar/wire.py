@@ -1,0 +1,134 @@
+"""Control-plane wire format (protocol reference §3), one msgspec Struct per payload.
+
+Decoding validates: a wrong type or a missing required field is rejected with msgspec's
+message, which names the field (``Expected `int`, got `str` - at `$.port```).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# Hostnames, IPv4, or bracketed/plain IPv6; no scheme, no path, no spaces.
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:\[\]-]+$")]
+InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=112)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class ModelCapability(_Strict):
+    identifier: str | None = None
+    revision: str | None = None
+
+
+class KvCacheCapability(_Strict):
+    layout: str | None = None
+    schema_version: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    layout_parameters: dict[str, Any] | None = None
+
+
+class ParallelismCapability(_Strict):
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+
+
+class RuntimeCapability(_Strict):
+    vllm_version: str | None = None
+    lmcache_version: str | None = None
+    supported_cache_features: list[str] | None = None
+
+
+class Capabilities(_Strict):
+    """Like the original's pydantic model: unknown keys are rejected."""
+
+    schema_version: str = "1"
+    model: ModelCapability | None = None
+    tokenizer: dict[str, Any] | None = None
+    adapters: list[Any] | None = None
+    kv_cache: KvCacheCapability | None = None
+    parallelism: ParallelismCapability | None = None
+    runtime: RuntimeCapability | None = None
+
+
+class RegisterRequest(msgspec.Struct):
+    host: Host
+    port: Port
+    instance_id: InstanceId | None = None
+    endpoints: list[str] = []
+    tags: list[str] = []
+    weight: NonNegative = 1.0
+    meta: dict[str, Any] = {}
+    capabilities: Capabilities | None = None
+    capability_fingerprint: str | None = None  # ignored: the server computes its own
+
+    @property
+    def resolved_id(self) -> str:
+        return self.instance_id or f"hp_{self.host}:{self.port}"
+
+
+class RegisterReply(msgspec.Struct):
+    instance_id: str
+    heartbeat_interval_s: int
+    ttl_s: float
+    capability_fingerprint: str | None
+
+
+class HeartbeatRequest(msgspec.Struct):
+    instance_id: InstanceId
+    inflight: int | None = None  # accepted for compatibility, ignored: the proxy owns inflight
+    qps_1m: NonNegative | None = None
+    gpu_util: NonNegative | None = None
+    capabilities: Capabilities | None = None
+    capability_fingerprint: str | None = None
+
+
+class UnregisterRequest(msgspec.Struct):
+    instance_id: InstanceId
+
+
+def fingerprint(capabilities: Capabilities | None) -> str | None:
+    """sha256 of the canonical JSON: nulls dropped, cache features sorted and deduplicated,
+    keys sorted, compact separators (the original's definition)."""
+    if capabilities is None:
+        return None
+    data = _drop_nulls(msgspec.to_builtins(capabilities))
+    features = data.get("runtime", {}).get("supported_cache_features")
+    if features is not None:
+        data["runtime"]["supported_cache_features"] = sorted(set(features))
+    canonical = msgspec.json.encode(_sorted(data))
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(v) for v in value]
+    return value
+
+
+_FIELD = re.compile(r"`\$\.([A-Za-z0-9_.\[\]]+)`")
+
+
+def field_of(error: msgspec.ValidationError) -> str | None:
+    """The field a validation error names (`$.port` -> "port"), if any."""
+    match = _FIELD.search(str(error))
+    return match.group(1) if match else None

@@ -1,0 +1,42 @@
+"""`cacheroute-proxy run` (or `python -m supervisor run`): the whole proxy on one host.
+
+Starts the sidecar, then the simulated instances (PROXY_SIM_INSTANCES, 0 for a real
+deployment) and N workers on the shared service port; Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cacheroute import logs
+from cacheroute.config import ConfigError, Settings
+
+from .arbiter import Arbiter
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cacheroute-proxy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the sidecar, N workers and the simulated instances")
+    run.add_argument("--workers", "-n", type=int, default=None, help="number of workers (PROXY_WORKERS)")
+    run.add_argument("--strategy", dest="instance_strategy", default=None,
+                     help="round_robin|rr|least_load|ll (PROXY_INSTANCE_STRATEGY)")
+    run.add_argument("--sim-instances", type=int, default=None,
+                     help="simulated instances to start (PROXY_SIM_INSTANCES; 0 = none)")
+    run.add_argument("--port", dest="dp_port", type=int, default=None, help="service port (PROXY_DP_PORT)")
+    run.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_env().with_overrides(
+            workers=args.workers, instance_strategy=args.instance_strategy,
+            sim_instances=args.sim_instances, dp_port=args.dp_port, load_view=args.load_view)
+    except (ConfigError, ValueError) as exc:
+        print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logs.configure("supervisor", settings.log_level)
+    return Arbiter(settings).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The launcher's master loop, after gunicorn's arbiter: start the sidecar first, then the
+simulated instances and N workers; restart whatever crashes (with backoff if it crash-loops);
+on SIGINT/SIGTERM stop workers, then instances, then the sidecar, and remove the segment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+import urllib.request
+
+from cacheroute.config import Settings
+from shm_schema import Segment
+
+from .children import Child, describe_exit
+
+log = logging.getLogger("cacheroute.supervisor")
+
+READY_TIMEOUT_S = 20.0
+MAX_BACKOFF_S = 10.0
+STABLE_AFTER_S = 5.0  # a child that ran this long before dying is restarted without delay growth
+STOP_TIMEOUT_S = 35.0
+
+
+class Arbiter:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        env = settings.to_env()
+        self.sidecar = Child("sidecar", ["-m", "sidecar"], env)
+        self.instances = [self._sim_instance(i, env) for i in range(settings.sim_instances)]
+        self.workers = [Child(f"worker{i}", ["-m", "proxy_workers", "--index", str(i)], env)
+                        for i in range(settings.workers)]
+        self._stopping = False
+
+    def _sim_instance(self, i: int, env: dict[str, str]) -> Child:
+        port = self.settings.sim_instance_port_base + 10 * i
+        return Child(f"sim-instance{i}", [
+            "-m", "sim_instance", "--host", "127.0.0.1", "--port", str(port),
+            "--proxy-cp-url", self.settings.cp_url], env)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_stop_signal)
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        try:
+            self.sidecar.start()
+            if not self._wait_healthy(f"{self.settings.cp_url}/healthz", self.sidecar):
+                log.error("the sidecar did not become healthy; stopping")
+                return 1
+            for child in [*self.instances, *self.workers]:
+                child.start()
+            self._announce_when_ready()
+            while not self._stopping:
+                self._supervise_once()
+                time.sleep(0.1)
+            return 0
+        finally:
+            self._stop_all()
+
+    def _on_stop_signal(self, signum: int, frame: object) -> None:
+        if not self._stopping:
+            log.info("%s received: stopping", signal.Signals(signum).name)
+        self._stopping = True
+
+    def _supervise_once(self) -> None:
+        now = time.monotonic()
+        for child in self.children():
+            code = child.exited()
+            if code is None or self._stopping:
+                continue
+            if child.next_start_at == 0.0:
+                child.exit_codes.append(code)
+                ran_for = now - child.started_at
+                child.backoff_s = self.settings.worker_restart_backoff_s if ran_for >= STABLE_AFTER_S \
+                    else min(MAX_BACKOFF_S, child.backoff_s * 2)
+                child.next_start_at = now + child.backoff_s
+                log.warning("%s (pid %s) %s after %.1fs; restarting in %.1fs", child.name, child.pid,
+                            describe_exit(code), ran_for, child.backoff_s)
+            elif now >= child.next_start_at:
+                child.next_start_at = 0.0
+                child.restarts += 1
+                child.start()
+
+    def _stop_all(self) -> None:
+        self._stopping = True
+        for group in (self.workers, self.instances, [self.sidecar]):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            for child in group:
+                child.stop(STOP_TIMEOUT_S)
+        if Segment.unlink(self.settings.shm_name):
+            log.info("removed shared table %s", self.settings.shm_name)
+        log.info("all stopped")
+
+    def children(self) -> list[Child]:
+        return [self.sidecar, *self.instances, *self.workers]
+
+    # --- readiness -------------------------------------------------------------------------
+    def _wait_healthy(self, url: str, child: Child) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stopping:
+            if child.exited() is not None:
+                return False
+            if _get_json(url) is not None:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _announce_when_ready(self) -> None:
+        s = self.settings
+        urls = [f"http://{s.worker_private_host}:{s.worker_private_port(i)}/healthz" for i in range(s.workers)]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stopping:
+            if all(_get_json(url) is not None for url in urls):
+                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s, %d simulated instances",
+                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url, s.sim_instances)
+                return
+            time.sleep(0.2)
+        log.warning("not every worker answered /healthz within %.0fs", READY_TIMEOUT_S)
+
+
+def _get_json(url: str) -> object | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
