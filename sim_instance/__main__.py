@@ -1,0 +1,78 @@
+"""``python -m sim_instance``: command line -> SimConfig -> server.run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sim_instance.config import ConfigError, SimConfig, knobs_from_mapping, sim_config_from_mapping
+from sim_instance.server import run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim_instance",
+                                description="Simulated OpenAI-compatible vLLM Instance.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--instance-id", default=None, help="default hp_{host}:{port}")
+    p.add_argument("--model", default="sim-model")
+    reg = p.add_argument_group("registration with the Proxy control plane")
+    reg.add_argument("--proxy-cp-url", default=os.environ.get("PROXY_CP_URL") or
+                     "http://127.0.0.1:8002", help="env PROXY_CP_URL")
+    reg.add_argument("--no-register", dest="register", action="store_false")
+    reg.add_argument("--register-token", default=os.environ.get("PROXY_CP_TOKEN") or None,
+                     help="Bearer token for control-plane calls (env PROXY_CP_TOKEN)")
+    reg.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
+                     default=None, help="seconds; overrides the register reply's interval")
+    sim = p.add_argument_group("simulation")
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="multiplies every simulated duration (0.05 = 20x faster)")
+    sim.add_argument("--max-concurrency", type=int, default=8)
+    sim.add_argument("--seed", type=int, default=None, help="seed for fail_rate draws")
+    sim.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, default=2.0)
+    sim.add_argument("--log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug"])
+    knobs = p.add_argument_group("fault knobs (also settable at run time: POST /sim/config)")
+    knobs.add_argument("--slow-factor", type=float, default=1.0)
+    knobs.add_argument("--hang", action="store_true")
+    knobs.add_argument("--fail-status", type=int, default=None)
+    knobs.add_argument("--fail-rate", type=float, default=1.0)
+    knobs.add_argument("--drop-after-chunks", type=int, default=None)
+    knobs.add_argument("--stall-after-chunks", type=int, default=None)
+    knobs.add_argument("--hold-streams", action="store_true")
+    knobs.add_argument("--default-max-tokens", type=int, default=16)
+    return p
+
+
+KNOB_FLAGS = ("slow_factor", "hang", "fail_status", "fail_rate", "drop_after_chunks",
+              "stall_after_chunks", "hold_streams", "default_max_tokens")
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    try:
+        knobs = knobs_from_mapping({name: args.pop(name) for name in KNOB_FLAGS})
+        raw: dict[str, Any] = {**args, "knobs": knobs}
+        return sim_config_from_mapping(raw)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = config_from_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [sim {config.resolved_instance_id}] %(name)s: "
+               "%(message)s")
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The simulated GPU: what a request waits for, and for how long.
+
+A vLLM instance admits a bounded number of sequences, runs one prefill at a time and decodes
+all admitted sequences together, each step getting slower as the batch grows. The engine
+reproduces exactly those three contention points with an asyncio.Semaphore (slots, FIFO),
+an asyncio.Lock (prefill, FIFO) and a counter (decode batch size feeding the ITL model).
+Every wait is cancellable, and every resource is released in a ``finally``, so a request
+cancelled because its client disconnected gives back its slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sim_instance import timing
+from sim_instance.config import KnobStore
+from sim_instance.stats import Stats
+
+
+class ReleaseGate:
+    """Holds requests until ``release()``; releases only those waiting at that moment.
+
+    Each release swaps in a fresh Event, so a request arriving afterwards under a still-set
+    hold knob is held again instead of sailing through a permanently set event.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def release(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+
+class Engine:
+    def __init__(self, *, time_scale: float, max_concurrency: int, knobs: KnobStore) -> None:
+        self.time_scale = time_scale
+        self.knobs = knobs
+        self.stats = Stats()
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._prefill_lock = asyncio.Lock()
+        self._gate = ReleaseGate()
+
+    async def sleep_ms(self, real_ms: float) -> None:
+        # slow_factor is read live so a slowdown set mid-stream applies to the next token.
+        scale = self.time_scale * self.knobs.current.slow_factor
+        await asyncio.sleep(max(0.0, real_ms * scale) / 1000.0)
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """One of max_concurrency admissions; waiters queue FIFO (TTFT inflation)."""
+        stats = self.stats
+        stats.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            stats.queued -= 1
+        stats.active += 1
+        stats.max_active = max(stats.max_active, stats.active)
+        try:
+            yield
+        finally:
+            stats.active -= 1
+            self._slots.release()
+
+    async def prefill(self, tokens: int) -> None:
+        # One prefill at a time: long prompts delay the first token of everyone behind them.
+        async with self._prefill_lock:
+            await self.sleep_ms(timing.prefill_ms(tokens))
+
+    @asynccontextmanager
+    async def decoding(self) -> AsyncIterator[None]:
+        self.stats.decoding += 1
+        try:
+            yield
+        finally:
+            self.stats.decoding -= 1
+
+    async def decode_step(self) -> None:
+        await self.sleep_ms(timing.itl_ms(self.stats.decoding))
+
+    async def hold(self) -> None:
+        """Wait for ``release_held()``; cancelled (client gone) frees the hold at once."""
+        self.stats.held += 1
+        try:
+            await self._gate.wait()
+        finally:
+            self.stats.held -= 1
+
+    def release_held(self) -> int:
+        released = self.stats.held
+        self._gate.release()
+        return released

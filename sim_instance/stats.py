@@ -1,0 +1,34 @@
+"""Counters the tests read through ``GET /sim/stats``.
+
+Single event loop, so plain integers are enough. Every request received ends in exactly one
+of completed / failed / dropped / disconnected (or is still in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Stats(msgspec.Struct, kw_only=True):
+    active: int = 0        # holding a concurrency slot now
+    max_active: int = 0    # high-water mark of active since the last reset
+    queued: int = 0        # waiting for a concurrency slot now
+    decoding: int = 0      # past prefill, generating tokens now (the ITL batch size)
+    held: int = 0          # hung, held or stalled now, waiting for /sim/release
+    total: int = 0         # generation requests received (valid ones)
+    completed: int = 0
+    failed: int = 0        # answered with the fail_status knob
+    dropped: int = 0       # connection cut on purpose (drop_after_chunks)
+    disconnected: int = 0  # the client went away first
+    invalid: int = 0       # rejected with 400
+
+    def reset(self) -> None:
+        """Zero the counters; gauges (active, queued, ...) describe the present and stay."""
+        self.total = self.completed = self.failed = self.dropped = 0
+        self.disconnected = self.invalid = 0
+        self.max_active = self.active
+
+    def snapshot(self, instance_id: str) -> dict[str, Any]:
+        return {"instance_id": instance_id, **msgspec.structs.asdict(self)}

@@ -1,0 +1,225 @@
+"""Real processes for end-to-end tests: the launcher (sidecar + N workers) and simulated
+instances, on free 127.0.0.1 ports and a private segment name; stopped by pid in teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_range(count: int) -> int:
+    """A base port such that base .. base+count-1 are all free right now."""
+    for _ in range(200):
+        base = free_port()
+        if base + count >= 65000:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 10.0,
+         raw: bytes | None = None) -> tuple[int, Any, dict[str, str]]:
+    """(status, decoded JSON or text, headers); never raises for HTTP error statuses."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, payload, headers = response.status, response.read(), _lower(response.headers)
+    except urllib.error.HTTPError as exc:
+        status, payload, headers = exc.code, exc.read(), _lower(exc.headers)
+    try:
+        return status, json.loads(payload), headers
+    except ValueError:
+        return status, payload.decode("utf-8", "replace"), headers
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def get(url: str, **kw: Any) -> Any:
+    status, payload, _ = http("GET", url, **kw)
+    assert status == 200, (url, status, payload)
+    return payload
+
+
+def post(url: str, body: Any, **kw: Any) -> Any:
+    status, payload, _ = http("POST", url, body, **kw)
+    assert status == 200, (url, status, payload)
+    return payload
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05,
+               message: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (OSError, AssertionError, ValueError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message} (last: {last!r})")
+
+
+class Process:
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env={**os.environ, **env},
+                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signum)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._log.close()
+        return self.popen.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class SimInstance:
+    """A simulated instance process registered with a cluster's control plane."""
+
+    def __init__(self, cp_url: str, log_dir: Path, *args: str, port: int | None = None,
+                 instance_id: str | None = None) -> None:
+        self.port = port or free_port()
+        self.instance_id = instance_id or f"sim-{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = ["-m", "sim_instance", "--host", "127.0.0.1", "--port", str(self.port),
+                "--instance-id", self.instance_id, "--proxy-cp-url", cp_url, *args]
+        self.process = Process(argv, {}, log_dir / f"{self.instance_id}.log")
+
+    def configure(self, **knobs: Any) -> Any:
+        return post(f"{self.url}/sim/config", knobs)
+
+    def release(self) -> Any:
+        return post(f"{self.url}/sim/release", {})
+
+    def stats(self) -> dict[str, Any]:
+        return get(f"{self.url}/sim/stats")
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class Cluster:
+    """`python -m supervisor run` with its own ports and segment, plus simulated instances."""
+
+    def __init__(self, tmp_path: Path, workers: int = 4, strategy: str = "round_robin",
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp_path = tmp_path
+        self.workers = workers
+        self.dp_port = free_port()
+        self.cp_port = free_port()
+        self.private_base = free_port_range(workers)
+        self.shm_name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+        self.env = {
+            "PROXY_DP_PORT": str(self.dp_port), "PROXY_CP_PORT": str(self.cp_port),
+            "PROXY_WORKER_PRIVATE_PORT_BASE": str(self.private_base),
+            "PROXY_SHM_NAME": self.shm_name, "PROXY_SIM_INSTANCES": "0",
+            "PROXY_INSTANCE_STRATEGY": strategy, "PROXY_WORKERS": str(workers),
+            "PROXY_SHM_INSTANCE_CAPACITY": "32", "PROXY_SHM_WORKER_CAPACITY": "16",
+            **(env or {}),
+        }
+        self.instances: list[SimInstance] = []
+        self.launcher: Process | None = None
+
+    # --- addresses ---------------------------------------------------------------------------
+    @property
+    def dp_url(self) -> str:
+        return f"http://127.0.0.1:{self.dp_port}"
+
+    @property
+    def cp_url(self) -> str:
+        return f"http://127.0.0.1:{self.cp_port}"
+
+    def worker_url(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.private_base + index}"
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        self.launcher = Process(["-m", "supervisor", "run"], self.env, self.tmp_path / "launcher.log")
+        for index in range(self.workers):
+            wait_until(lambda i=index: get(f"{self.worker_url(i)}/healthz", timeout=1)["ok"], 30,
+                       message=f"worker {index} healthy\n{self.launcher_log()}")
+        return self
+
+    def add_instance(self, *args: str, time_scale: float = 0.05, **kw: Any) -> SimInstance:
+        inst = SimInstance(self.cp_url, self.tmp_path, "--time-scale", str(time_scale), *args, **kw)
+        self.instances.append(inst)
+        wait_until(lambda: any(r["instance_id"] == inst.instance_id and r["is_alive"]
+                               for r in self.loads()["instances"]), 20,
+                   message=f"{inst.instance_id} registered")
+        return inst
+
+    def stop(self) -> int | None:
+        for inst in self.instances:
+            inst.stop()
+        code = self.launcher.stop(signal.SIGINT, timeout=45) if self.launcher else None
+        return code
+
+    def launcher_log(self) -> str:
+        return self.launcher.log() if self.launcher else ""
+
+    # --- observations -----------------------------------------------------------------------------
+    def loads(self, worker: int | None = None) -> dict[str, Any]:
+        base = self.cp_url if worker is None else self.worker_url(worker)
+        return get(f"{base}/debug/instance_loads")
+
+    def inflight(self, worker: int | None = None) -> dict[str, int]:
+        return {r["instance_id"]: r["inflight"] for r in self.loads(worker)["instances"]}
+
+    def status(self) -> dict[str, Any]:
+        return get(f"{self.cp_url}/debug/status")
+
+    def worker_pids(self) -> dict[int, int]:
+        return {i: get(f"{self.worker_url(i)}/healthz", timeout=2)["pid"] for i in range(self.workers)}
+
+
+def chat_body(content: str = "hello there", stream: bool = True, max_tokens: int = 8) -> dict[str, Any]:
+    return {"model": "sim", "messages": [{"role": "user", "content": content}],
+            "stream": stream, "max_tokens": max_tokens}

@@ -1,0 +1,96 @@
+"""Processes that die: a worker SIGKILLed with open streams, a sidecar killed and restarted,
+and the launcher's Ctrl-C leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import psutil
+
+from tests.aio import OpenStream
+from tests.harness import chat_body, get, http, wait_until
+
+
+def test_sigkill_worker_with_open_streams(make_cluster):
+    cluster = make_cluster(workers=4)
+    inst = cluster.add_instance("--hold-streams")
+    pids = cluster.worker_pids()
+    per_worker = {0: 1, 1: 2, 2: 1, 3: 0}
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            streams = []
+            for worker, count in per_worker.items():
+                for _ in range(count):
+                    streams.append(await OpenStream.open(
+                        session, f"{cluster.worker_url(worker)}/v1/chat/completions", chat_body()))
+            assert cluster.inflight()[inst.instance_id] == 4
+            killed_at = time.monotonic()
+            os.kill(pids[1], signal.SIGKILL)
+            wait_until(lambda: cluster.inflight()[inst.instance_id] == 2, 2.0,
+                       message="counts drop by exactly the dead worker's share")
+            assert time.monotonic() - killed_at < 2.0
+            wait_until(lambda: cluster.worker_pids()[1] != pids[1], 2.0 - (time.monotonic() - killed_at) + 1.0,
+                       message="launcher replaced worker 1")
+            # Every worker, including the replacement, reads the same corrected count.
+            for worker in range(cluster.workers):
+                assert cluster.inflight(worker)[inst.instance_id] == 2
+            inst.release()
+            for s in streams:
+                try:
+                    await s.finish(10)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass  # the dead worker's clients see their connection cut
+
+    asyncio.run(scenario())
+    wait_until(lambda: cluster.inflight()[inst.instance_id] == 0, 5, message="inflight 0")
+    status = cluster.status()
+    assert status["reaper"]["reaped"] == 1 and status["reaper"]["subtracted"] == 2, status["reaper"]
+    assert len(status["workers"]) == 4 and all(w["alive"] for w in status["workers"])
+
+
+def test_sidecar_killed_and_restarted_keeps_counters(make_cluster):
+    cluster = make_cluster(workers=2)
+    inst = cluster.add_instance("--hold-streams", "--heartbeat-interval", "0.5")
+    old_sidecar = cluster.status()["sidecar"]["pid"]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            url = f"{cluster.dp_url}/v1/chat/completions"
+            held = [await OpenStream.open(session, url, chat_body()) for _ in range(2)]
+            os.kill(old_sidecar, signal.SIGKILL)
+            # Workers keep routing from the last published directory while it is down.
+            inst.release()
+            status, _, _ = http("POST", url, chat_body(stream=False))
+            assert status == 200
+            await asyncio.gather(*(s.finish() for s in held))
+            inst.configure(hold_streams=True)
+            held = [await OpenStream.open(session, url, chat_body()) for _ in range(2)]
+            new_status = wait_until(lambda: cluster.status(), 10, message="sidecar restarted")
+            assert new_status["sidecar"]["pid"] != old_sidecar
+            assert new_status["sidecar"]["epoch"] == 2
+            # The restarted sidecar re-attached: it adopted the instance and the live counts.
+            assert cluster.inflight()[inst.instance_id] == 2
+            inst.release()
+            await asyncio.gather(*(s.finish() for s in held))
+
+    asyncio.run(scenario())
+    wait_until(lambda: cluster.inflight()[inst.instance_id] == 0, 5, message="inflight 0")
+    # The instance's next heartbeat is accepted after it resends its capabilities.
+    wait_until(lambda: get(f"{cluster.cp_url}/v1/instance/list")[0]["capability_fingerprint"], 5,
+               message="capabilities re-sent after the sidecar restart")
+
+
+def test_ctrl_c_leaves_no_process_and_no_segment(make_cluster):
+    cluster = make_cluster(workers=2)
+    cluster.add_instance()
+    status = cluster.status()
+    pids = [status["sidecar"]["pid"], *(w["pid"] for w in status["workers"])]
+    assert cluster.stop() == 0
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not os.path.exists(f"/dev/shm{cluster.shm_name}")

@@ -1,0 +1,140 @@
+"""The sidecar alone: control-plane wire compatibility, validation that changes nothing,
+TTL liveness and purge, and refusing a segment it must not use."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from shm_schema import Segment, layout
+from tests.harness import Process, free_port, get, http, post, wait_until
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    started = []
+
+    def start(ttl: float = 30.0, grace: float = 60.0, capacity: int = 8, name: str | None = None):
+        port = free_port()
+        name = name or f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+        env = {"PROXY_CP_PORT": str(port), "PROXY_SHM_NAME": name, "PROXY_INSTANCE_TTL_S": str(ttl),
+               "PROXY_INSTANCE_PURGE_GRACE_S": str(grace), "PROXY_SHM_INSTANCE_CAPACITY": str(capacity)}
+        proc = Process(["-m", "sidecar"], env, tmp_path / f"sidecar{len(started)}.log")
+        proc.url = f"http://127.0.0.1:{port}"
+        proc.shm_name = name
+        started.append(proc)
+        return proc
+
+    def ready(proc):
+        wait_until(lambda: get(f"{proc.url}/healthz", timeout=1)["ok"], 15, message=proc.log())
+        return proc
+
+    yield lambda **kw: ready(start(**kw)), start
+    for proc in started:
+        proc.stop()
+        Segment.unlink(proc.shm_name)
+
+
+def _register(url: str, port: int, **extra) -> dict:
+    return post(f"{url}/v1/instance/register", {"host": "127.0.0.1", "port": port, **extra})
+
+
+def test_register_heartbeat_unregister_list(sidecar):
+    start, _ = sidecar
+    sc = start(ttl=30)
+    reply = _register(sc.url, 9001, capabilities={"schema_version": "1", "model": {"identifier": "m"}})
+    assert reply["instance_id"] == "hp_127.0.0.1:9001" and reply["heartbeat_interval_s"] == 10
+    assert reply["ttl_s"] == 30 and reply["capability_fingerprint"].startswith("sha256:")
+    fingerprint = reply["capability_fingerprint"]
+    # Upsert keeps the slot and its generation.
+    again = _register(sc.url, 9001, capabilities={"schema_version": "1", "model": {"identifier": "m"}})
+    assert again["capability_fingerprint"] == fingerprint
+    rows = get(f"{sc.url}/v1/instance/list")
+    assert [r["instance_id"] for r in rows] == ["hp_127.0.0.1:9001"] and rows[0]["load"]["inflight"] == 0
+
+    hb = f"{sc.url}/v1/instance/heartbeat"
+    assert post(hb, {"instance_id": "hp_127.0.0.1:9001", "capability_fingerprint": fingerprint}) == {"ok": True}
+    assert post(hb, {"instance_id": "nobody"}) == {"ok": False}
+    mismatch = post(hb, {"instance_id": "hp_127.0.0.1:9001", "capability_fingerprint": "sha256:other"})
+    assert mismatch["requires_capabilities"] and mismatch["error"] == "capability_fingerprint_mismatch"
+    assert post(hb, {"instance_id": "hp_127.0.0.1:9001", "qps_1m": 2.5}) == {"ok": True}
+    assert get(f"{sc.url}/v1/instance/list")[0]["load"]["qps_1m"] == 2.5
+
+    assert post(f"{sc.url}/v1/instance/unregister", {"instance_id": "hp_127.0.0.1:9001"}) == {"ok": True}
+    assert post(f"{sc.url}/v1/instance/unregister", {"instance_id": "hp_127.0.0.1:9001"}) == {"ok": False}
+    assert get(f"{sc.url}/v1/instance/list?include_dead=true") == []
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"port": 9001}, "host"),
+    ({"host": "127.0.0.1"}, "port"),
+    ({"host": "127.0.0.1", "port": "abc"}, "port"),
+    ({"host": "127.0.0.1", "port": 70000}, "port"),
+    ({"host": "not a host", "port": 9001}, "host"),
+    ({"host": "127.0.0.1/path", "port": 9001}, "host"),
+    ({"host": "127.0.0.1", "port": 9001, "instance_id": "x" * 200}, "instance_id"),
+    ({"host": "127.0.0.1", "port": 9001, "capabilities": {"surprise": 1}}, "surprise"),
+    ({"host": "127.0.0.1", "port": 9001, "weight": -1}, "weight"),
+])
+def test_bad_register_payload_names_field_and_changes_nothing(sidecar, body, field):
+    start, _ = sidecar
+    sc = start()
+    _register(sc.url, 9100, instance_id="keep")
+    before = get(f"{sc.url}/debug/instance_loads")["instances"]
+    status, reply, _ = http("POST", f"{sc.url}/v1/instance/register", body)
+    assert 400 <= status < 500 and field in reply["detail"], reply
+    after = get(f"{sc.url}/debug/instance_loads")["instances"]
+    assert [(r["instance_id"], r["slot_generation"]) for r in after] == \
+        [(r["instance_id"], r["slot_generation"]) for r in before]
+
+
+def test_invalid_json_and_full_table(sidecar):
+    start, _ = sidecar
+    sc = start(capacity=2)
+    status, reply, _ = http("POST", f"{sc.url}/v1/instance/heartbeat", raw=b"{oops")
+    assert status == 400 and reply["error"] == "invalid_json"
+    _register(sc.url, 9001)
+    _register(sc.url, 9002)
+    status, reply, _ = http("POST", f"{sc.url}/v1/instance/register", {"host": "127.0.0.1", "port": 9003})
+    assert status == 507 and reply["error"] == "instance_table_full"
+    ports = sorted(r["port"] for r in get(f"{sc.url}/v1/instance/list"))
+    assert ports == [9001, 9002]
+
+
+def test_ttl_expiry_then_purge_with_new_generation(sidecar):
+    start, _ = sidecar
+    sc = start(ttl=1.0, grace=1.0)
+    _register(sc.url, 9001, instance_id="a")
+    generation = get(f"{sc.url}/debug/instance_loads")["instances"][0]["slot_generation"]
+    wait_until(lambda: get(f"{sc.url}/debug/status")["expired_instances"] == 1, 4, message="expired")
+    assert get(f"{sc.url}/v1/instance/list") == []  # out of the candidate set
+    assert post(f"{sc.url}/v1/instance/heartbeat", {"instance_id": "a"}) == {"ok": True}
+    assert get(f"{sc.url}/debug/status")["alive_instances"] == 1  # a heartbeat revives it
+    wait_until(lambda: get(f"{sc.url}/v1/instance/list?include_dead=true") == [], 6, message="purged")
+    _register(sc.url, 9001, instance_id="a")
+    assert get(f"{sc.url}/debug/instance_loads")["instances"][0]["slot_generation"] != generation
+
+
+def test_refuses_a_segment_of_another_layout(sidecar, tmp_path):
+    _, start_raw = sidecar
+    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    seg = Segment.create_or_attach(name, 4, 2)
+    seg.store(layout.H_LAYOUT_VERSION, layout.LAYOUT_VERSION + 7)
+    seg.close()
+    proc = start_raw(name=name)
+    assert proc.popen.wait(15) == 2
+    log = proc.log()
+    assert f"layout version {layout.LAYOUT_VERSION + 7}" in log and f"layout version {layout.LAYOUT_VERSION}" in log
+    assert "Traceback" not in log
+
+
+def test_second_sidecar_on_the_same_segment_refuses(sidecar):
+    start, start_raw = sidecar
+    first = start()
+    second = start_raw(name=first.shm_name)
+    assert second.popen.wait(15) == 2
+    assert "another sidecar" in second.log()
+    time.sleep(0.2)
+    assert get(f"{first.url}/healthz")["ok"]
