@@ -1,0 +1,94 @@
+"""Pure units: request recovery, SSE pass-through, configuration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cacheroute.config import ConfigError, Settings
+from cacheroute.http import HTTPError
+from proxy_workers.request_model import Endpoint, recover
+from proxy_workers.sse import DONE_EVENT, DoneStripper, meta_event
+
+
+def _scheduler(**prompt):
+    return json.dumps({"Request_ID": 3, "Prompt": {"model": "m", "user_prompt": "q", **prompt}}).encode()
+
+
+def test_scheduler_chat_body_becomes_openai_body():
+    req = recover(Endpoint.CHAT, _scheduler(stream=True, max_tokens=9, temperature=0.5, top_p=None))
+    assert req.source == "cacheroute" and req.stream and req.request_id == 3
+    assert json.loads(req.upstream_body) == {"model": "m", "messages": [{"role": "user", "content": "q"}],
+                                             "stream": True, "max_tokens": 9, "temperature": 0.5}
+
+
+def test_scheduler_completions_never_stream():
+    req = recover(Endpoint.COMPLETIONS, _scheduler(stream=True))
+    assert not req.stream and json.loads(req.upstream_body)["prompt"] == "q"
+
+
+def test_openai_body_is_forwarded_unchanged():
+    raw = b'{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}],"stop":["x"]}'
+    req = recover(Endpoint.CHAT, raw)
+    assert req.upstream_body is raw and req.source == "openai" and not req.stream
+
+
+@pytest.mark.parametrize("endpoint, raw, status, words", [
+    (Endpoint.CHAT, b"nope", 400, "JSON"),
+    (Endpoint.CHAT, b'"str"', 400, "object"),
+    (Endpoint.COMPLETIONS, b'{"messages": []}', 422, "prompt"),
+    (Endpoint.CHAT, _scheduler(max_tokens=0), 422, "max_tokens"),
+    (Endpoint.CHAT, _scheduler(max_tokens=10**9), 422, "max_tokens"),
+    (Endpoint.CHAT, _scheduler(token_length=-1), 422, "token_length"),
+    (Endpoint.CHAT, _scheduler(stream="yes"), 422, "stream"),
+])
+def test_bad_requests(endpoint, raw, status, words):
+    with pytest.raises(HTTPError) as info:
+        recover(endpoint, raw)
+    assert info.value.status == status and words in info.value.detail
+
+
+def test_done_is_withheld_and_everything_else_passes_unchanged():
+    stripper = DoneStripper()
+    upstream = [b"data: {\"a\":1}\n\n", b"data: {\"b\"", b":2}\n\ndata: [DO", b"NE]\n\n"]
+    out = b"".join(stripper.feed(c) for c in upstream) + stripper.flush()
+    assert out == b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n\n"
+    assert stripper.saw_done
+
+
+def test_chunk_without_marker_is_passed_as_is():
+    stripper = DoneStripper()
+    chunk = b"data: {\"x\": 1}\n\n"
+    assert stripper.feed(chunk) is chunk
+
+
+def test_trailing_partial_line_is_flushed_unchanged():
+    stripper = DoneStripper()
+    assert stripper.feed(b"data: partial") == b""
+    assert stripper.flush() == b"data: partial" and not stripper.saw_done
+
+
+def test_meta_event_shape():
+    event = meta_event({"proxy_recv_ms": 1}, None)
+    assert event.startswith(b"event: cacheroute_meta\ndata: {\"trace\":") and event.endswith(b"\n\n")
+    assert DONE_EVENT == b"data: [DONE]\n\n"
+
+
+def test_settings_from_env_and_errors_name_the_variable():
+    s = Settings.from_env({"PROXY_DP_PORT": "9100", "PROXY_INSTANCE_STRATEGY": "ll",
+                           "PROXY_LEAST_LOAD_WEIGHTS": '{"inflight": 2}'})
+    assert s.dp_port == 9100 and s.strategy_name == "least_load" and s.least_load_weights == {"inflight": 2}
+    for env, var in [({"PROXY_DP_PORT": "abc"}, "PROXY_DP_PORT"),
+                     ({"PROXY_DP_PORT": "70000"}, "PROXY_DP_PORT"),
+                     ({"PROXY_INSTANCE_STRATEGY": "least_inflight"}, "PROXY_INSTANCE_STRATEGY"),
+                     ({"PROXY_LEAST_LOAD_WEIGHTS": "{"}, "PROXY_LEAST_LOAD_WEIGHTS"),
+                     ({"PROXY_SHM_NAME": "no-slash"}, "PROXY_SHM_NAME")]:
+        with pytest.raises((ConfigError, ValueError)) as info:
+            Settings.from_env(env)
+        assert var in str(info.value), (env, info.value)
+
+
+def test_settings_round_trip_through_env():
+    s = Settings(workers=3, least_load_weights={"inflight": 1.5}, openai_api_key=None)
+    assert Settings.from_env(s.to_env()) == s

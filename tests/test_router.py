@@ -1,0 +1,61 @@
+"""The worker's selection and lease path over a real segment."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from cacheroute.config import Settings
+from cacheroute.http import HTTPError
+from proxy_workers.router import Router
+from shm_schema import DirectoryWriter, Segment, WorkerRow
+
+
+@pytest.fixture
+def table():
+    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    seg = Segment.create_or_attach(name, 8, 4)
+    try:
+        yield name, seg
+    finally:
+        seg.close()
+        Segment.unlink(name)
+
+
+def _router(name: str, seg: Segment, strategy: str = "least_load") -> Router:
+    return Router(Settings(shm_name=name, instance_strategy=strategy), seg, WorkerRow.claim(seg, 0))
+
+
+def test_no_alive_instance_is_503(table):
+    name, seg = table
+    with pytest.raises(HTTPError) as info:
+        _router(name, seg).acquire({})
+    assert (info.value.status, info.value.code) == (503, "no_instance")
+
+
+def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(table):
+    name, seg = table
+    writer = DirectoryWriter(seg)
+    slot = writer.allocate("a", "127.0.0.1", 9001)
+    router = _router(name, seg)
+    chosen = router.choose()
+    writer.free(slot.slot)  # the sidecar purges it right after the selection
+    router.choose = lambda: chosen  # type: ignore[method-assign]
+    with pytest.raises(HTTPError) as info:
+        router.acquire({})
+    assert info.value.detail == "selected instance is no longer registered"
+    assert router.row.own_words(8) == (0,) * 8
+
+
+def test_lease_release_is_idempotent_and_least_load_sees_it(table):
+    name, seg = table
+    writer = DirectoryWriter(seg)
+    writer.allocate("a", "127.0.0.1", 9001)
+    writer.allocate("b", "127.0.0.1", 9002)
+    router = _router(name, seg)
+    first = router.acquire({})
+    second = router.acquire({})
+    assert {first.instance.instance_id, second.instance.instance_id} == {"a", "b"}
+    assert first.release() and not first.release()
+    assert router.acquire({}).instance.instance_id == first.instance.instance_id
