@@ -3,8 +3,9 @@
 `layout` is the only module that knows byte offsets; the others speak in slots and rows.
 """
 
-from .counters import (InflightReader, RowState, WorkerRow, WorkerTableFull, inflight_count,
-                       read_rows, reconcile_slot, row_contributions, subtract_row, free_row)
+from .counters import (InflightReader, Reaped, RowState, WorkerRow, WorkerTableFull, free_row,
+                       inflight_count, read_rows, reap_row, reconcile_slot, row_contributions,
+                       subtract_row)
 from .directory import (DirectoryFull, DirectoryReader, DirectorySnapshot, DirectoryWriter,
                         InstanceSlot, encode_identity, read_all)
 from .layout import LAYOUT_VERSION, word_count, word_generation
@@ -12,8 +13,8 @@ from .segment import Segment, SegmentError, SegmentLayoutError, SegmentNotFound
 
 __all__ = [
     "DirectoryFull", "DirectoryReader", "DirectorySnapshot", "DirectoryWriter", "InflightReader",
-    "InstanceSlot", "LAYOUT_VERSION", "RowState", "Segment", "SegmentError", "SegmentLayoutError",
+    "InstanceSlot", "LAYOUT_VERSION", "Reaped", "RowState", "Segment", "SegmentError", "SegmentLayoutError",
     "SegmentNotFound", "WorkerRow", "WorkerTableFull", "encode_identity", "free_row",
-    "inflight_count", "read_all", "read_rows", "reconcile_slot", "row_contributions",
+    "inflight_count", "read_all", "read_rows", "reap_row", "reconcile_slot", "row_contributions",
     "subtract_row", "word_count", "word_generation",
 ]

@@ -22,6 +22,7 @@ _WORD = layout.WORD
 _GEN_SHIFT = layout.GEN_SHIFT
 _COUNT_MASK = layout.COUNT_MASK
 _JOURNAL_SHIFT = layout.JOURNAL_SLOT_BITS
+_JOURNAL_END = layout.JOURNAL_END_BIT
 
 
 class WorkerTableFull(RuntimeError):
@@ -102,12 +103,12 @@ class WorkerRow:
         return self._apply(slot, generation, -1)
 
     def _apply(self, slot: int, generation: int, delta: int) -> bool:
-        # Hot path (every request runs it twice): the CAS loop and the mirror update are
+        # Hot path (every request runs it twice): the CAS loop and the share update are
         # inlined and the atomic methods pre-bound; see bench/bench_select.py for its cost.
         seq = self._op_seq + 1
         self._op_seq = seq
         journal = seq << _JOURNAL_SHIFT
-        self._store(self._journal_offset, journal | (slot + 1))
+        self._store(self._journal_offset, journal | (slot + 1) | (_JOURNAL_END if delta < 0 else 0))
         offset = _INFLIGHT + _WORD * slot
         word = self._load(offset)
         applied = False
@@ -120,13 +121,16 @@ class WorkerRow:
                 applied = True
                 break
             word = previous
-        if applied:
+        # The share records what this worker holds: a begin counts only if it landed, but an
+        # end always gives the lease back, even if the host-wide count was already at its
+        # floor; otherwise a later reconcile would resurrect a lease nobody holds.
+        if applied or delta < 0:
             mirror = self._mirror[slot]
             own = mirror & _COUNT_MASK if mirror >> _GEN_SHIFT == generation else 0
-            own = own + delta if own + delta > 0 else 0
-            mirror = (generation << _GEN_SHIFT) | own
-            self._mirror[slot] = mirror
-            self._store(self._contrib_base + _WORD * slot, mirror)
+            if own + delta >= 0:
+                mirror = (generation << _GEN_SHIFT) | (own + delta)
+                self._mirror[slot] = mirror
+                self._store(self._contrib_base + _WORD * slot, mirror)
         self._store(self._journal_offset, journal)
         return applied
 
@@ -152,6 +156,7 @@ class RowState(NamedTuple):
     heartbeat_ns: int
     claimed_at_ns: int
     pending_slot: int | None
+    pending_is_end: bool
 
 
 def read_rows(seg: Segment) -> list[RowState]:
@@ -163,7 +168,8 @@ def read_rows(seg: Segment) -> list[RowState]:
         if identity:
             pid, _ = layout.unpack_identity(identity)
             rows.append(RowState(row, identity, pid, index, heartbeat, claimed_at,
-                                 layout.journal_pending_slot(journal)))
+                                 layout.journal_pending_slot(journal),
+                                 layout.journal_pending_is_end(journal)))
     return rows
 
 
@@ -175,14 +181,20 @@ def row_contributions(seg: Segment, row: int) -> dict[int, tuple[int, int]]:
             for slot, w in enumerate(words) if layout.word_count(w)}
 
 
-def subtract_row(seg: Segment, row: int) -> dict[int, int]:
+def subtract_row(seg: Segment, row: int, landed_end: int | None = None) -> dict[int, int]:
     """Subtract a row's shares from the host-wide counts (same generation only) and zero them.
-    Returns slot -> amount subtracted."""
+
+    `landed_end` names a slot whose end may have reached the host-wide count but not the
+    share (the row died between the two writes): one less is subtracted there, so the count
+    can only be left one too high (reconcile lowers it), never too low. Returns slot -> amount
+    subtracted."""
     subtracted: dict[int, int] = {}
     for slot, (generation, count) in row_contributions(seg, row).items():
+        if slot == landed_end:
+            count -= 1
         offset = seg.geometry.inflight_offset(slot)
         word = seg.load(offset)
-        while layout.word_generation(word) == generation:
+        while count > 0 and layout.word_generation(word) == generation:
             remaining = max(0, layout.word_count(word) - count)
             previous = seg.atomic.cas_u64(offset, word, layout.pack_word(generation, remaining))
             if previous == word:
@@ -198,6 +210,26 @@ def free_row(seg: Segment, row: int, identity: int) -> bool:
     base = seg.geometry.row_offset(row)
     seg.store(base + layout.R_JOURNAL, 0)
     return seg.atomic.cas_u64(base + layout.R_IDENTITY, identity, 0) == identity
+
+
+class Reaped(NamedTuple):
+    subtracted: dict[int, int]
+    pending_slot: int | None  # a slot left mid-update: reconcile it
+
+
+def reap_row(seg: Segment, row: int, dead_identity: int, reaper_identity: int) -> Reaped | None:
+    """Take a dead worker's row, subtract its shares, free it. None if the row no longer
+    belongs to `dead_identity` (already reaped, or released and claimed by a new worker
+    since it was scanned): ownership is taken by CAS *before* anything is subtracted."""
+    base = seg.geometry.row_offset(row)
+    if seg.atomic.cas_u64(base + layout.R_IDENTITY, dead_identity, reaper_identity) != dead_identity:
+        return None
+    journal = seg.load(base + layout.R_JOURNAL)
+    pending = layout.journal_pending_slot(journal)
+    landed_end = pending if layout.journal_pending_is_end(journal) else None
+    subtracted = subtract_row(seg, row, landed_end)
+    free_row(seg, row, reaper_identity)
+    return Reaped(subtracted, pending)
 
 
 def reconcile_slot(seg: Segment, slot: int) -> int | None:

@@ -51,7 +51,8 @@ Worker row (one per live worker process, claimed by CAS on its identity word)::
 
     0   identity      pack_identity(pid, start_ticks); 0 = free row
     8   heartbeat_ns
-    16  journal       op sequence << 16 | (slot + 1) while a begin/end is half done, else | 0
+    16  journal       op sequence << 16 | END_BIT if the op is an end | (slot + 1) while a
+                      begin/end is half done; op sequence << 16 when between operations
     24  worker_index  the launcher's index (private port = base + index)
     32  claimed_at_ns
     40..63 reserved
@@ -127,7 +128,8 @@ R_WORKER_INDEX = 24
 R_CLAIMED_AT_NS = 32
 ROW_FIELDS = struct.Struct("@5Q")  # identity, heartbeat, journal, index, claimed_at
 JOURNAL_SLOT_BITS = 16
-JOURNAL_SLOT_MASK = (1 << JOURNAL_SLOT_BITS) - 1
+JOURNAL_END_BIT = 1 << 15  # instance capacity is at most 4096, so slot + 1 needs 13 bits
+JOURNAL_SLOT_MASK = JOURNAL_END_BIT - 1
 
 # --- process identity (pid + start time, so a reused pid is never mistaken for the dead one)
 PID_BITS = 22  # Linux pid_max is at most 2**22
@@ -183,8 +185,14 @@ def word_count(word: int) -> int:
     return word & COUNT_MASK
 
 
-def pack_journal(op_seq: int, slot: int | None) -> int:
-    return (op_seq << JOURNAL_SLOT_BITS) | (0 if slot is None else slot + 1)
+def pack_journal(op_seq: int, slot: int | None, is_end: bool = False) -> int:
+    if slot is None:
+        return op_seq << JOURNAL_SLOT_BITS
+    return (op_seq << JOURNAL_SLOT_BITS) | (JOURNAL_END_BIT if is_end else 0) | (slot + 1)
+
+
+def journal_pending_is_end(journal: int) -> bool:
+    return bool(journal & JOURNAL_END_BIT) and journal_pending_slot(journal) is not None
 
 
 def journal_pending_slot(journal: int) -> int | None:

@@ -128,11 +128,12 @@ class Segment:
                 f"shared memory {self.name} has layout version {version}, but this build uses "
                 f"layout version {layout.LAYOUT_VERSION}; {_remedy(self.name)}")
         expected = layout.Geometry(inst_cap, worker_cap).total_size
-        if size != expected or len(self.buf) < expected:
+        mapped = len(self.buf)
+        if size != expected or mapped < expected:
             self.close()
             raise SegmentLayoutError(
                 f"shared memory {self.name} is damaged: header says {size} bytes for capacities "
-                f"{inst_cap}/{worker_cap} (expected {expected}), mapping has {len(self.buf)}; "
+                f"{inst_cap}/{worker_cap} (expected {expected}), mapping has {mapped}; "
                 f"{_remedy(self.name)}")
 
     def is_current(self) -> bool:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shm_schema import Segment, free_row, read_all, read_rows, reconcile_slot, subtract_row
+from shm_schema import Segment, read_all, read_rows, reap_row, reconcile_slot
 from shm_schema import header, process_identity
 
 log = logging.getLogger("cacheroute.sidecar.reaper")
@@ -35,33 +35,36 @@ class WorkerReaper:
         self._audit_interval_s = audit_interval_s
         self._next_audit = time.monotonic() + audit_interval_s
         self.stats = ReaperStats()
+        self._identity = process_identity.own_identity()
 
     def tick(self) -> None:
         """One pass: reap dead rows, then reconcile what needs it."""
         for row in read_rows(self._seg):
             if not process_identity.is_alive(row.identity):
-                self._reap(row.row, row.identity, row.pid, row.worker_index, row.pending_slot)
+                self._reap(row.row, row.identity, row.pid, row.worker_index)
         if time.monotonic() >= self._next_audit:
             self._next_audit = time.monotonic() + self._audit_interval_s
             self._pending_reconcile.update(self._active_slots())
         self._reconcile_pending()
 
-    def _reap(self, row: int, identity: int, pid: int, worker_index: int, pending: int | None) -> None:
-        subtracted = subtract_row(self._seg, row)
-        if pending is not None:
-            self._pending_reconcile.add(pending)
-        if not free_row(self._seg, row, identity):
-            return  # someone else (a second sidecar?) already freed it
+    def _reap(self, row: int, identity: int, pid: int, worker_index: int) -> None:
+        reaped = reap_row(self._seg, row, identity, self._identity)
+        if reaped is None:
+            return  # released and perhaps claimed again since the scan: not ours to touch
+        if reaped.pending_slot is not None:
+            self._pending_reconcile.add(reaped.pending_slot)
         header.count_reaped_worker(self._seg)
-        total = sum(subtracted.values())
+        total = sum(reaped.subtracted.values())
         self.stats.reaped += 1
         self.stats.subtracted += total
         self.stats.last_reaped = (self.stats.last_reaped + [{
             "pid": pid, "worker_index": worker_index, "row": row, "subtracted": total,
-            "died_mid_update": pending is not None, "at_ms": int(time.time() * 1000)}])[-10:]
+            "died_mid_update": reaped.pending_slot is not None,
+            "at_ms": int(time.time() * 1000)}])[-10:]
         log.warning("worker pid %d (index %d, row %d) is gone: subtracted %d inflight %s%s",
-                    pid, worker_index, row, total, subtracted,
-                    f"; slot {pending} will be reconciled (died mid-update)" if pending is not None else "")
+                    pid, worker_index, row, total, reaped.subtracted,
+                    "" if reaped.pending_slot is None else
+                    f"; slot {reaped.pending_slot} will be reconciled (died mid-update)")
 
     def _reconcile_pending(self) -> None:
         for slot in list(self._pending_reconcile):

@@ -9,6 +9,7 @@ worker they are fetch-adds on the shared header, so N workers rotate like one pr
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from cacheroute.config import STRATEGY_ALIASES, ConfigError
@@ -118,8 +119,9 @@ def resolve_weights(overrides: Mapping[str, float] | None) -> dict[str, float]:
         if name not in DEFAULT_WEIGHTS:
             raise ConfigError(f"PROXY_LEAST_LOAD_WEIGHTS: unknown component {name!r}; "
                               f"known: {sorted(DEFAULT_WEIGHTS)}")
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"PROXY_LEAST_LOAD_WEIGHTS: weight of {name!r} must be a number >= 0")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"PROXY_LEAST_LOAD_WEIGHTS: weight of {name!r} must be a finite number >= 0")
         weights[name] = float(value)
     return weights
 

@@ -1,0 +1,274 @@
+"""Cost of instance selection and of the begin/end pair on the real shared-memory path.
+
+Run:  python -m bench.bench_select --out bench/results/select.json
+
+For 4, 16, 64 and 256 instances (each size in its own private segment of the default capacity
+256, instances placed by DirectoryWriter, seeded random inflight counts set through a claimed
+WorkerRow):
+
+- least_load select: `proxy_workers.router.Router.choose()` with
+  `Settings(instance_strategy="least_load", ...)`: cached directory snapshot, one struct read of
+  the inflight words, score, tie-break through the shared header cursor.
+- round_robin select: the same Router with the default strategy.
+- dict least_load (baseline): what one process of the original does, a dict
+  instance_id -> inflight and a min over it, ties rotated by a local counter.
+- begin+end pair: `WorkerRow.begin` + `WorkerRow.end` (journal, CAS loop, own-row mirror), and
+  the dict baseline `d[k] += 1` / floored decrement.
+
+Each figure is the median, over >= 7 repeats, of one timed loop of many calls
+(`time.perf_counter_ns` around the loop; the loop's own overhead, ~20-40 ns, is included).
+Repeats are interleaved across cases so a burst of noise from other tenants spreads over all of
+them. Segments are private (unique names) and unlinked on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from cacheroute.config import Settings
+from proxy_workers.router import Router
+from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count
+from shm_schema.atomic import BACKEND
+
+SIZES = (4, 16, 64, 256)
+CAPACITY = 256
+TARGET_SELECT_16_US = 10.0
+TARGET_BEGIN_END_US = 2.0
+TARGET_SECONDS_PER_LOOP = 0.04
+
+
+def machine() -> dict:
+    model = None
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import atomicshm
+    return {
+        "nproc": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "atomicshm": atomicshm.__version__,
+        "atomic_backend": BACKEND,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+class Table:
+    """One segment with `n` instances, a claimed row and two routers over it."""
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.name = f"/cacheroute_bench_{uuid.uuid4().hex[:10]}"
+        self.seg = Segment.create_or_attach(self.name, CAPACITY, 4)
+        try:
+            writer = DirectoryWriter(self.seg)
+            self.instances = [writer.allocate(f"instance-{i:03d}", "127.0.0.1", 9000 + i,
+                                              now_ms=1_000 + i) for i in range(n)]
+            self.row = WorkerRow.claim(self.seg, 0)
+            for inst in self.instances:
+                for _ in range(rng.randrange(32)):
+                    assert self.row.begin(inst.slot, inst.generation)
+            common = dict(shm_name=self.name, shm_instance_capacity=CAPACITY,
+                          shm_worker_capacity=4, workers=1)
+            self.least_load = Router(Settings(instance_strategy="least_load", **common),
+                                     self.seg, self.row)
+            self.round_robin = Router(Settings(instance_strategy="round_robin", **common),
+                                      self.seg, self.row)
+            self._check()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self) -> None:
+        counts = {i.instance_id: inflight_count(self.seg, i.slot, i.generation) for i in self.instances}
+        best = min(counts.values())
+        for _ in range(8):
+            assert counts[self.least_load.choose().instance_id] == best
+        picked = {self.round_robin.choose().instance_id for _ in range(len(self.instances))}
+        assert len(picked) == len(self.instances)
+
+    def counts(self) -> dict[str, int]:
+        return {i.instance_id: inflight_count(self.seg, i.slot, i.generation) or 0
+                for i in self.instances}
+
+    def close(self) -> None:
+        try:
+            if hasattr(self, "row"):
+                self.row.release()
+            self.seg.close()
+        finally:
+            Segment.unlink(self.name)
+
+
+def dict_least_load(loads: dict[str, int]) -> Callable[[], str]:
+    """The in-process baseline: min over a dict, exact ties rotated round-robin."""
+    tie = itertools.count().__next__
+
+    def select() -> str:
+        best = min(loads.values())
+        ties = [k for k, v in loads.items() if v == best]
+        return ties[0] if len(ties) == 1 else ties[tie() % len(ties)]
+    return select
+
+
+def loop_of(call: Callable[[], object]) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        for _ in range(n):
+            call()
+    return run
+
+
+def calibrate(run: Callable[[int], None]) -> int:
+    n = 200
+    while True:
+        start = time.perf_counter_ns()
+        run(n)
+        elapsed = time.perf_counter_ns() - start
+        if elapsed > 5_000_000 or n >= 1 << 22:
+            return max(1_000, int(n * TARGET_SECONDS_PER_LOOP * 1e9 / max(elapsed, 1)))
+        n *= 4
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_select")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    parser.add_argument("--repeats", type=int, default=9, help="timed loops per case (>= 7)")
+    parser.add_argument("--seed", type=int, default=42)
+    args = parser.parse_args(argv)
+    if args.repeats < 7:
+        parser.error("--repeats must be >= 7")
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    info = machine()
+
+    tables: dict[int, Table] = {}
+    cases: dict[tuple[str, int | None], Callable[[int], None]] = {}
+    try:
+        for n in SIZES:
+            table = tables[n] = Table(n, rng)
+            cases[("least_load_router_choose", n)] = loop_of(table.least_load.choose)
+            cases[("round_robin_router_choose", n)] = loop_of(table.round_robin.choose)
+            cases[("dict_least_load_baseline", n)] = loop_of(dict_least_load(table.counts()))
+        inst = tables[16].instances[0]
+        row = tables[16].row
+        slot, gen = inst.slot, inst.generation
+        begin, end = row.begin, row.end  # bound, as Router.acquire / Lease.release call them
+
+        def begin_end(n: int) -> None:
+            for _ in range(n):
+                begin(slot, gen)
+                end(slot, gen)
+        cases[("begin_end_pair", None)] = begin_end
+        loads = {"instance-000": 0}
+
+        def dict_begin(key: str) -> None:
+            loads[key] += 1
+
+        def dict_end(key: str) -> None:
+            value = loads[key] - 1
+            loads[key] = value if value > 0 else 0
+
+        def dict_begin_end(n: int) -> None:
+            for _ in range(n):
+                dict_begin("instance-000")
+                dict_end("instance-000")
+        cases[("dict_begin_end_pair_baseline", None)] = dict_begin_end
+
+        loops = {key: calibrate(run) for key, run in cases.items()}
+        samples: dict[tuple[str, int | None], list[float]] = {key: [] for key in cases}
+        for _ in range(args.repeats):
+            for key, run in cases.items():
+                n = loops[key]
+                start = time.perf_counter_ns()
+                run(n)
+                samples[key].append((time.perf_counter_ns() - start) / n / 1_000)
+        before_end = tables[16].counts()["instance-000"]
+        assert before_end == inflight_count(tables[16].seg, slot, gen)
+    finally:
+        for table in tables.values():
+            table.close()
+
+    results: dict[str, dict[str, dict]] = {}
+    for (case, n), values in samples.items():
+        results.setdefault(case, {})[str(n) if n is not None else "any"] = {
+            "median_us": round(statistics.median(values), 3),
+            "min_us": round(min(values), 3),
+            "max_us": round(max(values), 3),
+            "loops": loops[(case, n)],
+            "repeats": len(values),
+        }
+    ll16 = results["least_load_router_choose"]["16"]["median_us"]
+    rr16 = results["round_robin_router_choose"]["16"]["median_us"]
+    pair = results["begin_end_pair"]["any"]["median_us"]
+    report = {
+        "command": "python -m bench.bench_select " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": info,
+        "method": ("median over interleaved repeats of one timed loop of many calls "
+                   "(time.perf_counter_ns); per-call microseconds, loop overhead included; "
+                   f"segments of capacity {CAPACITY}, inflight counts random 0..31 (seed {args.seed})"),
+        "sizes": list(SIZES),
+        "results": results,
+        "targets": {
+            "select_16_instances_us": TARGET_SELECT_16_US,
+            "begin_end_pair_us": TARGET_BEGIN_END_US,
+            "least_load_select_16_met": ll16 <= TARGET_SELECT_16_US,
+            "round_robin_select_16_met": rr16 <= TARGET_SELECT_16_US,
+            "begin_end_pair_met": pair <= TARGET_BEGIN_END_US,
+        },
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    print_table(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def print_table(report: dict) -> None:
+    res = report["results"]
+    m = report["machine"]
+    print(f"# {m['cpu_model']} | nproc {m['nproc']} | Python {m['python']} | {m['atomic_backend']}")
+    print(f"# median us per call over {res['begin_end_pair']['any']['repeats']} repeats; "
+          f"loadavg {m['loadavg_at_start']} -> {report['loadavg_at_end']}")
+    header = f"{'case':<36}" + "".join(f"{'n=' + str(n):>10}" for n in report["sizes"])
+    print(header)
+    print("-" * len(header))
+    for case in ("least_load_router_choose", "round_robin_router_choose", "dict_least_load_baseline"):
+        print(f"{case:<36}" + "".join(f"{res[case][str(n)]['median_us']:>10.2f}" for n in report["sizes"]))
+    for case in ("begin_end_pair", "dict_begin_end_pair_baseline"):
+        print(f"{case:<36}{res[case]['any']['median_us']:>10.2f}   (size-independent)")
+    t = report["targets"]
+    print(f"target select(16) <= {t['select_16_instances_us']} us: least_load "
+          f"{'MET' if t['least_load_select_16_met'] else 'MISSED'} "
+          f"({res['least_load_router_choose']['16']['median_us']:.2f} us), round_robin "
+          f"{'MET' if t['round_robin_select_16_met'] else 'MISSED'} "
+          f"({res['round_robin_router_choose']['16']['median_us']:.2f} us)")
+    print(f"target begin+end <= {t['begin_end_pair_us']} us: "
+          f"{'MET' if t['begin_end_pair_met'] else 'MISSED'} "
+          f"({res['begin_end_pair']['any']['median_us']:.2f} us)")
+    print(f"wall {report['wall_seconds']} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Instance selection: the original Proxy's validation plan for least_load (protocol reference
+§7.1, original request 1) plus the LoadView that feeds it from the shared segment."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from cacheroute.config import ConfigError, Settings
+from cacheroute.routing.load_view import LoadView
+from cacheroute.routing.strategies import (DEFAULT_WEIGHTS, LeastLoadStrategy, RoundRobinStrategy,
+                                           build_strategy, resolve_weights)
+from proxy_workers.router import Router
+from shm_schema import DirectoryWriter, WorkerRow
+from tests.shm_helpers import fresh_segment
+
+CANDIDATES = ["a", "b", "c", "d"]
+
+
+def picks(strategy, candidates, components, n):
+    return [strategy.select(candidates, components) for _ in range(n)]
+
+
+# --- factory --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alias, canonical", [
+    ("round_robin", "round_robin"), ("round-robin", "round_robin"), ("rr", "round_robin"),
+    ("least_load", "least_load"), ("least-load", "least_load"), ("ll", "least_load"),
+    (" LL ", "least_load"), ("Round-Robin", "round_robin"),
+])
+def test_factory_aliases(alias, canonical):
+    assert build_strategy(alias).name == canonical
+
+
+@pytest.mark.parametrize("name", ["least_inflight", "random", "", "kv_aware"])
+def test_unknown_strategy_is_a_value_error(name):
+    with pytest.raises(ValueError, match="unknown instance strategy"):
+        build_strategy(name)
+
+
+def test_default_strategy_is_round_robin():
+    assert Settings().instance_strategy == "round_robin"
+    assert Settings().strategy_name == "round_robin"
+
+
+# --- least_load semantics ------------------------------------------------------------------------
+
+def test_lower_inflight_wins():
+    ll = LeastLoadStrategy()
+    assert picks(ll, CANDIDATES, {"inflight": [3, 1, 2, 5]}, 5) == ["b"] * 5
+    assert ll.select(CANDIDATES, {"inflight": [0, 1, 2, 5]}) == "a"
+    assert ll.select(CANDIDATES, {"inflight": [9, 9, 9, 8]}) == "d"
+
+
+def test_ties_rotate_instead_of_always_picking_the_first():
+    ll = LeastLoadStrategy()
+    chosen = picks(ll, CANDIDATES, {"inflight": [4, 1, 1, 1]}, 6)
+    assert chosen == ["b", "c", "d", "b", "c", "d"]
+    assert set(picks(ll, CANDIDATES, {"inflight": [0, 0, 0, 0]}, 8)) == set(CANDIDATES)
+
+
+def test_ties_use_the_injected_cursor():
+    cursor = iter(range(100, 200)).__next__
+    ll = LeastLoadStrategy(tie_cursor=cursor)
+    assert picks(ll, CANDIDATES, {"inflight": [0, 0, 7, 7]}, 3) == ["a", "b", "a"]
+
+
+def test_all_unknown_falls_back_to_round_robin():
+    ll = LeastLoadStrategy()
+    unknown = {"inflight": [None] * 4, "qps_1m": [None] * 4}
+    assert picks(ll, CANDIDATES, unknown, 8) == CANDIDATES * 2
+    ll = LeastLoadStrategy()
+    assert picks(ll, CANDIDATES[:3], None, 3) == ["a", "b", "c"]
+    assert picks(ll, CANDIDATES[:3], {}, 3) == ["a", "b", "c"]
+
+
+def test_unknown_is_not_zero():
+    ll = LeastLoadStrategy()
+    # a and c are unknown: dropped while b and d are known, even though b/d carry load.
+    chosen = picks(ll, CANDIDATES, {"inflight": [None, 7, None, 5]}, 6)
+    assert chosen == ["d"] * 6
+    assert picks(ll, CANDIDATES, {"inflight": [None, 3, None, 3]}, 4) == ["b", "d", "b", "d"]
+
+
+def test_zero_weight_excludes_a_component():
+    # qps_1m defaults to weight 0: a known qps alone does not make a score.
+    ll = LeastLoadStrategy()
+    assert ll.totals(2, {"qps_1m": [0.5, 9.0]}) == [None, None]
+    assert picks(ll, ["a", "b"], {"qps_1m": [0.5, 9.0]}, 4) == ["a", "b", "a", "b"]
+    # Excluding inflight: the decision follows active_prepare alone.
+    ll = LeastLoadStrategy({"inflight": 0.0})
+    components = {"inflight": [0, 50], "active_prepare": [3, 1]}
+    assert ll.select(["a", "b"], components) == "b"
+    assert "inflight" not in ll.explain(0, components, {}, "none")["components"]
+    # A non-zero qps weight brings it in.
+    ll = LeastLoadStrategy({"qps_1m": 2.0})
+    assert ll.totals(2, {"inflight": [1, 1], "qps_1m": [0.5, None]}) == [2.0, 1.0]
+
+
+def test_weighted_sum_of_known_components():
+    ll = LeastLoadStrategy()
+    components = {"inflight": [2, 1], "prepare_queue_depth": [0, 8], "predicted_total_backlog_ms": [None, 500.0]}
+    assert ll.totals(2, components) == [2.0, 1 + 0.25 * 8 + 0.001 * 500]
+    assert ll.select(["a", "b"], components) == "a"
+
+
+def test_empty_candidates_raise_no_instances():
+    for strategy in (LeastLoadStrategy(), RoundRobinStrategy()):
+        with pytest.raises(RuntimeError) as err:
+            strategy.select([], {"inflight": []})
+        assert str(err.value) == "no instances"
+
+
+def test_round_robin_ignores_components():
+    rr = RoundRobinStrategy()
+    assert picks(rr, CANDIDATES[:3], {"inflight": [0, 100, 100]}, 6) == ["a", "b", "c"] * 2
+    shared = iter(range(5, 50)).__next__
+    rr = RoundRobinStrategy(shared)
+    assert picks(rr, CANDIDATES, None, 3) == ["b", "c", "d"]
+
+
+def test_explain_returns_the_full_score_object():
+    ll = LeastLoadStrategy({"qps_1m": 0.5})
+    components = {"inflight": [3, None], "qps_1m": [2.0, 4.0], "ready_queue_depth": [None, 2]}
+    sources = {"inflight": "shared_table_inflight", "qps_1m": "instance_heartbeat"}
+    score = ll.explain(0, components, sources, "sidecar_snapshot")
+    assert set(score) == {"total", "components", "weighted_components", "source",
+                          "queue_source", "weights"}
+    assert score["total"] == 3 * 1.0 + 2.0 * 0.5
+    assert score["components"] == {"inflight": 3, "qps_1m": 2.0}
+    assert score["weighted_components"] == {"inflight": 3.0, "qps_1m": 1.0}
+    assert score["source"]["inflight"] == "shared_table_inflight"
+    assert score["source"]["pending_prefill_count"] == "unavailable"
+    assert set(score["source"]) == set(DEFAULT_WEIGHTS)
+    assert score["queue_source"] == "sidecar_snapshot"
+    assert score["weights"] == {**DEFAULT_WEIGHTS, "qps_1m": 0.5}
+    unknown = ll.explain(1, {"inflight": [3, None]}, sources, "none")
+    assert unknown["total"] is None and unknown["components"] == {}
+
+
+def test_weights_validation():
+    assert resolve_weights(None) == DEFAULT_WEIGHTS
+    assert resolve_weights({"inflight": 2})["inflight"] == 2.0
+    with pytest.raises(ConfigError, match="unknown component 'bogus'"):
+        resolve_weights({"bogus": 1.0})
+    with pytest.raises(ConfigError, match="PROXY_LEAST_LOAD_WEIGHTS"):
+        LeastLoadStrategy({"inflight": -1})
+    with pytest.raises(ConfigError, match="must be a finite number >= 0"):
+        build_strategy("ll", weights={"inflight": "heavy"})
+    assert isinstance(ConfigError("x"), ValueError)
+
+
+@pytest.mark.parametrize("weight", [math.nan, math.inf])
+def test_non_finite_weight_is_a_config_error(weight):
+    with pytest.raises(ConfigError, match="PROXY_LEAST_LOAD_WEIGHTS"):
+        resolve_weights({"inflight": weight})
+
+
+# --- LoadView over a real segment ----------------------------------------------------------------
+
+@pytest.fixture
+def table():
+    with fresh_segment(instance_capacity=8, worker_capacity=4) as seg:
+        writer = DirectoryWriter(seg)
+        insts = [writer.allocate(f"inst-{i}", "127.0.0.1", 9000 + i, now_ms=1000 + i) for i in range(3)]
+        rows = [WorkerRow.claim(seg, 0), WorkerRow.claim(seg, 1)]
+        try:
+            yield seg, writer, insts, rows
+        finally:
+            for row in rows:
+                row.release()
+
+
+def test_shared_view_sees_every_workers_begin(table):
+    seg, _, insts, (one, two) = table
+    for _ in range(2):
+        assert one.begin(insts[0].slot, insts[0].generation)
+    for _ in range(3):
+        assert two.begin(insts[1].slot, insts[1].generation)
+    assert one.begin(insts[1].slot, insts[1].generation)
+    view = LoadView(seg, "shared")
+    cands = view.candidates()
+    assert [c.instance_id for c in cands] == ["inst-0", "inst-1", "inst-2"]
+    assert view.inflight(cands) == [2, 4, 0]
+    assert view.components(cands) == {"inflight": [2, 4, 0], "qps_1m": [None, None, None]}
+    assert view.sources["inflight"] == "shared_table_inflight"
+    assert LeastLoadStrategy().select(cands, view.components(cands)).instance_id == "inst-2"
+    assert view.inflight([]) == []
+
+
+def test_per_worker_view_sees_only_its_own_share(table):
+    seg, _, insts, (one, two) = table
+    for _ in range(2):
+        assert one.begin(insts[0].slot, insts[0].generation)
+    for _ in range(3):
+        assert two.begin(insts[1].slot, insts[1].generation)
+    cands = LoadView(seg).candidates()
+    assert LoadView(seg, "per_worker", one).inflight(cands) == [2, 0, 0]
+    assert LoadView(seg, "per_worker", two).inflight(cands) == [0, 3, 0]
+    assert LoadView(seg, "per_worker", one).sources["inflight"] == "worker_local_counter"
+    with pytest.raises(ValueError, match="own row"):
+        LoadView(seg, "per_worker")
+
+
+def test_reused_slot_reads_as_unknown_in_the_shared_view(table):
+    seg, writer, insts, (one, _) = table
+    assert one.begin(insts[1].slot, insts[1].generation)
+    old = LoadView(seg).candidates()
+    writer.free(insts[1].slot)
+    replacement = writer.allocate("inst-new", "127.0.0.1", 9100)
+    assert replacement.slot == insts[1].slot
+    assert LoadView(seg, "shared").inflight(old) == [0, None, 0]
+    assert LoadView(seg, "per_worker", one).inflight(old) == [0, 1, 0]  # its own old share
+    fresh = LoadView(seg).candidates()
+    assert [c.instance_id for c in fresh] == ["inst-0", "inst-2", "inst-new"]
+    assert LoadView(seg, "per_worker", one).inflight(fresh) == [0, 0, 0]
+    assert LoadView(seg, "shared").inflight(fresh) == [0, 0, 0]
+
+
+def test_router_least_load_follows_the_shared_table(table):
+    seg, _, insts, (one, two) = table
+    settings = Settings(instance_strategy="ll", shm_name=seg.name, shm_instance_capacity=8,
+                        shm_worker_capacity=4, workers=2)
+    router_one, router_two = Router(settings, seg, one), Router(settings, seg, two)
+    # Each worker's begin is seen by the other at once: six requests spread 2/2/2.
+    leases = [(router_one if i % 2 else router_two).acquire({}) for i in range(6)]
+    assert Counter(lease.instance.instance_id for lease in leases) == \
+        {"inst-0": 2, "inst-1": 2, "inst-2": 2}
+    for lease in leases:
+        assert lease.release()
+    rr = Router(Settings(shm_name=seg.name, shm_instance_capacity=8, shm_worker_capacity=4,
+                         workers=2), seg, one)
+    assert len({rr.choose().instance_id for _ in range(3)}) == 3
