@@ -47,7 +47,9 @@ class Router:
         self.strategy: Strategy = build_strategy(settings.instance_strategy,
                                                  weights=settings.least_load_weights,
                                                  cursor=cursor, tie_cursor=tie_cursor)
-        self._needs_loads = isinstance(self.strategy, LeastLoadStrategy)
+        # The components the strategy weighs; round_robin reads none.
+        self._wanted = (frozenset(self.strategy.active_components)
+                        if isinstance(self.strategy, LeastLoadStrategy) else frozenset())
         self.scorer = (self.strategy if isinstance(self.strategy, LeastLoadStrategy)
                        else LeastLoadStrategy(settings.least_load_weights))
 
@@ -56,7 +58,7 @@ class Router:
         candidates = snapshot.alive
         if not candidates:
             raise HTTPError(503, "no_instance", "proxy has no alive instance")
-        components = self.view.components(candidates, snapshot.slot_span) if self._needs_loads else None
+        components = self.view.candidate_components(snapshot, self._wanted) if self._wanted else None
         return self.strategy.select(candidates, components)
 
     def acquire(self, trace: dict[str, int | str]) -> Lease:

@@ -61,15 +61,24 @@ class LeastLoadStrategy:
         self._fallback = RoundRobinStrategy(cursor)
         self._ties = RoundRobinStrategy(tie_cursor)
 
+    @property
+    def active_components(self) -> tuple[str, ...]:
+        """Components with a non-zero weight: the only ones worth reading."""
+        return tuple(name for name, _ in self._active)
+
     def totals(self, count: int, components: Components | None) -> list[float | None]:
         """Score of each candidate; None where no weighted component is known."""
-        totals: list[float | None] = [None] * count
-        if not components:
-            return totals
-        for name, weight in self._active:
-            values = components.get(name)
-            if values is None:
-                continue
+        present = [(components[name], weight) for name, weight in self._active
+                   if components and name in components]
+        if not present:
+            return [None] * count
+        values, weight = present[0]
+        totals: list[float | None]
+        if None not in values:
+            totals = list(map(weight.__mul__, values))  # type: ignore[arg-type]
+        else:
+            totals = [None if v is None else weight * v for v in values]
+        for values, weight in present[1:]:
             for i, value in enumerate(values):
                 if value is not None:
                     current = totals[i]
@@ -80,12 +89,16 @@ class LeastLoadStrategy:
         if not candidates:
             raise RuntimeError("no instances")
         totals = self.totals(len(candidates), components)
-        known = [t for t in totals if t is not None]
-        if not known:
-            return self._fallback.select(candidates)
-        best = min(known)
-        ties = [c for c, t in zip(candidates, totals) if t == best]
-        return ties[0] if len(ties) == 1 else self._ties.select(ties)
+        if None not in totals:
+            best = min(totals)  # type: ignore[type-var]
+        else:
+            known = [t for t in totals if t is not None]
+            if not known:  # nothing known about anyone
+                return self._fallback.select(candidates)
+            best = min(known)
+        if totals.count(best) == 1:
+            return candidates[totals.index(best)]
+        return self._ties.select([c for c, t in zip(candidates, totals) if t == best])
 
     def explain(self, index: int, components: Components | None,
                 sources: Mapping[str, str], queue_source: str) -> dict[str, Any]:
