@@ -9,7 +9,7 @@ SIM    ?= 2
 STRATEGY ?= round_robin
 PYTEST_ARGS ?=
 
-.PHONY: install run-workers test bench clean-shm clean
+.PHONY: install run-workers test bench bench-stack clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_select --out bench/results/select.json
+
+# Server and client comparison behind the stack choice (bench/STACK_CHOICE.md), ~6 minutes.
+bench-stack: $(STAMP)
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.stack_choice --out bench/results/stack_choice.json
 
 # Remove a segment left by a crashed run (the launcher removes it on a clean stop).
 clean-shm: $(STAMP)
