@@ -146,8 +146,8 @@ class DirectoryWriter:
         generation = _next_generation(seg.load(base + layout.S_GENERATION))
         self._begin()
         try:
-            # The inflight word first: from here on only leases of the new generation count.
-            seg.atomic.exchange_u64(seg.geometry.inflight_offset(slot), layout.pack_word(generation, 0))
+            # The counters first: from here on only leases of the new generation count.
+            _reset_counters(seg, slot, generation)
             _write_text(seg, base + layout.S_INSTANCE_ID, id_bytes, layout.MAX_ID_BYTES)
             _write_text(seg, base + layout.S_HOST, host_bytes, layout.MAX_HOST_BYTES)
             for offset, value in ((layout.S_GENERATION, generation), (layout.S_PORT, port),
@@ -202,7 +202,7 @@ class DirectoryWriter:
             seg.store(base + layout.S_STATE, layout.SLOT_FREE)
             seg.store(base + layout.S_ALIVE, 0)
             seg.store(base + layout.S_GENERATION, generation)
-            seg.atomic.exchange_u64(seg.geometry.inflight_offset(slot), layout.pack_word(generation, 0))
+            _reset_counters(seg, slot, generation)
         finally:
             self._end()
 
@@ -220,6 +220,11 @@ def encode_identity(instance_id: str, host: str) -> tuple[bytes, bytes]:
     if len(host_bytes) > layout.MAX_HOST_BYTES:
         raise ValueError(f"host: {len(host_bytes)} bytes, at most {layout.MAX_HOST_BYTES} fit a slot")
     return id_bytes, host_bytes
+
+
+def _reset_counters(seg: Segment, slot: int, generation: int) -> None:
+    for lane in range(layout.LANES_USED):
+        seg.atomic.exchange_u64(seg.geometry.counter_offset(slot, lane), layout.pack_word(generation, 0))
 
 
 def _next_generation(generation: int) -> int:

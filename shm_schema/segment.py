@@ -49,16 +49,17 @@ class Segment:
         self.buf = memoryview(mapping)
         self.atomic: AtomicView = open_view(self.buf)
         self._check_header()
-        inst_cap = self.load(layout.H_INSTANCE_CAPACITY)
-        worker_cap = self.load(layout.H_WORKER_CAPACITY)
-        self.geometry = layout.Geometry(inst_cap, worker_cap)
+        self.geometry = layout.Geometry(self.load(layout.H_INSTANCE_CAPACITY),
+                                        self.load(layout.H_WORKER_CAPACITY),
+                                        self.load(layout.H_RING_CAPACITY))
         self.creation_id = self.load(layout.H_CREATION_ID)
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
-    def create_or_attach(cls, name: str, instance_capacity: int, worker_capacity: int) -> "Segment":
+    def create_or_attach(cls, name: str, instance_capacity: int, worker_capacity: int,
+                         ring_capacity: int = layout.DEFAULT_RING_CAPACITY) -> "Segment":
         """For the sidecar: attach to a live segment, or create and initialise a new one."""
-        geometry = layout.Geometry(instance_capacity, worker_capacity)
+        geometry = layout.Geometry(instance_capacity, worker_capacity, ring_capacity)
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
         except posix_ipc.ExistentialError:
@@ -127,7 +128,8 @@ class Segment:
             raise SegmentLayoutError(
                 f"shared memory {self.name} has layout version {version}, but this build uses "
                 f"layout version {layout.LAYOUT_VERSION}; {_remedy(self.name)}")
-        expected = layout.Geometry(inst_cap, worker_cap).total_size
+        ring_cap = struct.unpack_from("@Q", self.buf, layout.H_RING_CAPACITY)[0]
+        expected = layout.Geometry(inst_cap, worker_cap, ring_cap).total_size
         mapped = len(self.buf)
         if size != expected or mapped < expected:
             self.close()
@@ -190,6 +192,7 @@ def _initialise(mapping: mmap.mmap, geometry: layout.Geometry) -> None:
         layout.H_LAYOUT_VERSION: layout.LAYOUT_VERSION,
         layout.H_INSTANCE_CAPACITY: geometry.instance_capacity,
         layout.H_WORKER_CAPACITY: geometry.worker_capacity,
+        layout.H_RING_CAPACITY: geometry.ring_capacity,
         layout.H_TOTAL_SIZE: geometry.total_size,
         layout.H_CREATION_ID: secrets.randbits(63) | 1,
         layout.H_CREATED_AT_NS: time.time_ns(),
@@ -199,7 +202,8 @@ def _initialise(mapping: mmap.mmap, geometry: layout.Geometry) -> None:
     for slot in range(geometry.instance_capacity):
         # Generation 1 for fresh slots: a zero word never matches a live lease.
         struct.pack_into("@Q", mapping, geometry.slot_offset(slot) + layout.S_GENERATION, 1)
-        struct.pack_into("@Q", mapping, geometry.inflight_offset(slot), layout.pack_word(1, 0))
+        for lane in range(layout.LANES_USED):
+            struct.pack_into("@Q", mapping, geometry.counter_offset(slot, lane), layout.pack_word(1, 0))
     # Magic last: an attacher that sees it sees a fully initialised header.
     raw = memoryview(mapping)
     view = open_view(raw)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from shm_schema import Segment, read_all, read_rows, reap_row, reconcile_slot
+from shm_schema import Segment, layout, read_all, read_rows, reap_row, reconcile, take_row
 from shm_schema import header, process_identity
 
 log = logging.getLogger("cacheroute.sidecar.reaper")
@@ -31,11 +31,14 @@ class ReaperStats:
 class WorkerReaper:
     def __init__(self, seg: Segment, audit_interval_s: float = 5.0) -> None:
         self._seg = seg
-        self._pending_reconcile: set[int] = set()
+        self._pending_reconcile: set[tuple[int, int]] = set()
         self._audit_interval_s = audit_interval_s
         self._next_audit = time.monotonic() + audit_interval_s
-        self.stats = ReaperStats()
         self._identity = process_identity.own_identity()
+        self.stats = ReaperStats()
+        # Called with (row, identity) after a dead row is taken and before its shares go: the
+        # event consumer drains what the dead worker still had in its ring.
+        self.before_reap: list[Callable[[int], None]] = []
 
     def tick(self) -> None:
         """One pass: reap dead rows, then reconcile what needs it."""
@@ -44,38 +47,44 @@ class WorkerReaper:
                 self._reap(row.row, row.identity, row.pid, row.worker_index)
         if time.monotonic() >= self._next_audit:
             self._next_audit = time.monotonic() + self._audit_interval_s
-            self._pending_reconcile.update(self._active_slots())
+            self._pending_reconcile.update((slot, lane) for slot in self._active_slots()
+                                           for lane in range(layout.LANES_USED))
         self._reconcile_pending()
 
     def _reap(self, row: int, identity: int, pid: int, worker_index: int) -> None:
-        reaped = reap_row(self._seg, row, identity, self._identity)
-        if reaped is None:
+        if not take_row(self._seg, row, identity, self._identity):
             return  # released and perhaps claimed again since the scan: not ours to touch
-        if reaped.pending_slot is not None:
-            self._pending_reconcile.add(reaped.pending_slot)
+        for hook in self.before_reap:
+            hook(row)
+        reaped = reap_row(self._seg, row, identity, self._identity, taken=True)
+        assert reaped is not None
+        if reaped.pending is not None:
+            self._pending_reconcile.add(reaped.pending)
         header.count_reaped_worker(self._seg)
-        total = sum(reaped.subtracted.values())
+        inflight = {slot: n for (slot, lane), n in reaped.subtracted.items() if lane == layout.LANE_INFLIGHT}
+        total = sum(inflight.values())
         self.stats.reaped += 1
         self.stats.subtracted += total
         self.stats.last_reaped = (self.stats.last_reaped + [{
             "pid": pid, "worker_index": worker_index, "row": row, "subtracted": total,
-            "died_mid_update": reaped.pending_slot is not None,
+            "died_mid_update": reaped.pending is not None,
             "at_ms": int(time.time() * 1000)}])[-10:]
         log.warning("worker pid %d (index %d, row %d) is gone: subtracted %d inflight %s%s",
-                    pid, worker_index, row, total, reaped.subtracted,
-                    "" if reaped.pending_slot is None else
-                    f"; slot {reaped.pending_slot} will be reconciled (died mid-update)")
+                    pid, worker_index, row, total, inflight,
+                    "" if reaped.pending is None else
+                    f"; slot {reaped.pending[0]} lane {reaped.pending[1]} will be reconciled "
+                    f"(died mid-update)")
 
     def _reconcile_pending(self) -> None:
-        for slot in list(self._pending_reconcile):
-            correction = reconcile_slot(self._seg, slot)
+        for slot, lane in list(self._pending_reconcile):
+            correction = reconcile(self._seg, slot, lane)
             if correction is None:
                 continue  # busy right now; next tick
-            self._pending_reconcile.discard(slot)
+            self._pending_reconcile.discard((slot, lane))
             if correction:
                 self.stats.corrections += 1
-                log.warning("slot %d inflight corrected by %+d to match the live workers' shares",
-                            slot, correction)
+                log.warning("slot %d %s corrected by %+d to match the live workers' shares",
+                            slot, layout.LANE_NAMES[lane], correction)
 
     def _active_slots(self) -> set[int]:
         return {s.slot for s in read_all(self._seg)}
@@ -85,5 +94,6 @@ class WorkerReaper:
         return [{"row": r.row, "pid": r.pid, "worker_index": r.worker_index,
                  "alive": process_identity.is_alive(r.identity),
                  "heartbeat_age_ms": (now_ns - r.heartbeat_ns) // 1_000_000,
-                 "mid_update_slot": r.pending_slot}
+                 "mid_update_slot": r.pending_slot,
+                 "events_pending": r.ring_tail - r.ring_head, "events_dropped": r.events_dropped}
                 for r in read_rows(self._seg)]

@@ -80,7 +80,8 @@ def test_four_processes_mixed_begin_end_are_exact():
         # A clean exit gives back exactly what each process held.
         for conn, rep in zip(conns, reports):
             conn.send("release")
-            assert recv(conn) == {slot: rep["held"][k] for k, (slot, _) in enumerate(slot_gens)}
+            assert recv(conn) == {(slot, layout.LANE_INFLIGHT): rep["held"][k]
+                                  for k, (slot, _) in enumerate(slot_gens)}
         for proc in group.procs:
             proc.join(10)
             assert proc.exitcode == 0
@@ -343,7 +344,7 @@ def test_reconcile_waits_for_a_quiescent_moment(dead_identity):
         for _ in range(5):
             reaper.tick()
         assert reaper.stats.reaped == 1
-        assert reaper._pending_reconcile == {slot}
+        assert reaper._pending_reconcile == {(slot, layout.LANE_INFLIGHT)}
         assert count_of(seg, slot) == 2 + 1 + 1  # dead share subtracted, nothing re-derived
         # The live worker finishes its begin (own row +1, journal cleared) ...
         seg.store(seg.geometry.contribution_offset(live.row, slot), layout.pack_word(gen, 3))
@@ -436,7 +437,7 @@ def test_stopped_worker_is_kept_then_released_exactly_once():
         parent.send(("end", slot, gen, 1))
         assert recv(parent) == [True]
         parent.send(("release",))
-        assert recv(parent) == {slot: 2}
+        assert recv(parent) == {(slot, layout.LANE_INFLIGHT): 2}
         parent.send(("exit",))
         assert recv(parent) == "bye"
         proc.join(10)
