@@ -41,6 +41,24 @@ ENV_NAMES: dict[str, str] = {
     "worker_restart_backoff_s": "PROXY_WORKER_RESTART_BACKOFF_S",
     "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
     "log_level": "PROXY_LOG_LEVEL",
+    # --- the prepare/ready pipeline and predicted pressure (protocol §4-§6) ---
+    "prepare_concurrency": "PREPARE_CONCURRENCY",
+    "ready_concurrency": "READY_CONCURRENCY",
+    "ready_release_policy": "PROXY_READY_RELEASE_POLICY",
+    "text_bypass_max_per_flush": "PROXY_TEXT_BYPASS_MAX_PER_FLUSH",
+    "max_queue_per_instance": "PROXY_MAX_QUEUE_PER_INSTANCE",
+    "queue_timeout_s": "PROXY_QUEUE_TIMEOUT_S",
+    "injection_strategy": "PROXY_INJECTION_STRATEGY",
+    "iws_kdn_queue_penalty_alpha": "IWS_KDN_QUEUE_PENALTY_ALPHA",
+    "iws_decision_margin_ms": "IWS_DECISION_MARGIN_MS",
+    "kdn_default_bandwidth_mbps": "KDN_DEFAULT_BANDWIDTH_MBPS",
+    "kdn_timeout_s": "PROXY_KDN_TIMEOUT_S",
+    "kv_inject_timeout_s": "PROXY_KV_INJECT_TIMEOUT_S",
+    "instance_cp_port_offset": "PROXY_INSTANCE_CP_PORT_OFFSET",
+    "predictor_profile": "PROXY_PREDICTOR_PROFILE",
+    "event_ring_capacity": "PROXY_EVENT_RING_CAPACITY",
+    "event_poll_ms": "PROXY_EVENT_POLL_MS",
+    "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -53,6 +71,8 @@ STRATEGY_ALIASES: dict[str, str] = {
 }
 
 LOAD_VIEWS = ("shared", "per_worker")
+RELEASE_POLICIES = ("ordered", "text_bypass")
+INJECTION_STRATEGIES = ("default", "iws")
 
 
 class ConfigError(ValueError):
@@ -89,6 +109,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     worker_restart_backoff_s: float = 0.2
     reaper_interval_s: float = 0.25
     log_level: str = "info"
+    prepare_concurrency: int = 8
+    # Host-wide: N workers together never forward more than this to one instance at once.
+    ready_concurrency: int = 8
+    ready_release_policy: str = "ordered"
+    text_bypass_max_per_flush: int = 1
+    # Requests one worker lets wait per instance (prepare + ready) before answering 429.
+    max_queue_per_instance: int = 256
+    queue_timeout_s: float = 60.0
+    injection_strategy: str = "default"
+    iws_kdn_queue_penalty_alpha: float = 0.5
+    iws_decision_margin_ms: float = 100.0
+    kdn_default_bandwidth_mbps: float = 1000.0
+    kdn_timeout_s: float = 10.0
+    kv_inject_timeout_s: float = 60.0
+    # Where an instance's control plane (KV inject) listens when it does not say (meta.cp_port).
+    instance_cp_port_offset: int = 1
+    predictor_profile: str = "llama3-70b-8x5090"
+    event_ring_capacity: int = 1024
+    event_poll_ms: float = 5.0
+    # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
+    snapshot_stale_ms: float = 2000.0
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -109,6 +150,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.instance_purge_grace_s >= 0, "instance_purge_grace_s", "must be >= 0")
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
         _check(0 <= self.sim_instances <= 16, "sim_instances", "must be 0..16")
+        _check(self.ready_release_policy in RELEASE_POLICIES, "ready_release_policy",
+               f"must be one of {RELEASE_POLICIES}")
+        _check(self.injection_strategy in INJECTION_STRATEGIES, "injection_strategy",
+               f"must be one of {INJECTION_STRATEGIES}")
+        for name in ("prepare_concurrency", "ready_concurrency", "max_queue_per_instance",
+                     "text_bypass_max_per_flush"):
+            _check(1 <= getattr(self, name) <= 100_000, name, "must be 1..100000")
+        for name in ("queue_timeout_s", "kdn_timeout_s", "kv_inject_timeout_s", "event_poll_ms",
+                     "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
 
     @property
     def strategy_name(self) -> str:

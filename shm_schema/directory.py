@@ -31,6 +31,7 @@ class InstanceSlot(NamedTuple):
     registered_at_ms: int
     last_seen_ms: int
     qps_1m: float | None
+    cp_port: int = 0
 
 
 class DirectorySnapshot(NamedTuple):
@@ -44,7 +45,7 @@ class DirectorySnapshot(NamedTuple):
 def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
     base = seg.geometry.slot_offset(slot)
     (generation, state, alive, port, registered_at_ms, last_seen_ms, qps_bits, id_len,
-     host_len) = layout.SLOT_FIELDS.unpack_from(seg.buf, base)
+     host_len, cp_port) = layout.SLOT_FIELDS.unpack_from(seg.buf, base)
     if state != layout.SLOT_ACTIVE:
         return None
     id_start = base + layout.S_INSTANCE_ID
@@ -61,6 +62,7 @@ def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
         registered_at_ms=registered_at_ms,
         last_seen_ms=last_seen_ms,
         qps_1m=layout.bits_to_qps(qps_bits),
+        cp_port=cp_port,
     )
 
 
@@ -132,7 +134,8 @@ class DirectoryWriter:
                 return slot
         return None
 
-    def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None) -> InstanceSlot:
+    def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None,
+                 cp_port: int = 0) -> InstanceSlot:
         """Put a new instance in a free slot under a new generation."""
         id_bytes, host_bytes = encode_identity(instance_id, host)
         slot = self.free_slot_index()
@@ -154,7 +157,7 @@ class DirectoryWriter:
                                   (layout.S_REGISTERED_AT_MS, now_ms), (layout.S_LAST_SEEN_MS, now_ms),
                                   (layout.S_QPS_1M, layout.qps_to_bits(None)),
                                   (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
-                                  (layout.S_ALIVE, 1)):
+                                  (layout.S_CP_PORT, cp_port), (layout.S_ALIVE, 1)):
                 seg.store(base + offset, value)
             seg.store(base + layout.S_STATE, layout.SLOT_ACTIVE)
         finally:
@@ -163,7 +166,7 @@ class DirectoryWriter:
         assert decoded is not None
         return decoded
 
-    def update_address(self, slot: int, host: str, port: int) -> None:
+    def update_address(self, slot: int, host: str, port: int, cp_port: int = 0) -> None:
         _, host_bytes = encode_identity("x", host)
         seg = self._seg
         base = seg.geometry.slot_offset(slot)
@@ -172,6 +175,7 @@ class DirectoryWriter:
             _write_text(seg, base + layout.S_HOST, host_bytes, layout.MAX_HOST_BYTES)
             seg.store(base + layout.S_HOST_LEN, len(host_bytes))
             seg.store(base + layout.S_PORT, port)
+            seg.store(base + layout.S_CP_PORT, cp_port)
         finally:
             self._end()
 

@@ -48,7 +48,7 @@ Instance slot (directory, written only by the sidecar, SLOT_SIZE bytes)::
     48  qps_1m        IEEE double bits, NaN = unknown
     56  id_len
     64  host_len
-    72  reserved
+    72  cp_port       the instance's control-plane port (KV inject), 0 = unknown
     80  instance_id   MAX_ID_BYTES bytes of UTF-8
     192 host          MAX_HOST_BYTES bytes of UTF-8
 
@@ -143,14 +143,15 @@ S_LAST_SEEN_MS = 40
 S_QPS_1M = 48
 S_ID_LEN = 56
 S_HOST_LEN = 64
+S_CP_PORT = 72
 S_INSTANCE_ID = 80
 S_HOST = 192
 MAX_ID_BYTES = S_HOST - S_INSTANCE_ID
 MAX_HOST_BYTES = SLOT_SIZE - S_HOST
 SLOT_FREE = 0
 SLOT_ACTIVE = 1
-# generation, state, alive, port, registered_at_ms, last_seen_ms, qps bits, id_len, host_len
-SLOT_FIELDS = struct.Struct("@9Q")
+# generation, state, alive, port, registered_at_ms, last_seen_ms, qps bits, id_len, host_len, cp_port
+SLOT_FIELDS = struct.Struct("@10Q")
 
 # --- pressure snapshot ---------------------------------------------------------------------
 SNAPSHOT_RECORD_SIZE = 64

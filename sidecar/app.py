@@ -19,6 +19,7 @@ from cacheroute.routing.strategies import LeastLoadStrategy
 from shm_schema import DirectoryFull, Segment, header
 
 from . import wire
+from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
 
@@ -32,6 +33,7 @@ class SidecarState:
     seg: Segment
     registry: InstanceRegistry
     reaper: WorkerReaper
+    pressure: PressurePublisher
     view: LoadView
     scorer: LeastLoadStrategy
     epoch: int
@@ -80,6 +82,7 @@ def build_app(state: SidecarState) -> Starlette:
             "sidecar": {"pid": os.getpid(), "epoch": state.epoch},
             "segment": header.describe(state.seg),
             "workers": state.reaper.workers(),
+            "event_channel": state.pressure.describe(),
             "reaper": {"reaped": state.reaper.stats.reaped, "subtracted": state.reaper.stats.subtracted,
                        "corrections": state.reaper.stats.corrections,
                        "last_reaped": state.reaper.stats.last_reaped},

@@ -41,6 +41,7 @@ class InstanceRecord:
     qps_1m: float | None = None
     gpu_util: float | None = None
     alive: bool = True
+    cp_port: int = 0
 
 
 class InstanceRegistry:
@@ -61,7 +62,8 @@ class InstanceRegistry:
             self._records[slot.instance_id] = InstanceRecord(
                 instance_id=slot.instance_id, slot=slot.slot, generation=slot.generation,
                 host=slot.host, port=slot.port, registered_at=slot.registered_at_ms / 1000,
-                last_seen_at=slot.last_seen_ms / 1000, qps_1m=slot.qps_1m, alive=slot.alive)
+                last_seen_at=slot.last_seen_ms / 1000, qps_1m=slot.qps_1m, alive=slot.alive,
+                cp_port=slot.cp_port)
         return len(self._records)
 
     # --- control-plane operations --------------------------------------------------------------
@@ -71,17 +73,19 @@ class InstanceRegistry:
         now = self._clock()
         instance_id = req.resolved_id
         record = self._records.get(instance_id)
+        cp_port = _cp_port(req.meta)
         if record is None:
-            slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000))
+            slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000), cp_port)
             record = InstanceRecord(instance_id=instance_id, slot=slot.slot,
                                     generation=slot.generation, host=req.host, port=req.port,
                                     registered_at=now, last_seen_at=now)
             self._records[instance_id] = record
             log.info("registered %s at %s:%s (slot %d, generation %d)", instance_id, req.host,
                      req.port, record.slot, record.generation)
-        elif (record.host, record.port) != (req.host, req.port):
-            self._writer.update_address(record.slot, req.host, req.port)
+        elif (record.host, record.port, record.cp_port) != (req.host, req.port, cp_port):
+            self._writer.update_address(record.slot, req.host, req.port, cp_port)
             record.host, record.port = req.host, req.port
+        record.cp_port = cp_port
         record.weight = req.weight
         if req.endpoints:
             record.endpoints = list(req.endpoints)
@@ -165,3 +169,8 @@ class InstanceRegistry:
             "slot": record.slot, "slot_generation": record.generation, "is_alive": record.alive,
         }
 
+
+def _cp_port(meta: dict[str, Any]) -> int:
+    """The instance's control-plane port, if its meta names a valid one (else 0: unknown)."""
+    value = meta.get("cp_port")
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else 0

@@ -18,6 +18,7 @@ from cacheroute.routing.strategies import LeastLoadStrategy
 from shm_schema import Segment, SegmentError, header
 
 from .app import SidecarState, build_app
+from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
 
@@ -26,7 +27,7 @@ log = logging.getLogger("cacheroute.sidecar")
 
 def open_segment(settings: Settings) -> Segment:
     seg = Segment.create_or_attach(settings.shm_name, settings.shm_instance_capacity,
-                                   settings.shm_worker_capacity)
+                                   settings.shm_worker_capacity, settings.event_ring_capacity)
     other = header.other_live_sidecar(seg)
     if other is not None:
         seg.close()
@@ -41,9 +42,12 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     log.info("%s shared table %s (epoch %d, creation id %016x%s)",
              "created" if seg.created else "re-attached to", seg.name, epoch, seg.creation_id,
              f", adopted {adopted} instances" if adopted else "")
-    return SidecarState(settings=settings, seg=seg, registry=registry, reaper=WorkerReaper(seg),
-                        view=LoadView(seg), scorer=LeastLoadStrategy(settings.least_load_weights),
-                        epoch=epoch)
+    reaper = WorkerReaper(seg)
+    pressure = PressurePublisher(seg, epoch, settings.ready_concurrency)
+    reaper.before_reap.append(pressure.drain_dead_row)
+    return SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
+                        pressure=pressure, view=LoadView(seg),
+                        scorer=LeastLoadStrategy(settings.least_load_weights), epoch=epoch)
 
 
 async def _every(interval_s: float, step: Callable[[], None], name: str) -> None:
@@ -62,6 +66,7 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
         loops: list[Awaitable[None]] = [
             _every(min(1.0, settings.instance_ttl_s / 10), state.registry.sweep, "liveness sweep"),
             _every(settings.reaper_interval_s, state.reaper.tick, "worker reaper"),
+            _every(settings.event_poll_ms / 1000, state.pressure.tick, "event channel"),
             _every(1.0, lambda: header.sidecar_heartbeat(state.seg), "sidecar heartbeat"),
         ]
         tasks = [asyncio.create_task(loop) for loop in loops]

@@ -184,7 +184,15 @@ def test_shared_view_sees_every_workers_begin(table):
     cands = view.candidates()
     assert [c.instance_id for c in cands] == ["inst-0", "inst-1", "inst-2"]
     assert view.inflight(cands) == [2, 4, 0]
-    assert view.components(cands) == {"inflight": [2, 4, 0], "qps_1m": [None, None, None]}
+    components = view.components(cands)
+    assert components["inflight"] == [2, 4, 0] and components["qps_1m"] == [None, None, None]
+    # Queue lanes are host-wide counters: known zeros. No sidecar has published a pressure
+    # snapshot, so the predicted layer is unknown, not zero.
+    assert all(components[name] == [0, 0, 0] for name in
+               ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth"))
+    assert all(components[name] == [None, None, None] for name in
+               ("pending_prefill_count", "active_decode_count", "predicted_total_backlog_ms"))
+    assert view.predicted_source() == "unavailable"
     assert view.sources["inflight"] == "shared_table_inflight"
     assert LeastLoadStrategy().select(cands, view.components(cands)).instance_id == "inst-2"
     assert view.inflight([]) == []

@@ -1,23 +1,39 @@
 """What a selection sees: the alive candidates and their load components, read from the
 shared table with plain loads (no lock, no syscall, no IPC).
 
-`shared` reads the host-wide inflight words. `per_worker` reads only this worker's own
-contributions, which is what N independent copies of the original Proxy would see; it exists
-to measure what sharing buys.
+Three layers, each with its own source:
+- lifecycle: `inflight`, the host-wide lane every worker's begin/end changes;
+- instantaneous queue: `active_prepare`, `active_ready`, `prepare_queue_depth`,
+  `ready_queue_depth`, host-wide lanes changed by the workers' pipelines;
+- predicted reservation pressure: `pending_prefill_count`, `active_decode_count`,
+  `predicted_total_backlog_ms`, from the sidecar's snapshot (absolute times, turned into "in N
+  ms" against this process's clock). Unknown (None) when the snapshot is older than
+  `stale_ms` or the sidecar never published one: a dead sidecar must not read as an idle host.
+
+`per_worker` is the ablation: only this worker's own inflight share, nothing host-wide, which
+is what N independent copies of the original Proxy would see.
 """
 
 from __future__ import annotations
 
+import time
 from operator import itemgetter, sub
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-from shm_schema import DirectoryReader, DirectorySnapshot, InflightReader, InstanceSlot, Segment, WorkerRow
+from shm_schema import (CountersReader, DirectoryReader, DirectorySnapshot, InstanceSlot,
+                        Segment, WorkerRow, layout)
+from shm_schema.snapshot import SnapshotReader
 
 GEN_SHIFT = 32
 COUNT_MASK = (1 << 32) - 1
+QUEUE_LANES = ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth")
+PREDICTED = ("pending_prefill_count", "active_decode_count", "predicted_total_backlog_ms")
+RAW_PREDICTED = ("next_slot_ready_in_ms", "prefill_free_in_ms")
 
 SOURCES = {
-    "shared": {"inflight": "shared_table_inflight", "qps_1m": "instance_heartbeat"},
+    "shared": {"inflight": "shared_table_inflight", "qps_1m": "instance_heartbeat",
+               **dict.fromkeys(QUEUE_LANES, "shared_table_queue_lanes"),
+               **dict.fromkeys(PREDICTED, "sidecar_reservation_timeline")},
     "per_worker": {"inflight": "worker_local_counter", "qps_1m": "instance_heartbeat"},
 }
 
@@ -36,54 +52,60 @@ class _CandidateKeys(NamedTuple):
     """What the hot path needs of a directory snapshot's candidates, computed once per snapshot."""
 
     snapshot: DirectorySnapshot
-    pick: Callable[[Sequence[int]], tuple[int, ...]]  # the candidates' words, in one C call
+    pick: Callable[[Sequence[int]], tuple[int, ...]]  # the candidates' inflight words, one C call
     generations: tuple[int, ...]
     bases: tuple[int, ...]  # generation << 32: word - base is the count when the slot is current
     qps_1m: list[float | None]
 
 
-def _picker(slots: list[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
-    if len(slots) == 1:
-        only = slots[0]
+def _picker(indexes: list[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
+    if len(indexes) == 1:
+        only = indexes[0]
         return lambda words: (words[only],)
-    return itemgetter(*slots)  # type: ignore[return-value]
+    return itemgetter(*indexes)  # type: ignore[return-value]
 
 
 class LoadView:
-    def __init__(self, seg: Segment, mode: str = "shared", own_row: WorkerRow | None = None) -> None:
+    def __init__(self, seg: Segment, mode: str = "shared", own_row: WorkerRow | None = None,
+                 stale_ms: float = 2000.0) -> None:
         if mode == "per_worker" and own_row is None:
             raise ValueError("the per_worker view needs the worker's own row")
         self.mode = mode
         self.directory = DirectoryReader(seg)
-        self._inflight = InflightReader(seg)
+        self.snapshots = SnapshotReader(seg)
+        self._counters = CountersReader(seg)
         self._own_row = own_row
+        self._stale_us = int(stale_ms * 1000)
         self.sources = SOURCES[mode]
         self._keys: _CandidateKeys | None = None
 
+    # --- layer availability ----------------------------------------------------------------
+    def predicted_source(self, now_us: int | None = None) -> str:
+        """'fresh', 'stale' (older than the limit) or 'unavailable' (never published)."""
+        if self.mode != "shared":
+            return "unavailable"
+        published = self.snapshots.published_us()
+        if not published:
+            return "unavailable"
+        now_us = int(time.time() * 1e6) if now_us is None else now_us
+        return "fresh" if now_us - published <= self._stale_us else "stale"
+
+    def snapshot_age_ms(self) -> float | None:
+        published = self.snapshots.published_us()
+        return None if not published else (time.time() * 1e6 - published) / 1000
+
+    # --- the selection path ------------------------------------------------------------------
     def candidates(self) -> tuple[InstanceSlot, ...]:
         return self.directory.snapshot().alive
 
     def words(self, span: int) -> Sequence[int]:
         if self.mode == "shared" or self._own_row is None:
-            return self._inflight.words(span)
+            return self._counters.words(span)
         return self._own_row.own_words(span)
 
-    def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
-        """Inflight per instance. In the shared view, None if the slot has been reused since
-        the directory snapshot (unknown, not zero); in the per-worker view a share of another
-        generation is this worker's 0."""
-        if not instances:
-            return []
-        words = self.words(span or 1 + max(s.slot for s in instances))
-        if self.mode == "per_worker":
-            return [words[i.slot] & COUNT_MASK if words[i.slot] >> GEN_SHIFT == i.generation else 0
-                    for i in instances]
-        return [words[i.slot] & COUNT_MASK if words[i.slot] >> GEN_SHIFT == i.generation else None
-                for i in instances]
-
     def candidate_components(self, snapshot: DirectorySnapshot,
-                             names: frozenset[str]) -> dict[str, list[float | None]]:
-        """The selection path: components of `snapshot.alive`, only those in `names`."""
+                             names: frozenset[str]) -> dict[str, list[Any]]:
+        """Components of `snapshot.alive`, only those in `names`."""
         keys = self._keys
         if keys is None or keys.snapshot is not snapshot:
             alive = snapshot.alive
@@ -91,23 +113,80 @@ class LoadView:
                                                tuple(i.generation for i in alive),
                                                tuple(i.generation << GEN_SHIFT for i in alive),
                                                [i.qps_1m for i in alive])
-        components: dict[str, list[float | None]] = {}
+        components: dict[str, list[Any]] = {}
         if "inflight" in names:
             picked = keys.pick(self.words(snapshot.slot_span))
-            counts: list[int | None] = list(map(sub, picked, keys.bases))
+            counts: list[Any] = list(map(sub, picked, keys.bases))
             # Common case in three C-level passes: every slot still carries its generation.
-            if min(counts) < 0 or max(counts) > COUNT_MASK:  # type: ignore[type-var]
+            if min(counts) < 0 or max(counts) > COUNT_MASK:
                 unknown = 0 if self.mode == "per_worker" else None
                 counts = [w & COUNT_MASK if w >> GEN_SHIFT == g else unknown
                           for w, g in zip(picked, keys.generations)]
-            components["inflight"] = counts  # type: ignore[assignment]
+            components["inflight"] = counts
         if "qps_1m" in names:
             components["qps_1m"] = keys.qps_1m
+        if self.mode == "shared":
+            if not names.isdisjoint(QUEUE_LANES):
+                components.update(self._queue_lanes(snapshot.alive, snapshot.slot_span))
+            if not names.isdisjoint(PREDICTED):
+                components.update(self._predicted(snapshot.alive, snapshot.slot_span))
         return components
 
-    def components(self, instances: Sequence[InstanceSlot],
-                   span: int | None = None) -> dict[str, list[float | None]]:
-        return {
-            "inflight": self.inflight(instances, span),  # type: ignore[dict-item]
-            "qps_1m": [inst.qps_1m for inst in instances],
-        }
+    # --- any instance list (debug, reports) ---------------------------------------------------
+    def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
+        """Inflight per instance. In the shared view, None if the slot has been reused since
+        the directory snapshot (unknown, not zero); in the per-worker view a share of another
+        generation is this worker's 0."""
+        if not instances:
+            return []
+        words = self.words(span or 1 + max(s.slot for s in instances))
+        unknown = 0 if self.mode == "per_worker" else None
+        return [words[i.slot] & COUNT_MASK if words[i.slot] >> GEN_SHIFT == i.generation else unknown
+                for i in instances]
+
+    def components(self, instances: Sequence[InstanceSlot], span: int | None = None,
+                   with_raw: bool = False) -> dict[str, list[Any]]:
+        """Every component (and with `with_raw`, the predicted raw times) for any instances."""
+        span = span or (1 + max((s.slot for s in instances), default=-1))
+        result: dict[str, list[Any]] = {"inflight": self.inflight(instances, span),
+                                         "qps_1m": [inst.qps_1m for inst in instances]}
+        if self.mode == "shared" and instances:
+            result.update(self._queue_lanes(instances, span))
+            result.update(self._predicted(instances, span, with_raw))
+        return result
+
+    def _queue_lanes(self, instances: Sequence[SlotRef], span: int) -> dict[str, list[Any]]:
+        lanes = self._counters.lanes(span)
+        used = layout.LANES_USED
+        result: dict[str, list[Any]] = {name: [] for name in QUEUE_LANES}
+        for inst in instances:
+            base = used * inst.slot
+            for lane, name in enumerate(layout.LANE_NAMES[1:], start=1):
+                word = lanes[base + lane]
+                result[name].append(word & COUNT_MASK if word >> GEN_SHIFT == inst.generation else None)
+        return result
+
+    def _predicted(self, instances: Sequence[SlotRef], span: int,
+                   with_raw: bool = False) -> dict[str, list[Any]]:
+        now_us = int(time.time() * 1e6)
+        names = PREDICTED + (RAW_PREDICTED if with_raw else ())
+        result: dict[str, list[Any]] = {name: [] for name in names}
+        fresh = self.predicted_source(now_us) == "fresh"
+        records = self.snapshots.records(span) if fresh else ()
+        fields = layout.SNAPSHOT_FIELDS
+        for inst in instances:
+            record = records[fields * inst.slot:fields * (inst.slot + 1)]
+            if not record or record[0] != inst.generation:
+                for name in names:
+                    result[name].append(None)
+                continue
+            _, pending, decoding, slot_free_us, prefill_free_us, _ = record
+            slot_in = max(0.0, (slot_free_us - now_us) / 1000)
+            prefill_in = max(0.0, (prefill_free_us - now_us) / 1000)
+            result["pending_prefill_count"].append(pending)
+            result["active_decode_count"].append(decoding)
+            result["predicted_total_backlog_ms"].append(max(slot_in, prefill_in))
+            if with_raw:
+                result["next_slot_ready_in_ms"].append(slot_in)
+                result["prefill_free_in_ms"].append(prefill_in)
+        return result

@@ -14,19 +14,19 @@ from shm_schema import read_all
 from .load_view import LoadView
 from .strategies import LeastLoadStrategy
 
-# Queue fields of the original's row (§4.6). The prepare/ready pipeline and the sidecar's
-# pressure snapshot do not publish them yet, so they are reported as unknown (null), never 0.
+# The 9 per-instance queue fields of the original's row (§4.6); null means unknown, never 0.
 QUEUE_FIELDS = ("prepare_queue_depth", "ready_queue_depth", "active_prepare", "active_ready",
                 "pending_prefill_count", "active_decode_count", "next_slot_ready_in_ms",
                 "prefill_free_in_ms", "predicted_total_backlog_ms")
-QUEUE_SOURCE = "unavailable"
 
 
 def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, ttl_s: float,
                    answered_by: dict[str, Any], include_dead: bool = True) -> dict[str, Any]:
     snapshot = view.directory.snapshot()
     instances = [i for i in read_all(view.directory.segment) if include_dead or i.alive]
-    components = view.components(instances)
+    components = view.components(instances, with_raw=True)
+    predicted = view.predicted_source()
+    queue_source = "shared_table" if view.mode == "shared" else "unavailable"
     rows = []
     for index, inst in enumerate(instances):
         row: dict[str, Any] = {
@@ -39,8 +39,10 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
             "qps_1m": inst.qps_1m,
             "last_seen_ms": inst.last_seen_ms,
         }
-        row.update(dict.fromkeys(QUEUE_FIELDS))
-        row["least_load_score"] = scorer.explain(index, components, view.sources, QUEUE_SOURCE)
+        row.update({name: components[name][index] if name in components else None
+                    for name in QUEUE_FIELDS})
+        row["least_load_score"] = scorer.explain(index, components, view.sources,
+                                                 f"{queue_source}; predicted: {predicted}")
         rows.append(row)
     return {
         "ok": True,
@@ -51,6 +53,7 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
         "directory_seq": snapshot.seq,
         "answered_by": answered_by,
         "metric_source": {"inflight": view.sources["inflight"], "qps_1m": "instance_heartbeat",
-                          "queue_depth": QUEUE_SOURCE},
+                          "queue_depth": queue_source, "predicted_pressure": predicted},
+        "snapshot_age_ms": view.snapshot_age_ms(),
         "instances": rows,
     }

@@ -1,0 +1,141 @@
+"""Draining the workers' event rings into the timelines and publishing pressure snapshots.
+
+Runs on the sidecar's loop every few milliseconds. Publishes when something changed (at most
+every `min_publish_interval_s`) and at least every `heartbeat_s`, so a worker can tell a quiet
+sidecar (fresh snapshot, nothing pending) from a dead one (the snapshot ages).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shm_schema import DirectoryReader, Segment, read_all, read_rows
+from shm_schema.events import Event, EventKind, EventReader
+from shm_schema.snapshot import Pressure, SnapshotWriter
+
+from .timelines import Timelines
+
+log = logging.getLogger("cacheroute.sidecar.pressure")
+
+ROW_SHIFT = 48  # request key = row << 48 | per-worker sequence
+
+
+@dataclass
+class ChannelStats:
+    consumed: int = 0
+    stale_epoch: int = 0
+    unknown_instance: int = 0
+    expired_reservations: int = 0
+    dropped_by_workers: int = 0
+    published: int = 0
+    last_publish_us: int = 0
+
+
+class PressurePublisher:
+    def __init__(self, seg: Segment, epoch: int, ready_slots: int,
+                 min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.5,
+                 reservation_max_age_s: float = 900.0) -> None:
+        self._seg = seg
+        self.epoch = epoch
+        self._reader = EventReader(seg)
+        self._writer = SnapshotWriter(seg)
+        self._directory = DirectoryReader(seg)
+        self.timelines = Timelines(ready_slots)
+        self._owners: dict[int, int] = {}  # row -> identity whose reservations we hold
+        self._dirty = True
+        self._last_publish = 0.0
+        self._min_interval = min_publish_interval_s
+        self._heartbeat = heartbeat_s
+        self._max_age = reservation_max_age_s
+        self._next_expiry = time.monotonic() + 10.0
+        self.stats = ChannelStats()
+
+    def tick(self) -> None:
+        now = time.time()
+        rows = read_rows(self._seg)
+        self._forget_departed_rows({r.row: r.identity for r in rows}, now)
+        for row in rows:
+            self._drain(row.row)
+        self.stats.dropped_by_workers = sum(r.events_dropped for r in rows)
+        if time.monotonic() >= self._next_expiry:
+            self._next_expiry = time.monotonic() + 10.0
+            self._housekeeping(now)
+        if (self._dirty and now - self._last_publish >= self._min_interval) \
+                or now - self._last_publish >= self._heartbeat:
+            self._publish(now)
+
+    def drain_dead_row(self, row: int) -> None:
+        """Before a dead worker's row is freed: take what it wrote, then drop what it held."""
+        self._drain(row)
+        self._drop_row(row, time.time())
+        self._owners.pop(row, None)
+
+    # --- internals ------------------------------------------------------------------------
+    def _drain(self, row: int) -> None:
+        for event in self._reader.drain(row, limit=4096):
+            self.stats.consumed += 1
+            if event.epoch != self.epoch:
+                self.stats.stale_epoch += 1  # written for a sidecar that has since restarted
+                continue
+            self._apply(event)
+            self._dirty = True
+
+    def _apply(self, event: Event) -> None:
+        t = event.t_us / 1e6
+        if event.kind in (EventKind.RESERVE, EventKind.RESYNC):
+            self.timelines.reserve(event.slot, event.generation, event.request_key, t,
+                                   event.a / 1e6, event.b / 1e6)
+        elif event.kind == EventKind.FIRST_TOKEN:
+            self.timelines.first_token(event.request_key, t)
+        elif event.kind == EventKind.COMPLETE:
+            self.timelines.complete(event.request_key, t)
+
+    def _forget_departed_rows(self, owners: dict[int, int], now: float) -> None:
+        """A row whose owner changed or left (clean exit): its requests are gone."""
+        for row, identity in list(self._owners.items()):
+            if owners.get(row) != identity:
+                self._drop_row(row, now)
+                del self._owners[row]
+        for row, identity in owners.items():
+            self._owners.setdefault(row, identity)
+
+    def _drop_row(self, row: int, now: float) -> None:
+        if self.timelines.drop_keys(lambda key: key >> ROW_SHIFT == row, now):
+            self._dirty = True
+
+    def _housekeeping(self, now: float) -> None:
+        live = {(s.slot, s.generation) for s in read_all(self._seg)}
+        self.timelines.forget_instances(live, now)
+        expired = self.timelines.expire(self._max_age, now)
+        if expired:
+            self.stats.expired_reservations += expired
+            log.warning("expired %d reservations older than %.0fs (completion never reported)",
+                        expired, self._max_age)
+            self._dirty = True
+
+    def _publish(self, now: float) -> None:
+        # Every registered instance gets a record: an idle one is a measured zero, not unknown.
+        now_us = int(now * 1e6)
+        records = {i.slot: Pressure(i.generation, 0, 0, now_us, now_us, now_us)
+                   for i in self._directory.snapshot().instances}
+        for slot, pressure in self.timelines.pressures().items():
+            current = records.get(slot)
+            if current is not None and current.generation == pressure.generation:
+                records[slot] = pressure
+        self._writer.publish(records)
+        self._last_publish = now
+        self._dirty = False
+        self.stats.published += 1
+        self.stats.last_publish_us = int(now * 1e6)
+
+    def describe(self) -> dict[str, Any]:
+        pending, decoding = self.timelines.counts()
+        return {"epoch": self.epoch, "events_consumed": self.stats.consumed,
+                "events_dropped_by_workers": self.stats.dropped_by_workers,
+                "events_from_previous_epoch": self.stats.stale_epoch,
+                "expired_reservations": self.stats.expired_reservations,
+                "snapshots_published": self.stats.published,
+                "pending_reservations": pending, "decoding": decoding}
