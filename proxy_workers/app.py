@@ -19,6 +19,7 @@ from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, error_respo
 from cacheroute.routing.report import instance_loads
 
 from .exchange import ProxyExchange
+from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
 from .upstream import Upstream
@@ -32,6 +33,7 @@ class WorkerContext:
     index: int
     router: Router
     upstream: Upstream
+    pipeline: Pipeline
 
     @property
     def name(self) -> str:
@@ -53,7 +55,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
             except HTTPError as exc:
                 return from_http_error(exc)
             trace["request_id"] = proxy_request.request_id
-            return ProxyExchange(ctx.router, ctx.upstream, proxy_request, trace)
+            return ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace)
         return handle
 
     async def debug_instance_loads(request: Request) -> Response:

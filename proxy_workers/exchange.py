@@ -18,6 +18,7 @@ import msgspec
 
 from cacheroute.http import HTTPError
 
+from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, meta_event, meta_object
@@ -32,30 +33,41 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no
 
 
 class ProxyExchange:
-    def __init__(self, router: Router, upstream: Upstream, request: ProxyRequest,
-                 trace: dict[str, Any]) -> None:
+    def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
+                 request: ProxyRequest, trace: dict[str, Any]) -> None:
         self._router = router
+        self._pipeline = pipeline
         self._upstream = upstream
-        self._request = request
-        self._trace = trace
+        self._job = Job(request, trace)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         try:
-            lease = self._router.acquire(self._trace)
+            lease = self._router.acquire(self._job.trace)
         except HTTPError as exc:
-            await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail})
+            await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, headers=exc.headers)
             return
         try:
-            await run_until_disconnect(self._forward(lease, send), receive)
+            await run_until_disconnect(self._run(lease, send), receive)
         finally:
             lease.release()
 
+    async def _run(self, lease: Lease, send: Send) -> None:
+        try:
+            async with self._pipeline.admitted(lease, self._job):
+                await self._forward(lease, send)
+        except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
+            await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, lease, exc.headers)
+
     async def _forward(self, lease: Lease, send: Send) -> None:
-        request, trace = self._request, self._trace
+        job = self._job
+        request, trace = job.request, job.trace
         trace["forward_start_ms"] = _now_ms()
+        headers = None
+        if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
+            headers = {"x-cacheroute-kv-prefix-tokens": str(job.knowledge.prefix_tokens)}
         try:
             response = await self._upstream.open(lease.base_url + request.endpoint.path,
-                                                 request.upstream_body)
+                                                 request.encoded_body(), headers)
         except HTTPError as exc:
             await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, lease)
             return
@@ -86,7 +98,8 @@ class ProxyExchange:
         await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(self, response: aiohttp.ClientResponse, send: Send, lease: Lease) -> None:
-        trace = self._trace
+        job = self._job
+        trace = job.trace
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE_HEADERS, _instance_header(lease)]})
         stripper = DoneStripper()
@@ -94,7 +107,7 @@ class ProxyExchange:
         try:
             async for chunk in self._upstream.chunks(response):
                 if "first_token_ms" not in trace:
-                    trace["first_token_ms"] = _now_ms()
+                    self._first_token(job)
                 out = stripper.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -105,18 +118,20 @@ class ProxyExchange:
             error = exc.reason
         trace["forward_end_ms"] = _now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
-        final = meta_event(trace, error) + (DONE_EVENT if error is None else b"")
+        final = meta_event(trace, error or job.knowledge.error, job.knowledge) + \
+            (DONE_EVENT if error is None else b"")
         await send({"type": "http.response.body", "body": final, "more_body": False})
 
     async def _relay_whole(self, response: aiohttp.ClientResponse, send: Send, lease: Lease) -> None:
-        trace = self._trace
+        job = self._job
+        trace = job.trace
         try:
             body = await self._upstream.read_all(response)
         except UpstreamFailure as exc:
             await send_json(send, 502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
         trace["forward_end_ms"] = _now_ms()
-        meta = meta_object(trace, None)
+        meta = meta_object(trace, job.knowledge.error, job.knowledge)
         try:
             parsed = msgspec.json.decode(body)
         except msgspec.DecodeError:
@@ -126,6 +141,18 @@ class ProxyExchange:
         else:
             parsed = {"raw": body.decode("utf-8", "replace"), "_cacheroute_meta": meta}
         await send_json(send, 200, parsed, lease)
+
+
+    def _first_token(self, job: Job) -> None:
+        trace = job.trace
+        now = _now_ms()
+        trace["first_token_ms"] = now
+        trace["actual_ttft_ms"] = now - trace["proxy_recv_ms"]
+        if "ready_dequeue_ms" in trace:
+            trace["actual_vllm_ttft_ms"] = now - trace["forward_start_ms"]
+        if job.predicted_first_token_ms is not None:
+            trace["predict_error_ms"] = int(now - job.predicted_first_token_ms)
+        self._pipeline.first_token(job)
 
 
 async def run_until_disconnect(work: Awaitable[None], receive: Receive) -> None:
@@ -149,9 +176,11 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def send_json(send: Send, status: int, content: Any, lease: Lease | None = None) -> None:
-    headers = [_JSON] if lease is None else [_JSON, _instance_header(lease)]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+async def send_json(send: Send, status: int, content: Any, lease: Lease | None = None,
+                    headers: dict[str, str] | None = None) -> None:
+    raw = [_JSON] if lease is None else [_JSON, _instance_header(lease)]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": _encoder.encode(content)})
 
 

@@ -82,6 +82,25 @@ class OpenAICompletionBody(msgspec.Struct):
     max_tokens: MaxTokens | None = None
 
 
+DEFAULT_DECODE_TOKENS = 128  # for predictions when the client does not say (OpenAI's default is open)
+INJECTION_ALIASES = {"kv": "kvcache", "kv_cache": "kvcache", "kv-cache": "kvcache",
+                     "kvcache": "kvcache", "text": "text", "prompt": "text"}
+
+
+class KnowledgeSpec(msgspec.Struct):
+    """What the Scheduler asked for: which knowledge, how to inject it, where to fetch it."""
+
+    enabled: bool
+    injection_type: str  # "text" or "kvcache" (the Scheduler's normalisation: unknown -> kvcache)
+    knowledge_ids: list[str]
+    knowledge_tokens: int
+    kdn_addr: str
+
+    @property
+    def wanted(self) -> bool:
+        return self.enabled and bool(self.knowledge_ids)
+
+
 class ProxyRequest(msgspec.Struct):
     """What the worker forwards, whatever shape the client used."""
 
@@ -92,6 +111,15 @@ class ProxyRequest(msgspec.Struct):
     request_id: int
     token_length: int | None
     source: str  # "cacheroute" or "openai"
+    prompt_tokens: int = 1
+    decode_tokens: int = DEFAULT_DECODE_TOKENS
+    # The upstream body as a dict, for a Scheduler request whose knowledge is injected before
+    # forwarding (re-encoded then); None when the body is forwarded as received.
+    body: dict[str, Any] | None = None
+    knowledge: KnowledgeSpec | None = None
+
+    def encoded_body(self) -> bytes:
+        return self.upstream_body if self.body is None else _encoder.encode(self.body)
 
 
 _encoder = msgspec.json.Encoder()
@@ -132,9 +160,19 @@ def _from_scheduler(endpoint: Endpoint, raw: dict[str, Any]) -> ProxyRequest:
         value = getattr(prompt, name)
         if value is not None:
             body[name] = value
-    return ProxyRequest(endpoint=endpoint, upstream_body=_encoder.encode(body), stream=stream,
+    service = req.Service
+    knowledge = KnowledgeSpec(
+        enabled=service.Enable_know_injection,
+        injection_type=INJECTION_ALIASES.get(service.Injection_type.strip().lower(), "kvcache"),
+        knowledge_ids=list(service.Knowledge_List), knowledge_tokens=service.Knowledge_length,
+        kdn_addr=req.Task.KDN_server_addr)
+    prompt_tokens = prompt.token_length or _estimate_tokens(len(prompt.user_prompt))
+    return ProxyRequest(endpoint=endpoint, upstream_body=b"", stream=stream,
                         model=prompt.model, request_id=req.Request_ID,
-                        token_length=prompt.token_length, source="cacheroute")
+                        token_length=prompt.token_length, source="cacheroute",
+                        prompt_tokens=prompt_tokens,
+                        decode_tokens=prompt.max_tokens or DEFAULT_DECODE_TOKENS,
+                        body=body, knowledge=knowledge)
 
 
 def _from_openai(endpoint: Endpoint, raw: dict[str, Any], body: bytes) -> ProxyRequest:
@@ -143,10 +181,20 @@ def _from_openai(endpoint: Endpoint, raw: dict[str, Any], body: bytes) -> ProxyR
             raise HTTPError(422, "invalid_request_payload",
                             "Object missing required field `messages` (or a CacheRoute `Prompt`)")
         parsed: Any = _convert(raw, OpenAIChatBody)
+        chars = sum(len(m.content) if isinstance(m.content, str) else len(str(m.content))
+                    for m in parsed.messages)
     else:
         if "prompt" not in raw:
             raise HTTPError(422, "invalid_request_payload",
                             "Object missing required field `prompt` (or a CacheRoute `Prompt`)")
         parsed = _convert(raw, OpenAICompletionBody)
+        chars = len(parsed.prompt) if isinstance(parsed.prompt, str) else len(str(parsed.prompt))
     return ProxyRequest(endpoint=endpoint, upstream_body=body, stream=parsed.stream,
-                        model=parsed.model, request_id=0, token_length=None, source="openai")
+                        model=parsed.model, request_id=0, token_length=None, source="openai",
+                        prompt_tokens=_estimate_tokens(chars),
+                        decode_tokens=parsed.max_tokens or DEFAULT_DECODE_TOKENS)
+
+
+def _estimate_tokens(chars: int) -> int:
+    """~4 characters a token: good enough to predict prefill time without a tokenizer."""
+    return max(1, -(-chars // 4))

@@ -13,33 +13,56 @@ from cacheroute.config import Settings
 from cacheroute.http import HTTPError
 from cacheroute.routing.load_view import LoadView
 from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
-from shm_schema import InstanceSlot, Segment, WorkerRow, header
+from shm_schema import Admission, InstanceSlot, Segment, WorkerRow, header
 
 
 class Lease:
-    __slots__ = ("instance", "_row", "_held")
+    """A request's hold on one instance: inflight, plus whichever queue lanes it is in."""
+
+    __slots__ = ("instance", "_row", "_held", "_lanes")
 
     def __init__(self, instance: InstanceSlot, row: WorkerRow) -> None:
         self.instance = instance
         self._row = row
         self._held = True
+        self._lanes: list[int] = []
 
     @property
     def base_url(self) -> str:
         return f"http://{self.instance.host}:{self.instance.port}"
 
+    def enter(self, lane: int) -> None:
+        """Count this request in a host-wide queue lane until `leave` (or `release`)."""
+        self._row.add(lane, self.instance.slot, self.instance.generation)
+        self._lanes.append(lane)
+
+    def try_admit(self, lane: int, limit: int) -> Admission:
+        """Enter `lane` only while the host-wide count is below `limit`."""
+        result = self._row.try_admit(lane, self.instance.slot, self.instance.generation, limit)
+        if result is Admission.ADMITTED:
+            self._lanes.append(lane)
+        return result
+
+    def leave(self, lane: int) -> None:
+        if lane in self._lanes:
+            self._lanes.remove(lane)
+            self._row.remove(lane, self.instance.slot, self.instance.generation)
+
     def release(self) -> bool:
-        """End the request on this instance; False if already released or the slot is stale."""
+        """End the request on this instance (every lane, then inflight); False if already
+        released or the slot is stale."""
         if not self._held:
             return False
         self._held = False
+        while self._lanes:
+            self._row.remove(self._lanes.pop(), self.instance.slot, self.instance.generation)
         return self._row.end(self.instance.slot, self.instance.generation)
 
 
 class Router:
     def __init__(self, settings: Settings, seg: Segment, row: WorkerRow) -> None:
         self.row = row
-        self.view = LoadView(seg, settings.load_view, row)
+        self.view = LoadView(seg, settings.load_view, row, stale_ms=settings.snapshot_stale_ms)
         if settings.load_view == "shared":
             cursor, tie_cursor = (lambda: header.next_round_robin(seg)), (lambda: header.next_tie_break(seg))
         else:  # the ablation: N independent proxies, each with its own rotation

@@ -17,13 +17,19 @@ from cacheroute import logs
 from cacheroute.config import Settings
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
+from cacheroute.predictors import get_predictors
+
 from .app import WorkerContext, build_app
+from .knowledge import KnowledgePreparer
+from .pipeline import Pipeline
 from .router import Router
+from .tracker import RequestTracker
 from .upstream import Upstream
 
 log = logging.getLogger("cacheroute.worker")
 
 SEGMENT_WAIT_S = 15.0
+EVENT_TICK_S = 0.02
 
 
 def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -41,23 +47,31 @@ def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 class _Lifespan:
     """Starts and stops what lives as long as the server: upstream pool, row heartbeat."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, tracker: RequestTracker) -> None:
         self._ctx = ctx
+        self._tracker = tracker
 
     @contextlib.asynccontextmanager
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
-        beat = asyncio.create_task(self._heartbeat())
+        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events())]
         try:
             yield
         finally:
-            beat.cancel()
+            for task in tasks:
+                task.cancel()
             await self._ctx.upstream.close()
 
     async def _heartbeat(self) -> None:
         while True:
             self._ctx.router.row.heartbeat()
             await asyncio.sleep(1.0)
+
+    async def _events(self) -> None:
+        """Move spilled events into the ring; re-announce live requests to a new sidecar."""
+        while True:
+            self._tracker.tick()
+            await asyncio.sleep(EVENT_TICK_S)
 
 
 def run(settings: Settings, index: int) -> int:
@@ -80,9 +94,15 @@ def run(settings: Settings, index: int) -> int:
         seg.close()
         return 2
     try:
-        ctx = WorkerContext(settings=settings, index=index, router=Router(settings, seg, row),
-                            upstream=Upstream(settings))
-        app = build_app(ctx, lifespan=_Lifespan(ctx))
+        router = Router(settings, seg, row)
+        upstream = Upstream(settings)
+        tracker = RequestTracker(seg, row)
+        predictors = get_predictors(settings.predictor_profile)
+        pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors),
+                            predictors, router.view.ready_wait_ms)
+        ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
+                            pipeline=pipeline)
+        app = build_app(ctx, lifespan=_Lifespan(ctx, tracker))
         log.info("worker %d serving %s:%d (shared) and %s:%d (private), row %d, strategy %s, view %s",
                  index, settings.dp_host, settings.dp_port, settings.worker_private_host,
                  settings.worker_private_port(index), row.row, ctx.router.strategy.name,

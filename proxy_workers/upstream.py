@@ -44,12 +44,19 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
-    async def open(self, url: str, body: bytes) -> aiohttp.ClientResponse:
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Upstream.start() not called"
+        return self._session
+
+    async def open(self, url: str, body: bytes, extra_headers: dict[str, str] | None = None
+                   ) -> aiohttp.ClientResponse:
         """POST and wait for the response head; HTTPError 502/504 if that does not happen."""
         assert self._session is not None, "Upstream.start() not called"
         try:
             async with asyncio.timeout(self._settings.upstream_first_byte_timeout_s):
-                return await self._session.post(url, data=body, headers=self._headers)
+                headers = self._headers if not extra_headers else {**self._headers, **extra_headers}
+                return await self._session.post(url, data=body, headers=headers)
         except TimeoutError:
             raise HTTPError(504, "upstream_timeout",
                             f"{url} sent no response within {self._settings.upstream_first_byte_timeout_s:g}s") from None

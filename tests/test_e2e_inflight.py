@@ -51,11 +51,18 @@ def test_quiescent_workers_agree(make_cluster):
     cluster.add_instance()
     for _ in range(6):
         assert http("POST", f"{cluster.dp_url}/v1/chat/completions", chat_body(stream=False))[0] == 200
-    reports = [cluster.loads(w) for w in range(cluster.workers)] + [cluster.loads()]
-    stripped = [[{k: v for k, v in row.items() if k != "last_seen_ms"} for row in r["instances"]]
+    # Quiescent: no request in flight and the sidecar has consumed every completion event.
+    wait_until(lambda: cluster.status()["event_channel"]["pending_reservations"] == 0
+               and cluster.status()["event_channel"]["decoding"] == 0, 5, message="timelines drained")
+
+    def agree() -> bool:
+        reports = [cluster.loads(w) for w in range(cluster.workers)] + [cluster.loads()]
+        rows = [[{k: v for k, v in row.items() if k != "last_seen_ms"} for row in r["instances"]]
                 for r in reports]
-    assert all(s == stripped[0] for s in stripped), stripped
-    assert {r["answered_by"].get("worker_index") for r in reports} == {0, 1, 2, None}
+        assert {r["answered_by"].get("worker_index") for r in reports} == {0, 1, 2, None}
+        return all(r == rows[0] for r in rows)
+
+    wait_until(agree, 5, message="every worker and the control plane report the same rows")
 
 
 def test_slot_reuse_stale_ends_are_noops(make_cluster):

@@ -37,7 +37,7 @@ class LstsqResult(NamedTuple):
 
 
 def least_squares(design: Sequence[Sequence[float]], targets: Sequence[float]) -> LstsqResult:
-    """Minimise ||design·x − targets||² over x; ``design`` is one row of regressors per target."""
+    """Least-squares x for design·x ≈ targets (``design``: one row of regressors per target)."""
     n = len(design)
     if n != len(targets):
         raise FitError(f"{n} design rows but {len(targets)} targets")

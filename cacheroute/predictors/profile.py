@@ -83,7 +83,7 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class TpotLine(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Seconds per output token at batch size ``bs`` and context length L: slope_s·L + intercept_s."""
+    """Seconds per output token at batch size ``bs``, context length L: slope_s·L + intercept_s."""
 
     bs: int
     slope_s: float

@@ -1,9 +1,10 @@
 """Benchmark tables: the input of ``bench/refit_predictors.py`` and the output of
 ``bench/calibrate_instance.py``. One JSON file per kind::
 
-    {"kind": "ttft",  "columns": ["tokens", "bs", "ms"],                   "rows": [[89, 1, 88.4], ...]}
-    {"kind": "tpot",  "columns": ["context_tokens", "bs", "ms_per_token"], "rows": [[540.5, 4, 25.9], ...]}
-    {"kind": "redis", "columns": ["kv_gb", "ms"],                          "rows": [[0.5, 1390.0], ...]}
+    {"kind": "ttft", "columns": ["tokens", "bs", "ms"], "rows": [[89, 1, 88.4], ...]}
+    {"kind": "tpot", "columns": ["context_tokens", "bs", "ms_per_token"],
+     "rows": [[540.5, 4, 25.9], ...]}
+    {"kind": "redis", "columns": ["kv_gb", "ms"], "rows": [[0.5, 1390.0], ...]}
 
 plus optional ``source`` (free text: where the numbers come from, the command that produced
 them). Rows are raw samples; repeated x values are allowed (the refit can aggregate them).
@@ -38,7 +39,8 @@ class TtftTable(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         for i, (tokens, bs, ms) in enumerate(self.rows):
             if tokens <= 0 or bs <= 0 or not ms >= 0:
-                raise ValueError(f"rows[{i}] = {[tokens, bs, ms]}: need tokens > 0, bs > 0, ms >= 0")
+                raise ValueError(f"rows[{i}] = {[tokens, bs, ms]}: "
+                                 "need tokens > 0, bs > 0, ms >= 0")
 
 
 class TpotTable(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -50,8 +52,8 @@ class TpotTable(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         for i, (tokens, bs, ms) in enumerate(self.rows):
             if tokens <= 0 or bs <= 0 or not ms >= 0:
-                raise ValueError(f"rows[{i}] = {[tokens, bs, ms]}: need context_tokens > 0, bs > 0, "
-                                 "ms_per_token >= 0")
+                raise ValueError(f"rows[{i}] = {[tokens, bs, ms]}: "
+                                 "need context_tokens > 0, bs > 0, ms_per_token >= 0")
 
 
 class RedisTable(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,6 +92,10 @@ def _pretty(value: Any, level: int) -> str:
     if isinstance(value, dict):
         if not value:
             return "{}"
+        if all(not isinstance(v, (dict, list, tuple)) for v in value.values()):
+            flat = json.dumps(value, ensure_ascii=False)
+            if len(flat) + len(inner) <= 100:
+                return flat
         items = [f"{inner}{json.dumps(k, ensure_ascii=False)}: {_pretty(v, level + 1)}"
                  for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + pad + "}"

@@ -90,6 +90,17 @@ class LoadView:
         now_us = int(time.time() * 1e6) if now_us is None else now_us
         return "fresh" if now_us - published <= self._stale_us else "stale"
 
+    def ready_wait_ms(self, instance: SlotRef) -> float | None:
+        """Predicted wait before a new request on `instance` could start prefill, from a fresh
+        snapshot; None if the predicted layer is unknown."""
+        now_us = int(time.time() * 1e6)
+        if self.predicted_source(now_us) != "fresh":
+            return None
+        pressure = self.snapshots.pressure(instance.slot, instance.generation)
+        if pressure is None:
+            return None
+        return max(0.0, (max(pressure.next_slot_free_at_us, pressure.prefill_free_at_us) - now_us) / 1000)
+
     def snapshot_age_ms(self) -> float | None:
         published = self.snapshots.published_us()
         return None if not published else (time.time() * 1e6 - published) / 1000

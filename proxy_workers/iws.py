@@ -1,0 +1,46 @@
+"""IWS: choose text or kvcache injection per request by predicted cost (protocol §6.2).
+
+Pure arithmetic over the predictors, the chosen instance's predicted ready wait (from the
+sidecar's snapshot) and this worker's KV link timeline; no side effects, unlike the original
+(whose estimate created reservation state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from cacheroute.config import Settings
+
+from .request_model import ProxyRequest
+
+KDN_FETCH_FIXED_MS = 3.0  # the original's fixed know-prepare cost on top of the RTT
+
+
+class Decision(NamedTuple):
+    mode: str  # "text" or "kvcache"
+    reason: str
+    text_total_ms: float
+    kvcache_total_ms: float
+
+
+def decide(request: ProxyRequest, ready_wait_ms: float, link_wait_ms: float, predictors: Any,
+           settings: Settings) -> Decision:
+    spec = request.knowledge
+    prompt, knowledge = request.prompt_tokens, spec.knowledge_tokens if spec else 0
+    text_service = predictors.text_service_ms(prompt, max(0, knowledge))
+    if spec is None or not spec.wanted or knowledge <= 0:
+        return Decision("text", "no_rag_or_empty_knowledge", text_service, float("nan"))
+    kv = predictors.kvcache_service(prompt, knowledge)
+    bandwidth = settings.kdn_default_bandwidth_mbps
+    kv_transfer = predictors.kv_transfer_ms(kv.effective_knowledge_tokens, bandwidth)
+    text_prepare_wait = (link_wait_ms + KDN_FETCH_FIXED_MS) if spec.kdn_addr else 0.0
+    kvcache_prepare = link_wait_ms + kv_transfer
+    text_total = max(text_prepare_wait, ready_wait_ms) + text_service
+    kvcache_total = max(ready_wait_ms, kvcache_prepare) + kv.total_ms
+    kvcache_score = kvcache_total + settings.iws_kdn_queue_penalty_alpha * link_wait_ms
+    if kvcache_score + settings.iws_decision_margin_ms < text_total:
+        reason = ("kvcache_hidden_and_score_better" if kvcache_prepare <= ready_wait_ms
+                  else "kvcache_score_better")
+        return Decision("kvcache", reason, text_total, kvcache_total)
+    reason = ("text_due_to_kdn_congestion" if link_wait_ms > 0 else "text_score_better")
+    return Decision("text", reason, text_total, kvcache_total)

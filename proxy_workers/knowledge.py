@@ -1,0 +1,197 @@
+"""Knowledge preparation (protocol §2.4, §6): fetch from the KDN, classify, inject into the body,
+and on the kvcache path have the instance pull prebuilt KV blocks first.
+
+Differences from the original, on purpose: the instance's control-plane port comes from its
+registration (`meta.cp_port`) or `PROXY_INSTANCE_CP_PORT_OFFSET`, not a hard-coded 9002; every
+call has a timeout; a failure never loses the request (it goes on without that knowledge and
+the reason is in `cacheroute_meta.error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from cacheroute.config import Settings
+from shm_schema import InstanceSlot
+
+from .request_model import Endpoint, ProxyRequest
+
+NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
+TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below to answer the "
+                 "user's question. If the context is irrelevant to the question, ignore it.")
+
+
+@dataclass
+class Knowledge:
+    """What preparation found and did; reported in cacheroute_meta."""
+
+    kv_ready_kids: list[str] = field(default_factory=list)
+    text_only_kids: list[str] = field(default_factory=list)
+    miss_kids: list[str] = field(default_factory=list)
+    kv_ack: dict[str, Any] = field(default_factory=dict)
+    prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
+    error: str | None = None
+
+
+class LinkTimeline:
+    """KV transfers over one (instance, KDN) link queue behind each other (§6.3 step 1).
+    Per worker: a host-wide link schedule would need the sidecar; see README limits."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+    def wait_s(self, now: float) -> float:
+        return max(0.0, self.free_at - now)
+
+    def reserve(self, now: float, transfer_s: float) -> float:
+        start = max(now, self.free_at)
+        self.free_at = start + transfer_s
+        return start
+
+    def done(self, at: float) -> None:
+        self.free_at = max(self.free_at, at)
+
+
+class KnowledgePreparer:
+    def __init__(self, settings: Settings, upstream: Any, predictors: Any) -> None:
+        self._settings = settings
+        self._upstream = upstream  # its pooled session exists once the worker has started
+        self._predictors = predictors
+        self._links: dict[tuple[str, str], LinkTimeline] = {}
+
+    @property
+    def _session(self) -> aiohttp.ClientSession:
+        return self._upstream.session
+
+    def link(self, instance_id: str, kdn_addr: str) -> LinkTimeline:
+        key = (instance_id, kdn_addr or "unknown")
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = LinkTimeline()
+        return link
+
+    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: dict[str, Any]) -> Knowledge:
+        spec = request.knowledge
+        result = Knowledge()
+        if spec is None or not spec.wanted or request.body is None:
+            return result
+        try:
+            trace["kdn_fetch_start_ms"] = _ms()
+            items, result.miss_kids = await self._fetch(spec.kdn_addr, spec.knowledge_ids)
+            trace["kdn_fetch_end_ms"] = _ms()
+            context = self._classify(spec.knowledge_ids, items, result)
+            if context:
+                _inject(request, context, spec.injection_type)
+            if spec.injection_type == "kvcache":
+                await self._kv_inject(request, instance, result, trace)
+        except Exception as exc:  # knowledge is best effort: the request goes on without it
+            result.error = f"prepare_failed: {type(exc).__name__}: {exc}"
+        return result
+
+    async def _fetch(self, kdn_addr: str, kids: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        if not kdn_addr:
+            return {}, list(kids)
+        url = f"http://{kdn_addr}/knowledge/search/text"
+        async with self._session.post(url, json={"knowledge_ids": [str(k) for k in kids],
+                                                 "need_fields": NEED_FIELDS},
+                                      timeout=aiohttp.ClientTimeout(total=self._settings.kdn_timeout_s)) as resp:
+            if resp.status >= 400:
+                raise RuntimeError(f"KDN search answered {resp.status}")
+            payload = msgspec.json.decode(await resp.read())
+        items = {}
+        for item in payload.get("items") or []:
+            if isinstance(item, dict):
+                kid = item.get("knowledge_id") or item.get("kid") or item.get("id")
+                if kid is not None:
+                    items[str(kid).lower()] = item
+        return items, [str(k) for k in payload.get("miss") or []]
+
+    @staticmethod
+    def _classify(kids: list[str], items: dict[str, dict[str, Any]], result: Knowledge) -> str:
+        """Request order: missing, kv-ready, text-only; context = kv-ready then text-only."""
+        missing = {m.lower() for m in result.miss_kids}
+        kv_texts, text_texts = [], []
+        for kid in kids:
+            item = items.get(str(kid).lower())
+            if item is None or str(kid).lower() in missing:
+                if kid not in result.miss_kids:
+                    result.miss_kids.append(kid)
+                continue
+            content = str(item.get("content") or "").strip()
+            if item.get("kv_ready"):
+                result.kv_ready_kids.append(kid)
+                kv_texts.append(content)
+            else:
+                result.text_only_kids.append(kid)
+                text_texts.append(content)
+        return "\n".join(t for t in kv_texts + text_texts if t)
+
+    async def _kv_inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
+                         trace: dict[str, Any]) -> None:
+        spec = request.knowledge
+        assert spec is not None
+        if not result.kv_ready_kids:
+            result.kv_ack = _ack(True, "no kv_ready_kids", result)
+            return
+        predictors = self._predictors
+        effective = predictors.effective_knowledge_tokens(spec.knowledge_tokens)
+        transfer_s = predictors.kv_transfer_ms(effective, self._settings.kdn_default_bandwidth_mbps) / 1000
+        link = self.link(instance.instance_id, spec.kdn_addr)
+        now = time.time()
+        start = link.reserve(now, transfer_s)
+        trace["kdn_link_wait_ms"] = int((start - now) * 1000)
+        if start > now:
+            await asyncio.sleep(start - now)
+        trace["kv_ack_start_ms"] = _ms()
+        cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
+        url = f"http://{instance.host}:{cp_port}/v1/kv/inject_ready"
+        body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
+                "model": request.model, "knowledge_ids": result.kv_ready_kids}
+        try:
+            async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
+                    total=self._settings.kv_inject_timeout_s)) as resp:
+                ack = msgspec.json.decode(await resp.read())
+                if resp.status >= 400 or not isinstance(ack, dict) or not ack.get("ok"):
+                    detail = ack.get("detail") if isinstance(ack, dict) else None
+                    raise RuntimeError(f"KV inject answered {resp.status}: {detail}")
+            result.kv_ack = ack
+            result.prefix_tokens = effective
+            trace["kvcache_actual_path"] = "kv_injected"
+        except Exception as exc:
+            result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
+            trace["kvcache_actual_path"] = "recompute"  # the instance prefills the text instead
+        finally:
+            link.done(time.time())
+            trace["kv_ack_end_ms"] = _ms()
+
+
+def _inject(request: ProxyRequest, context: str, mode: str) -> None:
+    """Put the context where the instance (and, for kvcache, the KDN's prebuilt KV) expects it."""
+    body = request.body
+    assert body is not None
+    if request.endpoint is Endpoint.CHAT:
+        if mode == "kvcache":
+            system = context  # byte for byte what the KDN prebuilt, for a prefix hit
+        else:
+            system = f"{TEXT_PREAMBLE}\n\n### Retrieved Context\n{context}"
+        body["messages"] = [{"role": "system", "content": system}, *body["messages"]]
+    elif mode == "kvcache":
+        body["prompt"] = f"{context}\n{body['prompt']}"
+    else:
+        body["prompt"] = f"{TEXT_PREAMBLE}\n\n{context}\n\n### User Prompt\n{body['prompt']}"
+
+
+def _ack(ok: bool, detail: str, result: Knowledge) -> dict[str, Any]:
+    return {"ok": ok, "injected_kids": [],
+            "text_only_kids": ([] if ok else result.kv_ready_kids) + result.text_only_kids,
+            "miss_kids": result.miss_kids, "keys_injected": 0, "detail": detail}
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)

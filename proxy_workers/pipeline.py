@@ -1,0 +1,246 @@
+"""The prepare/ready pipeline of one worker (protocol §4.2), without the original's stalls.
+
+    prepare (PREPARE_CONCURRENCY per instance in this worker: KDN fetch, injection, KV inject)
+    -> release in prepare order (`ordered`) or let text requests pass a blocked head
+       (`text_bypass`)  -> reservation event to the sidecar
+    -> ready admission: a host-wide counter in the slot, so N workers together never forward
+       more than READY_CONCURRENCY requests to one instance
+    -> forward (the caller), first-token and completion events.
+
+Every wait has a deadline (PROXY_QUEUE_TIMEOUT_S, 503 + Retry-After), every per-instance queue
+a bound (PROXY_MAX_QUEUE_PER_INSTANCE, 429 + Retry-After), and every counter entered is left
+in a `finally` (the Lease leaves whatever is still held). There is no dispatch spacing and no
+one-at-a-time gate: admission is the only limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from cacheroute.config import Settings
+from cacheroute.http import HTTPError
+from shm_schema import Admission, layout
+
+from .iws import decide
+from .knowledge import Knowledge, KnowledgePreparer
+from .request_model import ProxyRequest
+from .router import Lease
+from .tracker import RequestTracker
+
+ADMISSION_POLL_S = (0.001, 0.002, 0.005)  # cross-worker releases are seen by polling; local ones wake at once
+
+
+@dataclass
+class _Ticket:
+    seq: int
+    injection_type: str
+    released: asyncio.Future[None]
+
+
+@dataclass
+class InstanceStages:
+    """This worker's per-instance state: prepare limit, release order, admission wake-ups."""
+
+    prepare_slots: asyncio.Semaphore
+    queued: int = 0
+    next_seq: int = 1
+    next_release: int = 1
+    waiting: dict[int, _Ticket] = field(default_factory=dict)  # prepared, not yet released
+    done: set[int] = field(default_factory=set)  # released out of order, or abandoned
+    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Job:
+    """One request's pipeline state, reported in cacheroute_meta."""
+
+    request: ProxyRequest
+    trace: dict[str, Any]
+    key: int = 0
+    knowledge: Knowledge = field(default_factory=Knowledge)
+    predicted_first_token_ms: float | None = None
+
+
+class Pipeline:
+    def __init__(self, settings: Settings, tracker: RequestTracker, preparer: KnowledgePreparer,
+                 predictors: Any, pressure_of: Any) -> None:
+        self._settings = settings
+        self._tracker = tracker
+        self._preparer = preparer
+        self._predictors = predictors
+        self._pressure_of = pressure_of  # (InstanceSlot) -> predicted ready wait ms, or None
+        self._stages: dict[tuple[int, int], InstanceStages] = {}
+
+    def _stages_for(self, lease: Lease) -> InstanceStages:
+        key = (lease.instance.slot, lease.instance.generation)
+        stages = self._stages.get(key)
+        if stages is None:
+            if len(self._stages) > 4 * 1024:  # forget instances long gone
+                self._stages = {k: v for k, v in self._stages.items() if v.queued}
+            stages = self._stages[key] = InstanceStages(asyncio.Semaphore(self._settings.prepare_concurrency))
+        return stages
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, lease: Lease, job: Job) -> AsyncIterator[None]:
+        """Prepare, wait for the turn and for admission; forward inside; clean up on exit."""
+        settings = self._settings
+        stages = self._stages_for(lease)
+        if stages.queued >= settings.max_queue_per_instance:
+            raise HTTPError(429, "queue_full",
+                            f"{stages.queued} requests already wait for {lease.instance.instance_id}",
+                            {"Retry-After": "1"})
+        stages.queued += 1
+        ticket = _Ticket(stages.next_seq, "text", asyncio.get_running_loop().create_future())
+        stages.next_seq += 1
+        job.trace["prepare_seq"] = ticket.seq
+        job.trace["proxy_enqueue_ms"] = _ms()
+        job.key = self._tracker.new_key()
+        reserved = False
+        try:
+            try:
+                async with asyncio.timeout(settings.queue_timeout_s):
+                    await self._prepare(lease, stages, job, ticket)
+                    await self._wait_turn(stages, ticket)
+                    self._reserve(lease, job)
+                    reserved = True
+                    await self._admit(lease, stages, job)
+            except TimeoutError:
+                raise HTTPError(503, "queue_timeout",
+                                f"not admitted to {lease.instance.instance_id} within "
+                                f"{settings.queue_timeout_s:g}s", {"Retry-After": "2"}) from None
+            finally:
+                stages.queued -= 1
+                if not ticket.released.done():
+                    self._abandon(stages, ticket)
+            failed = True
+            try:
+                yield
+                failed = False
+            finally:
+                lease.leave(layout.LANE_READY_ACTIVE)
+                stages.slot_freed.set()
+                self._tracker.complete(job.key, failed)
+        except BaseException:
+            if reserved:
+                self._tracker.complete(job.key, True)
+            raise
+
+    def first_token(self, job: Job) -> None:
+        self._tracker.first_token(job.key)
+
+    # --- stages ------------------------------------------------------------------------------
+    async def _prepare(self, lease: Lease, stages: InstanceStages, job: Job, ticket: _Ticket) -> None:
+        request, trace = job.request, job.trace
+        spec = request.knowledge
+        if spec is not None and spec.wanted and self._settings.injection_strategy == "iws":
+            ready_wait = self._pressure_of(lease.instance) or 0.0
+            link = self._preparer.link(lease.instance.instance_id, spec.kdn_addr)
+            decision = decide(request, ready_wait, link.wait_s(time.time()) * 1000,
+                              self._predictors, self._settings)
+            spec.injection_type = decision.mode
+            trace["iws_reason"] = decision.reason
+        if spec is not None:
+            ticket.injection_type = spec.injection_type
+            trace["injection_mode"] = spec.injection_type
+        lease.enter(layout.LANE_PREPARE_WAITING)
+        try:
+            await stages.prepare_slots.acquire()
+        finally:
+            lease.leave(layout.LANE_PREPARE_WAITING)
+        lease.enter(layout.LANE_PREPARE_ACTIVE)
+        try:
+            trace["prepare_start_ms"] = _ms()
+            job.knowledge = await self._preparer.prepare(request, lease.instance, trace)
+            trace["prepare_self_done_ms"] = _ms()
+        finally:
+            stages.prepare_slots.release()
+            lease.leave(layout.LANE_PREPARE_ACTIVE)
+
+    async def _wait_turn(self, stages: InstanceStages, ticket: _Ticket) -> None:
+        stages.waiting[ticket.seq] = ticket
+        self._flush(stages)
+        await asyncio.shield(ticket.released)
+
+    def _flush(self, stages: InstanceStages) -> None:
+        """Release in prepare order; with text_bypass, let text requests pass a blocked head."""
+        while True:
+            seq = stages.next_release
+            if seq in stages.done:
+                stages.done.discard(seq)
+            elif seq in stages.waiting:
+                _set(stages.waiting.pop(seq).released)
+            else:
+                break
+            stages.next_release += 1
+        if self._settings.ready_release_policy != "text_bypass" or not stages.waiting:
+            return
+        bypass = [t for s, t in sorted(stages.waiting.items()) if t.injection_type == "text"]
+        for ticket in bypass[:self._settings.text_bypass_max_per_flush]:
+            del stages.waiting[ticket.seq]
+            stages.done.add(ticket.seq)
+            _set(ticket.released)
+
+    def _abandon(self, stages: InstanceStages, ticket: _Ticket) -> None:
+        """A request that leaves before its turn must not wedge the ones behind it."""
+        stages.waiting.pop(ticket.seq, None)
+        if ticket.seq >= stages.next_release:
+            stages.done.add(ticket.seq)
+        _set(ticket.released)
+        self._flush(stages)
+
+    def _reserve(self, lease: Lease, job: Job) -> None:
+        """Tell the sidecar the request is released to ready, with its predicted service."""
+        request, trace, knowledge = job.request, job.trace, job.knowledge
+        job.trace["ready_enqueue_ms"] = _ms()
+        predictors = self._predictors
+        knowledge_tokens = request.knowledge.knowledge_tokens if request.knowledge else 0
+        if knowledge.prefix_tokens:  # the instance holds the knowledge's KV: pull + residual prefill
+            service = predictors.kvcache_service(request.prompt_tokens, knowledge_tokens).total_ms
+        elif knowledge.kv_ready_kids or knowledge.text_only_kids:  # knowledge text in the prompt
+            service = predictors.text_service_ms(request.prompt_tokens, knowledge_tokens)
+        else:
+            service = predictors.text_service_ms(request.prompt_tokens, 0)
+        decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, 1)
+        ready_wait = self._pressure_of(lease.instance)
+        trace["predict_service_ms"] = round(service, 1)
+        trace["predict_decode_ms"] = round(decode, 1)
+        if ready_wait is not None:
+            trace["predict_queue_wait_ms"] = round(ready_wait, 1)
+            job.predicted_first_token_ms = time.time() * 1000 + ready_wait + service
+            trace["pred_first_token_ts_ms"] = int(job.predicted_first_token_ms)
+        self._tracker.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
+                              decode, request.decode_tokens, request.prompt_tokens)
+
+    async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
+        limit = self._settings.ready_concurrency
+        lease.enter(layout.LANE_READY_WAITING)
+        try:
+            attempt = 0
+            while True:
+                result = lease.try_admit(layout.LANE_READY_ACTIVE, limit)
+                if result is Admission.ADMITTED:
+                    break
+                if result is Admission.STALE:
+                    raise HTTPError(503, "no_instance", "selected instance is no longer registered")
+                stages.slot_freed.clear()
+                poll = ADMISSION_POLL_S[min(attempt, len(ADMISSION_POLL_S) - 1)]
+                attempt += 1
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(poll):
+                        await stages.slot_freed.wait()
+        finally:
+            lease.leave(layout.LANE_READY_WAITING)
+        job.trace["ready_dequeue_ms"] = _ms()
+
+
+def _set(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)
