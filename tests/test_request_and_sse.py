@@ -19,19 +19,19 @@ def _scheduler(**prompt):
 def test_scheduler_chat_body_becomes_openai_body():
     req = recover(Endpoint.CHAT, _scheduler(stream=True, max_tokens=9, temperature=0.5, top_p=None))
     assert req.source == "cacheroute" and req.stream and req.request_id == 3
-    assert json.loads(req.upstream_body) == {"model": "m", "messages": [{"role": "user", "content": "q"}],
+    assert json.loads(req.encoded_body()) == {"model": "m", "messages": [{"role": "user", "content": "q"}],
                                              "stream": True, "max_tokens": 9, "temperature": 0.5}
 
 
 def test_scheduler_completions_never_stream():
     req = recover(Endpoint.COMPLETIONS, _scheduler(stream=True))
-    assert not req.stream and json.loads(req.upstream_body)["prompt"] == "q"
+    assert not req.stream and json.loads(req.encoded_body())["prompt"] == "q"
 
 
 def test_openai_body_is_forwarded_unchanged():
     raw = b'{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}],"stop":["x"]}'
     req = recover(Endpoint.CHAT, raw)
-    assert req.upstream_body is raw and req.source == "openai" and not req.stream
+    assert req.encoded_body() is raw and req.source == "openai" and not req.stream
 
 
 @pytest.mark.parametrize("endpoint, raw, status, words", [
