@@ -9,7 +9,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from sim_instance.config import ConfigError, SimConfig, knobs_from_mapping, sim_config_from_mapping
+from sim_instance.config import (
+    ConfigError,
+    SimConfig,
+    knobs_from_mapping,
+    sim_config_from_mapping,
+)
 from sim_instance.server import run
 
 
@@ -28,6 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Bearer token for control-plane calls (env PROXY_CP_TOKEN)")
     reg.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
                      default=None, help="seconds; overrides the register reply's interval")
+    cp = p.add_argument_group("instance control plane (KV inject, protocol §6.3)")
+    cp.add_argument("--cp-port", type=int, default=None,
+                    help="default: --port + 1 (skipped with a warning if that port is taken); "
+                         "0 disables the control plane")
+    cp.add_argument("--redis-host", default=os.environ.get("INSTANCE_REDIS_HOST") or "127.0.0.1",
+                    help="Redis target handed to the KDN, never connected to "
+                         "(env INSTANCE_REDIS_HOST)")
+    cp.add_argument("--redis-port", type=int,
+                    default=os.environ.get("INSTANCE_REDIS_PORT") or 6379,
+                    help="env INSTANCE_REDIS_PORT")
+    cp.add_argument("--redis-db", type=int, default=os.environ.get("INSTANCE_REDIS_DB") or 0,
+                    help="env INSTANCE_REDIS_DB")
+    cp.add_argument("--redis-password", default=os.environ.get("INSTANCE_REDIS_PASSWORD") or None,
+                    help="env INSTANCE_REDIS_PASSWORD")
+    cp.add_argument("--kdn-timeout", dest="kdn_timeout_s", type=float, default=60.0,
+                    help="seconds allowed for one KDN inject call (default 60)")
     sim = p.add_argument_group("simulation")
     sim.add_argument("--time-scale", type=float, default=1.0,
                      help="multiplies every simulated duration (0.05 = 20x faster)")

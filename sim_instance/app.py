@@ -21,7 +21,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sim_instance.config import ConfigError, KnobStore, SimConfig
 from sim_instance.engine import Engine
 from sim_instance.generation import GenerationResponse
-from sim_instance.request_model import InvalidJSON, InvalidRequest, Kind, parse_generation_request
+from sim_instance.request_model import (
+    KV_PREFIX_HEADER,
+    InvalidJSON,
+    InvalidRequest,
+    Kind,
+    parse_generation_request,
+)
 
 INSTANCE_HEADER = b"x-sim-instance"
 
@@ -65,8 +71,9 @@ class InstanceHeaderMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
-def create_app(config: SimConfig) -> Starlette:
-    state = SimState(config)
+def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
+    """The data-plane app; pass ``state`` to share it with the control plane (server.py)."""
+    state = state or SimState(config)
     routes = [
         Route("/v1/chat/completions", _generation_route(state, "chat"), methods=["POST"]),
         Route("/v1/completions", _generation_route(state, "text"), methods=["POST"]),
@@ -91,7 +98,8 @@ def _generation_route(state: SimState, kind: Kind) -> Handler:
         try:
             parsed = parse_generation_request(
                 body, kind, default_max_tokens=state.knobs.current.default_max_tokens,
-                default_model=state.config.model)
+                default_model=state.config.model,
+                kv_prefix_header=request.headers.get(KV_PREFIX_HEADER))
         except InvalidJSON:
             state.engine.stats.invalid += 1
             return json_response({"error": "invalid_json"}, 400)

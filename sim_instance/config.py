@@ -110,9 +110,26 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     shutdown_grace_s: float = 2.0
     log_level: str = "info"
     knobs: Knobs = msgspec.field(default_factory=Knobs)
+    # Instance control plane (POST /v1/kv/inject_ready, protocol §6.3) on a second listener.
+    # None: data port + 1 (9001 -> 9002 like the original); 0: no control plane.
+    cp_port: int | None = None
+    # The Redis target this Instance hands to the KDN on a KV inject. Never connected to.
+    redis_host: str = "127.0.0.1"
+    redis_port: int = 6379
+    redis_db: int = 0
+    redis_password: str | None = None
+    # Bound on one KDN inject call (the original uses 60 s).
+    kdn_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "port must be a TCP port (1..65535)")
+        _require(self.cp_port is None or 0 <= self.cp_port < 65536,
+                 "cp_port must be a TCP port (1..65535), or 0 to disable the control plane")
+        _require(self.cp_port is None or self.cp_port == 0 or self.cp_port != self.port,
+                 "cp_port must differ from port")
+        _require(0 < self.redis_port < 65536, "redis_port must be a TCP port (1..65535)")
+        _require(self.redis_db >= 0, "redis_db must be >= 0")
+        _require(self.kdn_timeout_s > 0, "kdn_timeout must be > 0")
         _require(self.time_scale >= 0, "time_scale must be >= 0")
         _require(1 <= self.max_concurrency <= 4096, "max_concurrency must be within 1..4096")
         _require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
@@ -124,6 +141,13 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def resolved_instance_id(self) -> str:
         return self.instance_id or f"hp_{self.host}:{self.port}"
+
+    @property
+    def resolved_cp_port(self) -> int:
+        """The control-plane port to bind; 0 when there is none."""
+        if self.cp_port is not None:
+            return self.cp_port
+        return self.port + 1 if self.port < 65535 else 0
 
     @property
     def cp_base_url(self) -> str:

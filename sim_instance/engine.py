@@ -68,10 +68,16 @@ class Engine:
             stats.active -= 1
             self._slots.release()
 
-    async def prefill(self, tokens: int) -> None:
+    async def prefill(self, tokens: int, kv_prefix_tokens: int | None = None) -> None:
         # One prefill at a time: long prompts delay the first token of everyone behind them.
+        # A KV prefix hit (pulled from Redis by the model runner) runs under the same lock.
         async with self._prefill_lock:
-            await self.sleep_ms(timing.prefill_ms(tokens))
+            if kv_prefix_tokens is None:
+                await self.sleep_ms(timing.prefill_ms(tokens))
+                return
+            self.stats.kv_prefix_hits += 1
+            self.stats.kv_prefix_tokens_total += min(kv_prefix_tokens, tokens)
+            await self.sleep_ms(timing.kv_hit_prefill_ms(tokens, kv_prefix_tokens))
 
     @asynccontextmanager
     async def decoding(self) -> AsyncIterator[None]:

@@ -38,7 +38,12 @@ def capabilities(config: SimConfig) -> dict[str, Any]:
     return {"schema_version": "1", "model": {"identifier": config.model, "revision": None}}
 
 
-def register_body(config: SimConfig) -> dict[str, Any]:
+def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, Any]:
+    # cp_port: where the Proxy reaches POST /v1/kv/inject_ready (the original hard-coded 9002);
+    # absent when this Instance has no control plane.
+    meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
+    if cp_port:
+        meta["cp_port"] = cp_port
     return {
         "instance_id": config.resolved_instance_id,
         "host": config.host,
@@ -46,7 +51,7 @@ def register_body(config: SimConfig) -> dict[str, Any]:
         "endpoints": ENDPOINTS,
         "tags": [],
         "weight": 1.0,
-        "meta": {"version": "instance_v1", "simulated": True},
+        "meta": meta,
         "capabilities": capabilities(config),
     }
 
@@ -77,8 +82,9 @@ class Backoff:
 class Registrar:
     """Runs register + heartbeat in a background task; ``close()`` unregisters."""
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, cp_port: int | None = None) -> None:
         self.config = config
+        self.cp_port = cp_port
         self.instance_id = config.resolved_instance_id
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -131,7 +137,8 @@ class Registrar:
 
     async def _register(self) -> None:
         self._register_sent = True
-        status, reply = await self._post("/v1/instance/register", register_body(self.config))
+        body = register_body(self.config, self.cp_port)
+        status, reply = await self._post("/v1/instance/register", body)
         if not 200 <= status < 300 or not isinstance(reply, dict):
             raise ControlPlaneError(f"register answered HTTP {status}: {reply!r}")
         fingerprint = reply.get("capability_fingerprint")

@@ -15,6 +15,8 @@ from sim_instance.timing import prompt_tokens
 
 Kind = Literal["chat", "text"]
 
+KV_PREFIX_HEADER = "x-cacheroute-kv-prefix-tokens"
+
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off", ""})
 
@@ -37,11 +39,16 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int
     # "length" when the client capped the output (we always generate exactly that many).
     finish_reason: str
+    # Simulation-only hint (header KV_PREFIX_HEADER): this many leading prompt tokens are
+    # already in Redis; None when the header is absent.
+    kv_prefix_tokens: int | None = None
 
 
 def parse_generation_request(body: bytes, kind: Kind, *, default_max_tokens: int,
-                             default_model: str) -> GenerationRequest:
+                             default_model: str, kv_prefix_header: str | None = None
+                             ) -> GenerationRequest:
     payload = _decode_object(body)
+    kv_prefix_tokens = parse_kv_prefix_header(kv_prefix_header)
     chars = _chat_chars(payload) if kind == "chat" else _prompt_chars(payload)
     max_tokens = _max_tokens(payload, kind)
     model = payload.get("model")
@@ -53,7 +60,22 @@ def parse_generation_request(body: bytes, kind: Kind, *, default_max_tokens: int
         prompt_tokens=prompt_tokens(chars),
         completion_tokens=default_max_tokens if max_tokens is None else _clamp(max_tokens),
         finish_reason="stop" if max_tokens is None else "length",
+        kv_prefix_tokens=kv_prefix_tokens,
     )
+
+
+def parse_kv_prefix_header(value: str | None) -> int | None:
+    """``x-cacheroute-kv-prefix-tokens``: a decimal integer >= 0, or absent (None).
+
+    A real vLLM ignores the header; the simulation rejects a malformed one (400) because it
+    can only come from a Proxy bug.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit():
+        raise InvalidRequest(f"{KV_PREFIX_HEADER} must be an integer >= 0, got {value!r}")
+    return int(text)
 
 
 def parse_lenient_bool(value: Any, name: str) -> bool:

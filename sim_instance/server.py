@@ -1,4 +1,5 @@
-"""Runs the app under uvicorn (uvloop + httptools) next to the registration loop.
+"""Runs the data plane and the control plane (two uvicorn servers, uvloop + httptools, one
+event loop, shared state) next to the registration loop.
 
 Shutdown order on SIGTERM/SIGINT: stop heartbeats and unregister first (so the Proxy stops
 routing here), then let uvicorn drain in-flight requests for ``shutdown_grace_s`` and cancel
@@ -11,14 +12,18 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 import uvloop
+from starlette.types import ASGIApp
 
-from sim_instance.app import create_app
+from sim_instance.app import SimState, create_app
 from sim_instance.config import SimConfig
+from sim_instance.control_plane import create_cp_app
 from sim_instance.generation import SimulatedDrop
+from sim_instance.kdn_client import KdnClient
 from sim_instance.registration import Registrar
 
 log = logging.getLogger(__name__)
@@ -56,46 +61,93 @@ def run(config: SimConfig) -> None:
 
 
 async def serve(config: SimConfig) -> None:
-    server = _Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, http="httptools",
-        lifespan="off", access_log=False, log_level=config.log_level,
-        # Annotated int in uvicorn but only handed to asyncio.wait_for: fractions work.
-        timeout_graceful_shutdown=config.shutdown_grace_s))  # type: ignore[arg-type]
+    state = SimState(config)
+    cp_sock = _bind_control_plane(config)
+    kdn = KdnClient(config)
+    servers = [_Server(_uvicorn_config(create_app(config, state), config, config.port))]
+    sockets: list[list[socket.socket] | None] = [None]
+    if cp_sock is not None:
+        cp_port = cp_sock.getsockname()[1]
+        servers.append(_Server(_uvicorn_config(create_cp_app(state, kdn), config, cp_port)))
+        sockets.append([cp_sock])
     logging.getLogger("uvicorn.error").addFilter(_QuietExpectedErrors())
-    stop = _install_signal_handlers(server)
-    server_task = asyncio.create_task(server.serve(), name="sim-uvicorn")
-    registrar = await _start_registration(config, server, server_task)
+    stop = _install_signal_handlers(servers)
+    tasks = [asyncio.create_task(srv.serve(sockets=socks), name=f"sim-uvicorn-{i}")
+             for i, (srv, socks) in enumerate(zip(servers, sockets, strict=True))]
+    registrar = await _start_registration(
+        config, servers, tasks, cp_sock.getsockname()[1] if cp_sock is not None else None)
     try:
-        await asyncio.wait({server_task, asyncio.create_task(stop.wait())},
+        await asyncio.wait({*tasks, asyncio.create_task(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
     finally:
         if registrar is not None:
             await registrar.close()
-        server.should_exit = True
-        await server_task
+        for srv in servers:
+            srv.should_exit = True
+        await asyncio.gather(*tasks)
+        await kdn.close()
+        if cp_sock is not None:
+            cp_sock.close()
 
 
-async def _start_registration(config: SimConfig, server: uvicorn.Server,
-                              server_task: asyncio.Task[None]) -> Registrar | None:
+def _uvicorn_config(app: ASGIApp, config: SimConfig, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=config.host, port=port, http="httptools", lifespan="off", access_log=False,
+        log_level=config.log_level,
+        # Annotated int in uvicorn but only handed to asyncio.wait_for: fractions work.
+        timeout_graceful_shutdown=config.shutdown_grace_s)  # type: ignore[arg-type]
+
+
+def _bind_control_plane(config: SimConfig) -> socket.socket | None:
+    """The control-plane listening socket, bound before anything starts.
+
+    An explicit ``--cp-port`` that cannot be bound is fatal (exit 1). The default (data port
+    + 1) is only a convention: if that port is taken the Instance runs without a control
+    plane, says so, and registers without ``meta.cp_port``.
+    """
+    port = config.resolved_cp_port
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, port))
+    except OSError as exc:
+        sock.close()
+        if config.cp_port is not None:
+            log.error("cannot bind the control plane on %s:%d: %s", config.host, port, exc)
+            raise SystemExit(1) from None
+        log.warning("control plane port %d (data port + 1) unavailable (%s); running without "
+                    "a control plane (use --cp-port to choose one)", port, exc)
+        return None
+    log.info("control plane (POST /v1/kv/inject_ready) on http://%s:%d", config.host, port)
+    return sock
+
+
+async def _start_registration(config: SimConfig, servers: Sequence[uvicorn.Server],
+                              tasks: list[asyncio.Task[None]],
+                              cp_port: int | None) -> Registrar | None:
     if not config.register:
         return None
-    # Register only once the port listens, or the Proxy may route to a closed port.
-    while not server.started and not server_task.done():
+    # Register only once every port listens, or the Proxy may route to a closed port.
+    while not all(s.started for s in servers) and not any(t.done() for t in tasks):
         await asyncio.sleep(0.01)
-    if server_task.done():
+    if any(t.done() for t in tasks):
         return None
-    registrar = Registrar(config)
+    registrar = Registrar(config, cp_port)
     registrar.start()
     return registrar
 
 
-def _install_signal_handlers(server: uvicorn.Server) -> asyncio.Event:
+def _install_signal_handlers(servers: Sequence[uvicorn.Server]) -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
-            server.force_exit = True  # second signal: stop waiting for in-flight requests
+            for server in servers:  # second signal: stop waiting for in-flight requests
+                server.force_exit = True
         log.info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
 

@@ -23,11 +23,18 @@ class Stats(msgspec.Struct, kw_only=True):
     dropped: int = 0       # connection cut on purpose (drop_after_chunks)
     disconnected: int = 0  # the client went away first
     invalid: int = 0       # rejected with 400
+    # KV path (control plane and the x-cacheroute-kv-prefix-tokens hint).
+    kv_injects: int = 0              # valid POST /v1/kv/inject_ready calls
+    kv_inject_failed: int = 0        # of which the KDN call failed (answered 502)
+    kv_prefix_hits: int = 0          # generation requests prefilled with a KV prefix hit
+    kv_prefix_tokens_total: int = 0  # prompt tokens those hits skipped
 
     def reset(self) -> None:
         """Zero the counters; gauges (active, queued, ...) describe the present and stay."""
         self.total = self.completed = self.failed = self.dropped = 0
         self.disconnected = self.invalid = 0
+        self.kv_injects = self.kv_inject_failed = 0
+        self.kv_prefix_hits = self.kv_prefix_tokens_total = 0
         self.max_active = self.active
 
     def snapshot(self, instance_id: str) -> dict[str, Any]:

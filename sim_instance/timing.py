@@ -30,6 +30,12 @@ ITL_MAX_BATCH = 8
 
 CHARS_PER_TOKEN = 4
 
+# LMCache pull of a KV prefix from Redis (protocol §5.3): 2764.34 ms/GB + 12.46 ms, with
+# 0.0000381 GB of KV per token.
+REDIS_PULL_MS_PER_GB = 2764.3407821694204
+REDIS_PULL_BASE_MS = 12.460820712239126
+KV_GB_PER_TOKEN = 0.0000381
+
 
 def prompt_tokens(chars: int) -> int:
     """Token count of a prompt of ``chars`` characters: ceil(chars / 4), at least 1."""
@@ -55,3 +61,18 @@ def itl_ms(decoding: int) -> float:
     """Inter-token latency when ``decoding`` requests share the decode batch (clamped 1..8)."""
     batch = min(max(decoding, 1), ITL_MAX_BATCH)
     return ITL_BASE_MS + (ITL_FULL_BATCH_MS - ITL_BASE_MS) * (batch - 1) / (ITL_MAX_BATCH - 1)
+
+
+def redis_pull_ms(tokens: int) -> float:
+    """Time to pull the KV of ``tokens`` prefix tokens from Redis."""
+    return max(0.0, REDIS_PULL_MS_PER_GB * tokens * KV_GB_PER_TOKEN + REDIS_PULL_BASE_MS)
+
+
+def kv_hit_prefill_ms(tokens: int, prefix_tokens: int) -> float:
+    """Prefill of a ``tokens`` prompt whose first ``prefix_tokens`` are in Redis already.
+
+    The hit cannot exceed the prompt; the rest is computed (at least one token, as vLLM
+    always recomputes the last one) after the pull.
+    """
+    hit = min(max(prefix_tokens, 0), tokens)
+    return redis_pull_ms(hit) + prefill_ms(max(1, tokens - hit))

@@ -31,17 +31,23 @@ import aiohttp
 import pytest
 
 from sim_instance import timing
-from sim_instance.config import ConfigError, Knobs
+from sim_instance.config import ConfigError, Knobs, SimConfig
+from sim_instance.registration import register_body
 from sim_instance.request_model import (
     InvalidJSON,
     InvalidRequest,
     parse_generation_request,
+    parse_kv_prefix_header,
     parse_lenient_bool,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_SCALE = 0.05
 MAX_CONCURRENCY = 4
+# The shared sim's (fake) Redis target, handed to the KDN on every KV inject.
+REDIS_ARGS = ("--redis-host", "10.9.8.7", "--redis-port", "6390", "--redis-db", "3",
+              "--redis-password", "pw")
+KDN_TIMEOUT_S = 0.5
 T = TypeVar("T")
 
 
@@ -54,15 +60,34 @@ def free_port() -> int:
         return port
 
 
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free right now (data + default CP port)."""
+    for _ in range(100):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
 class SimProcess:
-    """One ``python -m sim_instance`` subprocess, output captured to a file."""
+    """One ``python -m sim_instance`` (or ``module``) subprocess, output captured to a file."""
 
     def __init__(self, args: list[str], log_path: Path, port: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, module: str = "sim_instance") -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The Instance control plane, when a test gave it an explicit --cp-port.
+        self.cp_url: str | None = None
+        if "--cp-port" in args:
+            self.cp_url = f"http://127.0.0.1:{args[args.index('--cp-port') + 1]}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "sim_instance", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1",
                "--port", str(self.port), *args]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -105,9 +130,9 @@ def _clean_env() -> dict[str, str]:
 
 
 @contextmanager
-def running_sim(log_path: Path, *args: str, port: int | None = None,
-                ready: bool = True) -> Iterator[SimProcess]:
-    sim = SimProcess(list(args), log_path, port=port)
+def running_sim(log_path: Path, *args: str, port: int | None = None, ready: bool = True,
+                module: str = "sim_instance") -> Iterator[SimProcess]:
+    sim = SimProcess(list(args), log_path, port=port, module=module)
     try:
         if ready:
             sim.wait_ready()
@@ -210,7 +235,9 @@ async def apost(session: aiohttp.ClientSession, url: str, body: Any) -> Any:
 def shared_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
     log = tmp_path_factory.mktemp("sim") / "shared.log"
     with running_sim(log, "--no-register", "--time-scale", str(TIME_SCALE),
-                     "--max-concurrency", str(MAX_CONCURRENCY), "--instance-id", "sim-a") as s:
+                     "--max-concurrency", str(MAX_CONCURRENCY), "--instance-id", "sim-a",
+                     "--cp-port", str(free_port()), *REDIS_ARGS,
+                     "--kdn-timeout", str(KDN_TIMEOUT_S)) as s:
         yield s
 
 
@@ -734,12 +761,16 @@ def test_registration_lifecycle(tmp_path: Path) -> None:
     cp_port, interval = free_port(), 0.3
     script: list[dict[str, Any]] = [{"ok": True}, REQUIRES_CAPS, {"ok": True}, {"ok": False}]
     with FakeControlPlane(cp_port, script) as cp:
+        # No --cp-port: the Instance control plane listens on data port + 1, like 9001/9002.
         sim = SimProcess(["--proxy-cp-url", cp.url, "--instance-id", "sim-reg",
                           "--register-token", "s3cret", "--heartbeat-interval", str(interval),
                           "--time-scale", str(TIME_SCALE), "--shutdown-grace", "1"],
-                         tmp_path / "reg.log")
+                         tmp_path / "reg.log", port=free_port_pair())
         try:
             cp.wait_for_calls(7)
+            # Registered only once both listeners are up.
+            assert http("GET", f"http://127.0.0.1:{sim.port + 1}/healthz")[::2] == (
+                200, {"ok": True})
             # A hung request keeps uvicorn draining for the full 1 s grace at shutdown; the
             # unregister must not wait for that (the Proxy should stop routing here first).
             http("POST", sim.url + "/sim/config", {"hang": True})
@@ -765,7 +796,7 @@ def test_registration_lifecycle(tmp_path: Path) -> None:
     assert calls[0]["body"] == {
         "instance_id": "sim-reg", "host": "127.0.0.1", "port": sim.port,
         "endpoints": ["chat/completions", "completions"], "tags": [], "weight": 1.0,
-        "meta": {"version": "instance_v1", "simulated": True},
+        "meta": {"version": "instance_v1", "simulated": True, "cp_port": sim.port + 1},
         "capabilities": {"schema_version": "1",
                          "model": {"identifier": "sim-model", "revision": None}}}
     plain = {"instance_id": "sim-reg", "capability_fingerprint": "sha256:fake"}
@@ -823,3 +854,250 @@ def test_sigterm_with_a_hung_request_exits_zero(tmp_path: Path) -> None:
                 return status
 
         assert run(go()) == 0, sim.log()
+
+
+# ------------------------------------------------------------------ KV path: pure parts
+
+def test_redis_pull_and_kv_hit_prefill_follow_the_reference() -> None:
+    # §5.3: 2764.34 ms/GB x tokens x 0.0000381 GB + 12.46 ms.
+    assert timing.redis_pull_ms(0) == pytest.approx(12.4608, abs=1e-3)
+    assert timing.redis_pull_ms(2560) == pytest.approx(2764.3408 * 2560 * 0.0000381 + 12.4608)
+    # The hit skips N tokens of prefill and costs their pull instead.
+    assert timing.kv_hit_prefill_ms(3000, 2560) == pytest.approx(
+        timing.redis_pull_ms(2560) + timing.prefill_ms(440))
+    # Never more than the prompt, never less than one computed token.
+    assert timing.kv_hit_prefill_ms(3000, 9999) == pytest.approx(
+        timing.redis_pull_ms(3000) + timing.prefill_ms(1))
+    assert timing.kv_hit_prefill_ms(100, 0) == pytest.approx(
+        timing.redis_pull_ms(0) + timing.prefill_ms(100))
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("0", 0), ("2560", 2560),
+                                            (" 17 ", 17)])
+def test_kv_prefix_header_parses(value: str | None, expected: int | None) -> None:
+    assert parse_kv_prefix_header(value) == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "", "abc", "１２"])
+def test_kv_prefix_header_rejects_garbage(value: str) -> None:
+    with pytest.raises(InvalidRequest, match="x-cacheroute-kv-prefix-tokens"):
+        parse_kv_prefix_header(value)
+
+
+def test_control_plane_port_and_register_meta() -> None:
+    assert SimConfig(port=9001).resolved_cp_port == 9002
+    assert SimConfig(port=9001, cp_port=0).resolved_cp_port == 0
+    assert SimConfig(port=9001, cp_port=9500).resolved_cp_port == 9500
+    assert SimConfig(port=65535).resolved_cp_port == 0
+    with pytest.raises(ValueError, match="cp_port must differ"):
+        SimConfig(port=9001, cp_port=9001)
+    config = SimConfig(port=9001)
+    assert register_body(config, 9002)["meta"] == {"version": "instance_v1", "simulated": True,
+                                                   "cp_port": 9002}
+    assert register_body(config, None)["meta"] == {"version": "instance_v1", "simulated": True}
+
+
+# ------------------------------------------------------------ KV path: prefix-hit timing
+
+def _prefill_time(sim: SimProcess, prompt_chars: int, prefix: str | None) -> float:
+    """Wall time of a one-token completion: prefill only (no decode step)."""
+    headers = {"content-type": "application/json"}
+    if prefix is not None:
+        headers["x-cacheroute-kv-prefix-tokens"] = prefix
+    req = urllib.request.Request(
+        sim.url + "/v1/completions", method="POST", headers=headers,
+        data=json.dumps({"prompt": "p" * prompt_chars, "max_tokens": 1}).encode())
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+        r.read()
+    return time.monotonic() - t0
+
+
+def test_kv_prefix_header_shortens_prefill(sim: SimProcess) -> None:
+    # 3000 prompt tokens: 4.39 s of prefill; a 2560-token hit leaves 440 tokens (0.59 s)
+    # plus a 0.28 s Redis pull. At TIME_SCALE 0.05: 220 ms vs 44 ms.
+    # Reference numbers, not timing.py's (a wrong formula there must not move the target):
+    # 1.48604*3000 - 64.205 = 4393.9 ms; 2764.34*2560*0.0000381 + 12.46 + 1.48604*440 - 64.205
+    # = 871.7 ms.
+    full = _prefill_time(sim, 12000, None)
+    hit = _prefill_time(sim, 12000, "2560")
+    expected_full = 4393.915 * TIME_SCALE / 1000
+    expected_hit = 871.736 * TIME_SCALE / 1000
+    assert expected_full <= full < expected_full + 0.08, (full, expected_full)
+    assert expected_hit <= hit < expected_hit + 0.08, (hit, expected_hit)
+    assert full - hit == pytest.approx(expected_full - expected_hit, abs=0.06)
+    _, _, st = http("GET", sim.url + "/sim/stats")
+    assert (st["kv_prefix_hits"], st["kv_prefix_tokens_total"], st["completed"]) == (1, 2560, 2)
+
+
+def test_kv_prefix_header_on_a_chat_stream_and_its_limits(sim: SimProcess) -> None:
+    async def ttft(prefix: str) -> float:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            async with s.post(sim.url + "/v1/chat/completions",
+                              json=chat_body("c" * 12000, stream=True, max_tokens=2),
+                              headers={"x-cacheroute-kv-prefix-tokens": prefix}) as r:
+                await read_events(r, 2)
+                elapsed = time.monotonic() - t0
+                await r.read()
+        return elapsed
+
+    # A claim larger than the prompt is capped at the prompt: pull 3000 tokens, compute 1.
+    first = run(ttft("100000"))
+    expected = 388.425 * TIME_SCALE / 1000  # 2764.34*3000*0.0000381 + 12.46 + 60 (1 token)
+    assert expected <= first < expected + 0.08, (first, expected)
+    _, _, st = http("GET", sim.url + "/sim/stats")
+    assert (st["kv_prefix_hits"], st["kv_prefix_tokens_total"]) == (1, 3000)
+    # Without the header: no hit.
+    assert http("POST", sim.url + "/v1/completions", {"prompt": "x"})[0] == 200
+    assert http("GET", sim.url + "/sim/stats")[2]["kv_prefix_hits"] == 1
+    req = urllib.request.Request(sim.url + "/v1/completions", method="POST",
+                                 data=b'{"prompt": "x"}',
+                                 headers={"x-cacheroute-kv-prefix-tokens": "-5"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    body = json.loads(err.value.read())
+    assert err.value.code == 400 and body["error"] == "invalid_request"
+    assert "x-cacheroute-kv-prefix-tokens" in body["detail"]
+
+
+# ------------------------------------------------------- KV path: control plane -> KDN
+
+# A small KDN store: DOC1 1000 tokens kv_ready (4 keys), doc2 text only, doc3 10 tokens.
+KDN_KNOWLEDGE = [{"id": "DOC1", "content": "d" * 4000, "kv_ready": True},
+                 {"id": "doc2", "content": "e" * 400, "kv_ready": False},
+                 {"id": "doc3", "content": "f" * 40, "kv_ready": True}]
+# 1000 bytes/token at 80 Mbps, full efficiency: DOC1's 1 MB of KV takes 100 ms.
+KDN_LINK_ARGS = ("--kv-bytes-per-token", "1000", "--bandwidth-mbps", "80",
+                 "--link-efficiency", "1", "--rtt-ms", "0")
+
+
+@pytest.fixture(scope="module")
+def shared_kdn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
+    tmp = tmp_path_factory.mktemp("kdn")
+    (tmp / "k.json").write_text(json.dumps(KDN_KNOWLEDGE))
+    with running_sim(tmp / "kdn.log", "--knowledge", str(tmp / "k.json"), *KDN_LINK_ARGS,
+                     module="sim_kdn") as kdn:
+        yield kdn
+
+
+@pytest.fixture
+def kdn(shared_kdn: SimProcess) -> Iterator[SimProcess]:
+    for path in ("/sim/config/reset", "/sim/release", "/sim/stats/reset"):
+        http("POST", shared_kdn.url + path)
+    try:
+        yield shared_kdn
+    finally:
+        http("POST", shared_kdn.url + "/sim/config/reset")
+        http("POST", shared_kdn.url + "/sim/release")
+
+
+def cp_inject(sim: SimProcess, kdn_addr: str, kids: list[str], request_id: Any = 42
+              ) -> tuple[float, int, dict[str, str], Any]:
+    assert sim.cp_url is not None
+    body = {"request_id": request_id, "kdn_addr": kdn_addr, "model": "m-1",
+            "knowledge_ids": kids}
+    t0 = time.monotonic()
+    status, headers, reply = http("POST", sim.cp_url + "/v1/kv/inject_ready", body)
+    return time.monotonic() - t0, status, headers, reply
+
+
+def test_cp_inject_goes_through_the_kdn(sim: SimProcess, kdn: SimProcess) -> None:
+    assert sim.cp_url is not None
+    assert http("GET", sim.cp_url + "/healthz")[::2] == (200, {"ok": True})
+    elapsed, status, headers, ack = cp_inject(sim, f"127.0.0.1:{kdn.port}",
+                                              ["DOC1", "doc2", "missing", "doc3"])
+    assert status == 200 and headers["x-sim-instance"] == "sim-a"
+    assert ack == {"ok": True, "injected_kids": ["doc1", "doc3"], "text_only_kids": ["doc2"],
+                   "miss_kids": ["missing"], "keys_injected": 5, "payload_bytes": 1_010_000,
+                   "payload_files": 5, "network_sim_enabled": True, "detail": ""}
+    assert 0.101 <= elapsed < 0.101 + 0.1, elapsed  # 1.01 MB at 10 000 bytes/ms
+    _, _, kst = http("GET", kdn.url + "/sim/stats")
+    # The KDN saw this Instance's Redis target and the Proxy's request fields.
+    assert kst["last_inject"] == {"request_id": 42, "model": "m-1",
+                                  "knowledge_ids": ["doc1", "doc2", "missing", "doc3"],
+                                  "redis_host": "10.9.8.7", "redis_port": 6390, "redis_db": 3,
+                                  "redis_password_set": True}
+    assert kst["links"]["10.9.8.7:6390"]["bytes"] == 1_010_000
+    # A full URL works as kdn_addr too; the answer is the KDN's, byte for byte.
+    _, status, _, again = cp_inject(sim, f"http://127.0.0.1:{kdn.port}/", ["doc3"])
+    assert status == 200 and again["injected_kids"] == ["doc3"]
+    direct = http("POST", kdn.url + "/knowledge/inject_ready_kv",
+                  {"request_id": 1, "model": "m", "knowledge_ids": ["doc3"]})[2]
+    assert again == direct
+    _, _, st = http("GET", sim.url + "/sim/stats")
+    assert (st["kv_injects"], st["kv_inject_failed"]) == (2, 0)
+
+
+def test_cp_relays_kdn_client_errors_verbatim(sim: SimProcess, kdn: SimProcess) -> None:
+    _, status, _, reply = cp_inject(sim, f"127.0.0.1:{kdn.port}", [])
+    assert (status, reply) == (400, {"ok": False, "detail": "knowledge_ids is empty"})
+    assert http("GET", sim.url + "/sim/stats")[2]["kv_inject_failed"] == 0
+
+
+def test_cp_kdn_down_is_a_502_with_the_reason(sim: SimProcess) -> None:
+    dead = free_port()
+    _, status, _, ack = cp_inject(sim, f"127.0.0.1:{dead}", ["doc1"])
+    assert status == 502 and ack["ok"] is False and ack["injected_kids"] == []
+    assert ack["keys_injected"] == 0 and "kdn unreachable" in ack["detail"]
+    assert f"127.0.0.1:{dead}" in ack["detail"]
+    _, _, st = http("GET", sim.url + "/sim/stats")
+    assert (st["kv_injects"], st["kv_inject_failed"]) == (1, 1)
+
+
+def test_cp_kdn_error_and_timeout_are_502s(sim: SimProcess, kdn: SimProcess) -> None:
+    http("POST", kdn.url + "/sim/config", {"fail_status": 503, "fault_on": "inject"})
+    _, status, _, ack = cp_inject(sim, f"127.0.0.1:{kdn.port}", ["doc1"])
+    assert status == 502 and ack["ok"] is False and "kdn answered HTTP 503" in ack["detail"]
+    http("POST", kdn.url + "/sim/config", {"fail_status": None, "hang": True})
+    elapsed, status, _, ack = cp_inject(sim, f"127.0.0.1:{kdn.port}", ["doc1"])
+    assert status == 502 and f"kdn timeout after {KDN_TIMEOUT_S:g} s" in ack["detail"], ack
+    assert KDN_TIMEOUT_S <= elapsed < KDN_TIMEOUT_S + 0.5
+    _, _, st = http("GET", sim.url + "/sim/stats")
+    assert (st["kv_injects"], st["kv_inject_failed"]) == (2, 2)
+
+
+def test_cp_rejects_malformed_requests(sim: SimProcess) -> None:
+    assert sim.cp_url is not None
+    url = sim.cp_url + "/v1/kv/inject_ready"
+    good = {"request_id": 1, "kdn_addr": "127.0.0.1:1", "model": "m", "knowledge_ids": ["a"]}
+    for bad, detail in [({**good, "request_id": "1"}, "request_id"),
+                        ({k: v for k, v in good.items() if k != "kdn_addr"}, "kdn_addr"),
+                        ({**good, "knowledge_ids": [1]}, "knowledge_ids"),
+                        ({**good, "kdn_addr": " "}, "kdn_addr is empty")]:
+        status, _, reply = http("POST", url, bad)
+        assert status == 400 and reply["ok"] is False and detail in reply["detail"], reply
+    assert http("POST", url, raw=b"{")[::2] == (400, {"ok": False, "detail": "invalid_json"})
+    assert http("GET", sim.url + "/sim/stats")[2]["kv_injects"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_cp_port_zero_taken_default_and_taken_explicit(tmp_path: Path) -> None:
+    # --cp-port 0: no control plane, no meta.cp_port.
+    port = free_port_pair()
+    with FakeControlPlane(free_port()) as cp, \
+            running_sim(tmp_path / "zero.log", "--proxy-cp-url", cp.url, "--cp-port", "0",
+                        port=port):
+        meta = cp.wait_for_calls(1)[0]["body"]["meta"]
+        assert meta == {"version": "instance_v1", "simulated": True}
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/healthz", timeout=1)
+    # Default port (data + 1) taken: serve the data plane anyway, register without cp_port.
+    port = free_port_pair()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", port + 1))
+        blocker.listen()
+        with FakeControlPlane(free_port()) as cp, \
+                running_sim(tmp_path / "taken.log", "--proxy-cp-url", cp.url,
+                            port=port) as sim:
+            meta = cp.wait_for_calls(1)[0]["body"]["meta"]
+            assert "cp_port" not in meta
+            assert "running without a control plane" in sim.log()
+        # An explicit --cp-port that cannot be bound is fatal.
+        sim = SimProcess(["--no-register", "--cp-port", str(port + 1)], tmp_path / "x.log")
+        try:
+            assert sim.proc.wait(10) == 1
+            assert "cannot bind the control plane" in sim.log()
+        finally:
+            sim.terminate()
