@@ -1,0 +1,121 @@
+"""The worker -> sidecar event channel: per-worker rings in the segment, a bounded spill, drops
+counted, and a restarted sidecar getting the live requests re-announced."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import uuid
+
+import pytest
+
+from shm_schema import Segment, WorkerRow, layout, read_rows
+from shm_schema.events import EventKind, EventReader, EventWriter
+from proxy_workers.tracker import RequestTracker
+
+SPAWN = multiprocessing.get_context("spawn")
+PRODUCERS = 4
+EVENTS_EACH = 12_500  # 50,000 in all
+
+
+@pytest.fixture
+def seg_name():
+    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    seg = Segment.create_or_attach(name, 8, 8, 1024)
+    try:
+        yield name, seg
+    finally:
+        seg.close()
+        Segment.unlink(name)
+
+
+def _produce(name: str, index: int, count: int, start, done, stop) -> None:
+    seg = Segment.attach(name)
+    row = WorkerRow.claim(seg, index)
+    writer = EventWriter(seg, row.row)
+    start.wait()
+    for seq in range(count):
+        writer.write(EventKind.RESERVE, 1, (row.row << 48) | seq, index, 1, seq)
+        if writer.spilled and seq % 256 == 0:
+            time.sleep(0)  # a real worker yields to its loop; the spill keeps order meanwhile
+    deadline = time.monotonic() + 30
+    while writer.flush() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    done.put((row.row, writer.written, writer.dropped))
+    stop.wait(30)  # keep the row claimed until the parent has read everything
+    seg.close()
+
+
+def test_burst_of_50000_events_from_4_workers_none_lost(seg_name):
+    name, seg = seg_name
+    start, stop, done = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    procs = [SPAWN.Process(target=_produce, args=(name, i, EVENTS_EACH, start, done, stop))
+             for i in range(PRODUCERS)]
+    for p in procs:
+        p.start()
+    try:
+        while len(read_rows(seg)) < PRODUCERS:
+            time.sleep(0.01)
+        reader = EventReader(seg)
+        received: dict[int, list[int]] = {}
+        start.set()
+        finished: list[tuple[int, int, int]] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for row in read_rows(seg):
+                for event in reader.drain(row.row):
+                    received.setdefault(event.request_key >> 48, []).append(event.request_key & 0xFFFF_FFFF)
+            while not done.empty():
+                finished.append(done.get())
+            if len(finished) == PRODUCERS and sum(map(len, received.values())) >= PRODUCERS * EVENTS_EACH:
+                break
+            time.sleep(0.005)  # the sidecar's poll interval
+        assert sum(w for _, w, _ in finished) == PRODUCERS * EVENTS_EACH
+        assert all(dropped == 0 for _, _, dropped in finished)
+        assert all(r.events_dropped == 0 for r in read_rows(seg))
+        assert {row: len(seqs) for row, seqs in received.items()} == {r: EVENTS_EACH for r, _, _ in finished}
+        for seqs in received.values():  # in order, none twice
+            assert seqs == list(range(EVENTS_EACH))
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def test_full_ring_spills_in_order_and_counts_drops(seg_name):
+    _, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    writer = EventWriter(seg, row.row, spill_limit=10)
+    results = [writer.write(EventKind.COMPLETE, 1, i, 0, 1, i) for i in range(1024 + 30)]
+    assert results.count(False) == 20 and writer.dropped == 20
+    assert read_rows(seg)[0].events_dropped == 20
+    reader = EventReader(seg)
+    first = [e.request_key for e in reader.drain(row.row)]
+    assert first == list(range(1024))
+    assert writer.flush() == 0  # the spill moves in once the ring has room, oldest first
+    assert [e.request_key for e in reader.drain(row.row)] == list(range(1024, 1034))
+
+
+def test_new_sidecar_epoch_discards_spill_and_resyncs_live_requests(seg_name):
+    _, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    tracker = RequestTracker(seg, row)
+    reader = EventReader(seg)
+    live, done = tracker.new_key(), tracker.new_key()
+    tracker.reserve(live, 2, 1, service_ms=100, decode_ms=500, decode_tokens=20, prompt_tokens=50)
+    tracker.first_token(live)
+    tracker.reserve(done, 2, 1, service_ms=100, decode_ms=500, decode_tokens=20, prompt_tokens=50)
+    tracker.complete(done, failed=False)
+    before = list(reader.drain(row.row))
+    assert [e.kind for e in before] == [EventKind.RESERVE, EventKind.FIRST_TOKEN, EventKind.RESERVE,
+                                        EventKind.COMPLETE]
+    assert all(e.epoch == 0 for e in before)
+    seg.fetch_add(layout.H_SIDECAR_EPOCH, 1)  # a sidecar restarted
+    tracker.tick()
+    after = list(reader.drain(row.row))
+    assert [(e.kind, e.request_key, e.epoch) for e in after] == [
+        (EventKind.RESYNC, live, 1), (EventKind.FIRST_TOKEN, live, 1)]
+    assert after[0].a == 100_000 and after[0].b == 500_000 and after[0].t_us == before[0].t_us
+    assert tracker.resyncs == 1
