@@ -7,8 +7,10 @@ For 4, 16, 64 and 256 instances (each size in its own private segment of the def
 WorkerRow):
 
 - least_load select: `proxy_workers.router.Router.choose()` with
-  `Settings(instance_strategy="least_load", ...)`: cached directory snapshot, one struct read of
-  the inflight words, score, tie-break through the shared header cursor.
+  `Settings(instance_strategy="least_load", ...)`: cached directory snapshot, the three layers
+  (inflight words, queue lanes, the sidecar's pressure snapshot, published fresh with random
+  values), score, tie-break through the shared header cursor.
+- least_load, inflight only: the same with every other weight 0 (only inflight is read).
 - round_robin select: the same Router with the default strategy.
 - dict least_load (baseline): what one process of the original does, a dict
   instance_id -> inflight and a min over it, ties rotated by a local counter.
@@ -38,8 +40,10 @@ from typing import Callable
 
 from cacheroute.config import Settings
 from proxy_workers.router import Router
-from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count
+from cacheroute.routing.strategies import DEFAULT_WEIGHTS
+from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
 from shm_schema.atomic import BACKEND
+from shm_schema.snapshot import Pressure, SnapshotWriter
 
 SIZES = (4, 16, 64, 256)
 CAPACITY = 256
@@ -87,10 +91,25 @@ class Table:
             for inst in self.instances:
                 for _ in range(rng.randrange(32)):
                     assert self.row.begin(inst.slot, inst.generation)
+            # A fresh pressure snapshot (kept fresh for the whole run) and random queue lanes,
+            # so least_load scores all three layers, as in production.
+            now_us = int(time.time() * 1e6)
+            SnapshotWriter(self.seg).publish({
+                i.slot: Pressure(i.generation, rng.randrange(4), rng.randrange(8),
+                                 now_us + rng.randrange(10**6), now_us + rng.randrange(10**6), now_us)
+                for i in self.instances})
+            for inst in self.instances:
+                for lane in (layout.LANE_READY_ACTIVE, layout.LANE_PREPARE_WAITING):
+                    for _ in range(rng.randrange(4)):
+                        self.row.add(lane, inst.slot, inst.generation)
             common = dict(shm_name=self.name, shm_instance_capacity=CAPACITY,
-                          shm_worker_capacity=4, workers=1)
+                          shm_worker_capacity=4, workers=1, snapshot_stale_ms=1e9)
             self.least_load = Router(Settings(instance_strategy="least_load", **common),
                                      self.seg, self.row)
+            only_inflight = {name: 0.0 for name in DEFAULT_WEIGHTS if name != "inflight"}
+            self.least_load_inflight = Router(Settings(instance_strategy="least_load",
+                                                       least_load_weights=only_inflight, **common),
+                                              self.seg, self.row)
             self.round_robin = Router(Settings(instance_strategy="round_robin", **common),
                                       self.seg, self.row)
             self._check()
@@ -166,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in SIZES:
             table = tables[n] = Table(n, rng)
             cases[("least_load_router_choose", n)] = loop_of(table.least_load.choose)
+            cases[("least_load_inflight_only", n)] = loop_of(table.least_load_inflight.choose)
             cases[("round_robin_router_choose", n)] = loop_of(table.round_robin.choose)
             cases[("dict_least_load_baseline", n)] = loop_of(dict_least_load(table.counts()))
         inst = tables[16].instances[0]
@@ -254,7 +274,8 @@ def print_table(report: dict) -> None:
     header = f"{'case':<36}" + "".join(f"{'n=' + str(n):>10}" for n in report["sizes"])
     print(header)
     print("-" * len(header))
-    for case in ("least_load_router_choose", "round_robin_router_choose", "dict_least_load_baseline"):
+    for case in ("least_load_router_choose", "least_load_inflight_only", "round_robin_router_choose",
+                 "dict_least_load_baseline"):
         print(f"{case:<36}" + "".join(f"{res[case][str(n)]['median_us']:>10.2f}" for n in report["sizes"]))
     for case in ("begin_end_pair", "dict_begin_end_pair_baseline"):
         print(f"{case:<36}{res[case]['any']['median_us']:>10.2f}   (size-independent)")

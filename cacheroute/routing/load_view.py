@@ -49,13 +49,16 @@ class SlotRef(Protocol):
 
 
 class _CandidateKeys(NamedTuple):
-    """What the hot path needs of a directory snapshot's candidates, computed once per snapshot."""
+    """What the hot path needs of a directory snapshot's candidates, computed once per snapshot:
+    item getters that pull the candidates' values out of a flat table in one C call each."""
 
     snapshot: DirectorySnapshot
-    pick: Callable[[Sequence[int]], tuple[int, ...]]  # the candidates' inflight words, one C call
+    pick: Callable[[Sequence[int]], tuple[int, ...]]  # inflight words
     generations: tuple[int, ...]
     bases: tuple[int, ...]  # generation << 32: word - base is the count when the slot is current
     qps_1m: list[float | None]
+    lanes_pick: Callable[[Sequence[int]], tuple[int, ...]]  # every queue lane, candidate-major
+    record_picks: tuple[Callable[[Sequence[int]], tuple[int, ...]], ...]  # one per snapshot field
 
 
 def _picker(indexes: list[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
@@ -63,6 +66,9 @@ def _picker(indexes: list[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
         only = indexes[0]
         return lambda words: (words[only],)
     return itemgetter(*indexes)  # type: ignore[return-value]
+
+
+_COUNT_OF = COUNT_MASK.__and__
 
 
 class LoadView:
@@ -119,11 +125,7 @@ class LoadView:
         """Components of `snapshot.alive`, only those in `names`."""
         keys = self._keys
         if keys is None or keys.snapshot is not snapshot:
-            alive = snapshot.alive
-            keys = self._keys = _CandidateKeys(snapshot, _picker([i.slot for i in alive]),
-                                               tuple(i.generation for i in alive),
-                                               tuple(i.generation << GEN_SHIFT for i in alive),
-                                               [i.qps_1m for i in alive])
+            keys = self._keys = self._keys_for(snapshot)
         components: dict[str, list[Any]] = {}
         if "inflight" in names:
             picked = keys.pick(self.words(snapshot.slot_span))
@@ -138,10 +140,52 @@ class LoadView:
             components["qps_1m"] = keys.qps_1m
         if self.mode == "shared":
             if not names.isdisjoint(QUEUE_LANES):
-                components.update(self._queue_lanes(snapshot.alive, snapshot.slot_span))
+                components.update(self._candidate_lanes(keys, snapshot.slot_span,
+                                                        components.get("inflight")))
             if not names.isdisjoint(PREDICTED):
-                components.update(self._predicted(snapshot.alive, snapshot.slot_span))
+                components.update(self._candidate_predicted(keys, snapshot.slot_span))
         return components
+
+    @staticmethod
+    def _keys_for(snapshot: DirectorySnapshot) -> _CandidateKeys:
+        alive = snapshot.alive
+        slots = [i.slot for i in alive]
+        used, fields = layout.LANES_USED, layout.SNAPSHOT_FIELDS
+        return _CandidateKeys(
+            snapshot, _picker(slots), tuple(i.generation for i in alive),
+            tuple(i.generation << GEN_SHIFT for i in alive), [i.qps_1m for i in alive],
+            _picker([used * s + lane for s in slots for lane in range(1, used)]),
+            tuple(_picker([fields * s + f for s in slots]) for f in range(fields)))
+
+    def _candidate_lanes(self, keys: _CandidateKeys, span: int,
+                         inflight: list[Any] | None) -> dict[str, list[Any]]:
+        """The queue lanes of every candidate in one pass. A slot's lanes are reset together
+        with its inflight word, so the generation checked on inflight covers them."""
+        values = list(map(_COUNT_OF, keys.lanes_pick(self._counters.lanes(span))))
+        width = layout.LANES_USED - 1
+        result = {name: values[i::width] for i, name in enumerate(layout.LANE_NAMES[1:])}
+        if inflight is None or None in inflight:
+            stale = [i for i, n in enumerate(inflight or ()) if n is None]
+            for column in result.values():
+                for i in stale:
+                    column[i] = None
+        return result
+
+    def _candidate_predicted(self, keys: _CandidateKeys, span: int) -> dict[str, list[Any]]:
+        now_us = int(time.time() * 1e6)
+        records = self.snapshots.records(span) if self.predicted_source(now_us) == "fresh" else ()
+        if not records:
+            unknown = [None] * len(keys.generations)
+            return dict.fromkeys(PREDICTED, unknown)
+        gens, pending, decoding, slot_free, prefill_free, _ = (pick(records) for pick in keys.record_picks)
+        if gens != keys.generations:  # a record of another generation (or none): unknown
+            return self._predicted(keys.snapshot.alive, span)
+        return {
+            "pending_prefill_count": list(pending),
+            "active_decode_count": list(decoding),
+            "predicted_total_backlog_ms": [(t - now_us) / 1000 if t > now_us else 0.0
+                                           for t in map(max, slot_free, prefill_free)],
+        }
 
     # --- any instance list (debug, reports) ---------------------------------------------------
     def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
