@@ -38,6 +38,7 @@ ENV_NAMES: dict[str, str] = {
     "least_load_weights": "PROXY_LEAST_LOAD_WEIGHTS",
     "sim_instances": "PROXY_SIM_INSTANCES",
     "sim_instance_port_base": "PROXY_SIM_INSTANCE_PORT_BASE",
+    "sim_kdn_port": "PROXY_SIM_KDN_PORT",
     "worker_restart_backoff_s": "PROXY_WORKER_RESTART_BACKOFF_S",
     "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
     "log_level": "PROXY_LOG_LEVEL",
@@ -106,6 +107,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     least_load_weights: dict[str, float] = {}
     sim_instances: int = 0
     sim_instance_port_base: int = 9001
+    sim_kdn_port: int = 9101
     worker_restart_backoff_s: float = 0.2
     reaper_interval_s: float = 0.25
     log_level: str = "info"
@@ -135,7 +137,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
                f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
         _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
-        for name in ("dp_port", "cp_port", "worker_private_port_base", "sim_instance_port_base"):
+        for name in ("dp_port", "cp_port", "worker_private_port_base", "sim_instance_port_base",
+                     "sim_kdn_port"):
             _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
         _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")
         _check(self.workers <= self.shm_worker_capacity, "workers",

@@ -88,6 +88,10 @@ class Router:
         trace["route_select_start_ms"] = _now_ms()
         instance = self.choose()
         trace["route_select_end_ms"] = _now_ms()
+        if self._wanted:
+            age = self.view.snapshot_age_ms()  # how old the predicted layer this choice used was
+            if age is not None:
+                trace["snapshot_age_ms"] = round(age, 1)
         if not self.row.begin(instance.slot, instance.generation):
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
         trace["instance_id"] = instance.instance_id

@@ -1,8 +1,9 @@
 """Draining the workers' event rings into the timelines and publishing pressure snapshots.
 
-Runs on the sidecar's loop every few milliseconds. Publishes when something changed (at most
-every `min_publish_interval_s`) and at least every `heartbeat_s`, so a worker can tell a quiet
-sidecar (fresh snapshot, nothing pending) from a dead one (the snapshot ages).
+Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS). Publishes when
+something changed (at most every `min_publish_interval_s`) and at least every `heartbeat_s`,
+so a worker can tell a quiet sidecar (fresh snapshot, nothing pending) from a dead one (the
+snapshot ages past PROXY_SNAPSHOT_STALE_MS).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ChannelStats:
 
 class PressurePublisher:
     def __init__(self, seg: Segment, epoch: int, ready_slots: int,
-                 min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.5,
+                 min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.1,
                  reservation_max_age_s: float = 900.0) -> None:
         self._seg = seg
         self.epoch = epoch

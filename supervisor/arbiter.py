@@ -30,12 +30,15 @@ class Arbiter:
         env = settings.to_env()
         self.sidecar = Child("sidecar", ["-m", "sidecar"], env)
         self.instances = [self._sim_instance(i, env) for i in range(settings.sim_instances)]
+        if settings.sim_instances:  # the demo's knowledge server, for Scheduler-style requests
+            self.instances.append(Child("sim-kdn", ["-m", "sim_kdn", "--host", "127.0.0.1", "--port",
+                                                    str(settings.sim_kdn_port)], env))
         self.workers = [Child(f"worker{i}", ["-m", "proxy_workers", "--index", str(i)], env)
                         for i in range(settings.workers)]
         self._stopping = False
 
     def _sim_instance(self, i: int, env: dict[str, str]) -> Child:
-        port = self.settings.sim_instance_port_base + 10 * i
+        port = self.settings.sim_instance_port_base + 10 * i  # its control plane is port + 1
         return Child(f"sim-instance{i}", [
             "-m", "sim_instance", "--host", "127.0.0.1", "--port", str(port),
             "--proxy-cp-url", self.settings.cp_url], env)
@@ -114,8 +117,9 @@ class Arbiter:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping:
             if all(_get_json(url) is not None for url in urls):
-                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s, %d simulated instances",
-                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url, s.sim_instances)
+                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s, %d simulated instances%s",
+                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url, s.sim_instances,
+                         f", simulated KDN on 127.0.0.1:{s.sim_kdn_port}" if s.sim_instances else "")
                 return
             time.sleep(0.2)
         log.warning("not every worker answered /healthz within %.0fs", READY_TIMEOUT_S)
