@@ -11,9 +11,10 @@ import time
 
 from cacheroute.config import Settings
 from cacheroute.http import HTTPError
+from cacheroute.routing.fast_score import Scorer, compile_scorer
 from cacheroute.routing.load_view import LoadView
 from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
-from shm_schema import Admission, InstanceSlot, Segment, WorkerRow, header
+from shm_schema import Admission, DirectorySnapshot, InstanceSlot, Segment, WorkerRow, header
 
 
 class Lease:
@@ -75,14 +76,33 @@ class Router:
                         if isinstance(self.strategy, LeastLoadStrategy) else frozenset())
         self.scorer = (self.strategy if isinstance(self.strategy, LeastLoadStrategy)
                        else LeastLoadStrategy(settings.least_load_weights))
+        # least_load over the shared table: one generated comprehension per directory snapshot.
+        self._compiled: tuple[object, Scorer | None] = (None, None)
+        self._fast = isinstance(self.strategy, LeastLoadStrategy) and settings.load_view == "shared"
 
     def choose(self) -> InstanceSlot:
         snapshot = self.view.directory.snapshot()
         candidates = snapshot.alive
         if not candidates:
             raise HTTPError(503, "no_instance", "proxy has no alive instance")
+        if self._fast:
+            totals = self._fast_totals(snapshot)
+            if totals is not None:
+                return self.strategy.select_by_totals(candidates, totals)  # type: ignore[union-attr]
         components = self.view.candidate_components(snapshot, self._wanted) if self._wanted else None
         return self.strategy.select(candidates, components)
+
+    def _fast_totals(self, snapshot: DirectorySnapshot) -> list[float] | None:
+        compiled_for, scorer = self._compiled
+        if compiled_for is not snapshot:
+            scorer = compile_scorer(self.scorer, [i.slot for i in snapshot.alive],
+                                    [i.generation for i in snapshot.alive])
+            self._compiled = (snapshot, scorer)
+        if scorer is None:
+            return None
+        span = snapshot.slot_span
+        now_us = int(time.time() * 1e6)
+        return scorer(self.view.lanes(span), self.view.fresh_records(span, now_us), now_us)
 
     def acquire(self, trace: dict[str, int | str]) -> Lease:
         trace["route_select_start_ms"] = _now_ms()

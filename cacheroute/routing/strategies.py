@@ -101,7 +101,11 @@ class LeastLoadStrategy:
     def select(self, candidates: Sequence[T], components: Components | None = None) -> T:
         if not candidates:
             raise RuntimeError("no instances")
-        totals = self.totals(len(candidates), components)
+        return self.select_by_totals(candidates, self.totals(len(candidates), components))
+
+    def select_by_totals(self, candidates: Sequence[T], totals: list[float | None]) -> T:
+        """Lowest known total; unknown totals dropped; all unknown -> round-robin; ties ->
+        round-robin among them."""
         if None not in totals:
             best = min(totals)  # type: ignore[type-var]
         else:
