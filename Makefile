@@ -9,7 +9,7 @@ SIM    ?= 2
 STRATEGY ?= round_robin
 PYTEST_ARGS ?=
 
-.PHONY: install run-workers test bench bench-stack clean-shm clean
+.PHONY: install run-workers test bench bench-pressure bench-stack clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_select --out bench/results/select.json
+
+# TTFT prediction error and snapshot age against simulated instances at real time (~1 min).
+bench-pressure: $(STAMP)
+	$(PY) -m bench.bench_pressure --out bench/results/pressure.json
 
 # Server and client comparison behind the stack choice (bench/STACK_CHOICE.md), ~6 minutes.
 bench-stack: $(STAMP)

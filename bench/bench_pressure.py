@@ -83,7 +83,7 @@ async def _drive(url: str, duration: float, rate: float, seed: int) -> list[dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_pressure")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
