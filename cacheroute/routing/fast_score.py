@@ -44,15 +44,15 @@ def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
     record_gens = ", ".join(f"R[{fields * s}]" for s in slots)
     queue_terms, full_terms = [], []
     for s in slots:
-        queue = [f"(L[{used * s + f}] & {mask}) * {weights[n]!r}"
+        queue = [_weighted(f"(L[{used * s + f}] & {mask})", weights[n])
                  for n, f in _LANE_FIELDS.items() if n in weights]
-        predicted = [f"R[{fields * s + f}] * {weights[n]!r}"
+        predicted = [_weighted(f"R[{fields * s + f}]", weights[n])
                      for n, f in _RECORD_FIELDS.items() if n in weights]
         if "predicted_total_backlog_ms" in weights:  # microseconds from now, weighted per ms
             scale = weights["predicted_total_backlog_ms"] / 1000
             predicted.append(f"(max(R[{fields * s + 3}], R[{fields * s + 4}], now) - now) * {scale!r}")
-        queue_terms.append(" + ".join(queue) or "0.0")
-        full_terms.append(" + ".join(queue + predicted) or "0.0")
+        queue_terms.append(" + ".join(queue) or "0")
+        full_terms.append(" + ".join(queue + predicted) or "0")
     gens = tuple(generations)
     source = (
         "def scorer(L, R, now):\n"
@@ -66,3 +66,7 @@ def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
     namespace: dict[str, object] = {"GENS": gens}
     exec(compile(source, "<least_load scorer>", "exec"), namespace)
     return namespace["scorer"]  # type: ignore[return-value]
+
+
+def _weighted(term: str, weight: float) -> str:
+    return term if weight == 1.0 else f"{term} * {weight!r}"
