@@ -188,3 +188,27 @@ def test_queue_bound_answers_429_with_retry_after(make_cluster):
     assert [s for s, _ in outcome[1:]] == [200, 200]
     wait_until(lambda: _row(cluster, inst.instance_id)["inflight"] == 0
                and _row(cluster, inst.instance_id)["ready_queue_depth"] == 0, 5, message="drained")
+
+
+def test_admission_wait_has_a_deadline(make_cluster):
+    cluster = make_cluster(workers=1, env={"READY_CONCURRENCY": "1", "PROXY_QUEUE_TIMEOUT_S": "1"})
+    inst = cluster.add_instance("--hold-streams")
+
+    async def scenario() -> tuple[int, str | None, dict]:
+        async with aiohttp.ClientSession() as session:
+            url = f"{cluster.dp_url}/v1/chat/completions"
+            held = await OpenStream.open(session, url, chat_body())
+            started = time.monotonic()
+            async with session.post(url, json=chat_body()) as waited:
+                body = await waited.json()
+                outcome = (waited.status, waited.headers.get("Retry-After"), body)
+            assert 0.9 < time.monotonic() - started < 5
+            inst.release()
+            await held.finish()
+            return outcome
+
+    status, retry_after, body = asyncio.run(scenario())
+    assert (status, retry_after, body["error"]) == (503, "2", "queue_timeout")
+    wait_until(lambda: _row(cluster, inst.instance_id)["inflight"] == 0
+               and _row(cluster, inst.instance_id)["ready_queue_depth"] == 0
+               and _row(cluster, inst.instance_id)["active_ready"] == 0, 5, message="nothing leaked")
