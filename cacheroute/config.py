@@ -60,6 +60,10 @@ ENV_NAMES: dict[str, str] = {
     "event_ring_capacity": "PROXY_EVENT_RING_CAPACITY",
     "event_poll_ms": "PROXY_EVENT_POLL_MS",
     "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
+    # --- security ---
+    "cp_token": "PROXY_CP_TOKEN",
+    "cp_token_file": "PROXY_CP_TOKEN_FILE",
+    "debug_requires_token": "PROXY_DEBUG_REQUIRES_TOKEN",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -132,6 +136,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     event_poll_ms: float = 5.0
     # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
     snapshot_stale_ms: float = 2000.0
+    # Bearer token required for register/heartbeat/unregister when set (the file is preferred:
+    # it keeps the secret out of the environment and the process table).
+    cp_token: str | None = None
+    cp_token_file: str | None = None
+    # Also require it for /debug/* and the instance list, on the control plane and the workers.
+    debug_requires_token: bool = False
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -164,6 +174,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                      "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
+        if self.cp_token_file:
+            try:
+                readable = bool(open(self.cp_token_file).read().strip())
+            except OSError as exc:
+                raise ValueError(f"PROXY_CP_TOKEN_FILE: cannot read {self.cp_token_file}: {exc.strerror}") from None
+            _check(readable, "cp_token_file", f"{self.cp_token_file} is empty")
+
+    def __repr__(self) -> str:  # never print the token
+        shown = {k: ("***" if k == "cp_token" and v else v)
+                 for k, v in msgspec.structs.asdict(self).items()}
+        return f"Settings({shown})"
 
     @property
     def strategy_name(self) -> str:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cacheroute.auth import TokenGuard, load_token
 from cacheroute.config import Settings
 from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, error_response, from_http_error, read_body
 from cacheroute.routing.report import instance_loads
@@ -46,6 +47,9 @@ class WorkerContext:
 
 def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
     limit = ctx.settings.max_body_bytes
+    settings = ctx.settings
+    debug_guard = TokenGuard(load_token(settings.cp_token, settings.cp_token_file)
+                             if settings.debug_requires_token else None)
 
     def proxy_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
         async def handle(request: Request) -> Any:
@@ -59,6 +63,10 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
         return handle
 
     async def debug_instance_loads(request: Request) -> Response:
+        try:
+            debug_guard.check(request)
+        except HTTPError as exc:
+            return from_http_error(exc)
         include_dead = request.query_params.get("include_dead", "true").lower() in ("1", "true", "yes")
         return JSONResponse(instance_loads(
             ctx.router.view, ctx.router.scorer, strategy=ctx.router.strategy.name,

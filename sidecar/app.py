@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from cacheroute.auth import TokenGuard, load_token
 from cacheroute.config import Settings
 from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, decode_json, from_http_error, read_body
 from cacheroute.routing.load_view import LoadView
@@ -41,6 +42,10 @@ class SidecarState:
 
 def build_app(state: SidecarState) -> Starlette:
     registry = state.registry
+    settings = state.settings
+    guard = TokenGuard(load_token(settings.cp_token, settings.cp_token_file))
+    writes = _guard(guard)  # register, heartbeat, unregister: always behind the token if set
+    reads = _guard(guard if settings.debug_requires_token else TokenGuard(None))
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, "ttl_s": state.settings.instance_ttl_s})
@@ -95,13 +100,13 @@ def build_app(state: SidecarState) -> Starlette:
             answered_by={"role": "sidecar", "pid": os.getpid()}))
 
     routes = [
-        Route("/healthz", _guard(healthz), methods=["GET"]),
-        Route("/debug/status", _guard(status), methods=["GET"]),
-        Route("/debug/instance_loads", _guard(debug_instance_loads), methods=["GET"]),
-        Route("/v1/instance/register", _guard(register), methods=["POST"]),
-        Route("/v1/instance/heartbeat", _guard(heartbeat), methods=["POST"]),
-        Route("/v1/instance/unregister", _guard(unregister), methods=["POST"]),
-        Route("/v1/instance/list", _guard(list_instances), methods=["GET"]),
+        Route("/healthz", _guard(TokenGuard(None))(healthz), methods=["GET"]),
+        Route("/debug/status", reads(status), methods=["GET"]),
+        Route("/debug/instance_loads", reads(debug_instance_loads), methods=["GET"]),
+        Route("/v1/instance/register", writes(register), methods=["POST"]),
+        Route("/v1/instance/heartbeat", writes(heartbeat), methods=["POST"]),
+        Route("/v1/instance/unregister", writes(unregister), methods=["POST"]),
+        Route("/v1/instance/list", reads(list_instances), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS)
 
@@ -113,10 +118,14 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _guard(handler: Handler) -> Handler:
-    async def guarded(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except HTTPError as exc:
-            return from_http_error(exc)
-    return guarded
+def _guard(tokens: TokenGuard) -> Callable[[Handler], Handler]:
+    """Wrap a handler: token check first, then HTTPError -> its JSON error response."""
+    def wrap(handler: Handler) -> Handler:
+        async def guarded(request: Request) -> Response:
+            try:
+                tokens.check(request)
+                return await handler(request)
+            except HTTPError as exc:
+                return from_http_error(exc)
+        return guarded
+    return wrap

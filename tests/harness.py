@@ -47,11 +47,11 @@ def free_port_range(count: int) -> int:
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 10.0,
-         raw: bytes | None = None) -> tuple[int, Any, dict[str, str]]:
+         raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
     """(status, decoded JSON or text, headers); never raises for HTTP error statuses."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, payload, headers = response.status, response.read(), _lower(response.headers)
@@ -188,12 +188,16 @@ class Cluster:
                        message=f"worker {index} healthy\n{self.launcher_log()}")
         return self
 
-    def add_instance(self, *args: str, time_scale: float = 0.05, **kw: Any) -> SimInstance:
+    def add_instance(self, *args: str, time_scale: float = 0.05, headers: dict[str, str] | None = None,
+                     **kw: Any) -> SimInstance:
         inst = SimInstance(self.cp_url, self.tmp_path, "--time-scale", str(time_scale), *args, **kw)
         self.instances.append(inst)
-        wait_until(lambda: any(r["instance_id"] == inst.instance_id and r["is_alive"]
-                               for r in self.loads()["instances"]), 20,
-                   message=f"{inst.instance_id} registered")
+
+        def registered() -> bool:
+            status, loads, _ = http("GET", f"{self.cp_url}/debug/instance_loads", headers=headers)
+            return status == 200 and any(r["instance_id"] == inst.instance_id and r["is_alive"]
+                                         for r in loads["instances"])
+        wait_until(registered, 20, message=f"{inst.instance_id} registered")
         return inst
 
     def stop(self) -> int | None:

@@ -1,0 +1,71 @@
+"""The control-plane token: required for writes, optional for debug reads, constant-time,
+never logged; the simulated instance registers with it."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from cacheroute.config import Settings
+from tests.harness import http, wait_until
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_token_guards_registration_and_optionally_debug(make_cluster, tmp_path):
+    token_file = tmp_path / "cp.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    cluster = make_cluster(workers=1, env={"PROXY_CP_TOKEN_FILE": str(token_file),
+                                           "PROXY_DEBUG_REQUIRES_TOKEN": "1"})
+    register = f"{cluster.cp_url}/v1/instance/register"
+    body = {"host": "127.0.0.1", "port": 9999, "instance_id": "intruder"}
+    for headers in ({}, _auth("wrong"), {"Authorization": TOKEN}, _auth(TOKEN + "x")):
+        status, reply, got = http("POST", register, body, headers=headers)
+        assert status == 401 and reply["error"] == "unauthorized", (headers, reply)
+        assert got["www-authenticate"] == "Bearer"
+    for path in ("/v1/instance/heartbeat", "/v1/instance/unregister"):
+        assert http("POST", f"{cluster.cp_url}{path}", {"instance_id": "x"})[0] == 401
+    # Debug reads need it too here, on the control plane and on the workers.
+    for url in (f"{cluster.cp_url}/debug/status", f"{cluster.cp_url}/debug/instance_loads",
+                f"{cluster.cp_url}/v1/instance/list", f"{cluster.worker_url(0)}/debug/instance_loads"):
+        assert http("GET", url)[0] == 401, url
+        assert http("GET", url, headers=_auth(TOKEN))[0] == 200, url
+    assert http("GET", f"{cluster.cp_url}/healthz")[0] == 200  # liveness probes stay open
+
+    status, reply, _ = http("POST", register, body, headers=_auth(TOKEN))
+    assert status == 200 and reply["instance_id"] == "intruder"
+    # A simulated instance configured with the token registers and serves.
+    inst = cluster.add_instance("--register-token", TOKEN, headers=_auth(TOKEN))
+    assert inst.instance_id in {r["instance_id"] for r in
+                                http("GET", f"{cluster.cp_url}/v1/instance/list",
+                                     headers=_auth(TOKEN))[1]}
+    assert TOKEN not in cluster.launcher_log()
+
+
+def test_debug_reads_open_by_default_writes_closed(make_cluster):
+    cluster = make_cluster(workers=1, env={"PROXY_CP_TOKEN": TOKEN})
+    assert http("GET", f"{cluster.cp_url}/debug/instance_loads")[0] == 200
+    assert http("POST", f"{cluster.cp_url}/v1/instance/register",
+                {"host": "127.0.0.1", "port": 9999})[0] == 401
+
+
+def test_token_file_errors_name_the_variable(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    for path in (str(empty), str(tmp_path / "missing")):
+        with pytest.raises(ValueError, match="PROXY_CP_TOKEN_FILE"):
+            Settings.from_env({"PROXY_CP_TOKEN_FILE": path})
+    assert TOKEN not in repr(Settings(cp_token=TOKEN))
+
+
+def test_segment_is_private_to_the_service_user(make_cluster):
+    cluster = make_cluster(workers=1)
+    mode = stat.S_IMODE(os.stat(f"/dev/shm{cluster.shm_name}").st_mode)
+    assert mode == 0o600
