@@ -60,6 +60,10 @@ ENV_NAMES: dict[str, str] = {
     "event_ring_capacity": "PROXY_EVENT_RING_CAPACITY",
     "event_poll_ms": "PROXY_EVENT_POLL_MS",
     "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
+    # --- faults ---
+    "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
+    "eject_s": "PROXY_EJECT_S",
+    "retry_attempts": "PROXY_RETRY_ATTEMPTS",
     # --- security ---
     "cp_token": "PROXY_CP_TOKEN",
     "cp_token_file": "PROXY_CP_TOKEN_FILE",
@@ -136,6 +140,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     event_poll_ms: float = 5.0
     # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
     snapshot_stale_ms: float = 2000.0
+    # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
+    eject_after_failures: int = 3
+    eject_s: float = 10.0
+    # Tries on other instances when one fails before anything reached the client.
+    retry_attempts: int = 1
     # Bearer token required for register/heartbeat/unregister when set (the file is preferred:
     # it keeps the secret out of the environment and the process table).
     cp_token: str | None = None
@@ -174,6 +183,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                      "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
+        _check(0 <= self.eject_after_failures <= 1000, "eject_after_failures", "must be 0..1000")
+        _check(self.eject_s > 0, "eject_s", "must be > 0")
+        _check(0 <= self.retry_attempts <= 5, "retry_attempts", "must be 0..5")
         if self.cp_token_file:
             try:
                 readable = bool(open(self.cp_token_file).read().strip())

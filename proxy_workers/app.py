@@ -59,7 +59,8 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
             except HTTPError as exc:
                 return from_http_error(exc)
             trace["request_id"] = proxy_request.request_id
-            return ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace)
+            return ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
+                                 retries=settings.retry_attempts)
         return handle
 
     async def debug_instance_loads(request: Request) -> Response:
@@ -74,7 +75,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
             answered_by=ctx.identity()))
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True, **ctx.identity()})
+        return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe()})
 
     routes = [
         Route(Endpoint.CHAT.path, proxy_route(Endpoint.CHAT), methods=["POST"]),

@@ -32,35 +32,52 @@ _JSON = (b"content-type", b"application/json")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
+# Statuses after which another instance is tried, if nothing has reached the client yet.
+_RETRY_STATUSES = frozenset({502, 503})
+
+
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
-                 request: ProxyRequest, trace: dict[str, Any]) -> None:
+                 request: ProxyRequest, trace: dict[str, Any], retries: int = 0) -> None:
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
         self._job = Job(request, trace)
+        self._retries = retries
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        try:
-            lease = self._router.acquire(self._job.trace)
-        except HTTPError as exc:
-            await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, headers=exc.headers)
-            return
-        try:
-            await run_until_disconnect(self._run(lease, send), receive)
-        finally:
-            lease.release()
+        tried: frozenset[tuple[int, int]] = frozenset()
+        for attempt in range(1 + self._retries):
+            try:
+                lease = self._router.acquire(self._job.trace, tried)
+            except HTTPError as exc:
+                await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, headers=exc.headers)
+                return
+            tried |= {(lease.instance.slot, lease.instance.generation)}
+            last = attempt == self._retries or not self._router.has_alternative(tried)
+            try:
+                retry = await run_until_disconnect(self._run(lease, send, last), receive)
+            finally:
+                lease.release()
+            if not retry:
+                return
+            self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
+            self._job.trace["retries"] = attempt + 1
 
-    async def _run(self, lease: Lease, send: Send) -> None:
+    async def _run(self, lease: Lease, send: Send, last: bool) -> bool:
+        """True if the attempt failed before sending anything and another should be made."""
         try:
             async with self._pipeline.admitted(lease, self._job):
-                await self._forward(lease, send)
+                return await self._forward(lease, send, last)
         except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
             await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, lease, exc.headers)
+            return False
 
-    async def _forward(self, lease: Lease, send: Send) -> None:
+    async def _forward(self, lease: Lease, send: Send, last: bool) -> bool:
         job = self._job
         request, trace = job.request, job.trace
+        key = (lease.instance.slot, lease.instance.generation)
+        outliers = self._router.outliers
         trace["forward_start_ms"] = _now_ms()
         headers = None
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
@@ -69,8 +86,16 @@ class ProxyExchange:
             response = await self._upstream.open(lease.base_url + request.endpoint.path,
                                                  request.encoded_body(), headers)
         except HTTPError as exc:
+            outliers.failed(key)
+            if not last and exc.code == "upstream_unavailable":
+                return True
             await send_json(send, exc.status, {"error": exc.code, "detail": exc.detail}, lease)
-            return
+            return False
+        if response.status >= 500:
+            outliers.failed(key)
+            if not last and response.status in _RETRY_STATUSES:
+                response.close()
+                return True
         finished = False
         try:
             if response.status >= 400:
@@ -84,6 +109,7 @@ class ProxyExchange:
             # A fully read response goes back to the pool; anything else (cancelled, failed)
             # closes the connection so the instance stops work on it.
             response.release() if finished and response.content.at_eof() else response.close()
+        return False
 
     async def _relay_error(self, response: aiohttp.ClientResponse, send: Send, lease: Lease) -> None:
         """Upstream 4xx/5xx keep their status and body."""
@@ -116,6 +142,7 @@ class ProxyExchange:
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
         except UpstreamFailure as exc:
             error = exc.reason
+        self._account(lease, error is None)
         trace["forward_end_ms"] = _now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
         final = meta_event(trace, error or job.knowledge.error, job.knowledge) + \
@@ -128,8 +155,10 @@ class ProxyExchange:
         try:
             body = await self._upstream.read_all(response)
         except UpstreamFailure as exc:
+            self._account(lease, False)
             await send_json(send, 502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
+        self._account(lease, True)
         trace["forward_end_ms"] = _now_ms()
         meta = meta_object(trace, job.knowledge.error, job.knowledge)
         try:
@@ -143,6 +172,10 @@ class ProxyExchange:
         await send_json(send, 200, parsed, lease)
 
 
+    def _account(self, lease: Lease, ok: bool) -> None:
+        key = (lease.instance.slot, lease.instance.generation)
+        self._router.outliers.succeeded(key) if ok else self._router.outliers.failed(key)
+
     def _first_token(self, job: Job) -> None:
         trace = job.trace
         now = _now_ms()
@@ -155,8 +188,8 @@ class ProxyExchange:
         self._pipeline.first_token(job)
 
 
-async def run_until_disconnect(work: Awaitable[None], receive: Receive) -> None:
-    """Run `work`, cancelling it if the client disconnects first."""
+async def run_until_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
+    """Run `work`, cancelling it if the client disconnects first; its result, else None."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(receive))
     try:
@@ -167,8 +200,7 @@ async def run_until_disconnect(work: Awaitable[None], receive: Receive) -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    if not task.cancelled():
-        task.result()
+    return None if task.cancelled() else task.result()
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -62,6 +62,7 @@ class Job:
     trace: dict[str, Any]
     key: int = 0
     knowledge: Knowledge = field(default_factory=Knowledge)
+    prepared: bool = False  # a retry on another instance does not fetch and inject again
     predicted_first_token_ms: float | None = None
 
 
@@ -103,7 +104,9 @@ class Pipeline:
         try:
             try:
                 async with asyncio.timeout(settings.queue_timeout_s):
-                    await self._prepare(lease, stages, job, ticket)
+                    if not job.prepared:
+                        await self._prepare(lease, stages, job, ticket)
+                        job.prepared = True
                     await self._wait_turn(stages, ticket)
                     self._reserve(lease, job)
                     reserved = True

@@ -14,6 +14,8 @@ from cacheroute.http import HTTPError
 from cacheroute.routing.fast_score import Scorer, compile_scorer
 from cacheroute.routing.load_view import LoadView
 from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
+
+from .outliers import OutlierTracker
 from shm_schema import Admission, DirectorySnapshot, InstanceSlot, Segment, WorkerRow, header
 
 
@@ -79,12 +81,23 @@ class Router:
         # least_load over the shared table: one generated comprehension per directory snapshot.
         self._compiled: tuple[object, Scorer | None] = (None, None)
         self._fast = isinstance(self.strategy, LeastLoadStrategy) and settings.load_view == "shared"
+        self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 
-    def choose(self) -> InstanceSlot:
+    def choose(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> InstanceSlot:
         snapshot = self.view.directory.snapshot()
         candidates = snapshot.alive
         if not candidates:
             raise HTTPError(503, "no_instance", "proxy has no alive instance")
+        avoid = exclude | self.outliers.ejected()
+        if avoid:
+            kept = tuple(i for i in candidates if (i.slot, i.generation) not in avoid)
+            if not kept:
+                kept = tuple(i for i in candidates if (i.slot, i.generation) not in exclude)
+            if not kept:
+                raise HTTPError(503, "no_instance", "every alive instance failed this request")
+            if len(kept) < len(candidates):
+                components = self.view.components(kept, snapshot.slot_span) if self._wanted else None
+                return self.strategy.select(kept, components)
         if self._fast:
             totals = self._fast_totals(snapshot)
             if totals is not None:
@@ -104,9 +117,14 @@ class Router:
         now_us = int(time.time() * 1e6)
         return scorer(self.view.lanes(span), self.view.fresh_records(span, now_us), now_us)
 
-    def acquire(self, trace: dict[str, int | str]) -> Lease:
+    def has_alternative(self, exclude: frozenset[tuple[int, int]]) -> bool:
+        """Is there an alive instance outside `exclude` to retry on?"""
+        return any((i.slot, i.generation) not in exclude for i in self.view.directory.snapshot().alive)
+
+    def acquire(self, trace: dict[str, int | str],
+                exclude: frozenset[tuple[int, int]] = frozenset()) -> Lease:
         trace["route_select_start_ms"] = _now_ms()
-        instance = self.choose()
+        instance = self.choose(exclude)
         trace["route_select_end_ms"] = _now_ms()
         if self._wanted:
             age = self.view.snapshot_age_ms()  # how old the predicted layer this choice used was

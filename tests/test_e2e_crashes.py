@@ -94,3 +94,38 @@ def test_ctrl_c_leaves_no_process_and_no_segment(make_cluster):
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(f"/dev/shm{cluster.shm_name}")
+
+
+def test_stopped_worker_is_not_reaped_and_resumes_without_double_subtraction(make_cluster):
+    cluster = make_cluster(workers=2)
+    inst = cluster.add_instance("--hold-streams")
+    pid = cluster.worker_pids()[1]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            streams = [await OpenStream.open(session, f"{cluster.worker_url(1)}/v1/chat/completions",
+                                             chat_body()) for _ in range(2)]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(3.0)  # far past the reaper's interval and any heartbeat window
+                status = cluster.status()
+                assert status["reaper"]["reaped"] == 0
+                stopped = [w for w in status["workers"] if w["pid"] == pid]
+                assert stopped and stopped[0]["alive"] and stopped[0]["heartbeat_age_ms"] >= 2000
+                assert cluster.inflight(0)[inst.instance_id] == 2  # its share is still counted
+                # The other worker keeps serving meanwhile.
+                inst.configure(hold_streams=False)
+                assert http("POST", f"{cluster.worker_url(0)}/v1/chat/completions",
+                            chat_body(stream=False))[0] == 200
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            inst.release()
+            await asyncio.gather(*(s.finish() for s in streams))
+
+    asyncio.run(scenario())
+    wait_until(lambda: cluster.inflight()[inst.instance_id] == 0, 5, message="inflight 0")
+    time.sleep(0.6)  # a few reaper ticks and an audit chance
+    status = cluster.status()
+    assert status["reaper"]["reaped"] == 0 and status["reaper"]["subtracted"] == 0
+    assert status["reaper"]["corrections"] == 0
+    assert cluster.worker_pids()[1] == pid  # never replaced
