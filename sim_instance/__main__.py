@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from sim_instance.config import (
-    ConfigError,
-    SimConfig,
-    knobs_from_mapping,
-    sim_config_from_mapping,
-)
+from sim_common import cli
+from sim_instance.config import Knobs, SimConfig, sim_config_from_mapping
 from sim_instance.server import run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sim_instance",
-                                description="Simulated OpenAI-compatible vLLM Instance.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9001)
-    p.add_argument("--instance-id", default=None, help="default hp_{host}:{port}")
+    p = cli.new_parser("python -m sim_instance", "Simulated OpenAI-compatible vLLM Instance.",
+                       port=9001, id_flag="--instance-id", id_help="default hp_{host}:{port}")
     p.add_argument("--model", default="sim-model")
     reg = p.add_argument_group("registration with the Proxy control plane")
     reg.add_argument("--proxy-cp-url", default=os.environ.get("PROXY_CP_URL") or
@@ -49,14 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="env INSTANCE_REDIS_PASSWORD")
     cp.add_argument("--kdn-timeout", dest="kdn_timeout_s", type=float, default=60.0,
                     help="seconds allowed for one KDN inject call (default 60)")
-    sim = p.add_argument_group("simulation")
-    sim.add_argument("--time-scale", type=float, default=1.0,
-                     help="multiplies every simulated duration (0.05 = 20x faster)")
-    sim.add_argument("--max-concurrency", type=int, default=8)
-    sim.add_argument("--seed", type=int, default=None, help="seed for fail_rate draws")
-    sim.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, default=2.0)
-    sim.add_argument("--log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug"])
+    cli.add_simulation_group(p, _engine_flags)
     knobs = p.add_argument_group("fault knobs (also settable at run time: POST /sim/config)")
     knobs.add_argument("--slow-factor", type=float, default=1.0)
     knobs.add_argument("--hang", action="store_true")
@@ -69,28 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-KNOB_FLAGS = ("slow_factor", "hang", "fail_status", "fail_rate", "drop_after_chunks",
-              "stall_after_chunks", "hold_streams", "default_max_tokens")
+def _engine_flags(sim: cli.ArgGroup) -> None:
+    sim.add_argument("--max-concurrency", type=int, default=8)
+    sim.add_argument("--seed", type=int, default=None, help="seed for fail_rate draws")
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
-    try:
-        knobs = knobs_from_mapping({name: args.pop(name) for name in KNOB_FLAGS})
-        raw: dict[str, Any] = {**args, "knobs": knobs}
-        return sim_config_from_mapping(raw)
-    except ConfigError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+    # Every knob flag above is named after its Knobs field (cli.parse_config pairs them).
+    return cli.parse_config(build_parser(), argv, Knobs, sim_config_from_mapping)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [sim {config.resolved_instance_id}] %(name)s: "
-               "%(message)s")
+    cli.configure_logging(config.log_level, f"sim {config.resolved_instance_id}")
     run(config)
     return 0
 

@@ -18,7 +18,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sim_instance.config import ConfigError, KnobStore, SimConfig
+from sim_common.control_routes import BadBody, control_routes
+from sim_common.knobs import KnobStore
+from sim_common.responses import json_response
+from sim_instance.config import Knobs, SimConfig
 from sim_instance.engine import Engine
 from sim_instance.generation import GenerationResponse
 from sim_instance.request_model import (
@@ -42,10 +45,20 @@ class SimState:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.instance_id = config.resolved_instance_id
-        self.knobs = KnobStore(config.knobs)
+        self.knobs: KnobStore[Knobs] = KnobStore(config.knobs)
         self.engine = Engine(time_scale=config.time_scale,
                              max_concurrency=config.max_concurrency, knobs=self.knobs)
         self.rng = random.Random(config.seed)
+
+    # What the /sim control routes (sim_common.control_routes) call.
+    def release_held(self) -> int:
+        return self.engine.release_held()
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        return self.engine.stats.snapshot(self.instance_id)
+
+    def reset_stats(self) -> None:
+        self.engine.stats.reset()
 
 
 class InstanceHeaderMiddleware:
@@ -79,17 +92,12 @@ def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
         Route("/v1/completions", _generation_route(state, "text"), methods=["POST"]),
         Route("/v1/models", _models_route(state), methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
-        *_sim_routes(state),
+        *control_routes(state, _read_patch),
     ]
     app = Starlette(routes=routes, middleware=[
         Middleware(InstanceHeaderMiddleware, instance_id=state.instance_id)])
     app.state.sim = state
     return app
-
-
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status_code=status,
-                    media_type="application/json")
 
 
 def _generation_route(state: SimState, kind: Kind) -> Handler:
@@ -124,42 +132,12 @@ async def _healthz(request: Request) -> Response:
     return json_response({"ok": True})
 
 
-def _sim_routes(state: SimState) -> list[Route]:
-    async def get_config(request: Request) -> Response:
-        return json_response(state.knobs.current.to_dict())
-
-    async def update_config(request: Request) -> Response:
-        try:
-            patch = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError:
-            return json_response({"error": "invalid_json"}, 400)
-        if not isinstance(patch, dict):
-            return json_response({"error": "invalid_request", "detail": "body must be an object"},
-                                 400)
-        try:
-            knobs = state.knobs.update(patch)
-        except ConfigError as exc:
-            return json_response({"error": "invalid_request", "detail": str(exc)}, 400)
-        return json_response(knobs.to_dict())
-
-    async def reset_config(request: Request) -> Response:
-        return json_response(state.knobs.reset().to_dict())
-
-    async def release(request: Request) -> Response:
-        return json_response({"released": state.engine.release_held()})
-
-    async def get_stats(request: Request) -> Response:
-        return json_response(state.engine.stats.snapshot(state.instance_id))
-
-    async def reset_stats(request: Request) -> Response:
-        state.engine.stats.reset()
-        return json_response(state.engine.stats.snapshot(state.instance_id))
-
-    return [
-        Route("/sim/config", get_config, methods=["GET"]),
-        Route("/sim/config", update_config, methods=["POST"]),
-        Route("/sim/config/reset", reset_config, methods=["POST"]),
-        Route("/sim/release", release, methods=["POST"]),
-        Route("/sim/stats", get_stats, methods=["GET"]),
-        Route("/sim/stats/reset", reset_stats, methods=["POST"]),
-    ]
+async def _read_patch(request: Request) -> dict[str, Any]:
+    """The body of POST /sim/config, with this simulator's wording of a bad one."""
+    try:
+        patch = msgspec.json.decode(await request.body())
+    except msgspec.DecodeError:
+        raise BadBody({"error": "invalid_json"}) from None
+    if not isinstance(patch, dict):
+        raise BadBody({"error": "invalid_request", "detail": "body must be an object"})
+    return patch

@@ -3,7 +3,7 @@
 Two parts with different lifetimes:
 - :class:`SimConfig` is fixed at start (address, registration, time scale, concurrency);
 - :class:`Knobs` are the fault and workload knobs, set by CLI flags at start and replaced at
-  run time through ``POST /sim/config`` (held in a :class:`KnobStore`).
+  run time through ``POST /sim/config`` (held in a :class:`sim_common.knobs.KnobStore`).
 A bad value fails at once with a message naming the field, never later on a request.
 """
 
@@ -14,19 +14,17 @@ from typing import Any
 
 import msgspec
 
+from sim_common.knobs import KnobsBase
+from sim_common.validation import ConfigError, require, struct_from_mapping
+
+# ConfigError is re-exported: callers and tests catch sim_instance.config.ConfigError.
+__all__ = ["MAX_TOKENS_LIMIT", "ConfigError", "Knobs", "SimConfig",
+           "sim_config_from_mapping"]
+
 MAX_TOKENS_LIMIT = 8192
 
 
-class ConfigError(ValueError):
-    """A configuration value or knob update is invalid; the message names the field."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Knobs(KnobsBase, frozen=True):
     # Multiplies every simulated duration: makes one instance slow without touching others.
     slow_factor: float = 1.0
     # Accept requests and never answer until released or the client goes away.
@@ -45,48 +43,16 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     def __post_init__(self) -> None:
         # Raised inside msgspec.convert, these become ValidationErrors naming the struct.
-        _require(self.slow_factor >= 0, "slow_factor must be >= 0")
-        _require(0.0 <= self.fail_rate <= 1.0, "fail_rate must be within 0..1")
-        _require(self.fail_status is None or 400 <= self.fail_status <= 599,
-                 "fail_status must be an HTTP error status (400..599) or null")
-        _require(self.drop_after_chunks is None or self.drop_after_chunks >= 0,
-                 "drop_after_chunks must be >= 0 or null")
-        _require(self.stall_after_chunks is None or self.stall_after_chunks >= 0,
-                 "stall_after_chunks must be >= 0 or null")
-        _require(1 <= self.default_max_tokens <= MAX_TOKENS_LIMIT,
-                 f"default_max_tokens must be within 1..{MAX_TOKENS_LIMIT}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
-
-    def updated(self, patch: Mapping[str, Any]) -> Knobs:
-        """A copy with ``patch`` applied (JSON partial update); explicit nulls clear a knob."""
-        return knobs_from_mapping({**self.to_dict(), **patch})
-
-
-def knobs_from_mapping(raw: Mapping[str, Any]) -> Knobs:
-    try:
-        # strict=True: JSON "true" strings or 1 for a bool are typos here, not intent.
-        return msgspec.convert(dict(raw), Knobs, strict=True)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-class KnobStore:
-    """The current knobs; replaced as a whole so a request sees one consistent snapshot."""
-
-    def __init__(self, initial: Knobs) -> None:
-        self._initial = initial
-        self.current = initial
-
-    def update(self, patch: Mapping[str, Any]) -> Knobs:
-        self.current = self.current.updated(patch)
-        return self.current
-
-    def reset(self) -> Knobs:
-        """Back to the knobs given at start (so tests sharing one instance start clean)."""
-        self.current = self._initial
-        return self.current
+        require(self.slow_factor >= 0, "slow_factor must be >= 0")
+        require(0.0 <= self.fail_rate <= 1.0, "fail_rate must be within 0..1")
+        require(self.fail_status is None or 400 <= self.fail_status <= 599,
+                "fail_status must be an HTTP error status (400..599) or null")
+        require(self.drop_after_chunks is None or self.drop_after_chunks >= 0,
+                "drop_after_chunks must be >= 0 or null")
+        require(self.stall_after_chunks is None or self.stall_after_chunks >= 0,
+                "stall_after_chunks must be >= 0 or null")
+        require(1 <= self.default_max_tokens <= MAX_TOKENS_LIMIT,
+                f"default_max_tokens must be within 1..{MAX_TOKENS_LIMIT}")
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,21 +88,21 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     kdn_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _require(0 < self.port < 65536, "port must be a TCP port (1..65535)")
-        _require(self.cp_port is None or 0 <= self.cp_port < 65536,
-                 "cp_port must be a TCP port (1..65535), or 0 to disable the control plane")
-        _require(self.cp_port is None or self.cp_port == 0 or self.cp_port != self.port,
-                 "cp_port must differ from port")
-        _require(0 < self.redis_port < 65536, "redis_port must be a TCP port (1..65535)")
-        _require(self.redis_db >= 0, "redis_db must be >= 0")
-        _require(self.kdn_timeout_s > 0, "kdn_timeout must be > 0")
-        _require(self.time_scale >= 0, "time_scale must be >= 0")
-        _require(1 <= self.max_concurrency <= 4096, "max_concurrency must be within 1..4096")
-        _require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
-                 "heartbeat_interval must be > 0")
-        _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
-        _require(self.proxy_cp_url.startswith(("http://", "https://")),
-                 "proxy_cp_url must be an http(s) URL")
+        require(0 < self.port < 65536, "port must be a TCP port (1..65535)")
+        require(self.cp_port is None or 0 <= self.cp_port < 65536,
+                "cp_port must be a TCP port (1..65535), or 0 to disable the control plane")
+        require(self.cp_port is None or self.cp_port == 0 or self.cp_port != self.port,
+                "cp_port must differ from port")
+        require(0 < self.redis_port < 65536, "redis_port must be a TCP port (1..65535)")
+        require(self.redis_db >= 0, "redis_db must be >= 0")
+        require(self.kdn_timeout_s > 0, "kdn_timeout must be > 0")
+        require(self.time_scale >= 0, "time_scale must be >= 0")
+        require(1 <= self.max_concurrency <= 4096, "max_concurrency must be within 1..4096")
+        require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
+                "heartbeat_interval must be > 0")
+        require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
+        require(self.proxy_cp_url.startswith(("http://", "https://")),
+                "proxy_cp_url must be an http(s) URL")
 
     @property
     def resolved_instance_id(self) -> str:
@@ -155,7 +121,4 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def sim_config_from_mapping(raw: Mapping[str, Any]) -> SimConfig:
-    try:
-        return msgspec.convert(dict(raw), SimConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc)) from None
+    return struct_from_mapping(SimConfig, raw)

@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sim_instance.app import InstanceHeaderMiddleware, SimState, json_response
+from sim_common.responses import json_response
+from sim_instance.app import InstanceHeaderMiddleware, SimState
 from sim_instance.kdn_client import KdnClient, KdnFailure, failure_ack
 
 log = logging.getLogger(__name__)

@@ -14,37 +14,22 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from sim_common.gate import ReleaseGate
+from sim_common.knobs import KnobStore
 from sim_instance import timing
-from sim_instance.config import KnobStore
+from sim_instance.config import Knobs
 from sim_instance.stats import Stats
 
 
-class ReleaseGate:
-    """Holds requests until ``release()``; releases only those waiting at that moment.
-
-    Each release swaps in a fresh Event, so a request arriving afterwards under a still-set
-    hold knob is held again instead of sailing through a permanently set event.
-    """
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-
-    def release(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-
 class Engine:
-    def __init__(self, *, time_scale: float, max_concurrency: int, knobs: KnobStore) -> None:
+    def __init__(self, *, time_scale: float, max_concurrency: int,
+                 knobs: KnobStore[Knobs]) -> None:
         self.time_scale = time_scale
         self.knobs = knobs
         self.stats = Stats()
         self._slots = asyncio.Semaphore(max_concurrency)
         self._prefill_lock = asyncio.Lock()
-        self._gate = ReleaseGate()
+        self._gate = ReleaseGate(self.stats)  # counts waiters in stats.held
 
     async def sleep_ms(self, real_ms: float) -> None:
         # slow_factor is read live so a slowdown set mid-stream applies to the next token.
@@ -92,13 +77,7 @@ class Engine:
 
     async def hold(self) -> None:
         """Wait for ``release_held()``; cancelled (client gone) frees the hold at once."""
-        self.stats.held += 1
-        try:
-            await self._gate.wait()
-        finally:
-            self.stats.held -= 1
+        await self._gate.hold()
 
     def release_held(self) -> int:
-        released = self.stats.held
-        self._gate.release()
-        return released
+        return self._gate.release()

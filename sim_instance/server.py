@@ -9,16 +9,15 @@ the rest (held and hung requests would otherwise block the exit forever), then e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import uvicorn
 import uvloop
-from starlette.types import ASGIApp
 
+from sim_common.serving import Server, uvicorn_config
 from sim_instance.app import SimState, create_app
 from sim_instance.config import SimConfig
 from sim_instance.control_plane import create_cp_app
@@ -27,15 +26,6 @@ from sim_instance.kdn_client import KdnClient
 from sim_instance.registration import Registrar
 
 log = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # One owner for SIGTERM/SIGINT (_install_signal_handlers). uvicorn's own handler
-        # would start draining at the same moment we unregister, and re-raise the signal
-        # once serve() returns; ours unregisters first, then asks uvicorn to drain.
-        yield
 
 
 class _QuietExpectedErrors(logging.Filter):
@@ -64,11 +54,11 @@ async def serve(config: SimConfig) -> None:
     state = SimState(config)
     cp_sock = _bind_control_plane(config)
     kdn = KdnClient(config)
-    servers = [_Server(_uvicorn_config(create_app(config, state), config, config.port))]
+    servers = [Server(uvicorn_config(create_app(config, state), config, config.port))]
     sockets: list[list[socket.socket] | None] = [None]
     if cp_sock is not None:
         cp_port = cp_sock.getsockname()[1]
-        servers.append(_Server(_uvicorn_config(create_cp_app(state, kdn), config, cp_port)))
+        servers.append(Server(uvicorn_config(create_cp_app(state, kdn), config, cp_port)))
         sockets.append([cp_sock])
     logging.getLogger("uvicorn.error").addFilter(_QuietExpectedErrors())
     stop = _install_signal_handlers(servers)
@@ -88,14 +78,6 @@ async def serve(config: SimConfig) -> None:
         await kdn.close()
         if cp_sock is not None:
             cp_sock.close()
-
-
-def _uvicorn_config(app: ASGIApp, config: SimConfig, port: int) -> uvicorn.Config:
-    return uvicorn.Config(
-        app, host=config.host, port=port, http="httptools", lifespan="off", access_log=False,
-        log_level=config.log_level,
-        # Annotated int in uvicorn but only handed to asyncio.wait_for: fractions work.
-        timeout_graceful_shutdown=config.shutdown_grace_s)  # type: ignore[arg-type]
 
 
 def _bind_control_plane(config: SimConfig) -> socket.socket | None:

@@ -14,7 +14,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sim_kdn.config import ConfigError, KdnConfig, KnobStore
+from sim_common.control_routes import BadBody, control_routes
+from sim_common.gate import ReleaseGate
+from sim_common.knobs import KnobStore
+from sim_common.responses import json_response
+from sim_kdn.config import KdnConfig, Knobs
 from sim_kdn.links import Links
 from sim_kdn.stats import Stats
 from sim_kdn.store import KnowledgeStore, normalize_id
@@ -30,45 +34,32 @@ class BadRequest(Exception):
     """-> 400 with this message as the detail."""
 
 
-class ReleaseGate:
-    """Holds hung requests until ``release()``; later arrivals under ``hang`` wait again."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-
-    def release(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-
 class KdnState:
     def __init__(self, config: KdnConfig, store: KnowledgeStore) -> None:
         self.config = config
         self.kdn_id = config.resolved_kdn_id
         self.store = store
-        self.knobs = KnobStore(config.knobs)
+        self.knobs: KnobStore[Knobs] = KnobStore(config.knobs)
         self.stats = Stats()
         self.links = Links(self.stats)
-        self.gate = ReleaseGate()
+        self.gate = ReleaseGate(self.stats)  # counts hung requests in stats.held
         # What the last valid inject asked for (tests check what an Instance forwarded).
         self.last_inject: dict[str, Any] | None = None
 
     async def sleep_ms(self, real_ms: float) -> None:
         await asyncio.sleep(max(0.0, real_ms * self.config.time_scale) / 1000.0)
 
-    async def hold(self) -> None:
-        self.stats.held += 1
-        try:
-            await self.gate.wait()
-        finally:
-            self.stats.held -= 1
+    # What the /sim control routes (sim_common.control_routes) call.
+    def release_held(self) -> int:
+        return self.gate.release()
 
     def stats_snapshot(self) -> dict[str, Any]:
         return {"kdn_id": self.kdn_id, **self.stats.snapshot(), "links": self.links.snapshot(),
                 "last_inject": self.last_inject, "store": self.store.summary()}
+
+    def reset_stats(self) -> None:
+        self.stats.reset()
+        self.links.reset()
 
 
 def create_app(config: KdnConfig, store: KnowledgeStore) -> Starlette:
@@ -79,16 +70,11 @@ def create_app(config: KdnConfig, store: KnowledgeStore) -> Starlette:
         Route("/v1/topology/hello", _hello_route(state), methods=["POST"]),
         Route("/v1/topology/ping", _ping_route(state), methods=["GET"]),
         Route("/healthz", _healthz_route(state), methods=["GET"]),
-        *_sim_routes(state),
+        *control_routes(state, _read_patch),
     ]
     app = Starlette(routes=routes)
     app.state.kdn = state
     return app
-
-
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status_code=status,
-                    media_type="application/json")
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -107,7 +93,7 @@ async def _fault(state: KdnState, route: Literal["search", "inject"]) -> int | N
     if not knobs.faults(route):
         return None
     if knobs.hang:
-        await state.hold()
+        await state.gate.hold()
     if knobs.fail_status is not None:
         state.stats.failed += 1
         return knobs.fail_status
@@ -284,39 +270,9 @@ def _healthz_route(state: KdnState) -> Handler:
 
 # ----------------------------------------------------------------------------------- /sim
 
-def _sim_routes(state: KdnState) -> list[Route]:
-    async def get_config(request: Request) -> Response:
-        return json_response(state.knobs.current.to_dict())
-
-    async def update_config(request: Request) -> Response:
-        try:
-            patch = await _json_object(request)
-            knobs = state.knobs.update(patch)
-        except (BadRequest, ConfigError) as exc:
-            return json_response({"error": "invalid_request", "detail": str(exc)}, 400)
-        return json_response(knobs.to_dict())
-
-    async def reset_config(request: Request) -> Response:
-        return json_response(state.knobs.reset().to_dict())
-
-    async def release(request: Request) -> Response:
-        released = state.stats.held
-        state.gate.release()
-        return json_response({"released": released})
-
-    async def get_stats(request: Request) -> Response:
-        return json_response(state.stats_snapshot())
-
-    async def reset_stats(request: Request) -> Response:
-        state.stats.reset()
-        state.links.reset()
-        return json_response(state.stats_snapshot())
-
-    return [
-        Route("/sim/config", get_config, methods=["GET"]),
-        Route("/sim/config", update_config, methods=["POST"]),
-        Route("/sim/config/reset", reset_config, methods=["POST"]),
-        Route("/sim/release", release, methods=["POST"]),
-        Route("/sim/stats", get_stats, methods=["GET"]),
-        Route("/sim/stats/reset", reset_stats, methods=["POST"]),
-    ]
+async def _read_patch(request: Request) -> dict[str, Any]:
+    """The body of POST /sim/config; a bad one is an invalid_request like a bad knob."""
+    try:
+        return await _json_object(request)
+    except BadRequest as exc:
+        raise BadBody({"error": "invalid_request", "detail": str(exc)}) from None

@@ -2,8 +2,8 @@
 
 Like sim_instance: :class:`KdnConfig` is fixed at start (address, store, time scale);
 :class:`Knobs` (network model and faults) are set by CLI flags at start and replaced at run
-time through ``POST /sim/config`` (held in a :class:`KnobStore`). A bad value fails at once
-with a message naming the field.
+time through ``POST /sim/config`` (held in a :class:`sim_common.knobs.KnobStore`). A bad value
+fails at once with a message naming the field.
 """
 
 from __future__ import annotations
@@ -12,6 +12,12 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
+
+from sim_common.knobs import KnobsBase
+from sim_common.validation import ConfigError, require, struct_from_mapping
+
+# ConfigError is re-exported: callers and tests catch sim_kdn.config.ConfigError.
+__all__ = ["ConfigError", "FaultOn", "KdnConfig", "Knobs", "kdn_config_from_mapping"]
 
 FaultOn = Literal["all", "search", "inject"]
 
@@ -22,16 +28,7 @@ DEFAULT_KV_BYTES_PER_TOKEN = 96_000
 DEFAULT_LINK_EFFICIENCY = 0.825
 
 
-class ConfigError(ValueError):
-    """A configuration value or knob update is invalid; the message names the field."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Knobs(KnobsBase, frozen=True):
     # Fixed cost of every search, inject and ping (request + reply propagation), in ms.
     rtt_ms: float = 1.0
     # Nominal link speed KDN -> instance/Redis; searches and KV transfers use it.
@@ -47,19 +44,12 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     fault_on: FaultOn = "all"
 
     def __post_init__(self) -> None:
-        _require(self.rtt_ms >= 0, "rtt_ms must be >= 0")
-        _require(self.bandwidth_mbps > 0, "bandwidth_mbps must be > 0")
-        _require(0 < self.link_efficiency <= 1, "link_efficiency must be within (0, 1]")
-        _require(self.kv_bytes_per_token >= 0, "kv_bytes_per_token must be >= 0")
-        _require(self.fail_status is None or 400 <= self.fail_status <= 599,
-                 "fail_status must be an HTTP error status (400..599) or null")
-
-    def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
-
-    def updated(self, patch: Mapping[str, Any]) -> Knobs:
-        """A copy with ``patch`` applied (JSON partial update); explicit nulls clear a knob."""
-        return knobs_from_mapping({**self.to_dict(), **patch})
+        require(self.rtt_ms >= 0, "rtt_ms must be >= 0")
+        require(self.bandwidth_mbps > 0, "bandwidth_mbps must be > 0")
+        require(0 < self.link_efficiency <= 1, "link_efficiency must be within (0, 1]")
+        require(self.kv_bytes_per_token >= 0, "kv_bytes_per_token must be >= 0")
+        require(self.fail_status is None or 400 <= self.fail_status <= 599,
+                "fail_status must be an HTTP error status (400..599) or null")
 
     def faults(self, route: Literal["search", "inject"]) -> bool:
         return self.fault_on in ("all", route)
@@ -68,30 +58,6 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         """Real milliseconds to move ``nbytes`` over the link (before time_scale)."""
         bytes_per_ms = self.bandwidth_mbps * 1e6 / 8 * self.link_efficiency / 1000
         return nbytes / bytes_per_ms
-
-
-def knobs_from_mapping(raw: Mapping[str, Any]) -> Knobs:
-    try:
-        # strict=True: "true" or 1 for a bool is a typo here (ints still fill float knobs).
-        return msgspec.convert(dict(raw), Knobs, strict=True)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-class KnobStore:
-    """The current knobs; replaced as a whole so a request sees one consistent snapshot."""
-
-    def __init__(self, initial: Knobs) -> None:
-        self._initial = initial
-        self.current = initial
-
-    def update(self, patch: Mapping[str, Any]) -> Knobs:
-        self.current = self.current.updated(patch)
-        return self.current
-
-    def reset(self) -> Knobs:
-        self.current = self._initial
-        return self.current
 
 
 class KdnConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,11 +78,11 @@ class KdnConfig(msgspec.Struct, frozen=True, kw_only=True):
     knobs: Knobs = msgspec.field(default_factory=Knobs)
 
     def __post_init__(self) -> None:
-        _require(0 < self.port < 65536, "port must be a TCP port (1..65535)")
-        _require(self.time_scale >= 0, "time_scale must be >= 0")
-        _require(0 <= self.knowledge_count <= 100_000, "knowledge_count must be within 0..100000")
-        _require(0.0 <= self.kv_ready_ratio <= 1.0, "kv_ready_ratio must be within 0..1")
-        _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
+        require(0 < self.port < 65536, "port must be a TCP port (1..65535)")
+        require(self.time_scale >= 0, "time_scale must be >= 0")
+        require(0 <= self.knowledge_count <= 100_000, "knowledge_count must be within 0..100000")
+        require(0.0 <= self.kv_ready_ratio <= 1.0, "kv_ready_ratio must be within 0..1")
+        require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
 
     @property
     def resolved_kdn_id(self) -> str:
@@ -124,7 +90,4 @@ class KdnConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def kdn_config_from_mapping(raw: Mapping[str, Any]) -> KdnConfig:
-    try:
-        return msgspec.convert(dict(raw), KdnConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc)) from None
+    return struct_from_mapping(KdnConfig, raw)

@@ -7,14 +7,12 @@ SIGTERM/SIGINT: uvicorn drains in-flight requests for ``shutdown_grace_s``, canc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Iterator
 
-import uvicorn
 import uvloop
 
+from sim_common.serving import Server, uvicorn_config
 from sim_kdn.app import create_app
 from sim_kdn.config import KdnConfig
 from sim_kdn.store import KnowledgeStore
@@ -22,23 +20,12 @@ from sim_kdn.store import KnowledgeStore
 log = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # Our handlers own SIGTERM/SIGINT; uvicorn's would re-raise the signal after serve()
-        # returns and the process would end by signal instead of exit status 0.
-        yield
-
-
 def run(config: KdnConfig, store: KnowledgeStore) -> None:
     uvloop.run(serve(config, store))
 
 
 async def serve(config: KdnConfig, store: KnowledgeStore) -> None:
-    server = _Server(uvicorn.Config(
-        create_app(config, store), host=config.host, port=config.port, http="httptools",
-        lifespan="off", access_log=False, log_level=config.log_level,
-        timeout_graceful_shutdown=config.shutdown_grace_s))  # type: ignore[arg-type]
+    server = Server(uvicorn_config(create_app(config, store), config, config.port))
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
