@@ -22,6 +22,9 @@ READY_TIMEOUT_S = 20.0
 MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 5.0  # a child that ran this long before dying is restarted without delay growth
 STOP_TIMEOUT_S = 35.0
+# Children exit with this when they cannot start at all (bad configuration, a segment they must
+# not use): restarting would only loop, so the supervisor stops with their message instead.
+EXIT_CANNOT_START = 2
 
 
 class Arbiter:
@@ -36,6 +39,7 @@ class Arbiter:
         self.workers = [Child(f"worker{i}", ["-m", "proxy_workers", "--index", str(i)], env)
                         for i in range(settings.workers)]
         self._stopping = False
+        self.failed = False
 
     def _sim_instance(self, i: int, env: dict[str, str]) -> Child:
         port = self.settings.sim_instance_port_base + 10 * i  # its control plane is port + 1
@@ -50,7 +54,7 @@ class Arbiter:
         try:
             self.sidecar.start()
             if not self._wait_healthy(f"{self.settings.cp_url}/healthz", self.sidecar):
-                log.error("the sidecar did not become healthy; stopping")
+                log.error("the sidecar did not become healthy (its log above says why); stopping")
                 return 1
             for child in [*self.instances, *self.workers]:
                 child.start()
@@ -58,7 +62,7 @@ class Arbiter:
             while not self._stopping:
                 self._supervise_once()
                 time.sleep(0.1)
-            return 0
+            return 1 if self.failed else 0
         finally:
             self._stop_all()
 
@@ -76,6 +80,11 @@ class Arbiter:
             if child.next_start_at == 0.0:
                 child.exit_codes.append(code)
                 ran_for = now - child.started_at
+                if code == EXIT_CANNOT_START:
+                    log.error("%s cannot start (exit %d, its log above says why); stopping", child.name, code)
+                    self._stopping = True
+                    self.failed = True
+                    return
                 child.backoff_s = self.settings.worker_restart_backoff_s if ran_for >= STABLE_AFTER_S \
                     else min(MAX_BACKOFF_S, child.backoff_s * 2)
                 child.next_start_at = now + child.backoff_s

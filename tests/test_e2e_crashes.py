@@ -129,3 +129,40 @@ def test_stopped_worker_is_not_reaped_and_resumes_without_double_subtraction(mak
     assert status["reaper"]["reaped"] == 0 and status["reaper"]["subtracted"] == 0
     assert status["reaper"]["corrections"] == 0
     assert cluster.worker_pids()[1] == pid  # never replaced
+
+
+def test_sidecar_restart_under_load_fails_no_request(make_cluster):
+    cluster = make_cluster(workers=2, strategy="least_load")
+    instances = [cluster.add_instance("--heartbeat-interval", "0.5") for _ in range(2)]
+    sidecar_pid = cluster.status()["sidecar"]["pid"]
+
+    async def scenario() -> list[int]:
+        statuses: list[int] = []
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession() as session:
+            async def client(n: int) -> None:
+                while not stop.is_set():
+                    body = chat_body(f"c{n}", stream=n % 2 == 0, max_tokens=4)
+                    async with session.post(f"{cluster.dp_url}/v1/chat/completions", json=body) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+            clients = [asyncio.ensure_future(client(n)) for n in range(4)]
+            await asyncio.sleep(1.0)
+            os.kill(sidecar_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:  # until the restarted sidecar serves again
+                await asyncio.sleep(0.3)
+                try:
+                    if cluster.status()["sidecar"]["pid"] != sidecar_pid:
+                        break
+                except (OSError, AssertionError):
+                    continue
+            await asyncio.sleep(1.0)
+            stop.set()
+            await asyncio.gather(*clients)
+        return statuses
+
+    statuses = asyncio.run(scenario())
+    assert len(statuses) > 20 and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    assert cluster.status()["sidecar"]["epoch"] == 2
+    wait_until(lambda: all(cluster.inflight()[i.instance_id] == 0 for i in instances), 5, message="inflight 0")
