@@ -92,3 +92,10 @@ def test_settings_from_env_and_errors_name_the_variable():
 def test_settings_round_trip_through_env():
     s = Settings(workers=3, least_load_weights={"inflight": 1.5}, openai_api_key=None)
     assert Settings.from_env(s.to_env()) == s
+
+
+def test_no_authorization_header_without_a_key():
+    from proxy_workers.upstream import Upstream
+
+    assert "Authorization" not in Upstream(Settings())._headers  # never "Bearer None"
+    assert Upstream(Settings(openai_api_key="k"))._headers["Authorization"] == "Bearer k"
