@@ -73,9 +73,7 @@ class Router:
         self.strategy: Strategy = build_strategy(settings.instance_strategy,
                                                  weights=settings.least_load_weights,
                                                  cursor=cursor, tie_cursor=tie_cursor)
-        # The components the strategy weighs; round_robin reads none.
-        self._wanted = (frozenset(self.strategy.active_components)
-                        if isinstance(self.strategy, LeastLoadStrategy) else frozenset())
+        self._least_load = isinstance(self.strategy, LeastLoadStrategy)
         self.scorer = (self.strategy if isinstance(self.strategy, LeastLoadStrategy)
                        else LeastLoadStrategy(settings.least_load_weights))
         # least_load over the shared table: one generated comprehension per directory snapshot.
@@ -96,13 +94,16 @@ class Router:
             if not kept:
                 raise HTTPError(503, "no_instance", "every alive instance failed this request")
             if len(kept) < len(candidates):
-                components = self.view.components(kept, snapshot.slot_span) if self._wanted else None
-                return self.strategy.select(kept, components)
+                return self._select(kept, snapshot.slot_span)
         if self._fast:
             totals = self._fast_totals(snapshot)
             if totals is not None:
                 return self.strategy.select_by_totals(candidates, totals)  # type: ignore[union-attr]
-        components = self.view.candidate_components(snapshot, self._wanted) if self._wanted else None
+        return self._select(candidates, snapshot.slot_span)
+
+    def _select(self, candidates: tuple[InstanceSlot, ...], span: int) -> InstanceSlot:
+        """The generic path: every component read one by one (round_robin reads none)."""
+        components = self.view.components(candidates, span) if self._least_load else None
         return self.strategy.select(candidates, components)
 
     def _fast_totals(self, snapshot: DirectorySnapshot) -> list[float] | None:
@@ -126,7 +127,7 @@ class Router:
         trace["route_select_start_ms"] = _now_ms()
         instance = self.choose(exclude)
         trace["route_select_end_ms"] = _now_ms()
-        if self._wanted:
+        if self._least_load:
             age = self.view.snapshot_age_ms()  # how old the predicted layer this choice used was
             if age is not None:
                 trace["snapshot_age_ms"] = round(age, 1)

@@ -53,7 +53,7 @@ def test_fast_totals_equal_generic_totals(table, seed, publish):
                     seg, row)
     snapshot = router.view.directory.snapshot()
     fast = router._fast_totals(snapshot)
-    components = router.view.candidate_components(snapshot, router._wanted)
+    components = router.view.components(snapshot.alive, snapshot.slot_span)
     generic = router.scorer.totals(len(snapshot.alive), components)
     assert fast is not None
     assert fast == pytest.approx(generic, abs=1e-3)

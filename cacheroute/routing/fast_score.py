@@ -1,7 +1,7 @@
 """The least_load score of every candidate in one generated comprehension.
 
-The generic path (LoadView.candidate_components + LeastLoadStrategy.totals) builds a list per
-component and then sums them; in Python that is ~25 us for 16 instances. Selection runs on
+The generic path (LoadView.components + LeastLoadStrategy.totals) builds a list per component
+and then sums them; in Python that is ~25 us for 16 instances. Selection runs on
 every request, and the candidate set changes only when the directory does, so this module
 compiles, once per directory snapshot and weight set, a function whose body is the whole
 weighted sum with every offset and weight as a constant:

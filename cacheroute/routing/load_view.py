@@ -17,11 +17,9 @@ is what N independent copies of the original Proxy would see.
 from __future__ import annotations
 
 import time
-from operator import itemgetter, sub
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-from shm_schema import (CountersReader, DirectoryReader, DirectorySnapshot, InstanceSlot,
-                        Segment, WorkerRow, layout)
+from shm_schema import CountersReader, DirectoryReader, InstanceSlot, Segment, WorkerRow, layout
 from shm_schema.snapshot import SnapshotReader
 
 GEN_SHIFT = 32
@@ -48,29 +46,6 @@ class SlotRef(Protocol):
     def generation(self) -> int: ...
 
 
-class _CandidateKeys(NamedTuple):
-    """What the hot path needs of a directory snapshot's candidates, computed once per snapshot:
-    item getters that pull the candidates' values out of a flat table in one C call each."""
-
-    snapshot: DirectorySnapshot
-    pick: Callable[[Sequence[int]], tuple[int, ...]]  # inflight words
-    generations: tuple[int, ...]
-    bases: tuple[int, ...]  # generation << 32: word - base is the count when the slot is current
-    qps_1m: list[float | None]
-    lanes_pick: Callable[[Sequence[int]], tuple[int, ...]]  # every queue lane, candidate-major
-    record_picks: tuple[Callable[[Sequence[int]], tuple[int, ...]], ...]  # one per snapshot field
-
-
-def _picker(indexes: list[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
-    if len(indexes) == 1:
-        only = indexes[0]
-        return lambda words: (words[only],)
-    return itemgetter(*indexes)  # type: ignore[return-value]
-
-
-_COUNT_OF = COUNT_MASK.__and__
-
-
 class LoadView:
     def __init__(self, seg: Segment, mode: str = "shared", own_row: WorkerRow | None = None,
                  stale_ms: float = 2000.0) -> None:
@@ -83,7 +58,6 @@ class LoadView:
         self._own_row = own_row
         self._stale_us = int(stale_ms * 1000)
         self.sources = SOURCES[mode]
-        self._keys: _CandidateKeys | None = None
 
     # --- layer availability ----------------------------------------------------------------
     def predicted_source(self, now_us: int | None = None) -> str:
@@ -99,19 +73,13 @@ class LoadView:
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
         """Predicted wait before a new request on `instance` could start prefill, from a fresh
         snapshot; None if the predicted layer is unknown."""
-        now_us = int(time.time() * 1e6)
-        if self.predicted_source(now_us) != "fresh":
-            return None
-        pressure = self.snapshots.pressure(instance.slot, instance.generation)
-        if pressure is None:
-            return None
-        return max(0.0, (max(pressure.next_slot_free_at_us, pressure.prefill_free_at_us) - now_us) / 1000)
+        return self._predicted([instance], instance.slot + 1)["predicted_total_backlog_ms"][0]
 
     def snapshot_age_ms(self) -> float | None:
         published = self.snapshots.published_us()
         return None if not published else (time.time() * 1e6 - published) / 1000
 
-    # --- the selection path ------------------------------------------------------------------
+    # --- reads for the selection path (see proxy_workers.router and fast_score) -------------------
     def candidates(self) -> tuple[InstanceSlot, ...]:
         return self.directory.snapshot().alive
 
@@ -129,74 +97,7 @@ class LoadView:
             return self._counters.words(span)
         return self._own_row.own_words(span)
 
-    def candidate_components(self, snapshot: DirectorySnapshot,
-                             names: frozenset[str]) -> dict[str, list[Any]]:
-        """Components of `snapshot.alive`, only those in `names`."""
-        keys = self._keys
-        if keys is None or keys.snapshot is not snapshot:
-            keys = self._keys = self._keys_for(snapshot)
-        components: dict[str, list[Any]] = {}
-        if "inflight" in names:
-            picked = keys.pick(self.words(snapshot.slot_span))
-            counts: list[Any] = list(map(sub, picked, keys.bases))
-            # Common case in three C-level passes: every slot still carries its generation.
-            if min(counts) < 0 or max(counts) > COUNT_MASK:
-                unknown = 0 if self.mode == "per_worker" else None
-                counts = [w & COUNT_MASK if w >> GEN_SHIFT == g else unknown
-                          for w, g in zip(picked, keys.generations)]
-            components["inflight"] = counts
-        if "qps_1m" in names:
-            components["qps_1m"] = keys.qps_1m
-        if self.mode == "shared":
-            if not names.isdisjoint(QUEUE_LANES):
-                components.update(self._candidate_lanes(keys, snapshot.slot_span,
-                                                        components.get("inflight")))
-            if not names.isdisjoint(PREDICTED):
-                components.update(self._candidate_predicted(keys, snapshot.slot_span))
-        return components
-
-    @staticmethod
-    def _keys_for(snapshot: DirectorySnapshot) -> _CandidateKeys:
-        alive = snapshot.alive
-        slots = [i.slot for i in alive]
-        used, fields = layout.LANES_USED, layout.SNAPSHOT_FIELDS
-        return _CandidateKeys(
-            snapshot, _picker(slots), tuple(i.generation for i in alive),
-            tuple(i.generation << GEN_SHIFT for i in alive), [i.qps_1m for i in alive],
-            _picker([used * s + lane for s in slots for lane in range(1, used)]),
-            tuple(_picker([fields * s + f for s in slots]) for f in range(fields)))
-
-    def _candidate_lanes(self, keys: _CandidateKeys, span: int,
-                         inflight: list[Any] | None) -> dict[str, list[Any]]:
-        """The queue lanes of every candidate in one pass. A slot's lanes are reset together
-        with its inflight word, so the generation checked on inflight covers them."""
-        values = list(map(_COUNT_OF, keys.lanes_pick(self._counters.lanes(span))))
-        width = layout.LANES_USED - 1
-        result = {name: values[i::width] for i, name in enumerate(layout.LANE_NAMES[1:])}
-        if inflight is None or None in inflight:
-            stale = [i for i, n in enumerate(inflight or ()) if n is None]
-            for column in result.values():
-                for i in stale:
-                    column[i] = None
-        return result
-
-    def _candidate_predicted(self, keys: _CandidateKeys, span: int) -> dict[str, list[Any]]:
-        now_us = int(time.time() * 1e6)
-        records = self.snapshots.records(span) if self.predicted_source(now_us) == "fresh" else ()
-        if not records:
-            unknown = [None] * len(keys.generations)
-            return dict.fromkeys(PREDICTED, unknown)
-        gens, pending, decoding, slot_free, prefill_free, _ = (pick(records) for pick in keys.record_picks)
-        if gens != keys.generations:  # a record of another generation (or none): unknown
-            return self._predicted(keys.snapshot.alive, span)
-        return {
-            "pending_prefill_count": list(pending),
-            "active_decode_count": list(decoding),
-            "predicted_total_backlog_ms": [(t - now_us) / 1000 if t > now_us else 0.0
-                                           for t in map(max, slot_free, prefill_free)],
-        }
-
-    # --- any instance list (debug, reports) ---------------------------------------------------
+    # --- components of any instance list (the generic path, debug reports) ----------------------
     def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
         """Inflight per instance. In the shared view, None if the slot has been reused since
         the directory snapshot (unknown, not zero); in the per-worker view a share of another

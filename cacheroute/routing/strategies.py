@@ -62,11 +62,6 @@ class LeastLoadStrategy:
         self._ties = RoundRobinStrategy(tie_cursor)
         self._summers: dict[tuple[float, ...], Callable[..., list[float]]] = {}
 
-    @property
-    def active_components(self) -> tuple[str, ...]:
-        """Components with a non-zero weight: the only ones worth reading."""
-        return tuple(name for name, _ in self._active)
-
     def totals(self, count: int, components: Components | None) -> list[float | None]:
         """Score of each candidate; None where no weighted component is known."""
         present = [(components[name], weight) for name, weight in self._active
