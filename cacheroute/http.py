@@ -6,6 +6,7 @@ client can tell bad input (4xx, the detail names the field) from a proxy fault (
 
 from __future__ import annotations
 
+import logging
 from typing import Any, TypeVar
 
 import msgspec
@@ -64,6 +65,8 @@ def decode_json(body: bytes, schema: type[T], invalid_code: str = "invalid_paylo
         raise HTTPError(422, invalid_code, str(exc)) from None
     except msgspec.DecodeError as exc:
         raise HTTPError(400, "invalid_json", str(exc)) from None
+    except RecursionError:
+        raise HTTPError(400, "invalid_json", "body is nested too deeply") from None
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
@@ -74,5 +77,11 @@ async def method_not_allowed(request: Request, exc: Exception) -> Response:
     return error_response(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    logging.getLogger("cacheroute.http").error("unhandled error on %s %s", request.method,
+                                               request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", f"{type(exc).__name__} (details in the log)")
+
+
 # Starlette exception_handlers for both planes: every error is JSON in the same shape.
-ERROR_HANDLERS = {404: not_found, 405: method_not_allowed}
+ERROR_HANDLERS = {404: not_found, 405: method_not_allowed, Exception: internal_error}

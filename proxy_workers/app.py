@@ -83,8 +83,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
         Route("/debug/instance_loads", debug_instance_loads, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        **ERROR_HANDLERS, Exception: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
     return WorkerHeader(app, ctx.name)
 
 
@@ -107,8 +106,3 @@ class WorkerHeader:
             await send(message)
 
         await self._app(scope, receive, send_named)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal_error", f"{type(exc).__name__} (details in the worker log)")

@@ -21,6 +21,7 @@ from cacheroute.config import Settings
 from shm_schema import InstanceSlot
 
 from .request_model import Endpoint, ProxyRequest
+from .upstream import base_url
 
 NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
 TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below to answer the "
@@ -40,22 +41,28 @@ class Knowledge:
 
 
 class LinkTimeline:
-    """KV transfers over one (instance, KDN) link queue behind each other (§6.3 step 1).
-    Per worker: a host-wide link schedule would need the sidecar; see README limits."""
+    """KV transfers over one (instance, KDN) link (§6.3): they run one at a time (the lock:
+    serialized by real completion, not by a prediction that may be far off), and `free_at`
+    predicts when the link frees, for IWS and the trace. Per worker: a host-wide link schedule
+    would need the sidecar; see README limits."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
+        self.lock = asyncio.Lock()
 
     def wait_s(self, now: float) -> float:
         return max(0.0, self.free_at - now)
 
     def reserve(self, now: float, transfer_s: float) -> float:
-        start = max(now, self.free_at)
-        self.free_at = start + transfer_s
-        return start
+        """Predict this transfer behind the ones already queued; returns its predicted end."""
+        self.free_at = max(now, self.free_at) + transfer_s
+        return self.free_at
 
-    def done(self, at: float) -> None:
-        self.free_at = max(self.free_at, at)
+    def done(self, predicted_end: float, at: float) -> None:
+        """A transfer finished at `at`: if nothing was queued after it, the link is free now
+        (however long it was predicted to take)."""
+        if self.free_at == predicted_end:
+            self.free_at = at
 
 
 class KnowledgePreparer:
@@ -143,14 +150,22 @@ class KnowledgePreparer:
         effective = predictors.effective_knowledge_tokens(spec.knowledge_tokens)
         transfer_s = predictors.kv_transfer_ms(effective, self._settings.kdn_default_bandwidth_mbps) / 1000
         link = self.link(instance.instance_id, spec.kdn_addr)
-        now = time.time()
-        start = link.reserve(now, transfer_s)
-        trace["kdn_link_wait_ms"] = int((start - now) * 1000)
-        if start > now:
-            await asyncio.sleep(start - now)
+        queued_at = time.time()
+        predicted_end = link.reserve(queued_at, transfer_s)
+        async with link.lock:
+            trace["kdn_link_wait_ms"] = int((time.time() - queued_at) * 1000)
+            try:
+                await self._inject(request, instance, result, trace, effective)
+            finally:
+                link.done(predicted_end, time.time())
+
+    async def _inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
+                      trace: dict[str, Any], effective: int) -> None:
+        spec = request.knowledge
+        assert spec is not None
         trace["kv_ack_start_ms"] = _ms()
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
-        url = f"http://{instance.host}:{cp_port}/v1/kv/inject_ready"
+        url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
         body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
                 "model": request.model, "knowledge_ids": result.kv_ready_kids}
         try:
@@ -167,7 +182,6 @@ class KnowledgePreparer:
             result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
             trace["kvcache_actual_path"] = "recompute"  # the instance prefills the text instead
         finally:
-            link.done(time.time())
             trace["kv_ack_end_ms"] = _ms()
 
 

@@ -131,6 +131,8 @@ def recover(endpoint: Endpoint, body: bytes) -> ProxyRequest:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise HTTPError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise HTTPError(400, "invalid_json", "body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise HTTPError(400, "invalid_request_payload", "body must be a JSON object")
     if "Prompt" in raw:

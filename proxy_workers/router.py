@@ -16,6 +16,7 @@ from cacheroute.routing.load_view import LoadView
 from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
 
 from .outliers import OutlierTracker
+from .upstream import base_url
 from shm_schema import Admission, DirectorySnapshot, InstanceSlot, Segment, WorkerRow, header
 
 
@@ -32,7 +33,7 @@ class Lease:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.instance.host}:{self.instance.port}"
+        return base_url(self.instance.host, self.instance.port)
 
     def enter(self, lane: int) -> None:
         """Count this request in a host-wide queue lane until `leave` (or `release`)."""

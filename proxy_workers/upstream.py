@@ -16,6 +16,13 @@ from cacheroute.config import Settings
 from cacheroute.http import HTTPError
 
 
+def base_url(host: str, port: int) -> str:
+    """http://host:port, with an IPv6 address in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 class UpstreamFailure(Exception):
     """The instance failed after the response started; `reason` goes into cacheroute_meta."""
 
@@ -62,7 +69,7 @@ class Upstream:
                             f"{url} sent no response within {self._settings.upstream_first_byte_timeout_s:g}s") from None
         except aiohttp.ClientConnectorError as exc:
             raise HTTPError(502, "upstream_unavailable", f"cannot connect to {url}: {exc.os_error}") from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a host idna rejects
             raise HTTPError(502, "upstream_unavailable", f"{url}: {type(exc).__name__}: {exc}") from None
 
     async def chunks(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -13,8 +13,11 @@ from typing import Annotated, Any
 import msgspec
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-# Hostnames, IPv4, or bracketed/plain IPv6; no scheme, no path, no spaces.
-Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:\[\]-]+$")]
+# A hostname (labels of 1-63 letters, digits or inner hyphens), IPv4, or IPv6 plain or in
+# brackets; no scheme, no path, no spaces. \Z, not $: "$" would also accept a trailing newline.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_PATTERN = rf"^(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]+)\Z"
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=HOST_PATTERN)]
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=112)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
