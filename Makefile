@@ -9,7 +9,7 @@ SIM    ?= 2
 STRATEGY ?= round_robin
 PYTEST_ARGS ?=
 
-.PHONY: install run-workers test bench bench-pressure bench-stack clean-shm clean
+.PHONY: install run-workers test bench bench-pressure bench-stack soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench-stack: $(STAMP)
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.stack_choice --out bench/results/stack_choice.json
+
+# Bounded soak under chaos (flapping instance, a worker SIGKILLed every minute), then the end
+# invariants; stops by itself and stops everything it started (DURATION seconds of load).
+DURATION ?= 600
+soak: $(STAMP)
+	$(PY) -m bench.soak --duration $(DURATION) --out bench/results/soak.json
 
 # Remove a segment left by a crashed run (the launcher removes it on a clean stop).
 clean-shm: $(STAMP)

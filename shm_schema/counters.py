@@ -272,8 +272,14 @@ def subtract_row(seg: Segment, row: int, landed_decrement: tuple[int, int] | Non
 
 
 def free_row(seg: Segment, row: int, identity: int) -> bool:
-    """Release a row for reuse, if it still belongs to `identity`."""
+    """Release a row for reuse, if it still belongs to `identity`. The row's count of dropped
+    events moves to the header first, so "no event lost" survives the worker that lost some."""
     base = seg.geometry.row_offset(row)
+    if seg.load(base + layout.R_IDENTITY) != identity:
+        return False
+    dropped = seg.atomic.exchange_u64(base + layout.R_EVENTS_DROPPED, 0)
+    if dropped:
+        seg.fetch_add(layout.H_EVENTS_DROPPED_GONE, dropped)
     seg.store(base + layout.R_JOURNAL, 0)
     return seg.atomic.cas_u64(base + layout.R_IDENTITY, identity, 0) == identity
 

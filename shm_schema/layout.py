@@ -29,6 +29,7 @@ Header words (all u64)::
     120 snapshot_gen       pressure snapshot generation; buffer gen % 2 is the readable one
     128 snapshot_published_us  when the sidecar last published (wall clock, microseconds)
     136 ring_capacity      events per worker ring
+    144 events_dropped_gone  events dropped by workers whose rows have since been freed
 
 Counter lanes: for slot i, LANES words at COUNTERS_OFFSET + 64*i (a slot's counters share one
 cache line; slots do not), each word::
@@ -111,6 +112,7 @@ H_REAPED_WORKERS = 112
 H_SNAPSHOT_GEN = 120
 H_SNAPSHOT_PUBLISHED_US = 128
 H_RING_CAPACITY = 136
+H_EVENTS_DROPPED_GONE = 144
 
 # The fixed part that identifies a layout: read as one struct before trusting anything else.
 HEADER_IDENTITY = struct.Struct("@6Q")  # magic, version, inst cap, worker cap, size, creation id

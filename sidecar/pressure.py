@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shm_schema import DirectoryReader, Segment, read_all, read_rows
+from shm_schema import DirectoryReader, Segment, layout, read_all, read_rows
 from shm_schema.events import Event, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
@@ -60,7 +60,8 @@ class PressurePublisher:
         self._forget_departed_rows({r.row: r.identity for r in rows}, now)
         for row in rows:
             self._drain(row.row)
-        self.stats.dropped_by_workers = sum(r.events_dropped for r in rows)
+        self.stats.dropped_by_workers = (sum(r.events_dropped for r in rows)
+                                         + self._seg.load(layout.H_EVENTS_DROPPED_GONE))
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             self._housekeeping(now)

@@ -119,3 +119,20 @@ def test_new_sidecar_epoch_discards_spill_and_resyncs_live_requests(seg_name):
         (EventKind.RESYNC, live, 1), (EventKind.FIRST_TOKEN, live, 1)]
     assert after[0].a == 100_000 and after[0].b == 500_000 and after[0].t_us == before[0].t_us
     assert tracker.resyncs == 1
+
+
+def test_dropped_events_stay_counted_after_the_worker_is_gone(seg_name):
+    from sidecar.pressure import PressurePublisher
+
+    _, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    writer = EventWriter(seg, row.row, spill_limit=0)
+    for i in range(1024 + 20):
+        writer.write(EventKind.COMPLETE, 0, i, 0, 1, i)
+    publisher = PressurePublisher(seg, epoch=0, ready_slots=8)
+    publisher.tick()
+    assert publisher.stats.dropped_by_workers == 20
+    row.release()  # the worker leaves (a reaped one goes through the same free_row)
+    WorkerRow.claim(seg, 1)  # and another takes its row, starting from 0
+    publisher.tick()
+    assert publisher.stats.dropped_by_workers == 20
