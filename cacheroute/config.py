@@ -64,6 +64,7 @@ ENV_NAMES: dict[str, str] = {
     "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
     "eject_s": "PROXY_EJECT_S",
     "retry_attempts": "PROXY_RETRY_ATTEMPTS",
+    "metrics_dir": "PROXY_METRICS_DIR",
     # --- security ---
     "cp_token": "PROXY_CP_TOKEN",
     "cp_token_file": "PROXY_CP_TOKEN_FILE",
@@ -140,6 +141,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     event_poll_ms: float = 5.0
     # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
     snapshot_stale_ms: float = 2000.0
+    # prometheus_client multiprocess files; "" = a private directory named after the segment.
+    metrics_dir: str = ""
     # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
     eject_after_failures: int = 3
     eject_s: float = 10.0
@@ -211,6 +214,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def cp_url(self) -> str:
         return f"http://{self.cp_host}:{self.cp_port}"
+
+    @property
+    def resolved_metrics_dir(self) -> str:
+        return self.metrics_dir or f"/tmp/cacheroute-metrics-{self.shm_name.strip('/')}"
 
     def worker_private_port(self, index: int) -> int:
         return self.worker_private_port_base + index

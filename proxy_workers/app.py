@@ -19,6 +19,9 @@ from cacheroute.config import Settings
 from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, error_response, from_http_error, read_body
 from cacheroute.routing.report import instance_loads
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from . import metrics
 from .exchange import ProxyExchange
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
@@ -74,6 +77,13 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
             ttl_s=ctx.settings.instance_ttl_s, include_dead=include_dead,
             answered_by=ctx.identity()))
 
+    async def metrics_endpoint(request: Request) -> Response:
+        try:
+            debug_guard.check(request)
+        except HTTPError as exc:
+            return from_http_error(exc)
+        return Response(metrics.render(ctx.router.view), media_type=CONTENT_TYPE_LATEST)
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe()})
 
@@ -81,14 +91,19 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
         Route(Endpoint.CHAT.path, proxy_route(Endpoint.CHAT), methods=["POST"]),
         Route(Endpoint.COMPLETIONS.path, proxy_route(Endpoint.COMPLETIONS), methods=["POST"]),
         Route("/debug/instance_loads", debug_instance_loads, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
-    return WorkerHeader(app, ctx.name)
+    return ResponseObserver(app, ctx.name)
 
 
-class WorkerHeader:
-    """Names the worker that served every response (x-cacheroute-worker)."""
+_DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT.value, Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS.value}
+
+
+class ResponseObserver:
+    """Names the worker on every response (x-cacheroute-worker) and counts data-plane
+    requests by status, with their duration (499: the client left before any answer)."""
 
     def __init__(self, app: ASGIApp, name: str) -> None:
         self._app = app
@@ -99,10 +114,20 @@ class WorkerHeader:
             await self._app(scope, receive, send)
             return
         header = self._header
+        started = time.perf_counter()
+        status = 499
 
-        async def send_named(message: Message) -> None:
+        async def send_observed(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 message["headers"] = [*message.get("headers", ()), header]
             await send(message)
 
-        await self._app(scope, receive, send_named)
+        try:
+            await self._app(scope, receive, send_observed)
+        finally:
+            endpoint = _DATA_PATHS.get(scope["path"])
+            if endpoint is not None:
+                metrics.REQUESTS.labels(endpoint, str(status)).inc()
+                metrics.DURATION.labels(endpoint).observe(time.perf_counter() - started)

@@ -18,6 +18,7 @@ import msgspec
 
 from cacheroute.http import HTTPError
 
+from . import metrics
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
@@ -181,6 +182,7 @@ class ProxyExchange:
         now = _now_ms()
         trace["first_token_ms"] = now
         trace["actual_ttft_ms"] = now - trace["proxy_recv_ms"]
+        metrics.TTFT.observe(trace["actual_ttft_ms"] / 1000)
         if "ready_dequeue_ms" in trace:
             trace["actual_vllm_ttft_ms"] = now - trace["forward_start_ms"]
         if job.predicted_first_token_ms is not None:

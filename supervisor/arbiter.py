@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import signal
 import time
 import urllib.request
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from cacheroute.config import Settings
 from shm_schema import Segment
@@ -30,7 +34,9 @@ EXIT_CANNOT_START = 2
 class Arbiter:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        env = settings.to_env()
+        # Workers' request metrics live in per-process files here; a scrape sums them all.
+        self.metrics_dir = settings.resolved_metrics_dir
+        env = {**settings.to_env(), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         self.sidecar = Child("sidecar", ["-m", "sidecar"], env)
         self.instances = [self._sim_instance(i, env) for i in range(settings.sim_instances)]
         if settings.sim_instances:  # the demo's knowledge server, for Scheduler-style requests
@@ -51,6 +57,7 @@ class Arbiter:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_stop_signal)
         signal.signal(signal.SIGTERM, self._on_stop_signal)
+        _fresh_directory(self.metrics_dir)
         try:
             self.sidecar.start()
             if not self._wait_healthy(f"{self.settings.cp_url}/healthz", self.sidecar):
@@ -79,6 +86,8 @@ class Arbiter:
                 continue
             if child.next_start_at == 0.0:
                 child.exit_codes.append(code)
+                if child in self.workers and child.pid is not None:
+                    mark_process_dead(child.pid, self.metrics_dir)  # its live gauges go; totals stay
                 ran_for = now - child.started_at
                 if code == EXIT_CANNOT_START:
                     log.error("%s cannot start (exit %d, its log above says why); stopping", child.name, code)
@@ -104,6 +113,7 @@ class Arbiter:
                 child.stop(STOP_TIMEOUT_S)
         if Segment.unlink(self.settings.shm_name):
             log.info("removed shared table %s", self.settings.shm_name)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
         log.info("all stopped")
 
     def children(self) -> list[Child]:
@@ -132,6 +142,13 @@ class Arbiter:
                 return
             time.sleep(0.2)
         log.warning("not every worker answered /healthz within %.0fs", READY_TIMEOUT_S)
+
+
+def _fresh_directory(path: str) -> None:
+    """An empty directory only the service user can read (metrics of a previous run would
+    otherwise be summed into this one's)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, mode=0o700)
 
 
 def _get_json(url: str) -> object | None:

@@ -1,0 +1,53 @@
+"""`/metrics` from any worker: host-wide gauges from the shared table, request counters and
+latency histograms summed over every worker (prometheus_client multiprocess mode)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.aio import OpenStream
+from tests.harness import chat_body, http
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    status, text, headers = http("GET", f"{url}/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain"), text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_any_worker_reports_the_same_host_wide_numbers(make_cluster):
+    cluster = make_cluster(workers=2)
+    inst = cluster.add_instance("--hold-streams")
+    label = (("instance", inst.instance_id),)
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            streams = [await OpenStream.open(session, f"{cluster.worker_url(w)}/v1/chat/completions", chat_body())
+                       for w in (0, 1, 1)]
+            scrapes = [_scrape(cluster.worker_url(w)) for w in (0, 1)]
+            for scrape in scrapes:
+                assert scrape[("cacheroute_instance_inflight", label)] == 3
+                assert scrape[("cacheroute_instance_alive", label)] == 1
+            inst.release()
+            await asyncio.gather(*(s.finish() for s in streams))
+
+    asyncio.run(scenario())
+    for n in range(4):
+        assert http("POST", f"{cluster.worker_url(n % 2)}/v1/chat/completions", chat_body(stream=False))[0] == 200
+    assert http("POST", f"{cluster.worker_url(0)}/v1/chat/completions", raw=b"nope")[0] == 400
+    first, second = (_scrape(cluster.worker_url(w)) for w in (0, 1))
+    ok = ("cacheroute_requests_total", (("endpoint", "chat/completions"), ("status", "200")))
+    bad = ("cacheroute_requests_total", (("endpoint", "chat/completions"), ("status", "400")))
+    assert first[ok] == second[ok] == 7  # 3 streams + 4 requests, over both workers
+    assert first[bad] == second[bad] == 1
+    assert first[("cacheroute_ttft_seconds_count", ())] == second[("cacheroute_ttft_seconds_count", ())] == 3
+    assert first[("cacheroute_instance_inflight", (("instance", inst.instance_id),))] == 0
+    metrics_dir = f"/tmp/cacheroute-metrics-{cluster.shm_name.strip('/')}"
+    assert os.path.isdir(metrics_dir) and oct(os.stat(metrics_dir).st_mode & 0o777) == "0o700"
+    cluster.stop()
+    assert not os.path.exists(metrics_dir)
