@@ -19,9 +19,7 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -30,18 +28,9 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.common import ChildProcess, free_port, free_port_range, percentile
+
 PROMPT_TOKENS = (50, 200, 500, 1000, 2000)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _wait_ready(url: str, timeout: float) -> None:
@@ -87,23 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
-    dp, cp, private = _free_port(), _free_port(), _free_port()
-    env = {**os.environ, "PROXY_DP_PORT": str(dp), "PROXY_CP_PORT": str(cp),
+    dp, cp, private = free_port(), free_port(), free_port_range(2)
+    env = {"PROXY_DP_PORT": str(dp), "PROXY_CP_PORT": str(cp),
            "PROXY_WORKER_PRIVATE_PORT_BASE": str(private), "PROXY_WORKERS": "2",
-           "PROXY_SIM_INSTANCES": "2", "PROXY_SIM_INSTANCE_PORT_BASE": str(_free_port()),
+           "PROXY_SIM_INSTANCES": "2", "PROXY_SIM_INSTANCE_PORT_BASE": str(free_port_range(12)),  # base+10i, +1
            "PROXY_INSTANCE_STRATEGY": "least_load",
            "PROXY_SHM_NAME": f"/cacheroute_bench_{uuid.uuid4().hex[:8]}"}
-    log = open("/tmp/bench_pressure_supervisor.log", "wb")
-    supervisor = subprocess.Popen([sys.executable, "-m", "supervisor", "run"], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT)
+    supervisor = ChildProcess(["-m", "supervisor", "run"], env, Path("/tmp/bench_pressure_supervisor.log"))
     try:
         _wait_ready(f"http://127.0.0.1:{cp}/debug/instance_loads", 30)
         metas = asyncio.run(_drive(f"http://127.0.0.1:{dp}/v1/chat/completions",
                                    args.duration, args.rate, args.seed))
     finally:
-        supervisor.send_signal(signal.SIGINT)
-        supervisor.wait(60)
-        log.close()
+        supervisor.stop(signal.SIGINT, 60)
     traces = [m["trace"] for m in metas if m.get("error") is None]
     errors = [t["predict_error_ms"] for t in traces if "predict_error_ms" in t]
     ages = [t["snapshot_age_ms"] for t in traces if "snapshot_age_ms" in t]
@@ -116,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                      "strategy": "least_load", "sim_time_scale": 1.0},
         "requests_ok": len(traces), "requests_failed": len(metas) - len(traces),
         "ttft_prediction_error_ms": {
-            "median_abs": statistics.median(absolute), "p90_abs": _percentile(absolute, 0.9),
+            "median_abs": statistics.median(absolute), "p90_abs": percentile(absolute, 0.9, method="floor_index"),
             "median_signed": statistics.median(errors), "samples": len(errors)},
-        "actual_ttft_ms": {"p50": statistics.median(ttfts), "p90": _percentile(ttfts, 0.9)},
-        "snapshot_age_ms": {"p50": statistics.median(ages), "p99": _percentile(ages, 0.99),
+        "actual_ttft_ms": {"p50": statistics.median(ttfts), "p90": percentile(ttfts, 0.9, method="floor_index")},
+        "snapshot_age_ms": {"p50": statistics.median(ages), "p99": percentile(ages, 0.99, method="floor_index"),
                             "max": max(ages), "samples": len(ages)},
         "loadavg": os.getloadavg(),
     }

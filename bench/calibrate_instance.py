@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from bench.common import free_port
 from cacheroute.predictors.tables import TpotTable, TtftTable, write_table
 
 DEFAULT_TTFT_LENGTHS = (400, 700, 1000, 1500, 2000, 2500, 3000)
@@ -281,12 +282,6 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
                            f"({last})")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _model_of(url: str) -> str:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=5.0) as resp:
@@ -363,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log: list[str] = []
     try:
         if args.spawn_sim:
-            port = _free_port()
+            port = free_port()
             sim_cmd = [sys.executable, "-m", "sim_instance", "--port", str(port), "--no-register",
                        "--time-scale", str(args.sim_time_scale), "--log-level", "warning"]
             proc = subprocess.Popen(sim_cmd, stdin=subprocess.DEVNULL)

@@ -4,46 +4,20 @@ instances, on free 127.0.0.1 ports and a private segment name; stopped by pid in
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+# ROOT, Process, free_port and free_port_range are re-exported: the tests take them from here.
+from bench.common import ROOT, SupervisorPorts, free_port, free_port_range
+from bench.common import ChildProcess as Process
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_port_range(count: int) -> int:
-    """A base port such that base .. base+count-1 are all free right now."""
-    for _ in range(200):
-        base = free_port()
-        if base + count >= 65000:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
+__all__ = ["ROOT", "Cluster", "Process", "SimInstance", "chat_body", "free_port", "free_port_range",
+           "get", "http", "post", "wait_until"]
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 10.0,
@@ -95,32 +69,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
     raise AssertionError(f"timed out after {timeout}s waiting for {message} (last: {last!r})")
 
 
-class Process:
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env={**os.environ, **env},
-                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def stop(self, signum: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signum)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-        self._log.close()
-        return self.popen.returncode
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 class SimInstance:
     """A simulated instance process registered with a cluster's control plane."""
 
@@ -146,42 +94,20 @@ class SimInstance:
         self.process.stop()
 
 
-class Cluster:
-    """`python -m supervisor run` with its own ports and segment, plus simulated instances."""
+class Cluster(SupervisorPorts):
+    """`python -m supervisor run` with its own ports and segment (addresses: SupervisorPorts),
+    plus simulated instances."""
 
     def __init__(self, tmp_path: Path, workers: int = 4, strategy: str = "round_robin",
                  env: dict[str, str] | None = None) -> None:
+        super().__init__(workers, "cacheroute_test")
         self.tmp_path = tmp_path
-        self.workers = workers
-        self.dp_port = free_port()
-        self.cp_port = free_port()
-        self.private_base = free_port_range(workers)
-        self.shm_name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
-        self.env = {
-            "PROXY_DP_PORT": str(self.dp_port), "PROXY_CP_PORT": str(self.cp_port),
-            "PROXY_WORKER_PRIVATE_PORT_BASE": str(self.private_base),
-            "PROXY_SHM_NAME": self.shm_name, "PROXY_SIM_INSTANCES": "0",
-            "PROXY_INSTANCE_STRATEGY": strategy, "PROXY_WORKERS": str(workers),
-            "PROXY_SHM_INSTANCE_CAPACITY": "32", "PROXY_SHM_WORKER_CAPACITY": "16",
-            **(env or {}),
-        }
+        self.env = {**self.supervisor_env(strategy), **(env or {})}
         self.instances: list[SimInstance] = []
         self.launcher: Process | None = None
 
-    # --- addresses ---------------------------------------------------------------------------
-    @property
-    def dp_url(self) -> str:
-        return f"http://127.0.0.1:{self.dp_port}"
-
-    @property
-    def cp_url(self) -> str:
-        return f"http://127.0.0.1:{self.cp_port}"
-
-    def worker_url(self, index: int) -> str:
-        return f"http://127.0.0.1:{self.private_base + index}"
-
     # --- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         self.launcher = Process(["-m", "supervisor", "run"], self.env, self.tmp_path / "launcher.log")
         for index in range(self.workers):
             wait_until(lambda i=index: get(f"{self.worker_url(i)}/healthz", timeout=1)["ok"], 30,

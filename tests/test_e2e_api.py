@@ -5,23 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.common import scheduler_body
 from tests.aio import meta_of
 from tests.harness import chat_body, http
-
-SCHEDULER_BODY = {
-    "Request_ID": 17, "Request_type": "request",
-    "Prompt": {"model": "llama3-70b", "user_prompt": "Who wrote X?", "token_length": 42, "bs": 1,
-               "max_tokens": 4, "stream": True, "temperature": 0.7, "top_p": 0.95},
-    "Service": {"Enable_PD_Disaggregation": True, "Enable_know_injection": False,
-                "Injection_type": "text", "Enable_compress": False, "Compress_factor": 0.3,
-                "Enable_security": False, "Knowledge_block_num": 0, "Knowledge_List": [],
-                "Knowledge_length": 0, "SLO_TTFT": 15000, "SLO_E2E": 215000, "SLO_TPOT": 200,
-                "Endpoint_type": "chat/completions"},
-    "Task": {"User_addr": "127.0.0.1", "KDN_server_addr": "", "default_know_addr": "",
-             "P_proxy_id": "hp_127.0.0.1:8001", "P_proxy_addr": "127.0.0.1", "P_proxy_port": 8001,
-             "D_proxy_addr": "", "D_proxy_port": 0, "prefill_instance": "0", "decode_instance": "",
-             "batch_order": 0, "User_url_path": "/v1/chat/completions"},
-}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +30,7 @@ def test_no_instance_is_503(cluster):
 def test_scheduler_request_streams_with_meta(cluster):
     if not cluster.instances:
         cluster.add_instance()
-    status, text, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions", SCHEDULER_BODY)
+    status, text, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions", scheduler_body(17))
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert text.count('"content":"tok "') == 4
     assert text.endswith("data: [DONE]\n\n") and text.count("[DONE]") == 1
@@ -57,7 +43,7 @@ def test_scheduler_request_streams_with_meta(cluster):
 def test_scheduler_completions_and_non_streaming_chat_are_json(cluster):
     if not cluster.instances:
         cluster.add_instance()
-    body = {**SCHEDULER_BODY, "Prompt": {**SCHEDULER_BODY["Prompt"], "stream": False}}
+    body = scheduler_body(17, stream=False)
     for path in ("/v1/completions", "/v1/chat/completions"):
         status, payload, headers = http("POST", f"{cluster.dp_url}{path}", body)
         assert status == 200 and headers["content-type"] == "application/json", payload

@@ -1,9 +1,9 @@
-"""A compressed soak (bench/soak.py): about a minute of mixed load through the real supervisor
+"""A compressed soak (bench/soak/): about a minute of mixed load through the real supervisor
 (4 workers, least_load, 3 simulated instances) with every kind of chaos at least once — the
 flapper's 503 knob on twice (10 s each), one stop/restart of the flapper process, one worker
 SIGKILLed — then the end invariants.
 
-Acceptable outcomes of a request (`bench.soak.classify`), everything else fails the test:
+Acceptable outcomes of a request (`bench.soak.outcomes.classify`), everything else fails the test:
 - `ok`: 200 with a complete body (JSON whose `_cacheroute_meta.error` is null, or a stream that
   ends with a clean `cacheroute_meta` and `data: [DONE]`);
 - `client_cancelled`: the client itself closed the connection (before the response or
@@ -29,13 +29,10 @@ import os
 
 import pytest
 
-from bench.soak import (
-    ACCEPTABLE_CATEGORIES,
-    SoakConfig,
-    classify,
-    run_soak,
-    summary_lines,
-)
+from bench.soak.config import SoakConfig
+from bench.soak.outcomes import ACCEPTABLE_CATEGORIES, classify
+from bench.soak.report import summary_lines
+from bench.soak.run import run_soak
 
 FLAPPER = "soak-sim-0"
 KILL = {"t": 20.0, "pid": 111, "worker_index": 0}

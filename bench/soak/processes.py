@@ -1,0 +1,147 @@
+"""The processes the soak starts, on 127.0.0.1 with free ports and a private segment name:
+`python -m supervisor run` (sidecar + workers, least_load, no simulated instances of its own)
+and the simulated instances that register with it. Starting them (from the main thread, so
+each dies with the soak), reaching them over HTTP, and stopping each by its pid."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from bench.common import ChildProcess, SupervisorPorts, free_port_range
+from bench.soak.config import SoakConfig
+
+
+class SoakProcesses(SupervisorPorts):
+    """The supervisor on its ports and segment, and the instances on theirs."""
+
+    def __init__(self, cfg: SoakConfig, run_dir: Path) -> None:
+        super().__init__(cfg.workers, "cacheroute_soak")
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.env = self.supervisor_env("least_load")
+        self.supervisor: ChildProcess | None = None
+        self.instance_ports = [free_port_range(2) for _ in range(cfg.instances)]  # port, port + 1
+        self.instance_ids = [f"soak-sim-{i}" for i in range(cfg.instances)]
+        self.instances: list[ChildProcess | None] = [None] * cfg.instances
+        # The soak's own short requests (status, knobs, health); open while the soak drives.
+        self.control: aiohttp.ClientSession | None = None
+        self.stop_result: dict[str, Any] = {}
+
+    # --- addresses (and those of SupervisorPorts) --------------------------------------------
+    def instance_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.instance_ports[i]}"
+
+    # --- asking them (asynchronous, while the soak drives) ------------------------------------
+    async def get(self, url: str) -> Any:
+        assert self.control is not None
+        async with self.control.get(url) as response:
+            return await response.json(content_type=None)
+
+    async def post(self, url: str, body: Any) -> Any:
+        assert self.control is not None
+        async with self.control.post(url, json=body) as response:
+            assert response.status == 200, (url, response.status, await response.text())
+            return await response.json(content_type=None)
+
+    # --- start (synchronous, main thread) ------------------------------------------------------
+    def start(self) -> None:
+        """The supervisor until every worker is healthy, then every instance until registered."""
+        self.supervisor = self._child(["-m", "supervisor", "run"], self.env, "supervisor")
+        for index in range(self.cfg.workers):
+            _wait_sync(lambda i=index: _get_sync(f"{self.worker_url(i)}/healthz", 1)["ok"], 40,
+                       f"worker {index} healthy\n{self.supervisor.tail()}")
+        for i in range(self.cfg.instances):
+            self.start_instance(i)
+        for i in range(self.cfg.instances):
+            _wait_sync(lambda i=i: self._registered_sync(i), 30, f"{self.instance_ids[i]} registered")
+
+    def start_instance(self, i: int) -> None:
+        """Instance i on its own port and id (again, after a restart); main thread only."""
+        argv = ["-m", "sim_instance", "--host", "127.0.0.1", "--port", str(self.instance_ports[i]),
+                "--cp-port", str(self.instance_ports[i] + 1), "--instance-id", self.instance_ids[i],
+                "--proxy-cp-url", self.cp_url, "--time-scale", str(self.cfg.time_scale),
+                "--seed", str(self.cfg.seed + i)]
+        self.instances[i] = self._child(argv, {}, self.instance_ids[i])
+
+    def _child(self, argv: list[str], env: dict[str, str], name: str) -> ChildProcess:
+        # A restarted instance writes on after its predecessor in the same log.
+        return ChildProcess(argv, env, self.run_dir / f"{name}.log", append_log=True, die_with_parent=True)
+
+    def _registered_sync(self, i: int) -> bool:
+        loads = _get_sync(f"{self.cp_url}/debug/instance_loads", 2)
+        return any(r["instance_id"] == self.instance_ids[i] and r["is_alive"] for r in loads["instances"])
+
+    # --- restart an instance (asynchronous: the load goes on meanwhile) ---------------------------
+    async def stop_instance(self, i: int) -> int | None:
+        """SIGTERM (it unregisters, then shuts down), up to 20 s for it to exit, then SIGKILL;
+        its exit code (None if it was not running)."""
+        proc = self.instances[i]
+        if proc is None:
+            return None
+        proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while proc.running() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return proc.stop(signal.SIGKILL, 5)  # no-op if it already exited
+
+    async def wait_registered(self, i: int, timeout: float = 30.0) -> bool:
+        """Whether instance i is registered and alive at the control plane within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                loads = await self.get(f"{self.cp_url}/debug/instance_loads")
+                if any(r["instance_id"] == self.instance_ids[i] and r["is_alive"] for r in loads["instances"]):
+                    return True
+            await asyncio.sleep(0.1)
+        return False
+
+    # --- stop (synchronous, main thread) ---------------------------------------------------------
+    def stop(self) -> dict[str, Any]:
+        """Instances first (they unregister), then the supervisor (SIGINT: workers, sidecar,
+        segment); each by its pid; whatever does not stop in time is SIGKILLed. What was left
+        behind, also kept as `stop_result`."""
+        codes: dict[str, Any] = {}
+        for i, proc in enumerate(self.instances):
+            if proc is not None:
+                codes[self.instance_ids[i]] = proc.stop(signal.SIGTERM, 20)
+        worker_pids = []
+        if self.supervisor is not None:
+            with contextlib.suppress(psutil.Error):
+                worker_pids = [c.pid for c in psutil.Process(self.supervisor.pid).children()]
+            codes["supervisor"] = self.supervisor.stop(signal.SIGINT, 60)
+        time.sleep(0.2)
+        leftovers = [pid for pid in worker_pids if psutil.pid_exists(pid)
+                     and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        self.stop_result = {
+            "exit_codes": codes, "supervisor_children_left": leftovers,
+            "segment_removed": not os.path.exists(f"/dev/shm{self.shm_name}")}
+        return self.stop_result
+
+
+def _get_sync(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _wait_sync(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (OSError, ValueError, KeyError) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
