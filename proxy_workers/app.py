@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,11 +16,16 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cacheroute.auth import TokenGuard, load_token
+from cacheroute.clock import now_ms
 from cacheroute.config import Settings
-from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, error_response, from_http_error, read_body
+from cacheroute.http import (
+    ERROR_HANDLERS,
+    HTTPError,
+    JSONResponse,
+    from_http_error,
+    read_body,
+)
 from cacheroute.routing.report import instance_loads
-
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import metrics
 from .exchange import ProxyExchange
@@ -56,7 +62,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
 
     def proxy_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
         async def handle(request: Request) -> Any:
-            trace: dict[str, Any] = {"proxy_recv_ms": int(time.time() * 1000), "worker": ctx.name}
+            trace: dict[str, Any] = {"proxy_recv_ms": now_ms(), "worker": ctx.name}
             try:
                 proxy_request = recover(endpoint, await read_body(request, limit))
             except HTTPError as exc:

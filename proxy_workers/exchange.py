@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any, Awaitable, Callable
 
 import aiohttp
 import msgspec
 
+from cacheroute.clock import now_ms
 from cacheroute.http import HTTPError
 
 from . import metrics
@@ -79,7 +79,7 @@ class ProxyExchange:
         request, trace = job.request, job.trace
         key = (lease.instance.slot, lease.instance.generation)
         outliers = self._router.outliers
-        trace["forward_start_ms"] = _now_ms()
+        trace["forward_start_ms"] = now_ms()
         headers = None
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
             headers = {"x-cacheroute-kv-prefix-tokens": str(job.knowledge.prefix_tokens)}
@@ -144,7 +144,7 @@ class ProxyExchange:
         except UpstreamFailure as exc:
             error = exc.reason
         self._account(lease, error is None)
-        trace["forward_end_ms"] = _now_ms()
+        trace["forward_end_ms"] = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
         final = meta_event(trace, error or job.knowledge.error, job.knowledge) + \
             (DONE_EVENT if error is None else b"")
@@ -160,7 +160,7 @@ class ProxyExchange:
             await send_json(send, 502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
         self._account(lease, True)
-        trace["forward_end_ms"] = _now_ms()
+        trace["forward_end_ms"] = now_ms()
         meta = meta_object(trace, job.knowledge.error, job.knowledge)
         try:
             parsed = msgspec.json.decode(body)
@@ -179,7 +179,7 @@ class ProxyExchange:
 
     def _first_token(self, job: Job) -> None:
         trace = job.trace
-        now = _now_ms()
+        now = now_ms()
         trace["first_token_ms"] = now
         trace["actual_ttft_ms"] = now - trace["proxy_recv_ms"]
         metrics.TTFT.observe(trace["actual_ttft_ms"] / 1000)
@@ -221,6 +221,3 @@ async def send_json(send: Send, status: int, content: Any, lease: Lease | None =
 def _instance_header(lease: Lease) -> tuple[bytes, bytes]:
     return (b"x-cacheroute-instance", lease.instance.instance_id.encode())
 
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from cacheroute.clock import now_ms
 from cacheroute.config import Settings
 from shm_schema import InstanceSlot
 
@@ -89,9 +90,9 @@ class KnowledgePreparer:
         if spec is None or not spec.wanted or request.body is None:
             return result
         try:
-            trace["kdn_fetch_start_ms"] = _ms()
+            trace["kdn_fetch_start_ms"] = now_ms()
             items, result.miss_kids = await self._fetch(spec.kdn_addr, spec.knowledge_ids)
-            trace["kdn_fetch_end_ms"] = _ms()
+            trace["kdn_fetch_end_ms"] = now_ms()
             context = self._classify(spec.knowledge_ids, items, result)
             if context:
                 _inject(request, context, spec.injection_type)
@@ -163,7 +164,7 @@ class KnowledgePreparer:
                       trace: dict[str, Any], effective: int) -> None:
         spec = request.knowledge
         assert spec is not None
-        trace["kv_ack_start_ms"] = _ms()
+        trace["kv_ack_start_ms"] = now_ms()
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
         url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
         body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
@@ -182,7 +183,7 @@ class KnowledgePreparer:
             result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
             trace["kvcache_actual_path"] = "recompute"  # the instance prefills the text instead
         finally:
-            trace["kv_ack_end_ms"] = _ms()
+            trace["kv_ack_end_ms"] = now_ms()
 
 
 def _inject(request: ProxyRequest, context: str, mode: str) -> None:
@@ -206,6 +207,3 @@ def _ack(ok: bool, detail: str, result: Knowledge) -> dict[str, Any]:
             "text_only_kids": ([] if ok else result.kv_ready_kids) + result.text_only_kids,
             "miss_kids": result.miss_kids, "keys_injected": 0, "detail": detail}
 
-
-def _ms() -> int:
-    return int(time.time() * 1000)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 Key = tuple[int, int]  # (slot, generation)
+_NONE: frozenset[Key] = frozenset()
 
 
 @dataclass
@@ -26,6 +27,7 @@ class OutlierTracker:
         self._threshold = failures_to_eject
         self._eject_s = eject_s
         self._health: dict[Key, _Health] = {}
+        self._latest_ejection_end = 0.0  # past it, nothing is ejected: the hot path's early out
 
     def failed(self, key: Key, now: float | None = None) -> bool:
         """Count a failure; True if it ejected the instance."""
@@ -37,6 +39,7 @@ class OutlierTracker:
             health.consecutive_failures = 0
             health.ejected_until = (time.monotonic() if now is None else now) + self._eject_s
             health.ejections += 1
+            self._latest_ejection_end = max(self._latest_ejection_end, health.ejected_until)
             return True
         return False
 
@@ -47,9 +50,13 @@ class OutlierTracker:
             health.ejected_until = 0.0
 
     def ejected(self, now: float | None = None) -> frozenset[Key]:
-        if not self._health:
-            return frozenset()
+        """Runs on every selection: one comparison when nothing was ever ejected, a clock read
+        when no ejection is in force any more."""
+        if not self._latest_ejection_end:
+            return _NONE
         now = time.monotonic() if now is None else now
+        if now >= self._latest_ejection_end:
+            return _NONE
         return frozenset(k for k, h in self._health.items() if h.ejected_until > now)
 
     def describe(self) -> dict[str, dict[str, float | int]]:

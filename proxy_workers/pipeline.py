@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from cacheroute.clock import now_ms
 from cacheroute.config import Settings
 from cacheroute.http import HTTPError
 from shm_schema import Admission, layout
@@ -98,7 +99,7 @@ class Pipeline:
         ticket = _Ticket(stages.next_seq, "text", asyncio.get_running_loop().create_future())
         stages.next_seq += 1
         job.trace["prepare_seq"] = ticket.seq
-        job.trace["proxy_enqueue_ms"] = _ms()
+        job.trace["proxy_enqueue_ms"] = now_ms()
         job.key = self._tracker.new_key()
         reserved = False
         try:
@@ -156,9 +157,9 @@ class Pipeline:
             lease.leave(layout.LANE_PREPARE_WAITING)
         lease.enter(layout.LANE_PREPARE_ACTIVE)
         try:
-            trace["prepare_start_ms"] = _ms()
+            trace["prepare_start_ms"] = now_ms()
             job.knowledge = await self._preparer.prepare(request, lease.instance, trace)
-            trace["prepare_self_done_ms"] = _ms()
+            trace["prepare_self_done_ms"] = now_ms()
         finally:
             stages.prepare_slots.release()
             lease.leave(layout.LANE_PREPARE_ACTIVE)
@@ -198,7 +199,7 @@ class Pipeline:
     def _reserve(self, lease: Lease, job: Job) -> None:
         """Tell the sidecar the request is released to ready, with its predicted service."""
         request, trace, knowledge = job.request, job.trace, job.knowledge
-        job.trace["ready_enqueue_ms"] = _ms()
+        job.trace["ready_enqueue_ms"] = now_ms()
         predictors = self._predictors
         knowledge_tokens = request.knowledge.knowledge_tokens if request.knowledge else 0
         if knowledge.prefix_tokens:  # the instance holds the knowledge's KV: pull + residual prefill
@@ -237,13 +238,10 @@ class Pipeline:
                         await stages.slot_freed.wait()
         finally:
             lease.leave(layout.LANE_READY_WAITING)
-        job.trace["ready_dequeue_ms"] = _ms()
+        job.trace["ready_dequeue_ms"] = now_ms()
 
 
 def _set(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
-
-def _ms() -> int:
-    return int(time.time() * 1000)

@@ -7,17 +7,24 @@ A Lease is the only way inflight changes on the data plane: `Router.acquire` beg
 from __future__ import annotations
 
 import itertools
-import time
 
+from cacheroute.clock import now_ms, now_us
 from cacheroute.config import Settings
 from cacheroute.http import HTTPError
 from cacheroute.routing.fast_score import Scorer, compile_scorer
 from cacheroute.routing.load_view import LoadView
 from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
+from shm_schema import (
+    Admission,
+    DirectorySnapshot,
+    InstanceSlot,
+    Segment,
+    WorkerRow,
+    header,
+)
 
 from .outliers import OutlierTracker
 from .upstream import base_url
-from shm_schema import Admission, DirectorySnapshot, InstanceSlot, Segment, WorkerRow, header
 
 
 class Lease:
@@ -79,7 +86,7 @@ class Router:
                        else LeastLoadStrategy(settings.least_load_weights))
         # least_load over the shared table: one generated comprehension per directory snapshot.
         self._compiled: tuple[object, Scorer | None] = (None, None)
-        self._fast = isinstance(self.strategy, LeastLoadStrategy) and settings.load_view == "shared"
+        self._fast = self._least_load and settings.load_view == "shared"
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 
     def choose(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> InstanceSlot:
@@ -87,8 +94,9 @@ class Router:
         candidates = snapshot.alive
         if not candidates:
             raise HTTPError(503, "no_instance", "proxy has no alive instance")
-        avoid = exclude | self.outliers.ejected()
-        if avoid:
+        ejected = self.outliers.ejected()
+        if exclude or ejected:
+            avoid = exclude | ejected
             kept = tuple(i for i in candidates if (i.slot, i.generation) not in avoid)
             if not kept:
                 kept = tuple(i for i in candidates if (i.slot, i.generation) not in exclude)
@@ -96,6 +104,8 @@ class Router:
                 raise HTTPError(503, "no_instance", "every alive instance failed this request")
             if len(kept) < len(candidates):
                 return self._select(kept, snapshot.slot_span)
+        if not self._least_load:
+            return self.strategy.select(candidates)
         if self._fast:
             totals = self._fast_totals(snapshot)
             if totals is not None:
@@ -116,8 +126,8 @@ class Router:
         if scorer is None:
             return None
         span = snapshot.slot_span
-        now_us = int(time.time() * 1e6)
-        return scorer(self.view.lanes(span), self.view.fresh_records(span, now_us), now_us)
+        now = now_us()
+        return scorer(self.view.lanes(span), self.view.fresh_records(span, now), now)
 
     def has_alternative(self, exclude: frozenset[tuple[int, int]]) -> bool:
         """Is there an alive instance outside `exclude` to retry on?"""
@@ -125,9 +135,9 @@ class Router:
 
     def acquire(self, trace: dict[str, int | str],
                 exclude: frozenset[tuple[int, int]] = frozenset()) -> Lease:
-        trace["route_select_start_ms"] = _now_ms()
+        trace["route_select_start_ms"] = now_ms()
         instance = self.choose(exclude)
-        trace["route_select_end_ms"] = _now_ms()
+        trace["route_select_end_ms"] = now_ms()
         if self._least_load:
             age = self.view.snapshot_age_ms()  # how old the predicted layer this choice used was
             if age is not None:
@@ -137,6 +147,3 @@ class Router:
         trace["instance_id"] = instance.instance_id
         return Lease(instance, self.row)
 
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from .knowledge import Knowledge
+
 DONE_EVENT = b"data: [DONE]\n\n"
 _MARKER = b"[DONE]"
 _encoder = msgspec.json.Encoder()
@@ -52,16 +54,14 @@ class DoneStripper:
         return b"".join(kept)
 
 
-def meta_object(trace: dict[str, Any], error: str | None, knowledge: Any = None) -> dict[str, Any]:
+def meta_object(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> dict[str, Any]:
     """The `cacheroute_meta` payload, keys in the original's order."""
-    if knowledge is None:
-        return {"trace": trace, "kv_ack": {}, "kv_ready_kids": [], "text_only_kids": [],
-                "miss_kids": [], "error": error}
+    knowledge = knowledge or Knowledge()
     return {"trace": trace, "kv_ack": knowledge.kv_ack, "kv_ready_kids": knowledge.kv_ready_kids,
             "text_only_kids": knowledge.text_only_kids, "miss_kids": knowledge.miss_kids,
             "error": error}
 
 
-def meta_event(trace: dict[str, Any], error: str | None, knowledge: Any = None) -> bytes:
+def meta_event(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> bytes:
     return (b"event: cacheroute_meta\ndata: " + _encoder.encode(meta_object(trace, error, knowledge))
             + b"\n\n")

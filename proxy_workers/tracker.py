@@ -6,9 +6,9 @@ A request key is `row << 48 | sequence`, unique on the host while the row is hel
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
+from cacheroute.clock import now_us
 from shm_schema import Segment, WorkerRow, layout
 from shm_schema.events import EventKind, EventWriter
 
@@ -47,7 +47,7 @@ class RequestTracker:
 
     def reserve(self, key: int, slot: int, generation: int, service_ms: float, decode_ms: float,
                 decode_tokens: int, prompt_tokens: int) -> None:
-        live = LiveRequest(slot, generation, _now_us(), int(service_ms * 1000), int(decode_ms * 1000),
+        live = LiveRequest(slot, generation, now_us(), int(service_ms * 1000), int(decode_ms * 1000),
                            decode_tokens, prompt_tokens)
         self._live[key] = live
         self._emit(EventKind.RESERVE, key, live, live.reserved_at_us)
@@ -55,13 +55,13 @@ class RequestTracker:
     def first_token(self, key: int) -> None:
         live = self._live.get(key)
         if live is not None and live.first_token_us is None:
-            live.first_token_us = _now_us()
+            live.first_token_us = now_us()
             self._emit(EventKind.FIRST_TOKEN, key, live, live.first_token_us)
 
     def complete(self, key: int, failed: bool) -> None:
         live = self._live.pop(key, None)
         if live is not None:
-            self._emit(EventKind.COMPLETE, key, live, _now_us(), a=int(failed))
+            self._emit(EventKind.COMPLETE, key, live, now_us(), a=int(failed))
 
     def tick(self) -> None:
         """Periodic: move spilled events into the ring; re-announce after a sidecar restart."""
@@ -93,6 +93,3 @@ class RequestTracker:
                 self._writer.write(EventKind.FIRST_TOKEN, epoch, key, live.slot, live.generation,
                                    live.first_token_us)
 
-
-def _now_us() -> int:
-    return int(time.time() * 1_000_000)

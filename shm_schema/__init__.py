@@ -4,7 +4,7 @@
 """
 
 from . import layout
-from .counters import (Admission, CountersReader, InflightReader, Reaped, RowState, WorkerRow,
+from .counters import (Admission, CountersReader, Reaped, RowState, WorkerRow,
                        WorkerTableFull, counter_value, free_row, inflight_count, read_rows,
                        reap_row, reconcile, reconcile_slot, row_contributions, subtract_row,
                        take_row)
@@ -15,7 +15,7 @@ from .segment import Segment, SegmentError, SegmentLayoutError, SegmentNotFound
 
 __all__ = [
     "Admission", "CountersReader", "counter_value", "layout", "reconcile", "take_row",
-    "DirectoryFull", "DirectoryReader", "DirectorySnapshot", "DirectoryWriter", "InflightReader",
+    "DirectoryFull", "DirectoryReader", "DirectorySnapshot", "DirectoryWriter",
     "InstanceSlot", "LAYOUT_VERSION", "Reaped", "RowState", "Segment", "SegmentError", "SegmentLayoutError",
     "SegmentNotFound", "WorkerRow", "WorkerTableFull", "encode_identity", "free_row",
     "inflight_count", "read_all", "read_rows", "reap_row", "reconcile_slot", "row_contributions",

@@ -63,8 +63,6 @@ class CountersReader:
         return unpacker.unpack_from(self._buf, _COUNTERS)
 
 
-InflightReader = CountersReader
-
 
 def counter_value(seg: Segment, slot: int, generation: int, lane: int = _INFLIGHT) -> int | None:
     """The count of a (slot, lane) if the slot still carries `generation`, else None."""

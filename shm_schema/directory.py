@@ -10,8 +10,9 @@ directory while the sidecar restarts.
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
+
+from cacheroute import clock
 
 from . import layout
 from .segment import Segment
@@ -143,7 +144,7 @@ class DirectoryWriter:
             raise DirectoryFull(
                 f"the shared table is full ({self._seg.geometry.instance_capacity} instance slots); "
                 f"raise PROXY_SHM_INSTANCE_CAPACITY or unregister instances")
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        now_ms = clock.now_ms() if now_ms is None else now_ms
         seg = self._seg
         base = seg.geometry.slot_offset(slot)
         generation = _next_generation(seg.load(base + layout.S_GENERATION))

@@ -239,8 +239,6 @@ class Geometry:
     def ring_offset(self, row: int) -> int:
         return self.contributions_base(row) + self.contributions_size
 
-    def event_offset(self, row: int, index: int) -> int:
-        return self.ring_offset(row) + EVENT_SIZE * (index % self.ring_capacity)
 
 
 def lanes_struct(span: int) -> struct.Struct:

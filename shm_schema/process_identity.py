@@ -31,11 +31,6 @@ def own_identity() -> int:
     return layout.pack_identity(pid, ticks)
 
 
-def identity_of(pid: int) -> int | None:
-    ticks = start_ticks(pid)
-    return None if ticks is None else layout.pack_identity(pid, ticks)
-
-
 def is_alive(identity: int) -> bool:
     """True if the process that `identity` names still runs (a zombie counts as dead)."""
     pid, ticks = layout.unpack_identity(identity)

@@ -10,8 +10,9 @@ passes and each worker computes "in N ms" against its own clock.
 
 from __future__ import annotations
 
-import time
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+
+from cacheroute.clock import now_us
 
 from . import layout
 from .segment import Segment
@@ -44,7 +45,7 @@ class SnapshotWriter:
             record = records.get(slot)
             packer.pack_into(seg.buf, geometry.snapshot_record_offset(buffer, slot),
                              *(empty if record is None else record))
-        seg.store(layout.H_SNAPSHOT_PUBLISHED_US, int(time.time() * 1_000_000))
+        seg.store(layout.H_SNAPSHOT_PUBLISHED_US, now_us())
         seg.store(layout.H_SNAPSHOT_GEN, generation + 1)
         return generation + 1
 
@@ -88,6 +89,3 @@ class SnapshotReader:
         fields = records[_FIELDS * slot:_FIELDS * (slot + 1)]
         return Pressure(*fields) if fields and fields[0] == generation else None
 
-
-def flat_pressure(records: Sequence[int], slot: int) -> Sequence[int]:
-    return records[_FIELDS * slot:_FIELDS * (slot + 1)]

@@ -32,7 +32,6 @@ class ChannelStats:
     expired_reservations: int = 0
     dropped_by_workers: int = 0
     published: int = 0
-    last_publish_us: int = 0
 
 
 class PressurePublisher:
@@ -131,7 +130,6 @@ class PressurePublisher:
         self._last_publish = now
         self._dirty = False
         self.stats.published += 1
-        self.stats.last_publish_us = int(now * 1e6)
 
     def describe(self) -> dict[str, Any]:
         pending, decoding = self.timelines.counts()

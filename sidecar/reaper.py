@@ -14,8 +14,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shm_schema import Segment, layout, read_all, read_rows, reap_row, reconcile, take_row
-from shm_schema import header, process_identity
+from cacheroute.clock import now_ms
+from shm_schema import (
+    Segment,
+    header,
+    layout,
+    process_identity,
+    read_all,
+    read_rows,
+    reap_row,
+    reconcile,
+    take_row,
+)
 
 log = logging.getLogger("cacheroute.sidecar.reaper")
 
@@ -68,7 +78,7 @@ class WorkerReaper:
         self.stats.last_reaped = (self.stats.last_reaped + [{
             "pid": pid, "worker_index": worker_index, "row": row, "subtracted": total,
             "died_mid_update": reaped.pending is not None,
-            "at_ms": int(time.time() * 1000)}])[-10:]
+            "at_ms": now_ms()}])[-10:]
         log.warning("worker pid %d (index %d, row %d) is gone: subtracted %d inflight %s%s",
                     pid, worker_index, row, total, inflight,
                     "" if reaped.pending is None else

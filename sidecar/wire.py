@@ -7,7 +7,6 @@ message, which names the field (``Expected `int`, got `str` - at `$.port```).
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Annotated, Any
 
 import msgspec
@@ -127,11 +126,3 @@ def _sorted(value: Any) -> Any:
         return [_sorted(v) for v in value]
     return value
 
-
-_FIELD = re.compile(r"`\$\.([A-Za-z0-9_.\[\]]+)`")
-
-
-def field_of(error: msgspec.ValidationError) -> str | None:
-    """The field a validation error names (`$.port` -> "port"), if any."""
-    match = _FIELD.search(str(error))
-    return match.group(1) if match else None

@@ -12,7 +12,7 @@ import pytest
 
 from cacheroute.config import Settings
 from proxy_workers.router import Lease, Router
-from shm_schema import (DirectoryFull, DirectoryReader, DirectoryWriter, InflightReader, Segment,
+from shm_schema import (DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,
                         WorkerTableFull, encode_identity, layout, read_rows)
 from tests.shm_helpers import count_of, fresh_segment, share_of, unique_name, word_of
@@ -228,12 +228,12 @@ def test_directory_full_leaves_other_slots_untouched(seg):
     for inst in placed:
         assert row.begin(inst.slot, inst.generation)
     snapshot = DirectoryReader(seg).snapshot()
-    words = InflightReader(seg).words(4)
+    words = CountersReader(seg).words(4)
     seq = seg.load(layout.H_DIRECTORY_SEQ)
     with pytest.raises(DirectoryFull, match="4 instance slots"):
         writer.allocate("one-too-many", "h", 1)
     assert seg.load(layout.H_DIRECTORY_SEQ) == seq
-    assert InflightReader(seg).words(4) == words
+    assert CountersReader(seg).words(4) == words
     assert DirectoryReader(seg).snapshot().instances == snapshot.instances
     row.release()
 
@@ -367,7 +367,7 @@ def test_inflight_reader_words_match_the_words(seg):
         for _ in range(n):
             assert row.begin(inst.slot, inst.generation)
     writer.free(insts[1].slot)
-    reader = InflightReader(seg)
+    reader = CountersReader(seg)
     for span in (1, 3, 4):
         words = reader.words(span)
         assert words == tuple(seg.load(seg.geometry.inflight_offset(s)) for s in range(span))

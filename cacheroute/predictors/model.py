@@ -15,7 +15,6 @@ Semantics follow the protocol reference §5 and §6.2, with these deliberate dif
 from __future__ import annotations
 
 import os
-import threading
 from bisect import bisect_right
 from typing import NamedTuple
 
@@ -241,32 +240,28 @@ def _tpot_line_for(bs: int, sizes: list[int], lines: dict[int, tuple[float, floa
     return (s0 + (s1 - s0) * w, c0 + (c1 - c0) * w)
 
 
-_predictors_by_profile: dict[int, Predictors] = {}
 _predictors_by_name: dict[str, Predictors] = {}
-_predictors_lock = threading.Lock()
+_predictors_by_profile: dict[int, Predictors] = {}
 
 
 def get_predictors(name_or_path: str | os.PathLike[str] = "default") -> Predictors:
     """The process-wide :class:`Predictors` for a profile: built once, its file read once; a
-    repeated call is one dict lookup (no stat, no read)."""
+    repeated call is one dict lookup (no stat, no read). `load_profile` returns one object per
+    file, so a name and a path to the same file share one Predictors. (Two threads racing on the
+    first call may both build one; they are equal and immutable, so either is fine.)"""
     key = effective_profile_name(name_or_path)
     found = _predictors_by_name.get(key)
-    if found is not None:
-        return found
-    with _predictors_lock:
-        found = _predictors_by_name.get(key)
-        if found is None:
-            profile = load_profile(key)
-            found = _predictors_by_profile.get(id(profile))
-            if found is None or found.profile is not profile:
-                found = _predictors_by_profile[id(profile)] = Predictors(profile)
-            _predictors_by_name[key] = found
-        return found
+    if found is None:
+        profile = load_profile(key)
+        found = _predictors_by_profile.get(id(profile))
+        if found is None or found.profile is not profile:
+            found = _predictors_by_profile[id(profile)] = Predictors(profile)
+        _predictors_by_name[key] = found
+    return found
 
 
 def clear_profile_cache() -> None:
     """Forget loaded profiles and built predictors (tests; a process otherwise keeps them)."""
-    with _predictors_lock:
-        _predictors_by_name.clear()
-        _predictors_by_profile.clear()
-        _clear_cache()
+    _predictors_by_name.clear()
+    _predictors_by_profile.clear()
+    _clear_cache()

@@ -16,10 +16,17 @@ is what N independent copies of the original Proxy would see.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol, Sequence
 
-from shm_schema import CountersReader, DirectoryReader, InstanceSlot, Segment, WorkerRow, layout
+from cacheroute import clock
+from shm_schema import (
+    CountersReader,
+    DirectoryReader,
+    InstanceSlot,
+    Segment,
+    WorkerRow,
+    layout,
+)
 from shm_schema.snapshot import SnapshotReader
 
 GEN_SHIFT = 32
@@ -67,7 +74,7 @@ class LoadView:
         published = self.snapshots.published_us()
         if not published:
             return "unavailable"
-        now_us = int(time.time() * 1e6) if now_us is None else now_us
+        now_us = clock.now_us() if now_us is None else now_us
         return "fresh" if now_us - published <= self._stale_us else "stale"
 
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
@@ -77,7 +84,7 @@ class LoadView:
 
     def snapshot_age_ms(self) -> float | None:
         published = self.snapshots.published_us()
-        return None if not published else (time.time() * 1e6 - published) / 1000
+        return None if not published else (clock.now_us() - published) / 1000
 
     # --- reads for the selection path (see proxy_workers.router and fast_score) -------------------
     def candidates(self) -> tuple[InstanceSlot, ...]:
@@ -133,7 +140,7 @@ class LoadView:
 
     def _predicted(self, instances: Sequence[SlotRef], span: int,
                    with_raw: bool = False) -> dict[str, list[Any]]:
-        now_us = int(time.time() * 1e6)
+        now_us = clock.now_us()
         names = PREDICTED + (RAW_PREDICTED if with_raw else ())
         result: dict[str, list[Any]] = {name: [] for name in names}
         fresh = self.predicted_source(now_us) == "fresh"

@@ -6,9 +6,9 @@ the same numbers; only `answered_by` differs.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from cacheroute.clock import now_ms
 from shm_schema import read_all
 
 from .load_view import LoadView
@@ -47,7 +47,7 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
     return {
         "ok": True,
         "ttl_s": ttl_s,
-        "generated_at": int(time.time() * 1000),
+        "generated_at": now_ms(),
         "strategy": strategy,
         "load_view": view.mode,
         "directory_seq": snapshot.seq,
