@@ -9,7 +9,7 @@ SIM    ?= 2
 STRATEGY ?= round_robin
 PYTEST_ARGS ?=
 
-.PHONY: install run-workers test bench bench-pressure bench-stack soak clean-shm clean
+.PHONY: install run-workers test bench bench-pressure bench-stack bench-routing bench-report bench-peers soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,27 @@ bench-stack: $(STAMP)
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.stack_choice --out bench/results/stack_choice.json
+
+# Routing quality with many workers: 1-worker least_load reference, 4 workers shared /
+# per_worker / round_robin, nginx least_conn, over one slow and two fast simulated instances
+# with bursty arrivals (~15 min; QUICK=1: one short repeat, ~2 min). Prints the checks.
+bench-routing: $(STAMP)
+	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
+	$(PY) -m bench.routing --out bench/results/routing.json $(if $(QUICK),--quick,)
+
+# This proxy (1/2/4 workers x round_robin/least_load) against nginx least_conn and vllm-router,
+# over the same two simulated instances: added latency, req/s, streams/s, CPU/1k, RSS
+# (~12 min with 3 repeats of 5 s points; QUICK=1: one repeat of 2 s points, ~2 min;
+# ISOLATE=1: each contender up only for its own points, no idle contender beside it).
+bench-peers: $(STAMP)
+	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk)
+	$(PY) -m pip install --quiet -e '.[bench]' || echo 'bench-peers: the bench extra did not install; what needs it is skipped (see notes)'
+	$(PY) -m bench.peers --out bench/results/peers.json $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
+
+# BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.
+bench-report: $(STAMP)
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.report
 
 # Bounded soak under chaos (flapping instance, a worker SIGKILLed every minute), then the end
 # invariants; stops by itself and stops everything it started (DURATION seconds of load).

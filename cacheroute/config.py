@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -41,6 +42,8 @@ ENV_NAMES: dict[str, str] = {
     "sim_kdn_port": "PROXY_SIM_KDN_PORT",
     "worker_restart_backoff_s": "PROXY_WORKER_RESTART_BACKOFF_S",
     "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
+    "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
+    "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
     "log_level": "PROXY_LOG_LEVEL",
     # --- the prepare/ready pipeline and predicted pressure (protocol §4-§6) ---
     "prepare_concurrency": "PREPARE_CONCURRENCY",
@@ -69,6 +72,19 @@ ENV_NAMES: dict[str, str] = {
     "cp_token": "PROXY_CP_TOKEN",
     "cp_token_file": "PROXY_CP_TOKEN_FILE",
     "debug_requires_token": "PROXY_DEBUG_REQUIRES_TOKEN",
+    # --- registration with the Scheduler control plane (protocol §9), from the sidecar ---
+    "scheduler_cp_url": "SCHEDULER_CP_URL",
+    "proxy_id": "PROXY_ID",
+    "advertise_host": "PROXY_ADVERTISE_HOST",
+    "advertise_port": "PROXY_ADVERTISE_PORT",
+    "scheduler_heartbeat_s": "PROXY_HEARTBEAT_S",
+    "scheduler_timeout_s": "PROXY_SCHEDULER_TIMEOUT_S",
+    "scheduler_backoff_max_s": "PROXY_SCHEDULER_BACKOFF_MAX_S",
+    "max_capacity": "PROXY_MAX_CAPACITY",
+    "instance_count": "PROXY_INSTANCE_COUNT",
+    "kv_mem_per_instance_gb": "PROXY_KV_MEM_PER_INSTANCE_GB",
+    "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
+    "kdn_links": "PROXY_KDN_LINKS_JSON",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -119,6 +135,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     sim_kdn_port: int = 9101
     worker_restart_backoff_s: float = 0.2
     reaper_interval_s: float = 0.25
+    # On SIGTERM a worker lets requests and streams finish this long, then cuts the rest cleanly.
+    drain_timeout_s: float = 30.0
+    # A worker closes a keep-alive connection idle this long (clients must use a shorter idle
+    # timeout, or they may send on a connection the worker is closing).
+    keepalive_timeout_s: float = 5.0
     log_level: str = "info"
     prepare_concurrency: int = 8
     # Host-wide: N workers together never forward more than this to one instance at once.
@@ -154,6 +175,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     cp_token_file: str | None = None
     # Also require it for /debug/* and the instance list, on the control plane and the workers.
     debug_requires_token: bool = False
+    # Scheduler control plane (e.g. http://127.0.0.1:7002); None: registration is off.
+    scheduler_cp_url: str | None = None
+    # None: hp_{advertise_host}:{advertise_port}, the original's default.
+    proxy_id: str | None = None
+    # What the Scheduler is told to send requests to; None: dp_host (the machine's name if
+    # that is a wildcard) and dp_port, the port every worker shares.
+    advertise_host: str | None = None
+    advertise_port: int | None = None
+    # Heartbeat interval when the register reply names none.
+    scheduler_heartbeat_s: float = 5.0
+    # Every call to the Scheduler gives up after this; retries back off up to the cap.
+    scheduler_timeout_s: float = 5.0
+    scheduler_backoff_max_s: float = 30.0
+    # Advertised in the register body; max_capacity is also pool_resource's `capacity`.
+    max_capacity: int = 8
+    # None: the number of instances registered when the proxy registers.
+    instance_count: int | None = None
+    kv_mem_per_instance_gb: float = 128.0
+    kv_cache_update_policy: str = "lru"
+    # Static KDN links {kdn_key: {metrics}}, sent in the register meta as `kdn_links`.
+    kdn_links: dict[str, dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -170,7 +212,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.shm_name.startswith("/") and "/" not in self.shm_name[1:], "shm_name",
                "must look like /name (one leading slash, no other)")
         for name in ("instance_ttl_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
-                     "upstream_idle_timeout_s", "reaper_interval_s"):
+                     "upstream_idle_timeout_s", "reaper_interval_s", "drain_timeout_s",
+                     "keepalive_timeout_s"):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(self.instance_purge_grace_s >= 0, "instance_purge_grace_s", "must be >= 0")
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
@@ -195,6 +238,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             except OSError as exc:
                 raise ValueError(f"PROXY_CP_TOKEN_FILE: cannot read {self.cp_token_file}: {exc.strerror}") from None
             _check(readable, "cp_token_file", f"{self.cp_token_file} is empty")
+        self._check_scheduler_link()
+
+    def _check_scheduler_link(self) -> None:
+        if self.scheduler_cp_url is not None:
+            url = urlsplit(self.scheduler_cp_url)
+            try:
+                url.port  # noqa: B018 - raises ValueError for a port that is not a number
+            except ValueError:
+                url = urlsplit("")
+            _check(url.scheme in ("http", "https") and bool(url.hostname), "scheduler_cp_url",
+                   f"must be an http(s) URL such as http://127.0.0.1:7002, got {self.scheduler_cp_url!r}")
+        _check(self.advertise_port is None or 0 < self.advertise_port < 65536, "advertise_port",
+               "must be a TCP port (1..65535)")
+        for name in ("scheduler_heartbeat_s", "scheduler_timeout_s", "scheduler_backoff_max_s"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.max_capacity >= 0, "max_capacity", "must be >= 0")
+        _check(self.instance_count is None or self.instance_count >= 0, "instance_count", "must be >= 0")
+        _check(self.kv_mem_per_instance_gb >= 0, "kv_mem_per_instance_gb", "must be >= 0")
 
     def __repr__(self) -> str:  # never print the token
         shown = {k: ("***" if k == "cp_token" and v else v)
@@ -250,7 +311,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _parse_env_value(field: str, var: str, text: str) -> Any:
-    if field == "least_load_weights":
+    if field in ("least_load_weights", "kdn_links"):
         try:
             return msgspec.json.decode(text)
         except msgspec.DecodeError as exc:

@@ -1,11 +1,18 @@
-"""The data plane of one worker: OpenAI-compatible routes plus per-worker debug endpoints."""
+"""The data plane of one worker: OpenAI-compatible routes plus per-worker debug endpoints.
+
+The two proxied routes (POST /v1/chat/completions and /v1/completions) are served by a plain
+ASGI callable, `DataPlane`, in front of Starlette: no Request object, no middleware stack, no
+route matching, because on a proxy that forwards a small JSON body those cost as much as the
+forwarding itself (measured with bench/hotpath.py: README "Server and client stack"). Every
+other route, and other methods on the proxied paths (405), go through Starlette as before.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,12 +30,11 @@ from cacheroute.http import (
     HTTPError,
     JSONResponse,
     from_http_error,
-    read_body,
 )
 from cacheroute.routing.report import instance_loads
 
 from . import metrics
-from .exchange import ProxyExchange
+from .exchange import ProxyExchange, Responder
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
@@ -44,10 +50,11 @@ class WorkerContext:
     router: Router
     upstream: Upstream
     pipeline: Pipeline
+    # Computed once: it goes on every response.
+    name: str = field(init=False)
 
-    @property
-    def name(self) -> str:
-        return f"w{self.index}-pid{os.getpid()}"
+    def __post_init__(self) -> None:
+        self.name = f"w{self.index}-pid{os.getpid()}"
 
     def identity(self) -> dict[str, Any]:
         return {"role": "worker", "worker_index": self.index, "pid": os.getpid(),
@@ -55,22 +62,9 @@ class WorkerContext:
 
 
 def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
-    limit = ctx.settings.max_body_bytes
     settings = ctx.settings
     debug_guard = TokenGuard(load_token(settings.cp_token, settings.cp_token_file)
                              if settings.debug_requires_token else None)
-
-    def proxy_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
-        async def handle(request: Request) -> Any:
-            trace: dict[str, Any] = {"proxy_recv_ms": now_ms(), "worker": ctx.name}
-            try:
-                proxy_request = recover(endpoint, await read_body(request, limit))
-            except HTTPError as exc:
-                return from_http_error(exc)
-            trace["request_id"] = proxy_request.request_id
-            return ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
-                                 retries=settings.retry_attempts)
-        return handle
 
     async def debug_instance_loads(request: Request) -> Response:
         try:
@@ -93,23 +87,108 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe()})
 
+    async def post_only(request: Request) -> Response:  # DataPlane answers every POST first
+        raise AssertionError("unreachable")
+
     routes = [
-        Route(Endpoint.CHAT.path, proxy_route(Endpoint.CHAT), methods=["POST"]),
-        Route(Endpoint.COMPLETIONS.path, proxy_route(Endpoint.COMPLETIONS), methods=["POST"]),
+        Route(Endpoint.CHAT.path, post_only, methods=["POST"]),
+        Route(Endpoint.COMPLETIONS.path, post_only, methods=["POST"]),
         Route("/debug/instance_loads", debug_instance_loads, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
-    return ResponseObserver(app, ctx.name)
+    return DataPlane(ctx, ResponseObserver(app, ctx.name))
 
 
-_DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT.value, Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS.value}
+_DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS}
+
+
+class DataPlane:
+    """POST on a proxied path: read the body (413 past the limit), recover the request (400/422)
+    and run the exchange; the worker header on every answer; the request counted by status
+    (499: the client left before any answer) with its duration. Anything else: `rest`."""
+
+    def __init__(self, ctx: WorkerContext, rest: ASGIApp) -> None:
+        self._ctx = ctx
+        self._rest = rest
+        self._limit = ctx.settings.max_body_bytes
+        self._retries = ctx.settings.retry_attempts
+        self._worker_header = (b"x-cacheroute-worker", ctx.name.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = _DATA_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await self._rest(scope, receive, send)
+            return
+        started = time.perf_counter()
+        responder = Responder(send, self._worker_header)
+        try:
+            await self._proxy(endpoint, scope, receive, responder)
+        except Exception as exc:  # a bug: one logged line with the traceback, a JSON 500
+            log.error("unhandled error on POST %s", scope["path"], exc_info=exc)
+            if responder.started:
+                raise  # the server closes the connection: the client sees a cut response
+            await responder.json(500, {"error": "internal_error",
+                                       "detail": f"{type(exc).__name__} (details in the log)"})
+        finally:
+            metrics.observe_request(endpoint.value, responder.status, time.perf_counter() - started)
+
+    async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive,
+                     responder: Responder) -> None:
+        ctx = self._ctx
+        trace: dict[str, Any] = {"proxy_recv_ms": now_ms(), "worker": ctx.name}
+        try:
+            proxy_request = recover(endpoint, await read_body(scope, receive, self._limit))
+        except HTTPError as exc:
+            await responder.error(exc)
+            return
+        except ClientGone:  # counted as 499, nothing to answer
+            return
+        trace["request_id"] = proxy_request.request_id
+        exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
+                                 retries=self._retries)
+        await exchange.run(receive, responder)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its body was complete."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, refusing (413) from the declared length before reading, or as soon as
+    what arrives passes `limit` bytes."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise HTTPError(413, "payload_too_large",
+                                f"body of {value.decode()} bytes exceeds the {limit}-byte limit")
+            break
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientGone
+    body = message.get("body", b"")
+    if not message.get("more_body", False):  # the usual case: one message
+        if len(body) > limit:
+            raise HTTPError(413, "payload_too_large", f"body exceeds the {limit}-byte limit")
+        return body
+    chunks = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, "payload_too_large", f"body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class ResponseObserver:
-    """Names the worker on every response (x-cacheroute-worker) and counts data-plane
-    requests by status, with their duration (499: the client left before any answer)."""
+    """For the Starlette routes: names the worker on every response (x-cacheroute-worker) and
+    counts requests to the proxied paths (a wrong method) by status, with their duration."""
 
     def __init__(self, app: ASGIApp, name: str) -> None:
         self._app = app
@@ -135,5 +214,4 @@ class ResponseObserver:
         finally:
             endpoint = _DATA_PATHS.get(scope["path"])
             if endpoint is not None:
-                metrics.REQUESTS.labels(endpoint, str(status)).inc()
-                metrics.DURATION.labels(endpoint).observe(time.perf_counter() - started)
+                metrics.observe_request(endpoint.value, status, time.perf_counter() - started)

@@ -12,7 +12,7 @@ Two sources, both host-wide:
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -31,6 +31,20 @@ TTFT = Histogram("cacheroute_ttft_seconds", "Time from receiving a streaming req
                  "upstream byte", buckets=LATENCY_BUCKETS)
 DURATION = Histogram("cacheroute_request_duration_seconds", "Time from receiving a request to its "
                      "last byte", ["endpoint"], buckets=LATENCY_BUCKETS)
+
+
+# Labelled children, looked up once: `labels()` builds a key and takes a lock on every call.
+_request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+
+def observe_request(endpoint: str, status: int, seconds: float) -> None:
+    """Count one data-plane request by endpoint and status, and observe its duration."""
+    children = _request_children.get((endpoint, status))
+    if children is None:
+        children = _request_children[(endpoint, status)] = (
+            REQUESTS.labels(endpoint, str(status)), DURATION.labels(endpoint))
+    children[0].inc()
+    children[1].observe(seconds)
 
 
 class SharedTableCollector(Collector):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from cacheroute.clock import now_ms
 from cacheroute.config import Settings
@@ -42,6 +43,62 @@ class _Ticket:
     released: asyncio.Future[None]
 
 
+class _Waiter:
+    __slots__ = ("wake",)
+
+    def __init__(self, wake: asyncio.Future[None]) -> None:
+        self.wake = wake
+
+
+class AdmissionQueue:
+    """This worker's requests waiting for ready admission to one instance, in arrival order.
+
+    Only the head polls the host-wide counter (another worker's release is seen only by
+    polling); a local release wakes the head, and a waiter that is admitted (or gives up) wakes
+    the next, so each release costs one wake-up however many wait -- not one per waiter.
+    The others also re-check every SAFETY_POLL_S, a guard only: no wake-up is lost, since
+    one that leaves (admitted, refused, cancelled) always wakes the next."""
+
+    SAFETY_POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._waiters: deque[_Waiter] = deque()
+
+    def wake(self) -> None:
+        if self._waiters:
+            _set(self._waiters[0].wake)
+
+    async def wait(self, try_admit: Callable[[], Admission]) -> Admission:
+        """Wait until `try_admit()` is not FULL; its last result."""
+        loop = asyncio.get_running_loop()
+        me = _Waiter(loop.create_future())
+        waiters = self._waiters
+        waiters.append(me)
+        attempt = 0
+        try:
+            while True:
+                if waiters[0] is me:
+                    delay = ADMISSION_POLL_S[min(attempt, len(ADMISSION_POLL_S) - 1)]
+                    attempt += 1
+                else:
+                    delay = self.SAFETY_POLL_S
+                timer = loop.call_later(delay, _set, me.wake)
+                try:
+                    await me.wake
+                finally:
+                    timer.cancel()
+                result = try_admit()
+                if result is not Admission.FULL:
+                    return result
+                me.wake = loop.create_future()
+        finally:
+            if waiters[0] is me:
+                waiters.popleft()
+            else:
+                waiters.remove(me)
+            self.wake()  # the next may be admitted too, or must take over polling
+
+
 @dataclass
 class InstanceStages:
     """This worker's per-instance state: prepare limit, release order, admission wake-ups."""
@@ -52,7 +109,7 @@ class InstanceStages:
     next_release: int = 1
     waiting: dict[int, _Ticket] = field(default_factory=dict)  # prepared, not yet released
     done: set[int] = field(default_factory=set)  # released out of order, or abandoned
-    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
+    admission: AdmissionQueue = field(default_factory=AdmissionQueue)
 
 
 @dataclass
@@ -104,14 +161,17 @@ class Pipeline:
         reserved = False
         try:
             try:
-                async with asyncio.timeout(settings.queue_timeout_s):
-                    if not job.prepared:
-                        await self._prepare(lease, stages, job, ticket)
-                        job.prepared = True
-                    await self._wait_turn(stages, ticket)
-                    self._reserve(lease, job)
-                    reserved = True
-                    await self._admit(lease, stages, job)
+                reserved, admitted = self._without_waiting(lease, stages, job, ticket)
+                if not admitted:  # something waits: now the queue timeout is needed
+                    async with asyncio.timeout(settings.queue_timeout_s):
+                        if not job.prepared:
+                            await self._prepare(lease, stages, job)
+                            job.prepared = True
+                        await self._wait_turn(stages, ticket)
+                        if not reserved:
+                            self._reserve(lease, job)
+                            reserved = True
+                        await self._admit(lease, stages, job)
             except TimeoutError:
                 raise HTTPError(503, "queue_timeout",
                                 f"not admitted to {lease.instance.instance_id} within "
@@ -126,7 +186,7 @@ class Pipeline:
                 failed = False
             finally:
                 lease.leave(layout.LANE_READY_ACTIVE)
-                stages.slot_freed.set()
+                stages.admission.wake()
                 self._tracker.complete(job.key, failed)
         except BaseException:
             if reserved:
@@ -137,7 +197,36 @@ class Pipeline:
         self._tracker.first_token(job.key)
 
     # --- stages ------------------------------------------------------------------------------
-    async def _prepare(self, lease: Lease, stages: InstanceStages, job: Job, ticket: _Ticket) -> None:
+    def _without_waiting(self, lease: Lease, stages: InstanceStages, job: Job,
+                         ticket: _Ticket) -> tuple[bool, bool]:
+        """The common case needs no await, so no timer for the queue timeout: nothing to
+        prepare (and a free prepare slot), the turn at once, admission at once. Goes as far as
+        it can without waiting; returns (reserved, admitted), and the waiting path goes on from
+        there."""
+        request, trace = job.request, job.trace
+        if not job.prepared:
+            self._decide_injection(lease, job, ticket)
+            spec = request.knowledge
+            if (spec is not None and spec.wanted and request.body is not None) \
+                    or stages.prepare_slots.locked():
+                return False, False
+            # Nothing to prepare and a free slot: the prepare lanes would be entered and left
+            # without a wait in between, invisible to every reader, so they are skipped.
+            trace["prepare_start_ms"] = trace["prepare_self_done_ms"] = now_ms()
+            job.prepared = True
+        stages.waiting[ticket.seq] = ticket
+        self._flush(stages)
+        if not ticket.released.done():
+            return False, False
+        self._reserve(lease, job)
+        if lease.try_admit(layout.LANE_READY_ACTIVE, self._settings.ready_concurrency) \
+                is not Admission.ADMITTED:
+            return True, False  # full (wait) or stale (_admit says so)
+        trace["ready_dequeue_ms"] = now_ms()
+        return True, True
+
+    def _decide_injection(self, lease: Lease, job: Job, ticket: _Ticket) -> None:
+        """IWS picks text or kvcache by predicted cost; the choice sets the release class."""
         request, trace = job.request, job.trace
         spec = request.knowledge
         if spec is not None and spec.wanted and self._settings.injection_strategy == "iws":
@@ -150,6 +239,9 @@ class Pipeline:
         if spec is not None:
             ticket.injection_type = spec.injection_type
             trace["injection_mode"] = spec.injection_type
+
+    async def _prepare(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
+        request, trace = job.request, job.trace
         lease.enter(layout.LANE_PREPARE_WAITING)
         try:
             await stages.prepare_slots.acquire()
@@ -165,8 +257,9 @@ class Pipeline:
             lease.leave(layout.LANE_PREPARE_ACTIVE)
 
     async def _wait_turn(self, stages: InstanceStages, ticket: _Ticket) -> None:
-        stages.waiting[ticket.seq] = ticket
-        self._flush(stages)
+        if not ticket.released.done() and ticket.seq not in stages.waiting:
+            stages.waiting[ticket.seq] = ticket
+            self._flush(stages)
         await asyncio.shield(ticket.released)
 
     def _flush(self, stages: InstanceStages) -> None:
@@ -221,23 +314,18 @@ class Pipeline:
 
     async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         limit = self._settings.ready_concurrency
-        lease.enter(layout.LANE_READY_WAITING)
-        try:
-            attempt = 0
-            while True:
-                result = lease.try_admit(layout.LANE_READY_ACTIVE, limit)
-                if result is Admission.ADMITTED:
-                    break
-                if result is Admission.STALE:
-                    raise HTTPError(503, "no_instance", "selected instance is no longer registered")
-                stages.slot_freed.clear()
-                poll = ADMISSION_POLL_S[min(attempt, len(ADMISSION_POLL_S) - 1)]
-                attempt += 1
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(poll):
-                        await stages.slot_freed.wait()
-        finally:
-            lease.leave(layout.LANE_READY_WAITING)
+        result = lease.try_admit(layout.LANE_READY_ACTIVE, limit)
+        if result is Admission.FULL:
+            # Counted as waiting only while it waits: entering and leaving the lane around an
+            # admission that succeeds at once would be invisible to every reader anyway.
+            lease.enter(layout.LANE_READY_WAITING)
+            try:
+                result = await stages.admission.wait(
+                    lambda: lease.try_admit(layout.LANE_READY_ACTIVE, limit))
+            finally:
+                lease.leave(layout.LANE_READY_WAITING)
+        if result is Admission.STALE:
+            raise HTTPError(503, "no_instance", "selected instance is no longer registered")
         job.trace["ready_dequeue_ms"] = now_ms()
 
 

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
+import time
 from typing import AsyncIterator
 
 import uvicorn
 from starlette.types import ASGIApp
 
-from cacheroute import logs
+from cacheroute import logs, sd_notify
 from cacheroute.config import Settings
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from cacheroute.predictors import get_predictors
 
 from .app import WorkerContext, build_app
+from .drain import Drain, DrainGate, DrainingServer, draining_protocol, uvicorn_graceful_timeout, \
+    warn_if_queued_connections_may_reset
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router
@@ -30,6 +34,10 @@ log = logging.getLogger("cacheroute.worker")
 
 SEGMENT_WAIT_S = 15.0
 EVENT_TICK_S = 0.02
+# After a rolling restart's SIGTERM the predecessor closes its listeners within moments, but the
+# replacement may be quicker: it waits this long for the private port instead of exiting 2
+# (which would stop the whole supervisor).
+PRIVATE_PORT_WAIT_S = 10.0
 
 
 def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -42,6 +50,23 @@ def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def bind_private(host: str, port: int, wait_s: float = PRIVATE_PORT_WAIT_S) -> socket.socket:
+    """The private port (no SO_REUSEPORT), retrying EADDRINUSE for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            return bind_socket(host, port, reuse_port=False)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            if not said:
+                said = True
+                log.info("private port %d is busy (a draining predecessor?); retrying for up to %.0fs",
+                         port, wait_s)
+            time.sleep(0.05)
 
 
 class _Lifespan:
@@ -75,10 +100,12 @@ class _Lifespan:
 
 
 def run(settings: Settings, index: int) -> int:
+    warn_if_queued_connections_may_reset()
     try:
+        # Private first: while it waits for a draining predecessor, no connection queues on a
+        # shared listener that is not accepting yet.
+        private = bind_private(settings.worker_private_host, settings.worker_private_port(index))
         shared = bind_socket(settings.dp_host, settings.dp_port, reuse_port=True)
-        private = bind_socket(settings.worker_private_host, settings.worker_private_port(index),
-                              reuse_port=False)
     except OSError as exc:
         log.error("cannot bind: %s", exc)
         return 2
@@ -107,7 +134,9 @@ def run(settings: Settings, index: int) -> int:
                  index, settings.dp_host, settings.dp_port, settings.worker_private_host,
                  settings.worker_private_port(index), row.row, ctx.router.strategy.name,
                  settings.load_view)
-        return _serve(app, settings, [shared, private])
+        def describe(server: uvicorn.Server) -> str:  # systemd's STATUS= line, every few seconds
+            return f"worker {index}: {sd_notify.requests_in_flight(server)} requests in flight"
+        return _serve(app, settings, [shared, private], describe=describe)
     finally:
         leftover = row.release()
         if leftover:
@@ -115,11 +144,16 @@ def run(settings: Settings, index: int) -> int:
         seg.close()
 
 
-def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket]) -> int:
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_config=None,
-                            log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=30)
+def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket], *,
+           describe: sd_notify.Describe) -> int:
+    drain = Drain(settings.drain_timeout_s)  # SIGTERM: drain, then cut at the deadline (drain.py)
+    config = uvicorn.Config(DrainGate(app, drain), loop="uvloop", http=draining_protocol(drain),
+                            lifespan="on", log_config=None, log_level=settings.log_level,
+                            access_log=False, timeout_keep_alive=settings.keepalive_timeout_s,
+                            # nothing reads X-Forwarded-*: skip uvicorn's per-request middleware
+                            proxy_headers=False,
+                            timeout_graceful_shutdown=uvicorn_graceful_timeout(settings.drain_timeout_s))
     logs.keep_control_after_signals()
-    server = uvicorn.Server(config)
-    server.run(sockets=sockets)
+    server = DrainingServer(config, drain)
+    sd_notify.serve(server, describe, sockets)  # READY once listening (segment and row are ours by now)
     return 0 if server.started else 3

@@ -1,4 +1,8 @@
-"""Talking to instances: one pooled keep-alive aiohttp session per worker, bounded timeouts.
+"""Talking to instances: pooled keep-alive connections per worker, bounded timeouts.
+
+The forward itself goes through `http1_client` (a pre-built request written in one call, the
+answer parsed by httptools); the rarer calls (the KDN, an instance's control plane) through
+one aiohttp session, `Upstream.session`.
 
 Three separate bounds, because they fail differently: connect (the instance is down),
 first byte (it accepted the request but never answers: a hung engine) and idle (a stream that
@@ -14,6 +18,13 @@ import aiohttp
 
 from cacheroute.config import Settings
 from cacheroute.http import HTTPError
+
+from .http1_client import HeadTimeout, Http1Pool, IdleTimeout, UpstreamResponse, request_prefix
+
+# Idle connections are closed after 4 s, before uvicorn's (so vLLM's) 5 s keep-alive closes
+# them under a request being sent.
+KEEPALIVE_S = 4.0
+_PREFIX_CACHE_SIZE = 1024
 
 
 def base_url(host: str, port: int) -> str:
@@ -38,16 +49,20 @@ class Upstream:
         if settings.openai_api_key:  # never "Bearer None"
             self._headers["Authorization"] = f"Bearer {settings.openai_api_key}"
         self._session: aiohttp.ClientSession | None = None
+        self._pool = Http1Pool(settings.upstream_pool_size, KEEPALIVE_S)
+        # Request line and headers per (path, host, port): built once, not per request.
+        self._prefixes: dict[tuple[str, str, int], bytes] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=self._settings.upstream_pool_size,
-                                         keepalive_timeout=60, ttl_dns_cache=300)
+                                         keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, connect=self._settings.upstream_connect_timeout_s,
                                         sock_connect=self._settings.upstream_connect_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                               auto_decompress=False, skip_auto_headers=("User-Agent",))
 
     async def close(self) -> None:
+        self._pool.close()
         if self._session is not None:
             await self._session.close()
 
@@ -56,38 +71,88 @@ class Upstream:
         assert self._session is not None, "Upstream.start() not called"
         return self._session
 
-    async def open(self, url: str, body: bytes, extra_headers: dict[str, str] | None = None
-                   ) -> aiohttp.ClientResponse:
-        """POST and wait for the response head; HTTPError 502/504 if that does not happen."""
-        assert self._session is not None, "Upstream.start() not called"
-        try:
-            async with asyncio.timeout(self._settings.upstream_first_byte_timeout_s):
-                headers = self._headers if not extra_headers else {**self._headers, **extra_headers}
-                return await self._session.post(url, data=body, headers=headers)
-        except TimeoutError:
-            raise HTTPError(504, "upstream_timeout",
-                            f"{url} sent no response within {self._settings.upstream_first_byte_timeout_s:g}s") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise HTTPError(502, "upstream_unavailable", f"cannot connect to {url}: {exc.os_error}") from None
-        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a host idna rejects
-            raise HTTPError(502, "upstream_unavailable", f"{url}: {type(exc).__name__}: {exc}") from None
+    async def open(self, host: str, port: int, path: str, body: bytes,
+                   extra_headers: dict[str, str] | None = None) -> UpstreamResponse:
+        """POST and wait for the response head; HTTPError 502/504 if that does not happen.
 
-    async def chunks(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        The first-byte bound is a plain timer that fails the head (no asyncio.timeout, which
+        costs several times more per request); only a new connection's connect has its own."""
+        settings = self._settings
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.upstream_first_byte_timeout_s
+        try:
+            conn = await self._pool.acquire(host, port, min(settings.upstream_connect_timeout_s,
+                                                            settings.upstream_first_byte_timeout_s))
+        except TimeoutError:
+            raise HTTPError(502, "upstream_unavailable",
+                            f"cannot connect to {base_url(host, port)}{path}: no connection within "
+                            f"{settings.upstream_connect_timeout_s:g}s") from None
+        except (OSError, ValueError) as exc:  # ValueError: a host idna rejects
+            raise HTTPError(502, "upstream_unavailable",
+                            f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
+        response = conn.request(b"%s%d\r\n\r\n%s" % (self._prefix(path, host, port, extra_headers),
+                                                      len(body), body))
+        timer = loop.call_at(deadline, response.time_out)
+        try:
+            await response.started()
+        except HeadTimeout:
+            conn.close()
+            raise HTTPError(504, "upstream_timeout",
+                            f"{base_url(host, port)}{path} sent no response within "
+                            f"{settings.upstream_first_byte_timeout_s:g}s") from None
+        except OSError as exc:  # reset or closed before the head
+            conn.close()
+            raise HTTPError(502, "upstream_unavailable",
+                            f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}") from None
+        except BaseException:  # cancelled (the client left): the connection goes too
+            conn.close()
+            raise
+        finally:
+            timer.cancel()
+        return response
+
+    def _prefix(self, path: str, host: str, port: int, extra_headers: dict[str, str] | None) -> bytes:
+        if extra_headers:
+            return request_prefix(path, host, port, {**self._headers, **extra_headers})
+        prefix = self._prefixes.get((path, host, port))
+        if prefix is None:
+            if len(self._prefixes) >= _PREFIX_CACHE_SIZE:  # instances come and go: start afresh
+                self._prefixes.clear()
+            prefix = self._prefixes[(path, host, port)] = request_prefix(path, host, port, self._headers)
+        return prefix
+
+    async def chunks(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
         """The body as it arrives; UpstreamFailure on a stall, reset or truncation."""
-        idle = self._settings.upstream_idle_timeout_s
-        content = response.content
+        response.limit_idle(self._settings.upstream_idle_timeout_s)
         while True:
             try:
-                async with asyncio.timeout(idle):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise UpstreamFailure(f"upstream_idle_timeout: no data for {idle:g}s") from None
-            except (aiohttp.ClientError, OSError) as exc:
+                chunk = await response.readany()
+            except IdleTimeout:
+                raise UpstreamFailure(f"upstream_idle_timeout: no data for "
+                                      f"{self._settings.upstream_idle_timeout_s:g}s") from None
+            except OSError as exc:
                 raise UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}") from None
             if not chunk:
                 return
             yield chunk
 
-    async def read_all(self, response: aiohttp.ClientResponse) -> bytes:
-        parts = [chunk async for chunk in self.chunks(response)]
-        return b"".join(parts)
+    async def read_all(self, response: UpstreamResponse) -> bytes:
+        """The whole body, with the same idle bound between arrivals as `chunks`."""
+        parts: list[bytes] = []
+        try:
+            while data := response.read_nowait():  # a small answer is often here already
+                parts.append(data)
+        except OSError as exc:
+            raise UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}") from None
+        if response.at_eof():
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        response.limit_idle(self._settings.upstream_idle_timeout_s)
+        try:
+            while chunk := await response.readany():  # no generator: this is the common path
+                parts.append(chunk)
+        except IdleTimeout:
+            raise UpstreamFailure(f"upstream_idle_timeout: no data for "
+                                  f"{self._settings.upstream_idle_timeout_s:g}s") from None
+        except OSError as exc:
+            raise UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}") from None
+        return parts[0] if len(parts) == 1 else b"".join(parts)

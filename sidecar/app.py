@@ -19,10 +19,12 @@ from cacheroute.routing.report import instance_loads
 from cacheroute.routing.strategies import LeastLoadStrategy
 from shm_schema import DirectoryFull, Segment, header
 
-from . import wire
+from . import pool_resource, wire
+from .dashboard_routes import dashboard_routes
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
+from .scheduler_link import DisabledLink, Identity, SchedulerLink
 
 CONTROL_BODY_LIMIT = 1024 * 1024
 Handler = Callable[[Request], Awaitable[Response]]
@@ -38,6 +40,8 @@ class SidecarState:
     view: LoadView
     scorer: LeastLoadStrategy
     epoch: int
+    # Registration with the Scheduler (sidecar/scheduler_link.py); set by build_state.
+    scheduler: SchedulerLink | DisabledLink | None = None
 
 
 def build_app(state: SidecarState) -> Starlette:
@@ -91,7 +95,15 @@ def build_app(state: SidecarState) -> Starlette:
             "reaper": {"reaped": state.reaper.stats.reaped, "subtracted": state.reaper.stats.subtracted,
                        "corrections": state.reaper.stats.corrections,
                        "last_reaped": state.reaper.stats.last_reaped},
+            "scheduler": state.scheduler.status.describe() if state.scheduler else {"enabled": False},
         })
+
+    async def debug_pool_resource(request: Request) -> Response:
+        # What the next Scheduler heartbeat would carry (protocol §9.2), even with it off.
+        proxy_id = (state.scheduler.status.proxy_id if state.scheduler and state.scheduler.status.proxy_id
+                    else Identity.from_settings(settings).proxy_id)
+        return JSONResponse({"ok": True, "pool_resource": pool_resource.snapshot_of(
+            registry, state.view, settings, proxy_id)})
 
     async def debug_instance_loads(request: Request) -> Response:
         return JSONResponse(instance_loads(
@@ -103,10 +115,12 @@ def build_app(state: SidecarState) -> Starlette:
         Route("/healthz", _guard(TokenGuard(None))(healthz), methods=["GET"]),
         Route("/debug/status", reads(status), methods=["GET"]),
         Route("/debug/instance_loads", reads(debug_instance_loads), methods=["GET"]),
+        Route("/debug/pool_resource", reads(debug_pool_resource), methods=["GET"]),
         Route("/v1/instance/register", writes(register), methods=["POST"]),
         Route("/v1/instance/heartbeat", writes(heartbeat), methods=["POST"]),
         Route("/v1/instance/unregister", writes(unregister), methods=["POST"]),
         Route("/v1/instance/list", reads(list_instances), methods=["GET"]),
+        *dashboard_routes(state.seg, reads),  # the browser dashboard (sidecar/dashboard/)
     ]
     return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS)
 

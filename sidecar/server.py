@@ -6,21 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import socket
 from typing import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from starlette.applications import Starlette
 
-from cacheroute import logs
+from cacheroute import logs, sd_notify
 from cacheroute.config import Settings
 from cacheroute.routing.load_view import LoadView
 from cacheroute.routing.strategies import LeastLoadStrategy
 from shm_schema import Segment, SegmentError, header
 
 from .app import SidecarState, build_app
+from . import pool_resource
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
+from .scheduler_link import make_link
 
 log = logging.getLogger("cacheroute.sidecar")
 
@@ -45,9 +49,15 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     reaper = WorkerReaper(seg)
     pressure = PressurePublisher(seg, epoch, settings.ready_concurrency)
     reaper.before_reap.append(pressure.drain_dead_row)
-    return SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
-                        pressure=pressure, view=LoadView(seg),
-                        scorer=LeastLoadStrategy(settings.least_load_weights), epoch=epoch)
+    state = SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
+                         pressure=pressure, view=LoadView(seg),
+                         scorer=LeastLoadStrategy(settings.least_load_weights), epoch=epoch)
+    state.scheduler = make_link(
+        settings, lambda proxy_id: pool_resource.snapshot_of(registry, state.view, settings, proxy_id),
+        lambda: settings.instance_count if settings.instance_count is not None
+        else len(registry.records(include_dead=False)),
+        lambda: any(worker["alive"] for worker in reaper.workers()))
+    return state
 
 
 async def _every(interval_s: float, step: Callable[[], None], name: str) -> None:
@@ -70,33 +80,81 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
             _every(1.0, lambda: header.sidecar_heartbeat(state.seg), "sidecar heartbeat"),
         ]
         tasks = [asyncio.create_task(loop) for loop in loops]
+        if state.scheduler is not None:  # background: a slow or absent Scheduler delays nothing
+            state.scheduler.start()
+            tasks.append(asyncio.create_task(_leave_scheduler_on_sigusr1(state)))
         log.info("control plane on http://%s:%d", settings.cp_host, settings.cp_port)
         try:
             yield
         finally:
+            if state.scheduler is not None:  # unregister first, bounded by a short timeout
+                await state.scheduler.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     return lifespan
 
 
+async def _leave_scheduler_on_sigusr1(state: SidecarState) -> None:
+    """SIGUSR1 = the whole proxy is stopping (the supervisor sends it before the workers drain):
+    unregister now, so the Scheduler stops sending requests to workers that no longer accept.
+    The sidecar itself keeps serving until its own SIGTERM."""
+    asked = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, asked.set)
+    await asked.wait()
+    log.info("SIGUSR1: the proxy is stopping; leaving the Scheduler before the workers drain")
+    assert state.scheduler is not None
+    await state.scheduler.stop()
+
+
+def status_line(state: SidecarState) -> str:
+    """What `systemctl status` shows for the sidecar (refreshed every few seconds)."""
+    records = state.registry.records()
+    alive = sum(1 for record in records if record.alive)
+    workers = sum(1 for worker in state.reaper.workers() if worker["alive"])
+    return f"serving: {alive} of {len(records)} instances alive, {workers} workers, epoch {state.epoch}"
+
+
+def bind_control_plane(settings: Settings) -> socket.socket:
+    """Bound before anything else: a taken port is then exit 2 (cannot start, not restarted by
+    the supervisor or systemd) with the reason, instead of uvicorn's exit 3 after the segment."""
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.cp_host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.cp_host, settings.cp_port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 def run(settings: Settings) -> int:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the lifespan handles it: never fatal
+    try:
+        control = bind_control_plane(settings)
+    except OSError as exc:
+        log.error("cannot bind the control plane on %s:%d: %s", settings.cp_host, settings.cp_port,
+                  exc.strerror or exc)
+        return 2
     try:
         seg = open_segment(settings)
     except SegmentError as exc:
         log.error("%s", exc)
+        control.close()
         return 2
     try:
         state = build_state(settings, seg)
         app = build_app(state)
         app.router.lifespan_context = _lifespan(state)
-        config = uvicorn.Config(app, host=settings.cp_host, port=settings.cp_port, loop="uvloop",
-                                http="httptools", lifespan="on", log_config=None,
+        config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_config=None,
                                 log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
         logs.keep_control_after_signals()
         server = uvicorn.Server(config)
-        server.run()
+        # plain server.run() outside systemd
+        sd_notify.serve(server, lambda _server: status_line(state), [control])
         return 0 if server.started else 3
     finally:
         header.release_sidecar(seg)

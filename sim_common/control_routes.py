@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -45,6 +47,17 @@ class BadBody(Exception):
 
 # Reads the JSON object a POST /sim/config carries, or raises BadBody.
 PatchReader = Callable[[Request], Awaitable[dict[str, Any]]]
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The usual PatchReader: invalid JSON and non-objects are BadBody."""
+    try:
+        patch = msgspec.json.decode(await request.body())
+    except msgspec.DecodeError:
+        raise BadBody({"error": "invalid_json"}) from None
+    if not isinstance(patch, dict):
+        raise BadBody({"error": "invalid_request", "detail": "body must be a JSON object"})
+    return patch
 
 
 def control_routes(state: Controlled, read_patch: PatchReader) -> list[Route]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import signal
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -45,3 +48,19 @@ def uvicorn_config(app: ASGIApp, config: ServeConfig, port: int) -> uvicorn.Conf
         log_level=config.log_level,
         # Annotated int in uvicorn but only handed to asyncio.wait_for: fractions work.
         timeout_graceful_shutdown=config.shutdown_grace_s)  # type: ignore[arg-type]
+
+
+async def serve_until_signalled(server: Server, log: logging.Logger) -> None:
+    """Serve; the first SIGTERM/SIGINT drains (bounded by the config's grace), a second one
+    stops waiting for what is in flight."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        server.should_exit = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await server.serve()

@@ -10,7 +10,6 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -18,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sim_common.control_routes import BadBody, control_routes
+from sim_common.control_routes import control_routes, read_json_object
 from sim_common.knobs import KnobStore
 from sim_common.responses import json_response
 from sim_instance.config import Knobs, SimConfig
@@ -92,7 +91,9 @@ def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
         Route("/v1/completions", _generation_route(state, "text"), methods=["POST"]),
         Route("/v1/models", _models_route(state), methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
-        *control_routes(state, _read_patch),
+        # vLLM's own probe path; LLM routers (vllm-router) wait for it before routing.
+        Route("/health", _healthz, methods=["GET"]),
+        *control_routes(state, read_json_object),
     ]
     app = Starlette(routes=routes, middleware=[
         Middleware(InstanceHeaderMiddleware, instance_id=state.instance_id)])
@@ -130,14 +131,3 @@ def _models_route(state: SimState) -> Handler:
 
 async def _healthz(request: Request) -> Response:
     return json_response({"ok": True})
-
-
-async def _read_patch(request: Request) -> dict[str, Any]:
-    """The body of POST /sim/config, with this simulator's wording of a bad one."""
-    try:
-        patch = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError:
-        raise BadBody({"error": "invalid_json"}) from None
-    if not isinstance(patch, dict):
-        raise BadBody({"error": "invalid_request", "detail": "body must be an object"})
-    return patch

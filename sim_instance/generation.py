@@ -49,7 +49,16 @@ class GenerationResponse:
         self.fmt = Formatter(request)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.engine.stats.total += 1
+        stats = self.engine.stats
+        stats.total += 1
+        # A gauge, so a benchmark can sample the instance's own view of its load over time.
+        stats.inflight += 1
+        try:
+            await self._respond(scope, receive, send)
+        finally:
+            stats.inflight -= 1
+
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracked = _TrackedSend(send)
         work = asyncio.create_task(self._run(tracked))
         watcher = asyncio.create_task(_wait_for_disconnect(receive))

@@ -12,6 +12,7 @@ import msgspec
 
 
 class Stats(msgspec.Struct, kw_only=True):
+    inflight: int = 0      # received and not yet answered in full (queued, active, held)
     active: int = 0        # holding a concurrency slot now
     max_active: int = 0    # high-water mark of active since the last reset
     queued: int = 0        # waiting for a concurrency slot now

@@ -1,17 +1,16 @@
 """The launcher's master loop, after gunicorn's arbiter: start the sidecar first, then the
 simulated instances and N workers; restart whatever crashes (with backoff if it crash-loops);
-on SIGINT/SIGTERM stop workers, then instances, then the sidecar, and remove the segment.
+on SIGHUP replace the workers one at a time (rolling.py); on SIGINT/SIGTERM stop workers, then
+instances, then the sidecar, and remove the segment.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
 import time
-import urllib.request
 
 from prometheus_client.multiprocess import mark_process_dead
 
@@ -19,13 +18,16 @@ from cacheroute.config import Settings
 from shm_schema import Segment
 
 from .children import Child, describe_exit
+from .probe import get_json
+from .rolling import Retired, RollingRestart, reap_retired, stop_retired
 
 log = logging.getLogger("cacheroute.supervisor")
 
 READY_TIMEOUT_S = 20.0
 MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 5.0  # a child that ran this long before dying is restarted without delay growth
-STOP_TIMEOUT_S = 35.0
+# A worker's stop may take its whole drain (PROXY_DRAIN_TIMEOUT_S); SIGKILL only this much later.
+STOP_MARGIN_S = 10.0
 # Children exit with this when they cannot start at all (bad configuration, a segment they must
 # not use): restarting would only loop, so the supervisor stops with their message instead.
 EXIT_CANNOT_START = 2
@@ -46,6 +48,10 @@ class Arbiter:
                         for i in range(settings.workers)]
         self._stopping = False
         self.failed = False
+        self.stop_timeout_s = settings.drain_timeout_s + STOP_MARGIN_S
+        self._restart_requested = False
+        self._rolling: RollingRestart | None = None
+        self.retired: list[Retired] = []  # old workers draining after a rolling restart
 
     def _sim_instance(self, i: int, env: dict[str, str]) -> Child:
         port = self.settings.sim_instance_port_base + 10 * i  # its control plane is port + 1
@@ -57,6 +63,7 @@ class Arbiter:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_stop_signal)
         signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGHUP, self._on_restart_signal)
         _fresh_directory(self.metrics_dir)
         try:
             self.sidecar.start()
@@ -68,6 +75,7 @@ class Arbiter:
             self._announce_when_ready()
             while not self._stopping:
                 self._supervise_once()
+                self._roll_once()
                 time.sleep(0.1)
             return 1 if self.failed else 0
         finally:
@@ -77,6 +85,22 @@ class Arbiter:
         if not self._stopping:
             log.info("%s received: stopping", signal.Signals(signum).name)
         self._stopping = True
+
+    def _on_restart_signal(self, signum: int, frame: object) -> None:
+        self._restart_requested = True
+
+    def _roll_once(self) -> None:
+        """Start, advance or finish a rolling restart; reap retired workers that exited."""
+        reap_retired(self.retired, self.stop_timeout_s,
+                     lambda pid: mark_process_dead(pid, self.metrics_dir))
+        if self._restart_requested:
+            self._restart_requested = False
+            if self._rolling is not None:
+                log.warning("SIGHUP ignored: a rolling restart is already in progress")
+            else:
+                self._rolling = RollingRestart(self.settings, self.workers, self.retired)
+        if self._rolling is not None and not self._rolling.step(time.monotonic()):
+            self._rolling = None
 
     def _supervise_once(self) -> None:
         now = time.monotonic()
@@ -106,11 +130,16 @@ class Arbiter:
 
     def _stop_all(self) -> None:
         self._stopping = True
+        # First the sidecar leaves the Scheduler (if it registered), so no new request is sent
+        # here while the workers drain.
+        self.sidecar.signal(signal.SIGUSR1)
         for group in (self.workers, self.instances, [self.sidecar]):
             for child in group:
                 child.signal(signal.SIGTERM)
             for child in group:
-                child.stop(STOP_TIMEOUT_S)
+                child.stop(self.stop_timeout_s)
+            if group is self.workers:  # and the old ones still draining from a rolling restart
+                stop_retired(self.retired, self.stop_timeout_s)
         if Segment.unlink(self.settings.shm_name):
             log.info("removed shared table %s", self.settings.shm_name)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -125,7 +154,7 @@ class Arbiter:
         while time.monotonic() < deadline and not self._stopping:
             if child.exited() is not None:
                 return False
-            if _get_json(url) is not None:
+            if get_json(url) is not None:
                 return True
             time.sleep(0.1)
         return False
@@ -135,7 +164,7 @@ class Arbiter:
         urls = [f"http://{s.worker_private_host}:{s.worker_private_port(i)}/healthz" for i in range(s.workers)]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping:
-            if all(_get_json(url) is not None for url in urls):
+            if all(get_json(url) is not None for url in urls):
                 log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s, %d simulated instances%s",
                          s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url, s.sim_instances,
                          f", simulated KDN on 127.0.0.1:{s.sim_kdn_port}" if s.sim_instances else "")
@@ -149,11 +178,3 @@ def _fresh_directory(path: str) -> None:
     otherwise be summed into this one's)."""
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path, mode=0o700)
-
-
-def _get_json(url: str) -> object | None:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return json.loads(response.read())
-    except (OSError, ValueError):
-        return None

@@ -1,0 +1,435 @@
+"""Start and stop what the benchmarks compare, all over the SAME simulated instances.
+
+- SimInstances: simulated vLLM instances on free 127.0.0.1 ports that register nowhere, so
+  every contender can be pointed at the same instance processes.
+- Contenders (context managers, each with .name, .kind, .url and the root pids whose process
+  trees the benchmarks charge CPU and RSS to):
+  DirectContender (instance 0 itself, the baseline), ProxyContender (this proxy through its
+  supervisor), NginxContender (Debian nginx as a foreground process with its own config and
+  temp dir), RouterContender (vllm-router from PyPI, the Rust LLM router of vllm-project).
+
+`with contender:` starts and stops one; a harness starting many may call launch() on each,
+then wait_ready() on each, so they come up in parallel (stop() is safe in any state).
+Every process is started in its own session and stopped by its pid, also when a start fails.
+Only 127.0.0.1 is used. Keep this API stable: the three bench harnesses share it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.common import ChildProcess, SupervisorPorts, free_port, tree_cpu_s, tree_rss_bytes
+
+HOST = "127.0.0.1"
+# Fast enough that a simulated instance is not what limits a non-streaming benchmark:
+# prefill ~0.06 ms, one decode step ~0.024 ms.
+DEFAULT_TIME_SCALE = 0.001
+START_TIMEOUT_S = 60.0
+
+
+class StartError(RuntimeError):
+    """A contender did not come up; the message carries the end of its log."""
+
+
+# --- small HTTP helpers ------------------------------------------------------------------------
+def http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
+    """(status, decoded JSON or None); never raises for an HTTP error status."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, None
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
+             alive: Callable[[], bool] = lambda: True, log: Callable[[], str] = lambda: "") -> None:
+    """Poll until `predicate()` is true; StartError on timeout or when `alive()` turns false."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise StartError(f"{what}: the process ended\n{log()}")
+        try:
+            if predicate():
+                return
+        except (OSError, ValueError):
+            pass  # not listening yet
+        time.sleep(0.1)
+    raise StartError(f"{what}: not ready after {timeout:.0f} s\n{log()}")
+
+
+def _ok(url: str) -> bool:
+    return http_json("GET", url, timeout=2.0)[0] == 200
+
+
+def _log_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"bench-{prefix}-"))
+
+
+def _remove_dir(path: Path) -> None:
+    """A stopped contender's temp dir goes (a failed start already put its log tail in the
+    StartError)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --- simulated instances -----------------------------------------------------------------------
+@dataclass
+class InstanceSpec:
+    slow_factor: float = 1.0
+    max_concurrency: int | None = None  # None: the simulator's default (8)
+    extra_args: tuple[str, ...] = ()
+
+
+class SimInstances:
+    """Simulated instances on free ports; no registration anywhere (contenders register them)."""
+
+    def __init__(self, specs: list[InstanceSpec], time_scale: float = DEFAULT_TIME_SCALE,
+                 log_dir: Path | None = None) -> None:
+        self.specs = list(specs)
+        self.time_scale = time_scale
+        self.log_dir = log_dir or _log_dir("instances")
+        self._own_dir = log_dir is None
+        self.ports: list[int] = []
+        self.urls: list[str] = []
+        self.ids: list[str] = []
+        self._children: list[ChildProcess] = []
+
+    def __enter__(self) -> SimInstances:
+        try:
+            for spec in self.specs:
+                self._start_one(spec)
+            for url, child in zip(self.urls, self._children):
+                wait_for(lambda u=url: _ok(f"{u}/healthz"), START_TIMEOUT_S, f"instance {url}",
+                         child.running, child.tail)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start_one(self, spec: InstanceSpec) -> None:
+        port = free_port()
+        instance_id = f"bench-{port}"
+        argv = ["-m", "sim_instance", "--host", HOST, "--port", str(port),
+                "--instance-id", instance_id, "--no-register", "--cp-port", "0",
+                "--time-scale", str(self.time_scale), "--slow-factor", str(spec.slow_factor),
+                "--log-level", "warning"]
+        if spec.max_concurrency is not None:
+            argv += ["--max-concurrency", str(spec.max_concurrency)]
+        argv += list(spec.extra_args)
+        child = ChildProcess(argv, {}, self.log_dir / f"{instance_id}.log", die_with_parent=True)
+        self._children.append(child)
+        self.ports.append(port)
+        self.urls.append(f"http://{HOST}:{port}")
+        self.ids.append(instance_id)
+
+    def stop(self) -> None:
+        for child in self._children:
+            child.stop(signal.SIGTERM, timeout=10)
+        if self._own_dir:
+            _remove_dir(self.log_dir)
+
+    def pids(self) -> list[int]:
+        return [child.pid for child in self._children]
+
+    def stats(self, i: int) -> dict[str, Any]:
+        status, body = http_json("GET", f"{self.urls[i]}/sim/stats")
+        if status != 200 or not isinstance(body, dict):
+            raise RuntimeError(f"instance {self.urls[i]}: /sim/stats answered {status}")
+        return body
+
+    def reset_stats(self, i: int) -> None:
+        http_json("POST", f"{self.urls[i]}/sim/stats/reset", {})
+
+    def register_body(self, i: int) -> dict[str, Any]:
+        """What instance i would send to a proxy control plane (sim_instance/registration.py)."""
+        return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
+                "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
+                "weight": 1.0, "meta": {"version": "instance_v1", "simulated": True}}
+
+
+# --- contenders --------------------------------------------------------------------------------
+class Contender:
+    """Base: a context manager that starts in __enter__ and stops (by pid) in __exit__."""
+
+    kind = "direct"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.url = ""
+        self.workers: int | None = None
+        self.strategy: str | None = None
+
+    def __enter__(self) -> Contender:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """launch() then wait_ready(); a harness starting many may launch all, then wait."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the processes without waiting for them."""
+
+    def wait_ready(self) -> None:
+        """Block until it routes (StartError if it does not within START_TIMEOUT_S)."""
+
+    def stop(self) -> None:
+        pass
+
+    def pids(self) -> list[int]:
+        """Root pids; CPU and RSS are measured over their whole process trees."""
+        return []
+
+    def cpu_seconds(self) -> float:
+        """user + system seconds of the process tree so far (take deltas)."""
+        return tree_cpu_s(self.pids())
+
+    def rss_mb(self) -> float:
+        return tree_rss_bytes(self.pids()) / 1e6
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "workers": self.workers,
+                "strategy": self.strategy}
+
+
+class ProcessContender(Contender):
+    """A contender that is one child process (and its tree) with a scratch directory; stopped
+    by pid with `stop_signal`, the directory removed."""
+
+    stop_signal = signal.SIGTERM
+    stop_timeout_s = 20.0
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.log_dir = _log_dir(name)
+        self._child: ChildProcess | None = None
+
+    def stop(self) -> None:
+        if self._child is not None:
+            self._child.stop(self.stop_signal, timeout=self.stop_timeout_s)
+        _remove_dir(self.log_dir)
+
+    def pids(self) -> list[int]:
+        return [self._child.pid] if self._child and self._child.running() else []
+
+    def log_tail(self) -> str:
+        return self._child.tail() if self._child else ""
+
+
+class DirectContender(Contender):
+    """Instance 0 itself: the baseline that added latency is measured against."""
+
+    kind = "direct"
+
+    def __init__(self, name: str, instances: SimInstances, index: int = 0) -> None:
+        super().__init__(name)
+        self.instances = instances
+        self.index = index
+        self.url = instances.urls[index]
+
+    def pids(self) -> list[int]:
+        return [self.instances.pids()[self.index]]
+
+
+class ProxyContender(ProcessContender):
+    """This proxy via `python -m supervisor run`: free ports, a private segment, no simulated
+    instances of its own; every instance of `instances` registered on its control plane."""
+
+    kind = "proxy"
+    stop_signal = signal.SIGINT  # the supervisor stops workers and sidecar and unlinks the segment
+    stop_timeout_s = 45.0
+
+    def __init__(self, name: str, instances: SimInstances, workers: int, strategy: str,
+                 load_view: str = "shared", extra_env: dict[str, str] | None = None) -> None:
+        super().__init__(name)
+        self.instances = instances
+        self.workers = workers
+        self.strategy = strategy
+        self.ports = SupervisorPorts(workers, "cacheroute_bench")
+        self.env = {**self.ports.supervisor_env(strategy), "PROXY_LOAD_VIEW": load_view,
+                    # Registered once by us, never heartbeated: a TTL longer than any run.
+                    "PROXY_INSTANCE_TTL_S": "86400", "PROXY_LOG_LEVEL": "warning",
+                    **(extra_env or {})}
+        self.url = self.ports.dp_url
+
+    def launch(self) -> None:
+        self._child = ChildProcess(["-m", "supervisor", "run"], self.env,
+                                   self.log_dir / "supervisor.log", die_with_parent=True)
+
+    def wait_ready(self) -> None:
+        assert self._child is not None, "launch() first"
+        child = self._child
+        for i in range(self.ports.workers):
+            wait_for(lambda i=i: _ok(f"{self.ports.worker_url(i)}/healthz"), START_TIMEOUT_S,
+                     f"{self.name} worker {i}", child.running, child.tail)
+        for i in range(len(self.instances.urls)):
+            self._register(i)
+        wanted = set(self.instances.ids)
+        for i in range(self.ports.workers):
+            wait_for(lambda i=i: wanted <= self._alive_seen_by(i), START_TIMEOUT_S,
+                     f"{self.name} worker {i} sees every instance", child.running, child.tail)
+
+    def _register(self, i: int) -> None:
+        status, body = http_json("POST", f"{self.ports.cp_url}/v1/instance/register",
+                                 self.instances.register_body(i))
+        if status != 200:
+            raise StartError(f"{self.name}: register {self.instances.urls[i]} -> {status} {body}")
+
+    def _alive_seen_by(self, worker: int) -> set[str]:
+        status, loads = http_json("GET", f"{self.ports.worker_url(worker)}/debug/instance_loads")
+        if status != 200 or not isinstance(loads, dict):
+            return set()
+        return {r["instance_id"] for r in loads.get("instances", []) if r.get("is_alive")}
+
+
+NGINX_CONF = """\
+worker_processes {workers};
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/client_body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream backends {{
+        zone backends 64k;
+        {method}
+{servers}
+        keepalive 64;
+    }}
+    server {{
+        listen {host}:{port} backlog=4096;
+        location / {{
+            proxy_pass http://backends;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+NGINX_METHODS = {"least_conn": "least_conn;", "round_robin": "", "random_two": "random two least_conn;"}
+
+
+class NginxContender(ProcessContender):
+    """Debian nginx as a foreground process: its own config, pid file, temp paths and error log
+    in a temp dir; never the system service."""
+
+    kind = "nginx"
+
+    def __init__(self, name: str, instances: SimInstances, worker_processes: int = 2,
+                 method: str = "least_conn") -> None:
+        super().__init__(name)
+        if method not in NGINX_METHODS:
+            raise ValueError(f"nginx method {method!r}: choose one of {sorted(NGINX_METHODS)}")
+        self.instances = instances
+        self.workers = worker_processes
+        self.strategy = method
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+
+    def config_text(self) -> str:
+        servers = "\n".join(f"        server {HOST}:{p} max_fails=0;" for p in self.instances.ports)
+        return NGINX_CONF.format(workers=self.workers, dir=self.log_dir, method=NGINX_METHODS[self.strategy],
+                                 servers=servers, host=HOST, port=self.port)
+
+    def launch(self) -> None:
+        program = shutil.which("nginx") or "/usr/sbin/nginx"
+        # nginx's workers run as an unprivileged user when we are root: they must reach the dir.
+        self.log_dir.chmod(0o755)
+        conf = self.log_dir / "nginx.conf"
+        conf.write_text(self.config_text())
+        self._child = ChildProcess(["-p", str(self.log_dir), "-c", str(conf), "-g", "daemon off;"],
+                                   {}, self.log_dir / "stdout.log", die_with_parent=True, program=program)
+
+    def wait_ready(self) -> None:
+        assert self._child is not None, "launch() first"
+        child = self._child
+        wait_for(lambda: _ok(f"{self.url}/healthz"), START_TIMEOUT_S, self.name, child.running,
+                 lambda: child.tail() + self._error_log())
+
+    def _error_log(self) -> str:
+        try:
+            return (self.log_dir / "error.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+
+def router_available() -> str | None:
+    """None when vllm-router can run here, else why not (for the results' notes)."""
+    try:
+        import vllm_router.router  # noqa: F401 - the Rust extension behind it
+    except ImportError as exc:
+        return f"vllm-router not importable: {exc} (pip install -e '.[bench]')"
+    return None
+
+
+class RouterContender(ProcessContender):
+    """vllm-router (PyPI, the Rust router of vllm-project) in front of the instances:
+    `python -m vllm_router.launch_router --worker-urls ... --policy P --port N`."""
+
+    kind = "router"
+
+    def __init__(self, name: str, instances: SimInstances, policy: str = "round_robin",
+                 extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(name)
+        self.instances = instances
+        self.strategy = policy
+        self.extra_args = extra_args
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://{HOST}:{self.port}"
+
+    def argv(self) -> list[str]:
+        # It waits for GET /health on every worker before routing (the simulator answers it,
+        # like vLLM); its own Prometheus listener would take port 29000: a free port instead.
+        return ["-m", "vllm_router.launch_router", "--host", HOST, "--port", str(self.port),
+                "--worker-urls", *self.instances.urls, "--policy", self.strategy,
+                "--worker-startup-check-interval", "1",
+                "--prometheus-host", HOST, "--prometheus-port", str(self.metrics_port),
+                "--log-level", "warning", *self.extra_args]
+
+    def launch(self) -> None:
+        why = router_available()
+        if why:
+            raise StartError(why)
+        self._child = ChildProcess(self.argv(), {}, self.log_dir / "router.log", die_with_parent=True)
+
+    def wait_ready(self) -> None:
+        assert self._child is not None, "launch() first"
+        child = self._child
+        wait_for(self._routes, START_TIMEOUT_S, self.name, child.running, child.tail)
+
+    def _routes(self) -> bool:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, "stream": False}
+        return http_json("POST", f"{self.url}/v1/chat/completions", body)[0] == 200

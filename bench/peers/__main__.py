@@ -1,0 +1,93 @@
+"""python -m bench.peers --out bench/results/peers.json [--repeats 3] [--duration 5]
+[--contenders direct nginx ...] [--quick]
+
+This proxy (1, 2, 4 workers; round_robin and least_load) against nginx (least_conn) and
+vllm-router, over the same two simulated instances: added latency at c1 (paired with direct),
+requests/s at c32, streams/s and TTFT at c32, CPU per 1,000 requests and RSS of each
+contender's process tree. --quick: 1 repeat of 2 s points (a smoke run, about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT
+from bench.peers import summary
+from bench.peers.plan import DEFAULT_CONTENDERS, KNOWN, RunConfig
+from bench.peers.runner import run
+
+
+def parse(argv: list[str] | None) -> RunConfig:
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/peers.json")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per measured point")
+    p.add_argument("--contenders", nargs="+", default=None, metavar="NAME",
+                   help=f"default: {' '.join(DEFAULT_CONTENDERS)}; also: "
+                        f"{' '.join(sorted(set(KNOWN) - set(DEFAULT_CONTENDERS)))}")
+    p.add_argument("--quick", action="store_true", help="1 repeat, 2 s points (smoke)")
+    p.add_argument("--isolate", action="store_true",
+                   help="start (and warm up) each contender for its own point only, so no idle "
+                        "contender runs beside it; slower: one start per point")
+    a = p.parse_args(argv)
+    if a.repeats < 1 or a.duration < 1:
+        p.error("--repeats must be >= 1 and --duration >= 1 s")
+    unknown = [n for n in a.contenders or [] if n not in KNOWN]
+    if unknown:
+        p.error(f"unknown contender(s) {unknown}; choose from {sorted(KNOWN)}")
+    repeats, duration = (1, 2.0) if a.quick else (a.repeats, a.duration)
+    python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+    command = shlex.join([python, "-m", "bench.peers", *(sys.argv[1:] if argv is None else argv)])
+    return RunConfig(out=a.out, repeats=repeats, duration_s=duration,
+                     warmup_s=1.0 if a.quick else 2.0, warmup_streams=not a.quick,
+                     contenders=a.contenders or [], isolate=a.isolate,
+                     command=command)
+
+
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through every `with`, so every child is stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(argv)
+    missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None]
+    if missing:
+        print(f"bench.peers: {' and '.join(missing)} not found: apt-get install -y wrk nginx-light"
+              " (make bench-peers does it)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True)
+
+    try:
+        result = run(cfg, log)
+    except KeyboardInterrupt:
+        print("bench.peers: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"bench.peers: {exc}", file=sys.stderr)
+        return 1
+    result["method"]["wall_s"] = round(time.monotonic() - started, 1)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(summary.table(result))
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""One measured point: a load generator against one contender, with the contender's process-tree
+CPU (user+sys delta over the load) and RSS (after it) charged to it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import run_wrk, wrk_post_script
+from bench.contenders import Contender
+from bench.peers import stream_load
+
+PATH = "/v1/chat/completions"
+
+
+def chat_body(max_tokens: int) -> str:
+    """The small OpenAI chat body wrk POSTs (non-streaming)."""
+    return ('{"model":"sim-model","messages":[{"role":"user","content":"Say hello."}],'
+            f'"max_tokens":{max_tokens},"stream":false}}')
+
+
+def write_script(directory: Path, max_tokens: int) -> Path:
+    return wrk_post_script(directory / "post_chat.lua", chat_body(max_tokens), PATH)
+
+
+def _charged(contender: Contender, load: Any) -> dict[str, Any]:
+    """Run `load()` and add the contender's CPU seconds over it and its RSS after it."""
+    cpu_before, started = contender.cpu_seconds(), time.monotonic()
+    result: dict[str, Any] = load()
+    result["cpu_s"] = round(contender.cpu_seconds() - cpu_before, 4)
+    result["wall_s"] = round(time.monotonic() - started, 3)
+    result["rss_mb"] = round(contender.rss_mb(), 1)
+    return result
+
+
+def wrk_point(contender: Contender, script: Path, connections: int, seconds: float) -> dict[str, Any]:
+    result = _charged(contender, lambda: run_wrk(contender.url, script, connections, seconds))
+    if result.get("requests"):
+        result["cpu_s_per_1k"] = round(result["cpu_s"] / result["requests"] * 1000, 4)
+    return result
+
+
+def stream_point(contender: Contender, concurrency: int, seconds: float,
+                 max_tokens: int) -> dict[str, Any]:
+    result = _charged(contender, lambda: stream_load.run_process(contender.url, concurrency,
+                                                                 seconds, max_tokens))
+    if result.get("streams_ok"):
+        result["cpu_s_per_1k"] = round(result["cpu_s"] / result["streams_ok"] * 1000, 4)
+    return result
+
+
+def idle_cpu(contenders: list[Contender], seconds: float) -> dict[str, float]:
+    """CPU each contender burns per second while nothing is sent (background polling): the
+    noise every idle contender adds while another one is measured."""
+    before = {c.name: c.cpu_seconds() for c in contenders}
+    time.sleep(seconds)
+    return {c.name: round((c.cpu_seconds() - before[c.name]) / seconds, 4) for c in contenders}

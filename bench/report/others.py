@@ -1,0 +1,48 @@
+"""Sections for the older results files, in their own shapes: the selection path
+(bench/results/select.json, bench/bench_select.py) and predicted pressure
+(bench/results/pressure.json, bench/bench_pressure.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import blocks
+from bench.report.fmt import label, num, table, verdict
+
+
+def select_section(data: dict[str, Any]) -> str:
+    results = data.get("results") or {}
+    sizes: list[str] = []
+    for per_size in results.values():
+        sizes += [s for s in per_size if s not in sizes]
+    rows = [[f"`{case}`", *[num((per_size.get(s) or {}).get("median_us")) for s in sizes]]
+            for case, per_size in results.items()]
+    parts = ["## Selection path (µs per call)", *blocks.header_blocks(data, "select.json")]
+    if rows:
+        parts.append("Median µs per call by number of instances:\n\n" +
+                     table(["case", *[f"n={s}" if s.isdigit() else s for s in sizes]], rows))
+    targets = data.get("targets") or {}
+    if targets:
+        met = [[label(k), verdict(v) if isinstance(v, bool) else num(v)] for k, v in targets.items()]
+        parts.append("Targets:\n\n" + table(["target", "value / met"], met))
+    parts.append(blocks.method(data))
+    return "\n\n".join(p for p in parts if p)
+
+
+def pressure_section(data: dict[str, Any]) -> str:
+    parts = ["## Predicted pressure against reality", *blocks.header_blocks(data, "pressure.json")]
+    workload = data.get("workload") or {}
+    if workload:
+        parts.append("Workload: " + "; ".join(f"{k} {num(v)}" for k, v in workload.items()))
+    rows = []
+    for group in ("ttft_prediction_error_ms", "actual_ttft_ms", "snapshot_age_ms"):
+        for key, value in (data.get(group) or {}).items():
+            rows.append([label(group), key, num(value)])
+    for key in ("requests_ok", "requests_failed"):
+        if key in data:
+            rows.append([label(key), "", num(data[key])])
+    if rows:
+        parts.append(table(["figure", "statistic", "value"], rows))
+    if data.get("loadavg"):
+        parts.append(f"Load average at the end: {num(data['loadavg'])}")
+    return "\n\n".join(p for p in parts if p)

@@ -1,0 +1,108 @@
+"""`python -m bench.routing --out bench/results/routing.json [--repeats 3] [--quick]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from bench.contenders import StartError
+from bench.routing.run import log, run_benchmark
+from bench.routing.scenario import Scenario, contender_defs, quick
+
+NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9.eE+-]+,?\s*)+)\]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.routing",
+                                description="Routing quality with many workers (see bench/routing/__init__.py).")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: print only)")
+    p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat of ~8 s of arrivals")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
+    p.add_argument("--contenders", nargs="+", default=None, metavar="NAME",
+                   help="only these contenders (default: all)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--time-scale", type=float, default=None)
+    p.add_argument("--slow-factor", type=float, default=None)
+    return p
+
+
+def scenario_from(args: argparse.Namespace) -> Scenario:
+    scenario = quick(Scenario()) if args.quick else Scenario()
+    schedule = scenario.schedule
+    if args.duration is not None:
+        schedule = replace(schedule, duration_s=args.duration)
+    if args.seed is not None:
+        schedule = replace(schedule, seed=args.seed)
+    scenario = replace(scenario, schedule=schedule)
+    if args.time_scale is not None:
+        scenario = replace(scenario, time_scale=args.time_scale)
+    if args.slow_factor is not None:
+        scenario = replace(scenario, slow_factor=args.slow_factor)
+    return scenario
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops as Ctrl-C does: every `with` stops its processes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    scenario = scenario_from(args)
+    defs = contender_defs(scenario)
+    if args.contenders:
+        unknown = set(args.contenders) - {d.name for d in defs}
+        if unknown:
+            print(f"unknown contender(s) {sorted(unknown)}; choose from {[d.name for d in defs]}",
+                  file=sys.stderr)
+            return 2
+        defs = [d for d in defs if d.name in args.contenders]
+    repeats = args.repeats or (1 if args.quick else 3)
+    command = "python -m bench.routing " + shlex.join(sys.argv[1:] if argv is None else argv)
+    try:
+        results = run_benchmark(scenario, defs, repeats, command)
+    except StartError as exc:  # the simulated instances themselves
+        print(f"the simulated instances did not start: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; every started process was stopped", file=sys.stderr)
+        return 130
+    print_checks(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(to_json(results) + "\n")
+        log(f"wrote {args.out}")
+    return 0
+
+
+def to_json(results: dict) -> str:
+    """Indented, but a list of plain numbers on one line (the samples and series would
+    otherwise take one line per number)."""
+    text = json.dumps(results, indent=1)
+    return NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+
+
+def print_checks(results: dict) -> None:
+    print("\nmedians over repeats:")
+    for c in results["contenders"]:
+        m = c["median"]
+        shares = " ".join(f"{k[6:]}={m[k]:.0%}" for k in m if k.startswith("share_") and m[k] is not None)
+        print(f"  {c['name']:32s} TTFT p50 {m['ttft_p50_ms']} p99 {m['ttft_p99_ms']} ms, "
+              f"total p99 {m['total_p99_ms']} ms, spread mean {m['inflight_spread_mean']} "
+              f"p95 {m['inflight_spread_p95']}, errors {m['errors']}, {shares}")
+    for kind in ("checks", "validity"):
+        print(f"\n{kind}:")
+        for check in results[kind]:
+            verdict = {True: "PASS", False: "FAIL", None: "N/A "}[check["pass"]]
+            print(f"  {verdict}  {check['name']}: {check['value']} (threshold {check['threshold']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""BENCHMARKS.md is generated from the results JSON only: every figure in it comes from the
+files, the checks show PASS/FAIL as stored, and the charts are real PNGs. The inputs are tiny
+synthetic results written here (never committed as results)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.report import peers
+from bench.report.build import build, charts_available
+from bench.routing import summary
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LABELS = ["fast0", "fast1", "slow"]
+
+
+def _routing_run(repeat: int, p99: float, shares: tuple[float, float, float]) -> dict[str, Any]:
+    return {"repeat": repeat, "position": repeat, "ttft_p50_ms": 61.5, "ttft_p90_ms": 300.0,
+            "ttft_p99_ms": p99, "total_p50_ms": 900.0, "total_p99_ms": 4321.0,
+            "inflight_spread_mean": 1.25, "inflight_spread_p95": 3.0, "errors": 0,
+            "error_rate": 0.0, "contender_cpu_util": 0.2, "worker_cpu_peak": 0.15,
+            "client_late_p99_ms": 2.0, "share": dict(zip(LABELS, shares)),
+            "ttft_p99_by_instance_ms": {"fast0": 400.0, "fast1": 410.0, "slow": p99},
+            "ttft_samples_ms": [50.0, 61.5, 70.0, 300.0, p99],
+            "series": {"t_s": [0.0, 0.05, 0.1, 0.15], "inflight": [[0, 0, 0], [1, 2, 0], [2, 2, 1], [0, 1, 3]],
+                       "every_nth_sample": 1}}
+
+
+def _routing() -> dict[str, Any]:
+    p99s = {summary.REFERENCE: 1000.0, summary.SHARED: 1050.0, summary.PER_WORKER: 1700.0,
+            summary.ROUND_ROBIN: 2500.0, summary.NGINX: 1234.5}
+    contenders = []
+    for name, p99 in p99s.items():
+        runs = [_routing_run(i, p99 + 10 * (i - 1), (0.4, 0.4, 0.2)) for i in range(3)]
+        contenders.append({"name": name, "kind": "nginx" if name == summary.NGINX else "proxy",
+                           "workers": 4, "strategy": "least_load", "load_view": "shared",
+                           "runs": runs, "median": summary.medians(runs, LABELS)})
+    return {"command": "python -m bench.routing --synthetic", "started_at": "2026-11-30T14:00:00+00:00",
+            "machine": {"nproc": 2, "cpu_model": "Test CPU", "loadavg": [0.5, 0.4, 0.3],
+                        "pressure_cpu": ["some avg10=1.00 avg60=2.00 avg300=3.00 total=1"]},
+            "versions": {"nginx": "nginx/1.22.1"}, "method": {"repeats": 3},
+            "scenario": {"time_scale": 0.5, "instances": [
+                {"label": lb, "slow_factor": 3.0 if lb == "slow" else 1.0, "max_concurrency": 4}
+                for lb in LABELS],
+                "schedule": {"duration_s": 35.0, "burst_gap_mean_s": 1.0, "burst_size": [2, 10],
+                             "seed": 7, "max_tokens_mix": [[16, 0.5], [256, 0.5]],
+                             "prompt_tokens_mix": [[32, 1.0]]}},
+            "offered_load": {"requests": 210, "bursts": 35, "mean_rate_per_s": 6.0},
+            "instance_labels": LABELS, "contenders": contenders,
+            "ratios_to_nginx": summary.ratios_to_nginx(contenders),
+            "checks": summary.checks(contenders), "validity": summary.validity(contenders),
+            "notes": ["a synthetic note"]}
+
+
+def _peers() -> dict[str, Any]:
+    def contender(name: str, kind: str, rps: float, samples: list[float]) -> dict[str, Any]:
+        return {"name": name, "kind": kind, "workers": 2, "strategy": "least_conn",
+                "runs": [{"repeat": 0, "rps_c32": rps, "latency_samples_ms": samples,
+                          "wrk_latency_percentiles_ms": {"50": 0.8, "90": 1.5, "99": 3.25}}],
+                "median": {"rps_c32": rps, "added_p50_ms": 0.42, "errors": 0}}
+    contenders = [contender("nginx", "nginx", 9876.0, [0.5, 0.6, 0.7, 0.9, 1.4]),
+                  contender("proxy-2w-rr", "proxy", 4321.0, [0.9, 1.1, 1.3, 2.0, 5.5])]
+    return {"command": "python -m bench.peers --synthetic", "started_at": "2026-11-30T14:00:00+00:00",
+            "machine": {"nproc": 2}, "versions": {}, "method": {"repeats": 1},
+            "contenders": contenders,
+            "ratios_to_nginx": {"proxy-2w-rr": {"rps_c32": 0.4375}}, "notes": ["router did not install"]}
+
+
+@pytest.fixture
+def results_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "routing.json").write_text(json.dumps(_routing()))
+    (d / "peers.json").write_text(json.dumps(_peers()))
+    return d
+
+
+def test_every_figure_comes_from_the_json(results_dir: Path, tmp_path: Path) -> None:
+    text, used = build(results_dir, tmp_path / "BENCHMARKS.md", None)
+    assert used == ["routing.json", "peers.json"]
+    # Routing: the median TTFT p99 of the synthetic runs, the share, the nginx ratio, a check.
+    assert "| `proxy-4w-least_load-shared` | 4 | least_load | shared | 61.5 | 300 | 1,050 | 1,060 |" in text
+    assert "| `proxy-4w-round_robin` | 40% | 40% | 20% | 400 | 410 | 2,500 |" in text
+    assert "| `nginx-least_conn` | 4 | least_load | shared | 61.5 | 300 | 1,234 | 1,244 |" in text
+    assert "python -m bench.routing --synthetic" in text and "a synthetic note" in text
+    # 1050/1000 = 1.05 <= 1.10 passes; shared beats per_worker and round_robin.
+    assert text.count("**PASS**") >= 3 and "**FAIL**" not in text
+    # Peers: medians, ratio to nginx, notes.
+    assert "9,876" in text and "4,321" in text and "0.44×" in text and "router did not install" in text
+
+
+def test_a_failing_check_is_reported_as_fail(results_dir: Path, tmp_path: Path) -> None:
+    data = json.loads((results_dir / "routing.json").read_text())
+    for c in data["contenders"]:
+        if c["name"] == summary.SHARED:
+            c["median"]["ttft_p99_ms"] = 5000.0
+    data["checks"] = summary.checks(data["contenders"])
+    (results_dir / "routing.json").write_text(json.dumps(data))
+    text, _ = build(results_dir, tmp_path / "BENCHMARKS.md", None)
+    assert text.count("**FAIL**") == 3
+
+
+def test_missing_files_give_a_report_without_their_sections(tmp_path: Path) -> None:
+    text, used = build(tmp_path, tmp_path / "BENCHMARKS.md", None)
+    assert used == [] and "No results files found" in text
+
+
+def test_latency_distributions_are_found_by_key_name() -> None:
+    contender = _peers()["contenders"][1]
+    contender["runs"].append({"scenario": "c32", "percentiles_ms": [[1, 0.2], [50, 0.9], [99.9, 7.0]]})
+    found = peers.distributions(contender)
+    assert found["latency_samples_ms"]["samples"] == [0.9, 1.1, 1.3, 2.0, 5.5]
+    assert found["wrk_latency_percentiles_ms"] == {"quantiles": [0.5, 0.9, 0.99], "values": [0.8, 1.5, 3.25]}
+    # wrk's [[percent, ms], ...], kept apart per scenario
+    assert found["c32 / percentiles_ms"]["quantiles"] == pytest.approx([0.01, 0.5, 0.999])
+    assert found["c32 / percentiles_ms"]["values"] == [0.2, 0.9, 7.0]
+
+
+@pytest.mark.skipif(not charts_available(), reason="matplotlib is in the bench extra")
+def test_charts_are_pngs_linked_from_the_report(results_dir: Path, tmp_path: Path) -> None:
+    charts_dir = results_dir / "charts"
+    text, _ = build(results_dir, tmp_path / "BENCHMARKS.md", charts_dir)
+    names = {"routing_share.png", "routing_ttft.png", "routing_ttft_cdf.png", "routing_inflight.png",
+             "peers_latency.png"}
+    assert {p.name for p in charts_dir.iterdir()} == names
+    for name in names:
+        assert (charts_dir / name).read_bytes()[:8] == PNG_MAGIC
+        assert f"(results/charts/{name})" in text
+
+
+def test_a_quick_run_is_marked_as_a_smoke_run(results_dir: Path, tmp_path: Path) -> None:
+    text, _ = build(results_dir, tmp_path / "BENCHMARKS.md", None)
+    assert "Smoke run" not in text.split("## This proxy")[0]
+    data = json.loads((results_dir / "routing.json").read_text())
+    data["command"] = "python -m bench.routing --quick --out x.json"
+    (results_dir / "routing.json").write_text(json.dumps(data))
+    text, _ = build(results_dir, tmp_path / "BENCHMARKS.md", None)
+    assert "Smoke run" in text.split("## This proxy")[0]
+
+
+def test_the_command_line_writes_the_report(results_dir: Path, tmp_path: Path) -> None:
+    from bench.report.__main__ import main
+
+    out = tmp_path / "B.md"
+    assert main(["--results", str(results_dir), "--out", str(out), "--charts", str(tmp_path / "c")]) == 0
+    assert out.read_text().startswith("# Benchmarks")

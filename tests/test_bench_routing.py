@@ -1,0 +1,102 @@
+"""The routing-quality bench (bench/routing): its seeded schedule, its figures and checks, the
+simulated instance's inflight gauge it samples, and one real short run through the harness."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import aiohttp
+import pytest
+
+from bench.contenders import InstanceSpec, SimInstances
+from bench.routing import summary
+from bench.routing.run import measure
+from bench.routing.sampler import Samples
+from bench.routing.scenario import Scenario, contender_defs
+from bench.routing.schedule import ScheduleSpec, build_schedule
+from tests.harness import post, wait_until
+
+
+def test_the_schedule_is_seeded_bursty_and_bounded() -> None:
+    spec = ScheduleSpec(duration_s=20.0, seed=3)
+    arrivals = build_schedule(spec)
+    assert arrivals == build_schedule(spec)
+    assert arrivals != build_schedule(replace(spec, seed=4))
+    assert all(0 < a.at_s < spec.duration_s for a in arrivals)
+    sizes: dict[int, set[float]] = {}
+    for a in arrivals:
+        sizes.setdefault(a.burst, set()).add(a.at_s)
+    assert all(len(times) == 1 for times in sizes.values())  # a burst fires at one instant
+    counts = [sum(1 for a in arrivals if a.burst == b) for b in sizes]
+    assert min(counts) >= spec.burst_size[0] and max(counts) <= spec.burst_size[1]
+    assert {a.max_tokens for a in arrivals} <= {v for v, _ in spec.max_tokens_mix}
+    assert {a.prompt_tokens for a in arrivals} <= {v for v, _ in spec.prompt_tokens_mix}
+
+
+def _contender(name: str, p99: float | None) -> dict:
+    return {"name": name, "kind": "nginx" if name == summary.NGINX else "proxy",
+            "median": {"ttft_p99_ms": p99, "errors": 0, "worker_cpu_peak": 0.2}}
+
+
+def test_checks_compare_medians_and_fail_when_a_contender_is_missing() -> None:
+    contenders = [_contender(summary.REFERENCE, 1000.0), _contender(summary.SHARED, 1101.0),
+                  _contender(summary.PER_WORKER, 1101.0), _contender(summary.ROUND_ROBIN, 2000.0)]
+    within, per_worker, rr = summary.checks(contenders)
+    assert (within["value"], within["pass"]) == (1.101, False)   # 10.1 % worse than the reference
+    assert (per_worker["value"], per_worker["pass"]) == (1.0, False)  # a tie does not beat
+    assert (rr["value"], rr["pass"]) == (0.5505, True)
+    missing = summary.checks(contenders[:2])
+    assert [c["pass"] for c in missing] == [False, None, None]  # not measured: neither
+    assert missing[1]["value"] is None
+
+
+def test_spread_statistics_cover_only_the_arrival_window() -> None:
+    samples = Samples(times_s=[0.0, 1.0, 2.0, 3.0], inflight=[[0, 0], [1, 3], [2, 2], [9, 0]])
+    s = summary.summarize_samples(samples, in_window=3)
+    assert s["inflight_spread_mean"] == pytest.approx(2 / 3, abs=1e-3)
+    assert s["inflight_spread_max"] == 2
+    assert s["series"]["inflight"][-1] == [9, 0]  # the drain stays in the plotted series
+
+
+def test_the_instance_reports_its_own_inflight() -> None:
+    with SimInstances([InstanceSpec(extra_args=("--hold-streams",))], time_scale=0.01) as inst:
+        url = inst.urls[0]
+        done = threading.Event()
+
+        async def one_stream() -> None:
+            async with aiohttp.ClientSession() as session:
+                body = {"model": "m", "stream": True, "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "hi"}]}
+                async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                    await response.read()
+            done.set()
+
+        client = threading.Thread(target=asyncio.run, args=(one_stream(),), daemon=True)
+        client.start()
+        wait_until(lambda: inst.stats(0)["inflight"] == 1, 20, message="inflight 1 while held")
+        post(f"{url}/sim/release", {})
+        wait_until(done.is_set, 20, message="the stream ended")
+        wait_until(lambda: inst.stats(0)["inflight"] == 0, 20, message="inflight back to 0")
+        client.join(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_short_run_through_a_real_proxy() -> None:
+    """The real harness against a 1-worker proxy for 2 s of bursts: every request answered,
+    counted at the instances, sampled, and the worker's CPU measured."""
+    scenario = Scenario(time_scale=0.05, schedule=ScheduleSpec(duration_s=2.0, seed=11),
+                        drain_timeout_s=60.0)
+    arrivals = build_schedule(scenario.schedule)
+    reference = next(d for d in contender_defs(scenario) if d.name == summary.REFERENCE)
+    labels = scenario.instance_labels()
+    with SimInstances(scenario.instance_specs(), time_scale=scenario.time_scale) as instances:
+        run = measure(reference, instances, arrivals, scenario, labels)
+    assert run["requests"] == len(arrivals) > 0
+    assert run["errors"] == 0, run["error_kinds"]
+    assert sum(run["instance_requests"].values()) == len(arrivals)
+    assert run["ttft_p99_ms"] is not None and run["ttft_p99_ms"] <= run["total_p99_ms"]
+    assert run["inflight_samples"] > 0 and run["worker_cpu_peak"] is not None
+    assert len(run["worker_pids"]) == 1

@@ -1,0 +1,298 @@
+"""The forward's HTTP/1.1 client (proxy_workers/http1_client.py) against a real socket server on
+127.0.0.1 that answers with scripted bytes: framing (length, chunked, until close), keep-alive
+reuse and its limits, truncation, back-pressure, and the errors Upstream.open maps them to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from cacheroute.config import Settings
+from cacheroute.http import HTTPError
+from proxy_workers.http1_client import HIGH_WATER, ConnectionClosed, Http1Pool, request_prefix
+from proxy_workers.upstream import Upstream, UpstreamFailure
+
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n{"ok": true}'
+
+
+class Server:
+    """Counts connections and requests; `answer` writes the reply to each request."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.disconnects = 0
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> Server:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                self.requests.append(head + await reader.readexactly(length))
+                await self.answer(reader, writer)
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.disconnects += 1
+        finally:
+            writer.close()
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+
+
+def settings(**kw: Any) -> Settings:
+    return Settings(upstream_first_byte_timeout_s=kw.pop("first_byte", 5.0),
+                    upstream_idle_timeout_s=kw.pop("idle", 5.0), **kw)
+
+
+async def post(upstream: Upstream, port: int, body: bytes = b"{}") -> tuple[int, str | None, bytes]:
+    response = await upstream.open("127.0.0.1", port, "/v1/chat/completions", body)
+    data = await upstream.read_all(response)
+    response.release()
+    return response.status, response.content_type, data
+
+
+def test_request_bytes_and_keep_alive_reuse():
+    async def answer(reader, writer):
+        writer.write(OK_JSON)
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings(openai_api_key="k"))
+            for _ in range(3):
+                assert await post(upstream, server.port, b'{"a":1}') == (200, "application/json", b'{"ok": true}')
+            upstream._pool.close()
+            return server
+
+    server = run(main())
+    assert server.connections == 1 and len(server.requests) == 3
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"POST /v1/chat/completions HTTP/1.1"
+    assert b"Authorization: Bearer k" in head and b"Content-Length: 7" in head and body == b'{"a":1}'
+    assert b"accept-encoding" not in head.lower()  # answers come uncompressed, relayed as they are
+
+
+def test_chunked_body_arrives_in_pieces_and_the_connection_is_reused():
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in (b"data: 1\n\n", b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            for _ in range(2):
+                response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
+                pieces = [chunk async for chunk in upstream.chunks(response)]
+                assert b"".join(pieces) == b"data: 1\n\ndata: [DONE]\n\n" and len(pieces) == 2
+                assert response.at_eof() and response.content_type == "text/event-stream"
+                response.release()
+            upstream._pool.close()
+            return server.connections
+
+    assert run(main()) == 1
+
+
+def test_truncated_body_fails_and_is_never_pooled():
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            with pytest.raises(UpstreamFailure, match="^upstream_failed: ConnectionClosed"):
+                await upstream.read_all(response)
+            response.close()
+            assert not upstream._pool._idle.get(("127.0.0.1", server.port))
+
+    run(main())
+
+
+def test_body_delimited_by_close_is_complete_and_not_reused():
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"old\": 1}")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            assert await post(upstream, server.port) == (200, "application/json", b'{"old": 1}')
+            assert await post(upstream, server.port) == (200, "application/json", b'{"old": 1}')
+            return server.connections
+
+    assert run(main()) == 2
+
+
+def test_connection_close_answer_and_idle_closed_by_the_server_are_not_reused():
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            for _ in range(3):
+                assert (await post(upstream, server.port))[2] == b"ok"
+            return server.connections
+
+    assert run(main()) == 3
+
+
+def test_a_connection_the_instance_closes_while_idle_leaves_the_pool():
+    async def answer_then_hang_up(reader, writer):
+        writer.write(OK_JSON)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()  # the instance's keep-alive timeout
+
+    async def main():
+        async with Server(answer_then_hang_up) as server:
+            upstream = Upstream(settings())
+            await post(upstream, server.port)
+            assert len(upstream._pool._idle[("127.0.0.1", server.port)]) == 1
+            await asyncio.sleep(0.3)
+            assert ("127.0.0.1", server.port) not in upstream._pool._idle
+            assert (await post(upstream, server.port))[2] == b'{"ok": true}'  # a new connection
+            return server.connections
+
+    assert run(main()) == 2
+
+
+def test_a_connection_idle_past_the_keepalive_is_replaced():
+    async def answer(reader, writer):
+        writer.write(OK_JSON)
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            upstream._pool = Http1Pool(8, keepalive_s=0.05)
+            await post(upstream, server.port)
+            await asyncio.sleep(0.2)
+            await post(upstream, server.port)
+            upstream._pool.close()
+            return server.connections
+
+    assert run(main()) == 2
+
+
+def test_large_body_pauses_reading_and_arrives_whole():
+    size = 4 * HIGH_WATER
+
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            await asyncio.sleep(0.3)  # the server writes everything it can meanwhile
+            assert response._size <= HIGH_WATER + 256 * 1024  # reading paused near the mark
+            total = len(await upstream.read_all(response))
+            response.release()
+            upstream._pool.close()
+            return total
+
+    assert run(main()) == size
+
+
+def test_open_maps_refused_and_silent_instances():
+    async def silent(reader, writer):  # never answers; notices when the proxy hangs up
+        await reader.read()
+        raise ConnectionResetError
+
+    async def main():
+        upstream = Upstream(settings(first_byte=0.3))
+        async with Server(silent) as server:
+            free = server.port
+        with pytest.raises(HTTPError) as refused:
+            await upstream.open("127.0.0.1", free, "/x", b"{}")
+        assert (refused.value.status, refused.value.code) == (502, "upstream_unavailable")
+        async with Server(silent) as server:
+            with pytest.raises(HTTPError) as hung:
+                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            assert (hung.value.status, hung.value.code) == (504, "upstream_timeout")
+            await asyncio.sleep(0.2)
+            assert server.disconnects == 1  # the proxy closed the connection: the instance can stop
+            assert not upstream._pool._idle.get(("127.0.0.1", server.port))
+
+    run(main())
+
+
+def test_reset_before_the_head_is_upstream_unavailable():
+    async def reset(reader, writer):
+        writer.transport.abort()
+
+    async def main():
+        async with Server(reset) as server:
+            upstream = Upstream(settings())
+            with pytest.raises(HTTPError) as failed:
+                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            assert (failed.value.status, failed.value.code) == (502, "upstream_unavailable")
+
+    run(main())
+
+
+def test_request_prefix_brackets_ipv6_and_keeps_header_order():
+    prefix = request_prefix("/v1/completions", "::1", 9001, {"Content-Type": "application/json"})
+    assert prefix == (b"POST /v1/completions HTTP/1.1\r\nHost: [::1]:9001\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: ")
+
+
+def test_connection_closed_is_an_oserror():
+    assert issubclass(ConnectionClosed, OSError)  # what Upstream.chunks turns into upstream_failed
+
+
+def test_idle_bound_counts_only_waits_for_data():
+    async def stall(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in (b"one", b"two"):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await reader.read()  # then silence, until the proxy hangs up
+
+    async def main():
+        async with Server(stall) as server:
+            upstream = Upstream(settings(idle=0.3))
+            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            got = []
+            with pytest.raises(UpstreamFailure, match="^upstream_idle_timeout"):
+                async for chunk in upstream.chunks(response):
+                    got.append(chunk)
+                    await asyncio.sleep(0.5)  # a slow client: longer than the bound, not counted
+            response.close()
+            assert b"".join(got) == b"onetwo"
+
+    run(main())

@@ -1,0 +1,344 @@
+"""Registration with the Scheduler control plane (protocol §9), from the sidecar.
+
+Real supervisor, sidecar and workers (the harness), simulated instances, and a real
+`python -m sim_scheduler` process on a free port. The simulated Scheduler tells the proxy to
+heartbeat every 0.2 s so the tests see many heartbeats quickly; it validates every body against
+§9 (a malformed one would show up as `invalid` in its stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from cacheroute.config import Settings
+from cacheroute.routing.load_view import LoadView
+from sidecar import pool_resource, wire
+from sidecar.registry import InstanceRegistry
+from sidecar.scheduler_link import DisabledLink, make_link
+from tests.aio import OpenStream
+from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
+from tests.shm_helpers import fresh_segment
+
+PROXY_ID = "px-under-test"
+HEARTBEAT_S = 0.2
+
+
+class SimScheduler:
+    """A simulated Scheduler process; `start` again on the same port = a restarted Scheduler."""
+
+    def __init__(self, log_dir: Path, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._args = args
+        self._log_dir = log_dir
+        self.process: Process | None = None
+        self.starts = 0
+
+    def start(self) -> "SimScheduler":
+        self.starts += 1
+        argv = ["-m", "sim_scheduler", "--port", str(self.port),
+                "--heartbeat-interval", str(HEARTBEAT_S), *self._args]
+        self.process = Process(argv, {}, self._log_dir / f"scheduler-{self.port}-{self.starts}.log")
+        wait_until(lambda: get(f"{self.url}/healthz", timeout=1)["ok"], 20,
+                   message=f"sim scheduler on {self.port} up")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def configure(self, **knobs: Any) -> Any:
+        return post(f"{self.url}/sim/config", knobs)
+
+    def debug(self) -> dict[str, Any]:
+        return get(f"{self.url}/debug/proxies")
+
+    def proxy(self, proxy_id: str = PROXY_ID) -> dict[str, Any] | None:
+        return {p["proxy_id"]: p for p in self.debug()["proxies"]}.get(proxy_id)
+
+    def calls(self) -> dict[str, Any]:
+        return self.debug()["calls"]
+
+
+@pytest.fixture
+def schedulers(tmp_path: Path):
+    made: list[SimScheduler] = []
+
+    def make(*args: str, port: int | None = None, start: bool = True) -> SimScheduler:
+        sched = SimScheduler(tmp_path, *args, port=port)
+        made.append(sched)
+        return sched.start() if start else sched
+
+    yield make
+    for sched in made:
+        sched.stop()
+
+
+def link_env(scheduler_url: str, **extra: str) -> dict[str, str]:
+    return {"SCHEDULER_CP_URL": scheduler_url, "PROXY_ID": PROXY_ID,
+            "PROXY_SCHEDULER_BACKOFF_MAX_S": "1", **extra}
+
+
+def link_status(cluster) -> dict[str, Any]:
+    return cluster.status()["scheduler"]
+
+
+def heartbeats_after(sched: SimScheduler, count: int) -> Any:
+    """Wait for `count` more heartbeats carrying a pool_resource; return the latest one."""
+    start = (sched.proxy() or {}).get("heartbeats", 0)
+    wait_until(lambda: (sched.proxy() or {}).get("heartbeats", 0) >= start + count, 30,
+               message=f"{count} more heartbeats")
+    return sched.proxy()["last_pool_resource"]
+
+
+# --- registration once, with the right identity, and pool_resource from the shared table ------------
+def test_registers_once_for_four_workers_and_reports_shared_inflight(make_cluster, schedulers):
+    sched = schedulers()
+    cluster = make_cluster(workers=4, env=link_env(sched.url))
+    inst = cluster.add_instance("--hold-streams")
+
+    wait_until(lambda: sched.proxy() and sched.proxy()["heartbeats"] >= 3, 30,
+               message=f"proxy registered and heartbeating\n{cluster.launcher_log()[-2000:]}")
+    row = sched.proxy()
+    assert (row["host"], row["port"]) == ("127.0.0.1", cluster.dp_port)  # the shared port
+    reg = row["registration"]
+    assert reg["endpoints"] == ["chat/completions", "completions"]
+    assert reg["meta"] == {"version": "proxy_v1"}
+    assert (reg["max_capacity"], reg["kv_mem_per_instance_gb"], reg["kv_cache_update_policy"]) == (8, 128.0, "lru")
+
+    pool = heartbeats_after(sched, 2)
+    assert pool["proxy_id"] == PROXY_ID and pool["schema_version"] == 1
+    assert pool["instances"]["total"] == pool["instances"]["alive"] == 1
+    assert pool["load"]["inflight_total"] == 0 and pool["load"]["capacity"] == 8
+    # No instance sends resource snapshots: utilization unknown, never 0; admission per §9.2.
+    assert set(pool["utilization"].values()) == {None}
+    assert pool["metric_quality"]["resource"] == "missing"
+    assert pool["pool_admission_state"] == "degraded"
+    assert pool["pool_admission_reason"] == "0 accepting, 0 degraded, 0 rejecting, 1 alive"
+
+    held = 5
+
+    async def hold_streams() -> None:
+        async with aiohttp.ClientSession() as session:
+            streams = await asyncio.gather(*(
+                OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions", chat_body())
+                for _ in range(held)))
+            assert all(s.response.status == 200 for s in streams)
+            workers = {s.worker.split("-")[0] for s in streams}
+            seen = [cluster.inflight(w)[inst.instance_id] for w in range(cluster.workers)]
+            assert seen == [held] * cluster.workers, seen
+            pool = heartbeats_after(sched, 2)
+            assert pool["load"]["inflight_total"] == held, (workers, pool["load"])
+            assert pool["load"]["load_ratio"] == held / 8
+            # The control plane shows what the next heartbeat carries.
+            local = get(f"{cluster.cp_url}/debug/pool_resource")["pool_resource"]
+            assert (local["proxy_id"], local["load"]["inflight_total"]) == (PROXY_ID, held)
+            inst.release()
+            await asyncio.gather(*(s.finish() for s in streams))
+
+    asyncio.run(hold_streams())
+    wait_until(lambda: heartbeats_after(sched, 1)["load"]["inflight_total"] == 0, 30,
+               message="inflight_total back to 0")
+
+    calls = sched.calls()
+    assert calls["register_calls"] == 1 and calls["registered"] == 1, calls  # once, not per worker
+    assert calls["invalid"] == 0 and calls["heartbeats_unknown"] == 0, calls
+    status = link_status(cluster)
+    assert status["registered"] and status["re_registrations"] == 0, status
+    assert status["proxy_id"] == PROXY_ID and status["consecutive_failures"] == 0
+
+    # A clean stop unregisters.
+    assert cluster.stop() == 0
+    calls = sched.calls()
+    assert calls["unregister_calls"] == 1 and calls["unregistered"] == 1, calls
+    assert sched.proxy() is None
+
+
+def test_stopping_the_proxy_leaves_the_scheduler_before_the_workers_drain(make_cluster, schedulers):
+    """SIGINT to the supervisor: the sidecar unregisters at once (SIGUSR1), while a worker is
+    still draining a stream that the drain then lets finish."""
+    sched = schedulers()
+    cluster = make_cluster(workers=2, env=link_env(sched.url))
+    inst = cluster.add_instance("--hold-streams")
+    wait_until(lambda: (sched.proxy() or {}).get("heartbeats", 0) >= 1, 30, message="registered")
+
+    async def stop_while_streaming() -> bytes:
+        async with aiohttp.ClientSession() as session:
+            stream = await OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions", chat_body())
+            assert stream.response.status == 200
+            os.kill(cluster.launcher.pid, signal.SIGINT)
+            await asyncio.to_thread(wait_until, lambda: sched.calls()["unregistered"] == 1, 15,
+                                    message=f"unregistered while draining\n{cluster.launcher_log()[-2000:]}")
+            assert cluster.launcher.running()  # the worker holding the stream is still draining
+            inst.release()
+            return await stream.finish()
+
+    body = asyncio.run(stop_while_streaming())
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+    assert cluster.launcher.stop(signal.SIGINT, timeout=45) == 0
+    assert "leaving the Scheduler before the workers drain" in cluster.launcher_log()
+    assert sched.calls()["unregister_calls"] == 1  # not again at the sidecar's own stop
+
+
+# --- a Scheduler that is down, restarted, or hanging ------------------------------------------------
+def test_scheduler_down_at_start_then_registers_when_it_comes_up(make_cluster, schedulers):
+    sched = schedulers(start=False)  # nothing listens on its port yet
+    cluster = make_cluster(workers=2, env=link_env(sched.url))
+    cluster.add_instance()
+    for _ in range(4):  # the proxy serves normally without its Scheduler
+        status, _, _ = http("POST", f"{cluster.dp_url}/v1/chat/completions", chat_body(stream=False))
+        assert status == 200
+    wait_until(lambda: link_status(cluster)["consecutive_failures"] >= 2, 20,
+               message="registration attempts failing")
+    status = link_status(cluster)
+    assert not status["registered"] and status["last_error"], status
+
+    sched.start()
+    wait_until(lambda: sched.proxy() is not None, 20,
+               message=f"registered once the Scheduler is up\n{cluster.launcher_log()[-2000:]}")
+    wait_until(lambda: link_status(cluster)["registered"], 10, message="link registered")
+    status = link_status(cluster)
+    assert status["consecutive_failures"] == 0 and status["last_error"] is None, status
+    assert sched.calls()["registered"] == 1
+    # Failures were logged, but not once per attempt (at most one summary per 30 s).
+    warnings = cluster.launcher_log().count("Scheduler registration failed")
+    assert 1 <= warnings <= 2, warnings
+
+
+def test_reregisters_after_heartbeat_404_and_after_a_real_restart(make_cluster, schedulers):
+    sched = schedulers()
+    links = {"kdn://127.0.0.1:9101": {"bandwidth_mbps": 1000, "latency_ms": 0.5}}
+    cluster = make_cluster(workers=2, env=link_env(sched.url, PROXY_KDN_LINKS_JSON=json.dumps(links)))
+    wait_until(lambda: sched.proxy() and sched.proxy()["heartbeats"] >= 2, 30,
+               message="registered and heartbeating")
+    assert sched.proxy()["registration"]["meta"] == {"version": "proxy_v1", "kdn_links": links}
+
+    # The Scheduler forgets every proxy: the next heartbeat is 404, the proxy registers again.
+    post(f"{sched.url}/sim/restart", {})
+    wait_until(lambda: sched.proxy() is not None, 20, message="registered again after the 404")
+    calls = sched.calls()
+    assert calls["heartbeats_unknown"] >= 1 and calls["registered"] == 2, calls
+    wait_until(lambda: link_status(cluster)["re_registrations"] == 1, 10, message="re-registration counted")
+
+    # A real restart: the process is gone for a while (connection refused), then comes back
+    # empty; the proxy must register with the new process, not heartbeat into a 404 forever.
+    sched.stop()
+    wait_until(lambda: link_status(cluster)["consecutive_failures"] >= 1, 20, message="failures seen")
+    sched.start()
+    wait_until(lambda: sched.proxy() is not None and sched.proxy()["heartbeats"] >= 2, 30,
+               message="registered with the restarted Scheduler")
+    assert sched.calls()["registered"] == 1
+    status = link_status(cluster)
+    assert status["registered"] and status["re_registrations"] >= 2, status
+
+
+def test_hanging_scheduler_delays_neither_startup_nor_the_control_plane(make_cluster, schedulers):
+    sched = schedulers("--hang")
+    # A long call timeout: if anything waited for the Scheduler, it would wait visibly long.
+    cluster = make_cluster(workers=2, env=link_env(sched.url, PROXY_SCHEDULER_TIMEOUT_S="120"))
+    wait_until(lambda: sched.calls()["held"] >= 1, 20, message="register call hanging")
+    # While the register call hangs: instances register, the control plane answers, requests flow.
+    cluster.add_instance()
+    assert http("GET", f"{cluster.cp_url}/healthz")[0] == 200
+    answer = http("POST", f"{cluster.dp_url}/v1/chat/completions", chat_body(stream=False))
+    assert answer[0] == 200, answer
+    assert sched.calls()["held"] >= 1 and not link_status(cluster)["registered"]
+
+    sched.configure(hang=False)
+    post(f"{sched.url}/sim/release", {})
+    wait_until(lambda: link_status(cluster)["registered"], 20, message="registered after release")
+
+    # Hanging again at shutdown: the unregister gives up after its short timeout, the stop is clean.
+    sched.configure(hang=True)
+    assert cluster.stop() == 0
+    assert sched.calls()["unregister_calls"] == 1
+    assert "Scheduler unregister failed" in cluster.launcher_log()
+
+
+# --- the simulated Scheduler itself, and the switch ---------------------------------------------------
+def test_sim_scheduler_validates_and_expires(schedulers):
+    sched = schedulers("--ttl", "0.5")
+    status, body, _ = http("POST", f"{sched.url}/v1/proxy/register", {"host": "h", "port": "80"})
+    assert status == 422 and "$.port" in body["detail"], body
+    status, body, _ = http("POST", f"{sched.url}/v1/proxy/register",
+                           {"host": "h", "port": 80, "pool_resource": {"schema_version": 1}})
+    assert status == 422 and "pool_resource" in body["detail"], body
+    status, _, _ = http("POST", f"{sched.url}/v1/proxy/heartbeat", {"proxy_id": "nobody"})
+    assert status == 404
+    reply = post(f"{sched.url}/v1/proxy/register", {"proxy_id": "p1", "host": "h", "port": 80})
+    assert reply == {"proxy_id": "p1", "heartbeat_interval_s": HEARTBEAT_S, "ttl_s": 0.5}
+    assert post(f"{sched.url}/v1/proxy/heartbeat", {"proxy_id": "p1"}) == {"ok": True}
+    # Silent for longer than the TTL: forgotten, so its next heartbeat is 404.
+    wait_until(lambda: sched.proxy("p1") is None, 10, message="p1 expired")
+    assert http("POST", f"{sched.url}/v1/proxy/heartbeat", {"proxy_id": "p1"})[0] == 404
+    sched.configure(fail_status=503)
+    assert http("POST", f"{sched.url}/v1/proxy/register", {"host": "h", "port": 80})[0] == 503
+    calls = sched.calls()
+    assert calls["invalid"] == 2 and calls["failed"] == 1 and calls["expired"] == 1, calls
+
+
+def test_registration_is_off_without_scheduler_url():
+    link = make_link(Settings(), lambda proxy_id: None, lambda: 0, lambda: True)  # type: ignore[arg-type,return-value]
+    assert isinstance(link, DisabledLink) and link.status.describe()["enabled"] is False
+
+
+# --- pool_resource aggregation over resource reports (§9.2), on a real segment ------------------------
+def _report(admission: str, cpu: float, mem_used: float, mem_total: float, at: float) -> SimpleNamespace:
+    # The registry keeps no resource snapshots yet; a record's `resource` is what it would keep.
+    return SimpleNamespace(cpu_util=cpu, memory_used_mb=mem_used, memory_total_mb=mem_total,
+                           memory_free_ratio=1 - mem_used / mem_total, gpu_util_avg=None,
+                           gpu_mem_used_mb=None, gpu_mem_total_mb=None, network_rx_mbps=10.0,
+                           network_tx_mbps=None, admission_state=admission, resource_reported_at=at)
+
+
+def test_pool_resource_admission_and_utilization():
+    now = [1000.0]
+    with fresh_segment() as seg:
+        registry = InstanceRegistry(seg, ttl_s=30, purge_grace_s=60, clock=lambda: now[0])
+        records = [registry.register(wire.RegisterRequest(host="127.0.0.1", port=9000 + i))
+                   for i in range(3)]
+        inputs = pool_resource.PoolInputs("p", capacity=4, ttl_s=30)
+
+        def snapshot() -> Any:
+            pool = pool_resource.build(inputs, registry.records(), LoadView(seg), now=now[0])
+            return msgspec.to_builtins(pool)
+
+        records[0].resource = _report("accepting", 10.0, 100.0, 1000.0, at=now[0] - 2)
+        records[1].resource = _report("degraded", 30.0, 300.0, 1000.0, at=now[0] - 4)
+        pool = snapshot()
+        assert pool["instances"] == {"total": 3, "alive": 3, "stale": 0, "with_resource": 2,
+                                     "missing_resource": 1, "accepting": 1, "degraded": 1, "rejecting": 0}
+        assert pool["pool_admission_state"] == "degraded"
+        assert pool["pool_admission_reason"] == "1 accepting, 1 degraded, 0 rejecting, 3 alive"
+        assert pool["metric_quality"]["resource"] == "partial"
+        util = pool["utilization"]
+        assert (util["cpu_avg"], util["cpu_max"], util["memory_used_mb"]) == (20.0, 30.0, 400.0)
+        assert util["memory_used_ratio"] == 0.2 and util["network_rx_mbps_total"] == 20.0
+        assert util["gpu_util_avg"] is None and util["network_tx_mbps_total"] is None  # unknown, not 0
+        assert pool["resource_freshness_s"] == {"min": 2.0, "avg": 3.0, "max": 4.0}
+        assert pool["load"]["inflight_total"] == 0 and pool["load"]["queue_pressure"] == 0.0
+
+        for record in records:
+            record.resource = _report("accepting", 10.0, 100.0, 1000.0, at=now[0])
+        assert snapshot()["pool_admission_state"] == "accepting"
+        for record in records:
+            record.resource = _report("rejecting", 10.0, 100.0, 1000.0, at=now[0])
+        assert snapshot()["pool_admission_state"] == "rejecting"
+
+        now[0] += 31  # every instance silent past the TTL
+        registry.sweep()
+        pool = snapshot()
+        assert (pool["instances"]["alive"], pool["instances"]["stale"]) == (0, 3)
+        assert pool["pool_admission_state"] == "rejecting"
+        assert pool["pool_admission_reason"] == "0 accepting, 0 degraded, 0 rejecting, 0 alive"
+        assert pool["load"]["inflight_total"] is None and pool["metric_quality"]["load"] == "missing"
