@@ -44,7 +44,7 @@ bench-stack: $(STAMP)
 # with bursty arrivals (~15 min; QUICK=1: one short repeat, ~2 min). Prints the checks.
 bench-routing: $(STAMP)
 	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
-	$(PY) -m bench.routing --out bench/results/routing.json $(if $(QUICK),--quick,)
+	$(PY) -m bench.routing --out bench/results/routing.json $(if $(QUICK),--quick,) $(if $(REPEATS),--repeats $(REPEATS),)
 
 # This proxy (1/2/4 workers x round_robin/least_load) against nginx least_conn and vllm-router,
 # over the same two simulated instances: added latency, req/s, streams/s, CPU/1k, RSS

@@ -155,8 +155,9 @@ class _Reporter:
                 next_status = now + STATUS_EVERY_S
             elif self._server.started and not self._ready and not self._stopping:
                 # started: every listener is open, so a client connecting now is served.
-                self._ready = True
-                self._notifier.send(READY=1, STATUS=_safe(self._describe, self._server))
+                # Not sent (a full notify socket): tried again next tick, else systemd would
+                # give up on the start.
+                self._ready = self._notifier.send(READY=1, STATUS=_safe(self._describe, self._server))
                 next_status = now + STATUS_EVERY_S
             elif (self._ready or self._stopping) and now >= next_status:
                 self._notifier.send(STATUS=draining(self._server) if self._stopping

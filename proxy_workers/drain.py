@@ -33,7 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .sse import meta_event
+from .sse import cut_meta_event
 
 log = logging.getLogger("cacheroute.worker")
 
@@ -109,7 +109,7 @@ async def finish_cut(send: Send) -> None:
     if complete:
         return
     if started:
-        body = meta_event({}, DRAIN_CUT_ERROR)
+        body = cut_meta_event({}, DRAIN_CUT_ERROR)
     else:
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"retry-after", b"1")]})

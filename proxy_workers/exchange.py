@@ -25,7 +25,7 @@ from . import metrics
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
-from .sse import DONE_EVENT, DoneStripper, meta_event, meta_object
+from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event, meta_object
 from .http1_client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
@@ -191,8 +191,8 @@ class ProxyExchange:
         self._account(lease, error is None)
         trace["forward_end_ms"] = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
-        final = meta_event(trace, error or job.knowledge.error, job.knowledge) + \
-            (DONE_EVENT if error is None else b"")
+        final = (meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT if error is None
+                 else cut_meta_event(trace, error, job.knowledge))
         await send({"type": "http.response.body", "body": final, "more_body": False})
 
     async def _relay_whole(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:

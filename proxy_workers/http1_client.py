@@ -160,7 +160,7 @@ class UpstreamResponse:
         self._wake()
 
     def _fail(self, error: BaseException) -> None:
-        if self._eof:
+        if self._eof or self._error is not None:  # the first cause is the one worth reporting
             return
         self._stop_idle()
         self._error = error
@@ -183,7 +183,9 @@ class Http1Connection(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.idle_since = 0.0
+        self.idle_since = 0.0  # when the last answer ended (the instance's keep-alive clock)
+        self.reused = False  # has it carried an answer before the current request?
+        self.received_any = False  # has the current request had any byte back?
         self._parser = httptools.HttpResponseParser(self)
         self._response: UpstreamResponse | None = None
         self._content_type: bytes | None = None
@@ -195,13 +197,14 @@ class Http1Connection(asyncio.Protocol):
         response = UpstreamResponse(self, self.loop.create_future())
         self._response = response
         self._content_type = None
-        self._framed = self._until_close = False
+        self._framed = self._until_close = self.received_any = False
         assert self.transport is not None
         self.transport.write(data)
         return response
 
     def finished(self) -> None:
         self._response = None
+        self.reused = True
         self.pool.put(self)
 
     def close(self) -> None:
@@ -225,6 +228,7 @@ class Http1Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.received_any = True
         if self._response is None:  # nothing asked: an instance talking out of turn
             self.close()
             return
@@ -235,6 +239,9 @@ class Http1Connection(asyncio.Protocol):
             self.close()
 
     def eof_received(self) -> bool:
+        if self._response is None:  # idle: never hand it out again (connection_lost comes later)
+            self.closed = True
+            self.pool.discard(self)
         return False  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -253,8 +260,10 @@ class Http1Connection(asyncio.Protocol):
         lowered = name.lower()
         if lowered == b"content-type":
             self._content_type = value
-        elif lowered == b"content-length" or lowered == b"transfer-encoding":
+        elif lowered == b"content-length":
             self._framed = True
+        elif lowered == b"transfer-encoding":  # framed only if chunked is the last coding
+            self._framed = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
 
     def on_headers_complete(self) -> None:
         response = self._response
@@ -274,6 +283,7 @@ class Http1Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._response is not None
+        self.idle_since = self.loop.time()
         self._response._end()
 
 
@@ -287,15 +297,19 @@ class Http1Pool:
         self._keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], list[Http1Connection]] = {}
 
-    async def acquire(self, host: str, port: int, connect_timeout_s: float) -> Http1Connection:
+    async def acquire(self, host: str, port: int, connect_timeout_s: float,
+                      fresh: bool = False) -> Http1Connection:
+        """An idle connection (unless `fresh`), else a new one."""
         key = (host, port)
         loop = asyncio.get_running_loop()
-        idle = self._idle.get(key)
+        idle = None if fresh else self._idle.get(key)
         if idle:
             oldest_ok = loop.time() - self._keepalive_s
             while idle:
                 conn = idle.pop()
-                if not conn.closed and conn.idle_since >= oldest_ok:
+                transport = conn.transport
+                if not conn.closed and conn.idle_since >= oldest_ok \
+                        and transport is not None and not transport.is_closing():
                     return conn
                 conn.close()
         async with asyncio.timeout(connect_timeout_s):
@@ -310,7 +324,6 @@ class Http1Pool:
         if len(idle) >= self._size:
             conn.close()
             return
-        conn.idle_since = conn.loop.time()
         idle.append(conn)
 
     def discard(self, conn: Http1Connection) -> None:

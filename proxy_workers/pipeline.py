@@ -64,6 +64,11 @@ class AdmissionQueue:
     def __init__(self) -> None:
         self._waiters: deque[_Waiter] = deque()
 
+    @property
+    def busy(self) -> bool:
+        """Someone waits: a new arrival queues behind them instead of taking a freed slot."""
+        return bool(self._waiters)
+
     def wake(self) -> None:
         if self._waiters:
             _set(self._waiters[0].wake)
@@ -219,7 +224,8 @@ class Pipeline:
         if not ticket.released.done():
             return False, False
         self._reserve(lease, job)
-        if lease.try_admit(layout.LANE_READY_ACTIVE, self._settings.ready_concurrency) \
+        if stages.admission.busy or lease.try_admit(layout.LANE_READY_ACTIVE,
+                                                    self._settings.ready_concurrency) \
                 is not Admission.ADMITTED:
             return True, False  # full (wait) or stale (_admit says so)
         trace["ready_dequeue_ms"] = now_ms()
@@ -314,7 +320,8 @@ class Pipeline:
 
     async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         limit = self._settings.ready_concurrency
-        result = lease.try_admit(layout.LANE_READY_ACTIVE, limit)
+        # Behind earlier waiters of this worker, never ahead of them (FIFO within the worker).
+        result = Admission.FULL if stages.admission.busy else lease.try_admit(layout.LANE_READY_ACTIVE, limit)
         if result is Admission.FULL:
             # Counted as waiting only while it waits: entering and leaving the lane around an
             # admission that succeeds at once would be invisible to every reader anyway.

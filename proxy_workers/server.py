@@ -102,10 +102,9 @@ class _Lifespan:
 def run(settings: Settings, index: int) -> int:
     warn_if_queued_connections_may_reset()
     try:
-        # Private first: while it waits for a draining predecessor, no connection queues on a
-        # shared listener that is not accepting yet.
+        # The shared port comes last (below): while this waits for a draining predecessor, the
+        # segment or the app, no connection queues on a shared listener nobody accepts on.
         private = bind_private(settings.worker_private_host, settings.worker_private_port(index))
-        shared = bind_socket(settings.dp_host, settings.dp_port, reuse_port=True)
     except OSError as exc:
         log.error("cannot bind: %s", exc)
         return 2
@@ -134,6 +133,12 @@ def run(settings: Settings, index: int) -> int:
                  index, settings.dp_host, settings.dp_port, settings.worker_private_host,
                  settings.worker_private_port(index), row.row, ctx.router.strategy.name,
                  settings.load_view)
+        try:
+            shared = bind_socket(settings.dp_host, settings.dp_port, reuse_port=True)
+        except OSError as exc:
+            log.error("cannot bind: %s", exc)
+            return 2
+
         def describe(server: uvicorn.Server) -> str:  # systemd's STATUS= line, every few seconds
             return f"worker {index}: {sd_notify.requests_in_flight(server)} requests in flight"
         return _serve(app, settings, [shared, private], describe=describe)

@@ -65,3 +65,10 @@ def meta_object(trace: dict[str, Any], error: str | None, knowledge: Knowledge |
 def meta_event(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> bytes:
     return (b"event: cacheroute_meta\ndata: " + _encoder.encode(meta_object(trace, error, knowledge))
             + b"\n\n")
+
+
+def cut_meta_event(trace: dict[str, Any], error: str, knowledge: Knowledge | None = None) -> bytes:
+    """The meta event that ends a stream cut short. Relayed bytes end on a line, not always on
+    an event: the leading blank line ends a half-sent event first (after a whole one it is an
+    empty line, which SSE ignores), so the meta never merges into the instance's last event."""
+    return b"\n" + meta_event(trace, error, knowledge)

@@ -19,7 +19,7 @@ import aiohttp
 from cacheroute.config import Settings
 from cacheroute.http import HTTPError
 
-from .http1_client import HeadTimeout, Http1Pool, IdleTimeout, UpstreamResponse, request_prefix
+from .http1_client import HeadTimeout, Http1Connection, Http1Pool, IdleTimeout, UpstreamResponse, request_prefix
 
 # Idle connections are closed after 4 s, before uvicorn's (so vLLM's) 5 s keep-alive closes
 # them under a request being sent.
@@ -80,9 +80,40 @@ class Upstream:
         settings = self._settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.upstream_first_byte_timeout_s
+        request = b"%s%d\r\n\r\n%s" % (self._prefix(path, host, port, extra_headers), len(body), body)
+        conn = await self._connect(host, port, path)
+        while True:
+            response = conn.request(request)
+            timer = loop.call_at(deadline, response.time_out)
+            try:
+                await response.started()
+                return response
+            except HeadTimeout:
+                conn.close()
+                raise HTTPError(504, "upstream_timeout",
+                                f"{base_url(host, port)}{path} sent no response within "
+                                f"{settings.upstream_first_byte_timeout_s:g}s") from None
+            except OSError as exc:  # reset or closed before the head
+                conn.close()
+                if conn.reused and not conn.received_any:
+                    # The instance closed this idle connection just as we reused it (its
+                    # keep-alive ran out): it never read the request. Once more, on a new one.
+                    conn = await self._connect(host, port, path, fresh=True)
+                    continue
+                raise HTTPError(502, "upstream_unavailable",
+                                f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}") from None
+            except BaseException:  # cancelled (the client left): the connection goes too
+                conn.close()
+                raise
+            finally:
+                timer.cancel()
+
+    async def _connect(self, host: str, port: int, path: str, fresh: bool = False) -> Http1Connection:
+        settings = self._settings
         try:
-            conn = await self._pool.acquire(host, port, min(settings.upstream_connect_timeout_s,
-                                                            settings.upstream_first_byte_timeout_s))
+            return await self._pool.acquire(host, port, min(settings.upstream_connect_timeout_s,
+                                                            settings.upstream_first_byte_timeout_s),
+                                            fresh=fresh)
         except TimeoutError:
             raise HTTPError(502, "upstream_unavailable",
                             f"cannot connect to {base_url(host, port)}{path}: no connection within "
@@ -90,26 +121,6 @@ class Upstream:
         except (OSError, ValueError) as exc:  # ValueError: a host idna rejects
             raise HTTPError(502, "upstream_unavailable",
                             f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
-        response = conn.request(b"%s%d\r\n\r\n%s" % (self._prefix(path, host, port, extra_headers),
-                                                      len(body), body))
-        timer = loop.call_at(deadline, response.time_out)
-        try:
-            await response.started()
-        except HeadTimeout:
-            conn.close()
-            raise HTTPError(504, "upstream_timeout",
-                            f"{base_url(host, port)}{path} sent no response within "
-                            f"{settings.upstream_first_byte_timeout_s:g}s") from None
-        except OSError as exc:  # reset or closed before the head
-            conn.close()
-            raise HTTPError(502, "upstream_unavailable",
-                            f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}") from None
-        except BaseException:  # cancelled (the client left): the connection goes too
-            conn.close()
-            raise
-        finally:
-            timer.cancel()
-        return response
 
     def _prefix(self, path: str, host: str, port: int, extra_headers: dict[str, str] | None) -> bytes:
         if extra_headers:

@@ -48,7 +48,10 @@ def build_app(state: SidecarState) -> Starlette:
     registry = state.registry
     settings = state.settings
     guard = TokenGuard(load_token(settings.cp_token, settings.cp_token_file))
-    writes = _guard(guard)  # register, heartbeat, unregister: always behind the token if set
+    guarded = _guard(guard)
+
+    def writes(handler: Handler) -> Handler:  # register, heartbeat, unregister: the token if set
+        return guarded(_refuse_browser_forms(handler))
     reads = _guard(guard if settings.debug_requires_token else TokenGuard(None))
 
     async def healthz(request: Request) -> Response:
@@ -130,6 +133,22 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# What a web page can POST cross-site without a CORS preflight. Refused on the writing routes,
+# so a page open in a browser on this host cannot register an instance (and so receive
+# requests) on a control plane that has no token.
+_BROWSER_FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+
+
+def _refuse_browser_forms(handler: Handler) -> Handler:
+    async def checked(request: Request) -> Response:
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type in _BROWSER_FORM_TYPES:
+            raise HTTPError(415, "unsupported_media_type",
+                            f"control-plane writes take application/json, not {media_type}")
+        return await handler(request)
+    return checked
 
 
 def _guard(tokens: TokenGuard) -> Callable[[Handler], Handler]:

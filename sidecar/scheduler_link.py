@@ -146,21 +146,23 @@ class SchedulerLink:
         log.info("registering with the Scheduler at %s as %s (advertised %s)",
                  self.status.url, self._proxy_id, self.status.advertised)
 
-    async def stop(self) -> None:
-        """Stop heartbeating; unregister (briefly) if the Scheduler may know us. Runs once: the
-        supervisor's SIGUSR1 (the whole proxy is stopping) starts it before the lifespan's end,
-        which then waits for the same unregister instead of cutting it short."""
+    async def stop(self, unregister: bool = True) -> None:
+        """Stop heartbeating; unregister (briefly) if asked and the Scheduler may know us. Runs
+        once: the supervisor's SIGUSR1 (the whole proxy is stopping) starts it before the
+        lifespan's end, which then waits for the same unregister instead of cutting it short."""
         if self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._stop_once())
+            self._stopping = asyncio.ensure_future(self._stop_once(unregister))
         await asyncio.shield(self._stopping)
 
-    async def _stop_once(self) -> None:
+    async def _stop_once(self, unregister: bool) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         try:
-            if self.status.registrations:
+            if unregister and self.status.registrations:
                 await self._unregister()
+            elif self.status.registered:
+                log.info("stopping with workers still serving: staying registered with the Scheduler")
         finally:
             if self._session is not None:
                 await self._session.close()
@@ -294,7 +296,7 @@ class DisabledLink:
     def start(self) -> None:
         pass
 
-    async def stop(self) -> None:
+    async def stop(self, unregister: bool = True) -> None:
         pass
 
 

@@ -87,8 +87,12 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
         try:
             yield
         finally:
-            if state.scheduler is not None:  # unregister first, bounded by a short timeout
-                await state.scheduler.stop()
+            if state.scheduler is not None:
+                # The proxy leaves the Scheduler when it stops as a whole (SIGUSR1 already did,
+                # or no worker is left); a sidecar restarting under live workers stays
+                # registered, and its successor's register is an upsert.
+                alive = any(worker["alive"] for worker in state.reaper.workers())
+                await state.scheduler.stop(unregister=not alive)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

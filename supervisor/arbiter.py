@@ -14,6 +14,7 @@ import time
 
 from prometheus_client.multiprocess import mark_process_dead
 
+from cacheroute.auth import load_token
 from cacheroute.config import Settings
 from shm_schema import Segment
 
@@ -31,6 +32,8 @@ STOP_MARGIN_S = 10.0
 # Children exit with this when they cannot start at all (bad configuration, a segment they must
 # not use): restarting would only loop, so the supervisor stops with their message instead.
 EXIT_CANNOT_START = 2
+# At a stop, how long the workers wait for the sidecar to unregister (its own bound is 2 s).
+LEAVE_WAIT_S = 3.0
 
 
 class Arbiter:
@@ -113,7 +116,11 @@ class Arbiter:
                 if child in self.workers and child.pid is not None:
                     mark_process_dead(child.pid, self.metrics_dir)  # its live gauges go; totals stay
                 ran_for = now - child.started_at
-                if code == EXIT_CANNOT_START:
+                if code == EXIT_CANNOT_START and self._rolling is not None and self._rolling.replacing(child):
+                    # e.g. its predecessor still holds the private port: the rest of the proxy
+                    # serves, so retry with backoff instead of stopping everything.
+                    log.warning("%s: the replacement cannot start yet (exit %d); retrying", child.name, code)
+                elif code == EXIT_CANNOT_START:
                     log.error("%s cannot start (exit %d, its log above says why); stopping", child.name, code)
                     self._stopping = True
                     self.failed = True
@@ -130,9 +137,7 @@ class Arbiter:
 
     def _stop_all(self) -> None:
         self._stopping = True
-        # First the sidecar leaves the Scheduler (if it registered), so no new request is sent
-        # here while the workers drain.
-        self.sidecar.signal(signal.SIGUSR1)
+        self._leave_scheduler()
         for group in (self.workers, self.instances, [self.sidecar]):
             for child in group:
                 child.signal(signal.SIGTERM)
@@ -144,6 +149,24 @@ class Arbiter:
             log.info("removed shared table %s", self.settings.shm_name)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
         log.info("all stopped")
+
+    def _leave_scheduler(self) -> None:
+        """First the sidecar leaves the Scheduler (SIGUSR1), and the workers close their
+        listeners only once it has (or after LEAVE_WAIT_S): a request the Scheduler sends
+        meanwhile still finds a worker."""
+        if self.settings.scheduler_cp_url is None or self.sidecar.exited() is not None:
+            return
+        self.sidecar.signal(signal.SIGUSR1)
+        token = load_token(self.settings.cp_token, self.settings.cp_token_file) \
+            if self.settings.debug_requires_token else None
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while time.monotonic() < deadline:
+            status = get_json(f"{self.settings.cp_url}/debug/status", token=token)
+            link = status.get("scheduler") if isinstance(status, dict) else None
+            if isinstance(link, dict) and not link.get("registered"):
+                return
+            time.sleep(0.05)
+        log.warning("the sidecar had not left the Scheduler after %.1fs; stopping anyway", LEAVE_WAIT_S)
 
     def children(self) -> list[Child]:
         return [self.sidecar, *self.instances, *self.workers]

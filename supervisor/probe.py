@@ -6,10 +6,11 @@ import json
 import urllib.request
 
 
-def get_json(url: str, timeout_s: float = 1.0) -> object | None:
+def get_json(url: str, timeout_s: float = 1.0, token: str | None = None) -> object | None:
     """The decoded body, or None if nothing (or no JSON) answered in time."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
             return json.loads(response.read())
     except (OSError, ValueError):
         return None

@@ -68,11 +68,18 @@ class RollingRestart:
             self._current = None
         return True
 
+    def replacing(self, child: Child) -> bool:
+        """Is `child` the worker whose replacement is starting right now?"""
+        return self._current is not None and self._current[1] is child
+
     def _retire(self, child: Child, now: float) -> None:
         old = child.process
         assert old is not None
         old.send_signal(signal.SIGTERM)
         self._retired.append(Retired(child.name, old, now))
+        # The slot no longer names the old process: its exit is the retired list's business,
+        # not a crash for the arbiter to restart (the replacement is started here).
+        child.process = None
         log.info("%s (pid %d) draining; starting its replacement", child.name, old.pid)
 
     def _start_replacement(self, now: float) -> None:

@@ -47,6 +47,10 @@ def test_checks_compare_medians_and_fail_when_a_contender_is_missing() -> None:
     assert (within["value"], within["pass"]) == (1.101, False)   # 10.1 % worse than the reference
     assert (per_worker["value"], per_worker["pass"]) == (1.0, False)  # a tie does not beat
     assert (rr["value"], rr["pass"]) == (0.5505, True)
+    # A claim about a contender that failed requests fails, however good its TTFTs look.
+    contenders[1] = {**_contender(summary.SHARED, 500.0), "runs": [{"errors": 0}, {"errors": 2}]}
+    within_failed = summary.checks(contenders)[0]
+    assert (within_failed["value"], within_failed["pass"], within_failed["failed_requests"]) == (0.5, False, 2)
     missing = summary.checks(contenders[:2])
     assert [c["pass"] for c in missing] == [False, None, None]  # not measured: neither
     assert missing[1]["value"] is None

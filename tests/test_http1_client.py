@@ -296,3 +296,49 @@ def test_idle_bound_counts_only_waits_for_data():
             assert b"".join(got) == b"onetwo"
 
     run(main())
+
+
+def test_a_reused_connection_the_instance_closed_as_we_sent_is_retried_once_on_a_new_one():
+    """The keep-alive race: the instance closes an idle connection just as a request goes out
+    on it. It never read the request, so it is sent again on a new connection; a new
+    connection that fails the same way is the instance's failure (502)."""
+    answered: list[int] = []
+
+    async def answer_once_per_connection(reader, writer):
+        if id(writer) in answered:  # the second request on a connection: closed unanswered
+            writer.close()
+            return
+        answered.append(id(writer))
+        writer.write(OK_JSON)
+
+    async def main():
+        async with Server(answer_once_per_connection) as server:
+            upstream = Upstream(settings())
+            assert await post(upstream, server.port) == (200, "application/json", b'{"ok": true}')
+            assert await post(upstream, server.port) == (200, "application/json", b'{"ok": true}')
+            connections = server.connections
+        async with Server(lambda reader, writer: _close(writer)) as server:
+            with pytest.raises(HTTPError) as failed:  # a new connection is not retried
+                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            assert (failed.value.status, failed.value.code) == (502, "upstream_unavailable")
+            return connections, server.connections
+
+    assert run(main()) == (2, 1)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+def test_a_transfer_coding_other_than_chunked_is_delimited_by_the_close():
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: identity\r\n\r\n{\"whole\": 1}")
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            return await post(upstream, server.port)
+
+    assert run(main()) == (200, "application/json", b'{"whole": 1}')

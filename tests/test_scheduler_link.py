@@ -190,6 +190,24 @@ def test_stopping_the_proxy_leaves_the_scheduler_before_the_workers_drain(make_c
     assert sched.calls()["unregister_calls"] == 1  # not again at the sidecar's own stop
 
 
+def test_a_sidecar_restarting_under_live_workers_stays_registered(make_cluster, schedulers):
+    """SIGTERM to the sidecar alone (a `systemctl restart` of its unit): the workers keep
+    serving, so the proxy does not leave the Scheduler; the new sidecar registers again (an
+    upsert) and heartbeats on."""
+    sched = schedulers()
+    cluster = make_cluster(workers=2, env=link_env(sched.url))
+    cluster.add_instance()
+    wait_until(lambda: (sched.proxy() or {}).get("heartbeats", 0) >= 1, 30, message="registered")
+    old = cluster.status()["sidecar"]["pid"]
+    os.kill(old, signal.SIGTERM)
+    wait_until(lambda: cluster.status()["sidecar"]["pid"] != old, 30, message="sidecar restarted")
+    heartbeats_after(sched, 2)
+    calls = sched.calls()
+    assert calls["unregister_calls"] == 0 and calls["register_calls"] == 2, calls
+    assert "staying registered with the Scheduler" in cluster.launcher_log()
+    assert http("POST", f"{cluster.dp_url}/v1/chat/completions", chat_body(stream=False))[0] == 200
+
+
 # --- a Scheduler that is down, restarted, or hanging ------------------------------------------------
 def test_scheduler_down_at_start_then_registers_when_it_comes_up(make_cluster, schedulers):
     sched = schedulers(start=False)  # nothing listens on its port yet

@@ -3,6 +3,7 @@ never logged; the simulated instance registers with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -54,6 +55,23 @@ def test_debug_reads_open_by_default_writes_closed(make_cluster):
     assert http("GET", f"{cluster.cp_url}/debug/instance_loads")[0] == 200
     assert http("POST", f"{cluster.cp_url}/v1/instance/register",
                 {"host": "127.0.0.1", "port": 9999})[0] == 401
+
+
+def test_a_web_page_cannot_register_on_a_control_plane_without_token(make_cluster):
+    """A page in a browser on this host can POST cross-site only as a "simple" request (form or
+    text/plain body, no preflight): the writing routes refuse those, so with no token set a page
+    still cannot register an instance and have requests sent to it."""
+    cluster = make_cluster(workers=1)
+    body = json.dumps({"host": "127.0.0.1", "port": 9999, "instance_id": "from-a-web-page"}).encode()
+    for media_type in ("text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                       "multipart/form-data; boundary=x"):
+        for path in ("/v1/instance/register", "/v1/instance/heartbeat", "/v1/instance/unregister"):
+            status, reply, _ = http("POST", f"{cluster.cp_url}{path}", raw=body,
+                                    headers={"Content-Type": media_type})
+            assert status == 415 and reply["error"] == "unsupported_media_type", (media_type, path, reply)
+    assert http("GET", f"{cluster.cp_url}/v1/instance/list")[1] == []
+    status, reply, _ = http("POST", f"{cluster.cp_url}/v1/instance/register", raw=body)  # JSON: fine
+    assert status == 200 and reply["instance_id"] == "from-a-web-page"
 
 
 def test_token_file_errors_name_the_variable(tmp_path):

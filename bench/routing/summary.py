@@ -124,6 +124,9 @@ def checks(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's claims about TTFT p99 (medians over repeats); a missing contender gives a
     check with value and pass None (not measured)."""
     p99 = {c["name"]: c["median"].get("ttft_p99_ms") for c in contenders}
+    # TTFTs come from answered requests only: a contender that failed some could look better
+    # than it is, so the contender a claim is about must have failed none.
+    failed = {c["name"]: sum((r.get("errors") or 0) for r in c.get("runs", [])) for c in contenders}
     specs = [
         ("4 workers least_load shared: TTFT p99 within 10 % of the 1-worker reference "
          "(ratio shared / reference <= 1.10)", SHARED, REFERENCE, 1.10, True),
@@ -137,8 +140,10 @@ def checks(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
         value = _ratio(p99.get(a), p99.get(b))
         # None: not measured (a contender left out or without TTFTs) -- neither pass nor fail.
         passed = None if value is None else (value <= threshold if inclusive else value < threshold)
+        if passed and failed.get(a):
+            passed = False
         out.append({"name": name, "value": value, "threshold": threshold, "pass": passed,
-                    "compares": [a, b]})
+                    "compares": [a, b], "failed_requests": failed.get(a)})
     return out
 
 
