@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 from bench.common import ChildProcess, SupervisorPorts, free_port, tree_cpu_s, tree_rss_bytes
 
@@ -95,7 +95,29 @@ class InstanceSpec:
     extra_args: tuple[str, ...] = ()
 
 
-class SimInstances:
+class Started:
+    """A context manager that starts in __enter__ (stopping what did start if that fails) and
+    stops, by pid, in __exit__."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SimInstances(Started):
     """Simulated instances on free ports; no registration anywhere (contenders register them)."""
 
     def __init__(self, specs: list[InstanceSpec], time_scale: float = DEFAULT_TIME_SCALE,
@@ -109,20 +131,12 @@ class SimInstances:
         self.ids: list[str] = []
         self._children: list[ChildProcess] = []
 
-    def __enter__(self) -> SimInstances:
-        try:
-            for spec in self.specs:
-                self._start_one(spec)
-            for url, child in zip(self.urls, self._children):
-                wait_for(lambda u=url: _ok(f"{u}/healthz"), START_TIMEOUT_S, f"instance {url}",
-                         child.running, child.tail)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def start(self) -> None:
+        for spec in self.specs:
+            self._start_one(spec)
+        for url, child in zip(self.urls, self._children):
+            wait_for(lambda u=url: _ok(f"{u}/healthz"), START_TIMEOUT_S, f"instance {url}",
+                     child.running, child.tail)
 
     def _start_one(self, spec: InstanceSpec) -> None:
         port = free_port()
@@ -166,8 +180,8 @@ class SimInstances:
 
 
 # --- contenders --------------------------------------------------------------------------------
-class Contender:
-    """Base: a context manager that starts in __enter__ and stops (by pid) in __exit__."""
+class Contender(Started):
+    """Base of everything measured: started by the harness, stopped by pid."""
 
     kind = "direct"
 
@@ -176,17 +190,6 @@ class Contender:
         self.url = ""
         self.workers: int | None = None
         self.strategy: str | None = None
-
-    def __enter__(self) -> Contender:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         """launch() then wait_ready(); a harness starting many may launch all, then wait."""

@@ -57,6 +57,15 @@ class Server:
             writer.close()
 
 
+def answer_then_close(raw: bytes) -> Answer:
+    """An instance that writes `raw` and closes the connection."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(raw)
+        await writer.drain()
+        writer.close()
+    return answer
+
+
 def run(coro: Awaitable[Any]) -> Any:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
@@ -119,10 +128,7 @@ def test_chunked_body_arrives_in_pieces_and_the_connection_is_reused():
 
 
 def test_truncated_body_fails_and_is_never_pooled():
-    async def answer(reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf")
-        await writer.drain()
-        writer.close()
+    answer = answer_then_close(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf")
 
     async def main():
         async with Server(answer) as server:
@@ -137,10 +143,7 @@ def test_truncated_body_fails_and_is_never_pooled():
 
 
 def test_body_delimited_by_close_is_complete_and_not_reused():
-    async def answer(reader, writer):
-        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"old\": 1}")
-        await writer.drain()
-        writer.close()
+    answer = answer_then_close(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"old\": 1}")
 
     async def main():
         async with Server(answer) as server:
@@ -153,10 +156,7 @@ def test_body_delimited_by_close_is_complete_and_not_reused():
 
 
 def test_connection_close_answer_and_idle_closed_by_the_server_are_not_reused():
-    async def answer(reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        writer.close()
+    answer = answer_then_close(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
 
     async def main():
         async with Server(answer) as server:
@@ -331,10 +331,7 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 
 
 def test_a_transfer_coding_other_than_chunked_is_delimited_by_the_close():
-    async def answer(reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: identity\r\n\r\n{\"whole\": 1}")
-        await writer.drain()
-        writer.close()
+    answer = answer_then_close(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: identity\r\n\r\n{\"whole\": 1}")
 
     async def main():
         async with Server(answer) as server:
