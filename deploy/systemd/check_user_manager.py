@@ -15,6 +15,8 @@ Differences from a real install, each forced by a user manager or by this kind o
   output goes to files (no journald).
 - ProtectHome=read-only instead of yes when this venv's interpreter lives under /root or /home
   (pyenv): ProtectHome=yes would hide it (status 203/EXEC) -- see docs/INSTALL.md.
+- PrivateTmp=no instead of yes when this checkout or its venv lives under /tmp (a CI clone):
+  a private /tmp would hide the program (203/EXEC). The metrics directory is not in /tmp.
 - In the manager's mount namespace: /run is made a mount point and the runtime directory a
   tmpfs (as on any systemd host; otherwise sandboxed units get an empty /run and
   RuntimeDirectory= is not removed), and /run/systemd/{system,inaccessible} exist. The host's
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
+PROJECT = HERE.parent.parent  # the checkout, installed in editable mode: the units import from it
 VENV_BIN = Path(sys.executable).parent
 SYSTEMD = "/lib/systemd/systemd"
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")]
@@ -175,6 +178,8 @@ def install_units(scratch: Path, env: dict[str, str]) -> None:
                             "StandardError=inherit\n", 1)
         if interpreter.startswith(("/root/", "/home/")):
             text = text.replace("ProtectHome=yes", "ProtectHome=read-only")
+        if any(path.startswith(("/tmp/", "/var/tmp/")) for path in (str(VENV_BIN), str(PROJECT))):
+            text = text.replace("PrivateTmp=yes", "PrivateTmp=no")
         (unit_dir / name).write_text(text)
 
 
