@@ -40,6 +40,8 @@ from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parent.parent  # the checkout, installed in editable mode: the units import from it
+sys.path.insert(0, str(PROJECT))  # run as a script from the checkout: its helpers are importable
+from bench.common import free_port, free_port_range  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 SYSTEMD = "/lib/systemd/systemd"
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")]
@@ -47,29 +49,6 @@ UNITS = ("cacheroute-proxy.target", "cacheroute-proxy-runtime.service",
          "cacheroute-proxy-sidecar.service", "cacheroute-proxy-worker@.service")
 WORKERS = (0, 1)
 FAILING_INDEX = 7  # a worker whose private port is taken: exit 2, no restart
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_port_range(count: int) -> int:
-    for _ in range(100):
-        base = free_port()
-        socks = []
-        try:
-            for port in range(base, base + count):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
 
 
 class Check:
