@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,18 +22,42 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- ports -----------------------------------------------------------------------------------
+LISTEN_PORTS_FROM = 10000  # listeners are picked from here up to the kernel's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that is free right now, below the ephemeral range: a port the
+    kernel hands out as port 0 can be taken by any outgoing connection's source port before our
+    server binds it (seen as "address already in use" under load); one below is not."""
+    rng = random.Random()  # not the tests' seeded global one
+    high = _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(LISTEN_PORTS_FROM, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # an exotic port range: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def free_port_range(count: int) -> int:
     """A base port such that base .. base+count-1 are all free right now."""
+    low = _ephemeral_low()
     for _ in range(200):
         base = free_port()
-        if base + count >= 65000:
+        if base + count >= 65000 or base < low < base + count:  # not into the ephemeral range
             continue
         socks: list[socket.socket] = []
         try:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
+from bench.common import free_port, free_port_range
 from sim_instance import timing
 from sim_instance.config import ConfigError, Knobs, SimConfig
 from sim_instance.registration import register_body
@@ -53,26 +54,9 @@ T = TypeVar("T")
 
 # --------------------------------------------------------------------------- process helpers
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def free_port_pair() -> int:
     """A port P such that P and P + 1 are both free right now (data + default CP port)."""
-    for _ in range(100):
-        port = free_port()
-        if port >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
+    return free_port_range(2)
 
 
 class SimProcess:
