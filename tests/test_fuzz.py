@@ -124,6 +124,10 @@ def env(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("fuzz")
     cluster = Cluster(tmp, workers=2, env=CLUSTER_ENV)
     kdn: Process | None = None
+    # Bound, never listening, held for the module: connections to it are refused, and no server
+    # started later can take the port (a port merely found free once could be reused).
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
     try:
         cluster.start()
         kdn_port = free_port()
@@ -131,8 +135,9 @@ def env(tmp_path_factory):  # type: ignore[no-untyped-def]
                       {}, tmp / "kdn.log")
         wait_until(lambda: get(f"http://127.0.0.1:{kdn_port}/healthz", timeout=1), 20, message="sim KDN up")
         sim = cluster.add_instance(time_scale=0.02, instance_id=FIXTURE_ID)
-        yield Env(cluster, sim, f"127.0.0.1:{kdn_port}", free_port(), cluster.worker_pids())
+        yield Env(cluster, sim, f"127.0.0.1:{kdn_port}", closed.getsockname()[1], cluster.worker_pids())
     finally:
+        closed.close()
         if kdn is not None:
             kdn.stop()
         cluster.stop()
