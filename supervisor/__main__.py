@@ -17,7 +17,7 @@ from cacheroute import logs
 from cacheroute.auth import load_token
 from cacheroute.config import ConfigError, Settings
 
-from . import status_view
+from . import probe, status_view
 
 # `cacheroute-proxy <role> ...` hands the rest of the command line to the role's own entry point,
 # so its options are parsed in one place (`python -m sidecar`, `python -m proxy_workers`).
@@ -117,7 +117,7 @@ def _inspect(args: argparse.Namespace) -> int:
                        else ("/debug/instance_loads", status_view.format_loads))
 
     def render() -> str:
-        return formatter(status_view.fetch(base + path, token))
+        return formatter(probe.fetch(base + path, token))
     try:
         return status_view.show(render, sys.stdout, args.watch)
     except KeyboardInterrupt:

@@ -3,17 +3,9 @@ read from the control plane's debug endpoints and printed as text."""
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
-import urllib.request
 from typing import Any, Callable, TextIO
-
-
-def fetch(url: str, token: str | None = None, timeout: float = 3.0) -> Any:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
 
 
 def format_status(status: dict[str, Any]) -> str:
