@@ -190,25 +190,29 @@ class FloorContender(Contender):
 
 
 # --- a baseline: the same tree with the hot-path files as they were at a git ref ---------------
-HOT_PATH_FILES = ("app.py", "exchange.py", "upstream.py", "sse.py", "request_model.py",
-                  "pipeline.py", "router.py", "metrics.py", "tracker.py", "http1_client.py",
-                  "drain.py", "server.py")
+HOT_PATH_FILES = tuple(f"proxy_workers/{name}" for name in (
+    "app.py", "exchange.py", "upstream.py", "sse.py", "request_model.py", "pipeline.py",
+    "router.py", "metrics.py", "tracker.py", "http1_client.py", "drain.py", "server.py",
+    "uvicorn_cycle.py")) + (
+    "sidecar/timelines.py", "sidecar/pressure.py", "shm_schema/counters.py",
+    "shm_schema/events.py", "cacheroute/routing/load_view.py", "cacheroute/clock.py")
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
-    """A copy of this working tree whose proxy_workers hot-path files come from `ref`, so an
-    A/B compares exactly those files (everything else is today's)."""
+    """A copy of this working tree whose hot-path files (worker, sidecar event path, shared
+    counters) come from `ref`, so an A/B compares exactly those files (everything else is
+    today's)."""
     tree = into / f"baseline-{ref}"
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__",
                                                                  "*.egg-info", "results"))
     for name in HOT_PATH_FILES:
-        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:proxy_workers/{name}"],
+        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{name}"],
                               capture_output=True, check=False)
         if done.returncode != 0:
             if b"exists on disk, but not in" in done.stderr or b"does not exist in" in done.stderr:
                 continue  # newer than REF: nothing at REF imports it, today's copy stays unused
             raise SystemExit(f"--baseline {ref}: {done.stderr.decode().strip()}")
-        (tree / "proxy_workers" / name).write_bytes(done.stdout)
+        (tree / name).write_bytes(done.stdout)
     return tree
 
 

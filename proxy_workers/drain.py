@@ -34,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .sse import cut_meta_event
+from .uvicorn_cycle import notify_disconnect
 
 log = logging.getLogger("cacheroute.worker")
 
@@ -152,13 +153,19 @@ class DrainGate:
 
 def draining_protocol(drain: Drain) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, with a shutdown that never closes a connection under a
-    request that may be on its way (see the module docstring)."""
+    request that may be on its way (see the module docstring), and that tells a request
+    waiting for its client to leave (`uvicorn_cycle.watch_disconnect`) when it does."""
 
     class DrainingHttpTools(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if drain.draining:  # accepted after the listeners closed: shut down like the others
                 self.shutdown()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            super().connection_lost(exc)
+            notify_disconnect(cycle)
 
         def shutdown(self) -> None:
             cycle = self.cycle

@@ -28,6 +28,7 @@ from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event, meta_object
 from .http1_client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
+from .uvicorn_cycle import send_whole, unwatch_disconnect, watch_disconnect
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -65,11 +66,16 @@ class Responder:
 
     async def whole(self, status: int, content_type: tuple[bytes, bytes], body: bytes,
                     lease: Lease | None = None, headers: dict[str, str] | None = None) -> None:
-        raw = [content_type, (b"content-length", b"%d" % len(body))]
+        raw = [content_type]
         if lease is not None:
             raw.append(_instance_header(lease))
         if headers:
             raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        if send_whole(self.send, status, [*raw, self._tail], body):
+            self.status = status
+            self.started = True
+            return
+        raw.append((b"content-length", b"%d" % len(body)))
         await self.start(status, raw)
         await self.send({"type": "http.response.body", "body": body})
 
@@ -101,7 +107,7 @@ class ProxyExchange:
             tried |= {(lease.instance.slot, lease.instance.generation)}
             last = attempt == self._retries or not self._router.has_alternative(tried)
             try:
-                retry = await run_until_disconnect(self._run(lease, out, last), receive)
+                retry = await run_until_disconnect(self._run(lease, out, last), out.send, receive)
             finally:
                 lease.release()
             if not retry:
@@ -112,8 +118,8 @@ class ProxyExchange:
     async def _run(self, lease: Lease, out: Responder, last: bool) -> bool:
         """True if the attempt failed before sending anything and another should be made."""
         try:
-            async with self._pipeline.admitted(lease, self._job):
-                return await self._forward(lease, out, last)
+            return await self._pipeline.run_admitted(lease, self._job,
+                                                     lambda: self._forward(lease, out, last))
         except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
             await out.error(exc, lease)
             return False
@@ -243,24 +249,30 @@ def with_meta(body: bytes, meta: dict[str, Any]) -> bytes:
     return body.rstrip()[:-1] + b',"_cacheroute_meta":' + encoded + b"}"
 
 
-async def run_until_disconnect(work: Awaitable[T], receive: Receive) -> T | None:
+async def run_until_disconnect(work: Awaitable[T], send: Send, receive: Receive) -> T | None:
     """Await `work` in this task; if the client disconnects first, cancel it and return None.
 
-    One watcher task (not a second task for the work plus asyncio.wait): it cancels this task,
-    and the CancelledError it causes is recognised here and absorbed; any other cancellation
-    (server shutdown, drain) goes on up."""
+    The CancelledError this causes is recognised here and absorbed; any other cancellation
+    (server shutdown, drain) goes on up. Under uvicorn the protocol calls back on disconnect
+    (uvicorn_cycle.watch_disconnect); elsewhere one watcher task reads `receive()`."""
     task = asyncio.current_task()
     assert task is not None
     state = {"done": False, "gone": False}
 
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+    def client_gone() -> None:
         if not state["done"]:  # never cancel a task that already left `work`
             state["gone"] = True
             task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    cycle = watch_disconnect(send, client_gone)
+    watcher = None
+    if cycle is None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
     try:
         result = await work
     except asyncio.CancelledError:
@@ -270,7 +282,10 @@ async def run_until_disconnect(work: Awaitable[T], receive: Receive) -> T | None
         return None
     finally:
         state["done"] = True
-        watcher.cancel()
+        if cycle is not None:
+            unwatch_disconnect(cycle)
+        if watcher is not None:
+            watcher.cancel()
     return result
 
 

@@ -16,11 +16,10 @@ one-at-a-time gate: admission is the only limit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from cacheroute.clock import now_ms
 from cacheroute.config import Settings
@@ -32,6 +31,8 @@ from .knowledge import Knowledge, KnowledgePreparer
 from .request_model import ProxyRequest
 from .router import Lease
 from .tracker import RequestTracker
+
+T = TypeVar("T")
 
 ADMISSION_POLL_S = (0.001, 0.002, 0.005)  # cross-worker releases are seen by polling; local ones wake at once
 
@@ -148,9 +149,10 @@ class Pipeline:
             stages = self._stages[key] = InstanceStages(asyncio.Semaphore(self._settings.prepare_concurrency))
         return stages
 
-    @contextlib.asynccontextmanager
-    async def admitted(self, lease: Lease, job: Job) -> AsyncIterator[None]:
-        """Prepare, wait for the turn and for admission; forward inside; clean up on exit."""
+    async def run_admitted(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> T:
+        """Prepare, wait for the turn and for admission; then `forward()`; clean up on exit.
+        (A coroutine taking the work, not an async context manager: one frame less per
+        request on the hot path.)"""
         settings = self._settings
         stages = self._stages_for(lease)
         if stages.queued >= settings.max_queue_per_instance:
@@ -187,8 +189,9 @@ class Pipeline:
                     self._abandon(stages, ticket)
             failed = True
             try:
-                yield
+                result = await forward()
                 failed = False
+                return result
             finally:
                 lease.leave(layout.LANE_READY_ACTIVE)
                 stages.admission.wake()

@@ -16,6 +16,7 @@ All times are wall-clock seconds; snapshots publish them as absolute microsecond
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +41,9 @@ class Reservation:
 @dataclass
 class InstanceTimeline:
     ready_slots: int
+    # When each ready slot frees up, as a min-heap: only the multiset matters (the earliest
+    # free slot is taken), and READY_CONCURRENCY may be 64, where a linear min per event was
+    # most of the sidecar's CPU.
     slot_free: list[float] = field(default_factory=list)
     prefill_free: float = 0.0
     pending: dict[int, Reservation] = field(default_factory=dict)   # reservation order
@@ -51,10 +55,9 @@ class InstanceTimeline:
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
         res = Reservation(key, service_s, decode_s, reserved_at=t)
-        i = min(range(self.ready_slots), key=self.slot_free.__getitem__)
-        prefill_start = max(t, self.slot_free[i], self.prefill_free)
+        prefill_start = max(t, self.slot_free[0], self.prefill_free)
         res.predicted_first_token = prefill_start + service_s
-        self.slot_free[i] = res.predicted_end
+        heapq.heapreplace(self.slot_free, res.predicted_end)
         self.prefill_free = res.predicted_first_token
         self.pending[key] = res
         return res
@@ -80,13 +83,15 @@ class InstanceTimeline:
 
     def _recompute(self, now: float) -> None:
         """Re-anchor every pending reservation on `now` (service times are not re-predicted)."""
-        busy = sorted(max(now, r.predicted_end) for r in self.decoding.values())
-        slots = (busy + [now] * self.ready_slots)[:self.ready_slots]
+        busy = [max(now, r.predicted_end) for r in self.decoding.values()]
+        if len(busy) >= self.ready_slots:
+            slots = heapq.nsmallest(self.ready_slots, busy)  # sorted, so already a heap
+        else:
+            slots = [now] * (self.ready_slots - len(busy)) + sorted(busy)
         cursor = now
         for res in self.pending.values():
-            i = min(range(self.ready_slots), key=slots.__getitem__)
-            res.predicted_first_token = max(slots[i], cursor) + res.service_s
-            slots[i] = res.predicted_end
+            res.predicted_first_token = max(slots[0], cursor) + res.service_s
+            heapq.heapreplace(slots, res.predicted_end)
             cursor = res.predicted_first_token
         self.slot_free = slots
         self.prefill_free = cursor
@@ -96,7 +101,7 @@ class InstanceTimeline:
         return Pressure(generation=generation,
                         pending_prefill_count=len(self.pending),
                         active_decode_count=len(self.decoding),
-                        next_slot_free_at_us=int(min(self.slot_free) * 1e6),
+                        next_slot_free_at_us=int(self.slot_free[0] * 1e6),
                         prefill_free_at_us=int(self.prefill_free * 1e6),
                         decode_free_at_us=int(max(ends, default=0.0) * 1e6))
 

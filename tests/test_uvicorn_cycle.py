@@ -1,0 +1,251 @@
+"""The hot-path shortcuts through uvicorn's RequestResponseCycle (proxy_workers/uvicorn_cycle.py),
+against a real uvicorn server on 127.0.0.1 running the worker's own protocol class: if the pinned
+uvicorn's internals move, these fail instead of the worker silently taking the slow path (or
+answering wrongly)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any, Awaitable, Callable
+
+import uvicorn
+import uvloop
+
+from proxy_workers.drain import Drain, draining_protocol
+from proxy_workers.uvicorn_cycle import send_whole, unwatch_disconnect, watch_disconnect
+
+Scope = dict[str, Any]
+App = Callable[[Scope, Any, Any], Awaitable[None]]
+BODY = b'{"answer": 42}'
+
+
+class Harness:
+    """uvicorn with the worker's protocol on a pre-bound port, and what the app saw."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.fast: list[bool] = []
+        self.events: list[str] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(self.app, http=draining_protocol(Drain(5.0)), loop="asyncio",
+                                lifespan="off", log_config=None, access_log=False,
+                                timeout_keep_alive=5)
+        self.server = uvicorn.Server(config)
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Harness:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 10)
+
+
+async def exchange(port: int, requests: list[bytes], read_until_close: bool = False) -> bytes:
+    """Send raw requests on one connection; the bytes that came back."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    received = b""
+    try:
+        for sent, request in enumerate(requests, 1):
+            writer.write(request)
+            await writer.drain()
+            while received.count(BODY) < sent:  # each answer before the next request
+                chunk = await asyncio.wait_for(reader.read(65536), 5)
+                if not chunk:
+                    break
+                received += chunk
+        if read_until_close:
+            received += await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    return received
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # the worker's loop
+        return runner.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+
+
+def post(extra: bytes = b"") -> bytes:
+    return b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n" + extra + b"\r\n{}"
+
+
+def whole_app(harness_ref: list[Harness]) -> App:
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        fast = send_whole(send, 200, [(b"content-type", b"application/json"),
+                                      (b"x-test", b"yes")], BODY)
+        harness_ref[0].fast.append(fast)
+        if not fast:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(BODY)).encode())]})
+            await send({"type": "http.response.body", "body": BODY})
+    return app
+
+
+def test_whole_response_in_one_write_keeps_the_connection_alive() -> None:
+    run(_whole_response_in_one_write_keeps_the_connection_alive())
+
+
+async def _whole_response_in_one_write_keeps_the_connection_alive() -> None:
+    ref: list[Harness] = []
+    async with Harness(whole_app(ref)) as harness:
+        ref.append(harness)
+        received = await exchange(harness.port, [post(), post(), post()])
+    assert harness.fast == [True, True, True]  # the pinned uvicorn takes the fast path
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 3  # all on one connection: keep-alive bookkeeping done each time
+    for answer in answers:
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"200 OK")
+        assert b"content-length: %d" % len(BODY) in head
+        assert b"x-test: yes" in head and b"content-type: application/json" in head
+        assert b"connection: close" not in head
+        assert body == BODY
+
+
+def test_whole_response_honours_connection_close() -> None:
+    run(_whole_response_honours_connection_close())
+
+
+async def _whole_response_honours_connection_close() -> None:
+    ref: list[Harness] = []
+    async with Harness(whole_app(ref)) as harness:
+        ref.append(harness)
+        received = await exchange(harness.port, [post(b"connection: close\r\n")],
+                                  read_until_close=True)
+    assert harness.fast == [True]
+    assert b"connection: close" in received and received.endswith(BODY)
+
+
+def test_head_and_started_responses_take_the_normal_path() -> None:
+    run(_head_and_started_responses_take_the_normal_path())
+
+
+async def _head_and_started_responses_take_the_normal_path() -> None:
+    results: list[bool] = []
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        if scope["method"] == "HEAD":
+            results.append(send_whole(send, 200, [], BODY))
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(BODY)).encode())]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(BODY)).encode())]})
+        results.append(send_whole(send, 200, [], BODY))  # too late: the head is out
+        await send({"type": "http.response.body", "body": BODY})
+
+    async with Harness(app) as harness:
+        await exchange(harness.port, [post()])
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(b"HEAD /x HTTP/1.1\r\nhost: t\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+    assert results == [False, False]
+    assert head.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_header_value_with_a_line_break_is_refused() -> None:
+    run(_a_header_value_with_a_line_break_is_refused())
+
+
+async def _a_header_value_with_a_line_break_is_refused() -> None:
+    errors: list[str] = []
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        try:
+            send_whole(send, 200, [(b"x-bad", b"a\r\nset-cookie: x")], BODY)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        await send({"type": "http.response.start", "status": 500,
+                    "headers": [(b"content-length", str(len(BODY)).encode())]})
+        await send({"type": "http.response.body", "body": BODY})
+
+    async with Harness(app) as harness:
+        received = await exchange(harness.port, [post()])
+    assert errors == ["Invalid HTTP header value."]
+    assert received.startswith(b"HTTP/1.1 500") and b"set-cookie" not in received
+
+
+def test_disconnect_callback_fires_once_when_the_client_leaves() -> None:
+    run(_disconnect_callback_fires_once_when_the_client_leaves())
+
+
+async def _disconnect_callback_fires_once_when_the_client_leaves() -> None:
+    called: list[str] = []
+    registered = asyncio.Event()
+    finished = asyncio.Event()
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        cycle = watch_disconnect(send, lambda: called.append("gone"))
+        assert cycle is not None
+        registered.set()
+        for _ in range(500):  # the answer never comes: the client gives up first
+            if called:
+                break
+            await asyncio.sleep(0.01)
+        unwatch_disconnect(cycle)
+        finished.set()
+
+    async with Harness(app) as harness:
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(post())
+        await asyncio.wait_for(registered.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(finished.wait(), 5)
+    assert called == ["gone"]
+
+
+def test_no_callback_after_unwatch_or_after_the_response() -> None:
+    run(_no_callback_after_unwatch_or_after_the_response())
+
+
+async def _no_callback_after_unwatch_or_after_the_response() -> None:
+    called: list[str] = []
+    done = asyncio.Event()
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        cycle = watch_disconnect(send, lambda: called.append("unwatched"))
+        assert cycle is not None
+        unwatch_disconnect(cycle)
+        watch_disconnect(send, lambda: called.append("after the response"))
+        assert send_whole(send, 200, [], BODY)
+        done.set()
+
+    async with Harness(app) as harness:
+        received = await exchange(harness.port, [post()])
+        await asyncio.wait_for(done.wait(), 5)
+        await asyncio.sleep(0.1)  # the connection is closed by now; no callback may run
+    assert received.endswith(BODY)
+    assert called == []
+
+
+def test_other_servers_get_plain_asgi() -> None:
+    async def send(message: dict[str, Any]) -> None:  # not a uvicorn cycle's bound method
+        raise AssertionError("not called")
+
+    assert send_whole(send, 200, [], BODY) is False
+    assert watch_disconnect(send, lambda: None) is None
