@@ -95,19 +95,20 @@ class ProxyExchange:
         self._upstream = upstream
         self._job = Job(request, trace)
         self._retries = retries
+        self._attempt = 0
+        self._tried: frozenset[tuple[int, int]] = frozenset()
 
     async def run(self, receive: Receive, out: Responder) -> None:
-        tried: frozenset[tuple[int, int]] = frozenset()
         for attempt in range(1 + self._retries):
+            self._attempt = attempt
             try:
-                lease = self._router.acquire(self._job.trace, tried)
+                lease = self._router.acquire(self._job.trace, self._tried)
             except HTTPError as exc:
                 await out.error(exc)
                 return
-            tried |= {(lease.instance.slot, lease.instance.generation)}
-            last = attempt == self._retries or not self._router.has_alternative(tried)
+            self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
-                retry = await run_until_disconnect(self._run(lease, out, last), out.send, receive)
+                retry = await run_until_disconnect(self._run(lease, out), out.send, receive)
             finally:
                 lease.release()
             if not retry:
@@ -115,16 +116,21 @@ class ProxyExchange:
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
             self._job.trace["retries"] = attempt + 1
 
-    async def _run(self, lease: Lease, out: Responder, last: bool) -> bool:
+    def _can_retry(self) -> bool:
+        """Asked only once an attempt failed: another is allowed, and there is an instance to
+        make it on."""
+        return self._attempt < self._retries and self._router.has_alternative(self._tried)
+
+    async def _run(self, lease: Lease, out: Responder) -> bool:
         """True if the attempt failed before sending anything and another should be made."""
         try:
             return await self._pipeline.run_admitted(lease, self._job,
-                                                     lambda: self._forward(lease, out, last))
+                                                     lambda: self._forward(lease, out))
         except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
             await out.error(exc, lease)
             return False
 
-    async def _forward(self, lease: Lease, out: Responder, last: bool) -> bool:
+    async def _forward(self, lease: Lease, out: Responder) -> bool:
         job = self._job
         request, trace = job.request, job.trace
         key = (lease.instance.slot, lease.instance.generation)
@@ -139,13 +145,13 @@ class ProxyExchange:
                                                  request.encoded_body(), headers)
         except HTTPError as exc:
             outliers.failed(key)
-            if not last and exc.code == "upstream_unavailable":
+            if exc.code == "upstream_unavailable" and self._can_retry():
                 return True
             await out.error(exc, lease)
             return False
         if response.status >= 500:
             outliers.failed(key)
-            if not last and response.status in _RETRY_STATUSES:
+            if response.status in _RETRY_STATUSES and self._can_retry():
                 response.close()
                 return True
         finished = False
