@@ -14,7 +14,7 @@ the request's own task.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import msgspec
 
@@ -255,7 +255,8 @@ def with_meta(body: bytes, meta: dict[str, Any]) -> bytes:
     return body.rstrip()[:-1] + b',"_cacheroute_meta":' + encoded + b"}"
 
 
-async def run_until_disconnect(work: Awaitable[T], send: Send, receive: Receive) -> T | None:
+async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
+                               receive: Receive) -> T | None:
     """Await `work` in this task; if the client disconnects first, cancel it and return None.
 
     The CancelledError this causes is recognised here and absorbed; any other cancellation
@@ -271,6 +272,10 @@ async def run_until_disconnect(work: Awaitable[T], send: Send, receive: Receive)
             task.cancel()
 
     cycle = watch_disconnect(send, client_gone)
+    if cycle is not None and cycle.disconnected:  # gone before we started watching
+        unwatch_disconnect(cycle)
+        work.close()
+        return None
     watcher = None
     if cycle is None:
         async def watch() -> None:

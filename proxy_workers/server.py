@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import socket
 import time
@@ -80,6 +81,9 @@ class _Lifespan:
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events())]
+        # Everything built so far lives as long as the worker: out of the collector's sight, a
+        # full collection scans only what requests allocate (it took ~40 ms otherwise).
+        gc.freeze()
         try:
             yield
         finally:

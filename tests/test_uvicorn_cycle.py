@@ -249,3 +249,72 @@ def test_other_servers_get_plain_asgi() -> None:
 
     assert send_whole(send, 200, [], BODY) is False
     assert watch_disconnect(send, lambda: None) is None
+
+
+def test_run_until_disconnect_cancels_the_work_when_the_client_leaves() -> None:
+    run(_run_until_disconnect_cancels())
+
+
+async def _run_until_disconnect_cancels() -> None:
+    from proxy_workers.exchange import run_until_disconnect
+
+    outcome: list[object] = []
+    started = asyncio.Event()
+    finished = asyncio.Event()
+
+    async def work() -> str:
+        started.set()
+        await asyncio.sleep(30)  # an upstream that never answers
+        return "answered"
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        outcome.append(await run_until_disconnect(work(), send, receive))
+        finished.set()
+
+    async with Harness(app) as harness:
+        _, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(post())
+        await asyncio.wait_for(started.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(finished.wait(), 5)
+    assert outcome == [None]  # cancelled and absorbed: not an error, not "answered"
+
+
+def test_run_until_disconnect_does_not_start_for_a_client_already_gone() -> None:
+    run(_already_gone())
+
+
+async def _already_gone() -> None:
+    from proxy_workers.exchange import run_until_disconnect
+    from proxy_workers.uvicorn_cycle import cycle_of
+
+    outcome: list[object] = []
+    ran: list[bool] = []
+    finished = asyncio.Event()
+
+    async def work() -> str:
+        ran.append(True)
+        return "answered"
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        cycle = cycle_of(send)
+        assert cycle is not None
+        while not cycle.disconnected:  # the client leaves between its body and the forward
+            await asyncio.sleep(0.01)
+        outcome.append(await run_until_disconnect(work(), send, receive))
+        finished.set()
+
+    async with Harness(app) as harness:
+        _, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(post())
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.close()
+        await asyncio.wait_for(finished.wait(), 5)
+    assert outcome == [None] and ran == []

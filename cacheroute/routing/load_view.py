@@ -79,8 +79,13 @@ class LoadView:
 
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
         """Predicted wait before a new request on `instance` could start prefill, from a fresh
-        snapshot; None if the predicted layer is unknown."""
-        return self._predicted([instance], instance.slot + 1)["predicted_total_backlog_ms"][0]
+        snapshot; None if the predicted layer is unknown. (Once per request: one record, not
+        every component.)"""
+        now_us = clock.now_us()
+        if self.predicted_source(now_us) != "fresh":
+            return None
+        record = self._record(instance, self.snapshots.records(instance.slot + 1))
+        return None if record is None else max(_free_in_ms(record, now_us))
 
     def snapshot_age_ms(self) -> float | None:
         published = self.snapshots.published_us()
@@ -145,20 +150,30 @@ class LoadView:
         result: dict[str, list[Any]] = {name: [] for name in names}
         fresh = self.predicted_source(now_us) == "fresh"
         records = self.snapshots.records(span) if fresh else ()
-        fields = layout.SNAPSHOT_FIELDS
         for inst in instances:
-            record = records[fields * inst.slot:fields * (inst.slot + 1)]
-            if not record or record[0] != inst.generation:
+            record = self._record(inst, records)
+            if record is None:
                 for name in names:
                     result[name].append(None)
                 continue
-            _, pending, decoding, slot_free_us, prefill_free_us, _ = record
-            slot_in = max(0.0, (slot_free_us - now_us) / 1000)
-            prefill_in = max(0.0, (prefill_free_us - now_us) / 1000)
-            result["pending_prefill_count"].append(pending)
-            result["active_decode_count"].append(decoding)
+            slot_in, prefill_in = _free_in_ms(record, now_us)
+            result["pending_prefill_count"].append(record[1])
+            result["active_decode_count"].append(record[2])
             result["predicted_total_backlog_ms"].append(max(slot_in, prefill_in))
             if with_raw:
                 result["next_slot_ready_in_ms"].append(slot_in)
                 result["prefill_free_in_ms"].append(prefill_in)
         return result
+
+    @staticmethod
+    def _record(instance: SlotRef, records: Sequence[int]) -> Sequence[int] | None:
+        """The instance's snapshot record, if the snapshot describes its generation."""
+        fields = layout.SNAPSHOT_FIELDS
+        record = records[fields * instance.slot:fields * (instance.slot + 1)]
+        return record if record and record[0] == instance.generation else None
+
+
+def _free_in_ms(record: Sequence[int], now_us: int) -> tuple[float, float]:
+    """(next READY slot free in, prefill chain free in), ms from now, never negative."""
+    _, _, _, slot_free_us, prefill_free_us, _ = record
+    return max(0.0, (slot_free_us - now_us) / 1000), max(0.0, (prefill_free_us - now_us) / 1000)
