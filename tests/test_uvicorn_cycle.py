@@ -13,7 +13,8 @@ import uvicorn
 import uvloop
 
 from proxy_workers.drain import Drain, draining_protocol
-from proxy_workers.uvicorn_cycle import send_whole, unwatch_disconnect, watch_disconnect
+from proxy_workers.exchange import run_until_disconnect
+from proxy_workers.uvicorn_cycle import cycle_of, send_whole, unwatch_disconnect, watch_disconnect
 
 Scope = dict[str, Any]
 App = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -68,35 +69,47 @@ async def exchange(port: int, requests: list[bytes], read_until_close: bool = Fa
     return received
 
 
-def run(coro: Awaitable[Any]) -> Any:
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # the worker's loop
-        return runner.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+def in_loop(test: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """An async test run to completion on uvloop (the worker's loop), bounded."""
+    def run() -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(asyncio.wait_for(test(), 30))  # type: ignore[arg-type]
+    return run
+
+
+def http_app(handle: Callable[[Scope, Any, Any], Awaitable[None]]) -> App:
+    """An ASGI app that reads the request, then runs `handle(scope, send, receive)`."""
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await receive()
+            await handle(scope, send, receive)
+    return app
 
 
 def post(extra: bytes = b"") -> bytes:
     return b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n" + extra + b"\r\n{}"
 
 
+async def send_plain(send: Any, status: int = 200, body: bytes = BODY) -> None:
+    """A response through ASGI `send`: head (announcing BODY's length), then body."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", str(len(BODY)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def whole_app(harness_ref: list[Harness]) -> App:
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         fast = send_whole(send, 200, [(b"content-type", b"application/json"),
                                       (b"x-test", b"yes")], BODY)
         harness_ref[0].fast.append(fast)
         if not fast:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-length", str(len(BODY)).encode())]})
-            await send({"type": "http.response.body", "body": BODY})
+            await send_plain(send)
     return app
 
 
-def test_whole_response_in_one_write_keeps_the_connection_alive() -> None:
-    run(_whole_response_in_one_write_keeps_the_connection_alive())
-
-
-async def _whole_response_in_one_write_keeps_the_connection_alive() -> None:
+@in_loop
+async def test_whole_response_in_one_write_keeps_the_connection_alive() -> None:
     ref: list[Harness] = []
     async with Harness(whole_app(ref)) as harness:
         ref.append(harness)
@@ -113,11 +126,8 @@ async def _whole_response_in_one_write_keeps_the_connection_alive() -> None:
         assert body == BODY
 
 
-def test_whole_response_honours_connection_close() -> None:
-    run(_whole_response_honours_connection_close())
-
-
-async def _whole_response_honours_connection_close() -> None:
+@in_loop
+async def test_whole_response_honours_connection_close() -> None:
     ref: list[Harness] = []
     async with Harness(whole_app(ref)) as harness:
         ref.append(harness)
@@ -127,22 +137,15 @@ async def _whole_response_honours_connection_close() -> None:
     assert b"connection: close" in received and received.endswith(BODY)
 
 
-def test_head_and_started_responses_take_the_normal_path() -> None:
-    run(_head_and_started_responses_take_the_normal_path())
-
-
-async def _head_and_started_responses_take_the_normal_path() -> None:
+@in_loop
+async def test_head_and_started_responses_take_the_normal_path() -> None:
     results: list[bool] = []
 
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         if scope["method"] == "HEAD":
             results.append(send_whole(send, 200, [], BODY))
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-length", str(len(BODY)).encode())]})
-            await send({"type": "http.response.body", "body": b""})
+            await send_plain(send, body=b"")
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(BODY)).encode())]})
@@ -159,24 +162,17 @@ async def _head_and_started_responses_take_the_normal_path() -> None:
     assert head.startswith(b"HTTP/1.1 200 OK")
 
 
-def test_a_header_value_with_a_line_break_is_refused() -> None:
-    run(_a_header_value_with_a_line_break_is_refused())
-
-
-async def _a_header_value_with_a_line_break_is_refused() -> None:
+@in_loop
+async def test_a_header_value_with_a_line_break_is_refused() -> None:
     errors: list[str] = []
 
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         try:
             send_whole(send, 200, [(b"x-bad", b"a\r\nset-cookie: x")], BODY)
         except RuntimeError as exc:
             errors.append(str(exc))
-        await send({"type": "http.response.start", "status": 500,
-                    "headers": [(b"content-length", str(len(BODY)).encode())]})
-        await send({"type": "http.response.body", "body": BODY})
+        await send_plain(send, 500)
 
     async with Harness(app) as harness:
         received = await exchange(harness.port, [post()])
@@ -184,19 +180,14 @@ async def _a_header_value_with_a_line_break_is_refused() -> None:
     assert received.startswith(b"HTTP/1.1 500") and b"set-cookie" not in received
 
 
-def test_disconnect_callback_fires_once_when_the_client_leaves() -> None:
-    run(_disconnect_callback_fires_once_when_the_client_leaves())
-
-
-async def _disconnect_callback_fires_once_when_the_client_leaves() -> None:
+@in_loop
+async def test_disconnect_callback_fires_once_when_the_client_leaves() -> None:
     called: list[str] = []
     registered = asyncio.Event()
     finished = asyncio.Event()
 
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         cycle = watch_disconnect(send, lambda: called.append("gone"))
         assert cycle is not None
         registered.set()
@@ -216,18 +207,13 @@ async def _disconnect_callback_fires_once_when_the_client_leaves() -> None:
     assert called == ["gone"]
 
 
-def test_no_callback_after_unwatch_or_after_the_response() -> None:
-    run(_no_callback_after_unwatch_or_after_the_response())
-
-
-async def _no_callback_after_unwatch_or_after_the_response() -> None:
+@in_loop
+async def test_no_callback_after_unwatch_or_after_the_response() -> None:
     called: list[str] = []
     done = asyncio.Event()
 
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         cycle = watch_disconnect(send, lambda: called.append("unwatched"))
         assert cycle is not None
         unwatch_disconnect(cycle)
@@ -251,12 +237,8 @@ def test_other_servers_get_plain_asgi() -> None:
     assert watch_disconnect(send, lambda: None) is None
 
 
-def test_run_until_disconnect_cancels_the_work_when_the_client_leaves() -> None:
-    run(_run_until_disconnect_cancels())
-
-
-async def _run_until_disconnect_cancels() -> None:
-    from proxy_workers.exchange import run_until_disconnect
+@in_loop
+async def test_run_until_disconnect_cancels_the_work_when_the_client_leaves() -> None:
 
     outcome: list[object] = []
     started = asyncio.Event()
@@ -267,10 +249,8 @@ async def _run_until_disconnect_cancels() -> None:
         await asyncio.sleep(30)  # an upstream that never answers
         return "answered"
 
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         outcome.append(await run_until_disconnect(work(), send, receive))
         finished.set()
 
@@ -283,13 +263,8 @@ async def _run_until_disconnect_cancels() -> None:
     assert outcome == [None]  # cancelled and absorbed: not an error, not "answered"
 
 
-def test_run_until_disconnect_does_not_start_for_a_client_already_gone() -> None:
-    run(_already_gone())
-
-
-async def _already_gone() -> None:
-    from proxy_workers.exchange import run_until_disconnect
-    from proxy_workers.uvicorn_cycle import cycle_of
+@in_loop
+async def test_run_until_disconnect_does_not_start_for_a_client_already_gone() -> None:
 
     outcome: list[object] = []
     ran: list[bool] = []
@@ -299,10 +274,8 @@ async def _already_gone() -> None:
         ran.append(True)
         return "answered"
 
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
         cycle = cycle_of(send)
         assert cycle is not None
         while not cycle.disconnected:  # the client leaves between its body and the forward
