@@ -1,14 +1,14 @@
 """One proxied request, from lease to last byte.
 
 The lease is taken and released here and nowhere else, in one try/finally that covers every
-way out: success, upstream error, timeout, client disconnect (watched on `receive` while the
-upstream is read, so a silent stall is noticed too) and cancellation. A client that goes away
-also closes the upstream connection, so the instance stops generating for nobody.
+way out: success, upstream error, timeout, client disconnect (watched while the upstream is
+read, so a silent stall is noticed too) and cancellation. A client that goes away also closes
+the upstream connection, so the instance stops generating for nobody.
 
 Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's
 bytes (only a `[DONE]` line is looked for); a JSON answer gets `_cacheroute_meta` spliced in
-after a validating decode that builds no values; the disconnect watch is one task that cancels
-the request's own task.
+after a validating decode that builds no values, and leaves in one write; a disconnect is a
+callback from the protocol that cancels the request's own task (uvicorn_cycle.py).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ they publish, on a real segment."""
 
 from __future__ import annotations
 
+import random
 import uuid
 
 import pytest
@@ -103,3 +104,72 @@ def test_snapshot_double_buffer_and_generation_cache(seg):
     writer.publish({slot.slot: Pressure(slot.generation, 0, 0, 1, 1, 1)})
     assert reader.pressure(slot.slot, slot.generation).pending_prefill_count == 0
     assert reader.published_us() > 0
+
+
+def _linear_slots_reference(t: InstanceTimeline, ops: list[tuple[str, int, float, float, float]]) -> list:
+    """The timeline's predictions from a plain model of READY slots (a list searched for its
+    minimum every time), to hold the heap the sidecar keeps them in to the same answers."""
+    slots = [0.0] * t.ready_slots
+    prefill_free = 0.0
+    pending: dict[int, list[float]] = {}   # key -> [service, decode, predicted_first_token]
+    decoding: dict[int, float] = {}        # key -> predicted end
+    out = []
+
+    def recompute(now: float) -> None:
+        nonlocal slots, prefill_free
+        busy = sorted(max(now, end) for end in decoding.values())
+        slots = (busy + [now] * t.ready_slots)[:t.ready_slots]
+        cursor = now
+        for res in pending.values():
+            i = min(range(t.ready_slots), key=slots.__getitem__)
+            res[2] = max(slots[i], cursor) + res[0]
+            slots[i] = res[2] + res[1]
+            cursor = res[2]
+        prefill_free = cursor
+
+    for op, key, at, service, decode in ops:
+        if op == "reserve":
+            i = min(range(t.ready_slots), key=slots.__getitem__)
+            first = max(at, slots[i], prefill_free) + service
+            slots[i] = first + decode
+            prefill_free = first
+            pending[key] = [service, decode, first]
+        elif op == "first" and key in pending:
+            service, decode, _ = pending.pop(key)
+            decoding[key] = at + decode
+            recompute(at)
+        elif op == "complete":
+            decoding.pop(key, None)
+            if pending.pop(key, None) is not None:
+                recompute(at)
+        out.append((sorted(round(p[2], 9) for p in pending.values()), round(min(slots), 9),
+                    round(prefill_free, 9)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_heap_of_ready_slots_predicts_what_a_linear_search_does(seed):
+    rng = random.Random(seed)
+    timeline = InstanceTimeline(ready_slots=rng.choice([1, 2, 8, 64]))
+    ops, live, now = [], [], 100.0
+    for key in range(300):
+        now += rng.expovariate(20.0)
+        choice = rng.random()
+        if choice < 0.5 or not live:
+            ops.append(("reserve", key, now, rng.uniform(0.01, 0.5), rng.uniform(0.0, 2.0)))
+            live.append(key)
+        elif choice < 0.8:
+            ops.append(("first", rng.choice(live), now, 0.0, 0.0))
+        else:
+            ops.append(("complete", live.pop(rng.randrange(len(live))), now, 0.0, 0.0))
+    got = []
+    for op, key, at, service, decode in ops:
+        if op == "reserve":
+            timeline.reserve(key, at, service, decode)
+        elif op == "first":
+            timeline.first_token(key, at)
+        else:
+            timeline.complete(key, at)
+        got.append((sorted(round(r.predicted_first_token, 9) for r in timeline.pending.values()),
+                    round(timeline.slot_free[0], 9), round(timeline.prefill_free, 9)))
+    assert got == _linear_slots_reference(timeline, ops)
