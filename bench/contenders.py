@@ -328,6 +328,7 @@ http {{
         {method}
 {servers}
         keepalive 64;
+        keepalive_timeout 4s;
     }}
     server {{
         listen {host}:{port} backlog=4096;
@@ -341,6 +342,9 @@ http {{
     }}
 }}
 """
+# keepalive_timeout: nginx must close an idle upstream connection before the instance's uvicorn
+# does (5 s); otherwise a request sent on it as it closes is a 502 (a POST is not retried). The
+# proxy's pool closes them after 4 s for the same reason (proxy_workers/upstream.py).
 NGINX_METHODS = {"least_conn": "least_conn;", "round_robin": "", "random_two": "random two least_conn;"}
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from bench.report import peers
 from bench.report.build import build, charts_available
-from bench.routing import summary
+from bench.routing import summary, uncertainty
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LABELS = ["fast0", "fast1", "slow"]
@@ -53,6 +53,7 @@ def _routing() -> dict[str, Any]:
             "instance_labels": LABELS, "contenders": contenders,
             "ratios_to_nginx": summary.ratios_to_nginx(contenders),
             "checks": summary.checks(contenders), "validity": summary.validity(contenders),
+            "uncertainty": uncertainty.intervals(contenders, resamples=100),
             "notes": ["a synthetic note"]}
 
 
@@ -89,6 +90,9 @@ def test_every_figure_comes_from_the_json(results_dir: Path, tmp_path: Path) -> 
     assert "python -m bench.routing --synthetic" in text and "a synthetic note" in text
     # 1050/1000 = 1.05 <= 1.10 passes; shared beats per_worker and round_robin.
     assert text.count("**PASS**") >= 3 and "**FAIL**" not in text
+    # The intervals: 3 paired repeats, 1050/1000 at the median of per-repeat p99.
+    assert ("| `proxy-4w-least_load-shared` / `proxy-1w-least_load` | median of per-repeat TTFT p99 "
+            "| 3 | 1.05× | 1.05× – 1.05× |") in text
     # Peers: medians, ratio to nginx, notes.
     assert "9,876" in text and "4,321" in text and "0.44×" in text and "router did not install" in text
 

@@ -4,6 +4,8 @@ simulated instance's inflight gauge it samples, and one real short run through t
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import threading
 from dataclasses import replace
 
@@ -11,7 +13,8 @@ import aiohttp
 import pytest
 
 from bench.contenders import InstanceSpec, SimInstances
-from bench.routing import summary
+from bench.routing import summary, uncertainty
+from bench.routing.__main__ import main as routing_main
 from bench.routing.run import measure
 from bench.routing.sampler import Samples
 from bench.routing.scenario import Scenario, contender_defs
@@ -54,6 +57,60 @@ def test_checks_compare_medians_and_fail_when_a_contender_is_missing() -> None:
     missing = summary.checks(contenders[:2])
     assert [c["pass"] for c in missing] == [False, None, None]  # not measured: neither
     assert missing[1]["value"] is None
+
+
+def _runs(scale: float, noise: list[float], skip: int | None = None) -> list[dict]:
+    """One run per repeat: 100 TTFTs (1..100 ms) x noise of that repeat x scale."""
+    runs = []
+    for repeat, factor in enumerate(noise):
+        samples = [v * factor * scale for v in range(1, 101)]
+        runs.append({"repeat": repeat, "start_error": "x"} if repeat == skip else
+                    {"repeat": repeat, "errors": 0, "ttft_samples_ms": samples,
+                     "ttft_p99_ms": samples[98], "worker_cpu_peak": 0.1})
+    return runs
+
+
+def test_intervals_pair_repeats_and_bracket_the_ratio() -> None:
+    noise = [1.0, 1.7, 0.6, 1.3, 0.9]
+    a = {"name": summary.SHARED, "runs": _runs(1.2, noise, skip=3)}
+    b = {"name": summary.REFERENCE, "runs": _runs(1.0, noise)}
+    pairs = uncertainty.paired_repeats(a, b)
+    assert [x["repeat"] for x, _ in pairs] == [0, 1, 2, 4]  # repeat 3 did not start for a
+    # The same repeats of both, so the repeat-to-repeat noise cancels: every resample says 1.2.
+    for figure in uncertainty.STATISTICS.values():
+        ratio, low, high = uncertainty.ratio_interval(pairs, figure, random.Random(1), resamples=200)
+        assert ratio == pytest.approx(1.2) and low == pytest.approx(1.2) and high == pytest.approx(1.2)
+    # Noise that does not cancel widens the interval around the ratio over every repeat.
+    a["runs"] = _runs(1.0, [1.1, 1.9, 0.5, 1.2, 1.0])
+    ratio, low, high = uncertainty.ratio_interval(uncertainty.paired_repeats(a, b),
+                                                  uncertainty.STATISTICS[uncertainty.MEDIAN_OF_P99],
+                                                  random.Random(1), resamples=500)
+    assert low < ratio < high and low < 1.0 < high
+    # Two pairs are too few to resample: a ratio, no interval.
+    assert uncertainty.ratio_interval(pairs[:2], uncertainty.STATISTICS["pooled TTFT p99"],
+                                      random.Random(1))[1:] == (None, None)
+
+
+def test_a_results_file_is_reanalysed_from_its_runs(tmp_path, capsys) -> None:
+    noise = [1.0, 1.4, 0.8]
+    contenders = [{"name": name, "kind": "proxy", "workers": 4, "runs": _runs(scale, noise),
+                   "median": {}, "stale": True}
+                  for name, scale in ((summary.REFERENCE, 1.0), (summary.SHARED, 1.05),
+                                      (summary.PER_WORKER, 1.5), (summary.ROUND_ROBIN, 6.0))]
+    path = tmp_path / "routing.json"
+    path.write_text(json.dumps({"command": "x", "instance_labels": [], "contenders": contenders}))
+    assert routing_main(["--reanalyse", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert results["command"] == "x" and results["contenders"][0]["stale"] is True  # kept
+    assert [c["pass"] for c in results["checks"]] == [True, True, True]
+    assert results["checks"][0]["value"] == pytest.approx(1.05)
+    rows = {(tuple(r["compares"]), r["statistic"]): r for r in results["uncertainty"]["rows"]}
+    row = rows[((summary.SHARED, summary.PER_WORKER), "pooled TTFT p95")]
+    assert (row["ratio"], row["low"], row["high"], row["repeats"]) == (0.7, 0.7, 0.7, 3)
+    assert "ratios with intervals" in capsys.readouterr().out
+    path.write_text("{}")
+    assert routing_main(["--reanalyse", str(path)]) == 2
+    assert "not a routing results file" in capsys.readouterr().err
 
 
 def test_spread_statistics_cover_only_the_arrival_window() -> None:

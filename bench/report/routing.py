@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import blocks
-from bench.report.fmt import num, pct, ratio, table, verdict
+from bench.report.fmt import DASH, num, pct, ratio, table, verdict
 
 FILE = "routing.json"
 COLUMNS = (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p90_ms", "TTFT p90 (ms)"),
@@ -23,7 +23,7 @@ def section(data: dict[str, Any], charts_dir: Path | None, link_base: str) -> st
     contenders = data.get("contenders", [])
     labels = data.get("instance_labels") or _labels_from(contenders)
     parts = ["## Routing quality with many workers", *blocks.header_blocks(data, FILE),
-             scenario(data), checks(data)]
+             scenario(data), checks(data), intervals(data)]
     parts += [medians(contenders, labels), ratios(data), per_repeat(contenders)]
     parts.append(chart_links(data, contenders, labels, charts_dir, link_base))
     parts += [blocks.method(data), blocks.notes(data)]
@@ -67,6 +67,23 @@ def checks(data: dict[str, Any]) -> str:
         if rows:
             out.append(f"{title}:\n\n" + table(("check", "value", "threshold", "result"), rows))
     return "\n\n".join(out)
+
+
+def intervals(data: dict[str, Any]) -> str:
+    spread = data.get("uncertainty") or {}
+    rows = [(" / ".join(f"`{name}`" for name in r["compares"]), r["statistic"], num(r.get("repeats")),
+             ratio(r.get("ratio")), _interval(r.get("low"), r.get("high")))
+            for r in spread.get("rows", [])]
+    if not rows:
+        return ""
+    return ("How sure the checks are: the same comparisons with an interval (" + spread["method"]
+            + "). One run's p99 is about its 3rd-slowest request, and the slowest requests come "
+            "in clumps, so p99 ratios move a lot between repeats; p90 and p95 pool more of the "
+            "tail:\n\n" + table(("comparison", "statistic", "repeats", "ratio", "interval"), rows))
+
+
+def _interval(low: float | None, high: float | None) -> str:
+    return DASH if low is None or high is None else f"{ratio(low)} – {ratio(high)}"
 
 
 def medians(contenders: list[dict[str, Any]], labels: list[str]) -> str:

@@ -1,4 +1,5 @@
-"""`python -m bench.routing --out bench/results/routing.json [--repeats 3] [--quick]`."""
+"""`python -m bench.routing --out bench/results/routing.json [--repeats 3] [--quick]`;
+`python -m bench.routing --reanalyse FILE` recomputes a results file's figures from its runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.contenders import StartError
-from bench.routing.run import log, run_benchmark
+from bench.routing.run import log, reanalysed, run_benchmark
 from bench.routing.scenario import Scenario, contender_defs, quick
 
 NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9.eE+-]+,?\s*)+)\]")
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--time-scale", type=float, default=None)
     p.add_argument("--slow-factor", type=float, default=None)
+    p.add_argument("--reanalyse", type=Path, default=None, metavar="FILE",
+                   help="run nothing: recompute medians, checks and intervals of FILE from its "
+                        "raw runs and rewrite it (or write --out)")
     return p
 
 
@@ -54,6 +58,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.reanalyse, args.out or args.reanalyse)
     signal.signal(signal.SIGTERM, _interrupt)
     scenario = scenario_from(args)
     defs = contender_defs(scenario)
@@ -82,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def reanalyse(source: Path, out: Path) -> int:
+    try:
+        results = reanalysed(json.loads(source.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"{source}: not a routing results file ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    print_checks(results)
+    out.write_text(to_json(results) + "\n")
+    log(f"wrote {out}")
+    return 0
+
+
 def to_json(results: dict) -> str:
     """Indented, but a list of plain numbers on one line (the samples and series would
     otherwise take one line per number)."""
@@ -102,6 +120,12 @@ def print_checks(results: dict) -> None:
         for check in results[kind]:
             verdict = {True: "PASS", False: "FAIL", None: "N/A "}[check["pass"]]
             print(f"  {verdict}  {check['name']}: {check['value']} (threshold {check['threshold']})")
+    spread = results.get("uncertainty")
+    if spread:
+        print(f"\nratios with intervals ({spread['method']}):")
+        for row in spread["rows"]:
+            a, b = row["compares"]
+            print(f"  {a} / {b}, {row['statistic']}: {row['ratio']} [{row['low']}, {row['high']}]")
 
 
 if __name__ == "__main__":

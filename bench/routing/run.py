@@ -13,7 +13,7 @@ import psutil
 
 from bench.common import machine_info, tool_versions
 from bench.contenders import Contender, ProxyContender, SimInstances, StartError, http_json
-from bench.routing import summary
+from bench.routing import summary, uncertainty
 from bench.routing.client import run_schedule
 from bench.routing.sampler import InflightSampler
 from bench.routing.scenario import ContenderDef, Scenario
@@ -129,8 +129,7 @@ def worker_pids(contender: Contender) -> list[int]:
 def assemble(scenario: Scenario, defs: list[ContenderDef], runs: dict[str, list[dict[str, Any]]],
              labels: list[str], arrivals: list[Arrival], repeats: int, command: str,
              started_at: str, machine_start: dict[str, Any]) -> dict[str, Any]:
-    contenders = [{**d.describe(), "runs": runs[d.name], "median": summary.medians(runs[d.name], labels)}
-                  for d in defs]
+    contenders = [{**d.describe(), "runs": runs[d.name]} for d in defs]
     return {
         "command": command, "started_at": started_at,
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -140,12 +139,26 @@ def assemble(scenario: Scenario, defs: list[ContenderDef], runs: dict[str, list[
         "method": method(scenario, arrivals, repeats),
         "scenario": scenario.describe(), "instance_labels": labels,
         "offered_load": offered_load(arrivals, scenario.schedule.duration_s),
+        **derived(contenders, labels),
+    }
+
+
+def derived(contenders: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
+    """Everything computed from the runs (a results file can be re-analysed from its runs)."""
+    contenders = [{**c, "median": summary.medians(c["runs"], labels)} for c in contenders]
+    return {
         "contenders": contenders,
         "ratios_to_nginx": summary.ratios_to_nginx(contenders),
         "checks": summary.checks(contenders),
         "validity": summary.validity(contenders),
+        "uncertainty": uncertainty.intervals(contenders),
         "notes": notes(contenders),
     }
+
+
+def reanalysed(results: dict[str, Any]) -> dict[str, Any]:
+    """A results file's derived figures recomputed by this code from its raw runs."""
+    return {**results, **derived(results["contenders"], results["instance_labels"])}
 
 
 def method(scenario: Scenario, arrivals: list[Arrival], repeats: int) -> dict[str, Any]:
