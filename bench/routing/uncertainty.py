@@ -18,10 +18,10 @@ import statistics
 from typing import Any, Callable, Sequence
 
 from bench.common import percentile
-from bench.routing.summary import PER_WORKER, REFERENCE, ROUND_ROBIN, SHARED
+from bench.routing.summary import CHECK_SPECS, PER_WORKER, REFERENCE, pooled_ttfts, ratio
 
-COMPARISONS = ((SHARED, REFERENCE), (SHARED, PER_WORKER), (SHARED, ROUND_ROBIN),
-               (PER_WORKER, REFERENCE))
+# The checks' comparisons, and what the per_worker ablation costs against the reference.
+COMPARISONS = (*((a, b) for _, a, b, _, _ in CHECK_SPECS), (PER_WORKER, REFERENCE))
 MEDIAN_OF_P99 = "median of per-repeat TTFT p99"
 # name -> figure of a contender from its chosen repeats (a list of runs).
 STATISTICS: dict[str, Callable[[Sequence[dict[str, Any]]], float | None]] = {
@@ -36,7 +36,7 @@ SEED = 20261130
 
 
 def _pooled(runs: Sequence[dict[str, Any]], q: float) -> float | None:
-    samples = [v for r in runs for v in r["ttft_samples_ms"]]
+    samples = pooled_ttfts(runs)
     return percentile(samples, q) if samples else None
 
 
@@ -56,21 +56,17 @@ def ratio_interval(pairs: list[tuple[dict[str, Any], dict[str, Any]]],
                    level: float = LEVEL) -> tuple[float | None, float | None, float | None]:
     """(ratio over every pair, low, high) of figure(a) / figure(b); None where undefined.
     Needs at least 3 pairs for an interval (fewer resample to almost nothing)."""
-    ratio = _ratio(figure([a for a, _ in pairs]), figure([b for _, b in pairs])) if pairs else None
-    if len(pairs) < 3 or ratio is None:
-        return ratio, None, None
+    overall = ratio(figure([a for a, _ in pairs]), figure([b for _, b in pairs])) if pairs else None
+    if len(pairs) < 3 or overall is None:
+        return overall, None, None
     draws = []
     for _ in range(resamples):
         chosen = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        value = _ratio(figure([a for a, _ in chosen]), figure([b for _, b in chosen]))
+        value = ratio(figure([a for a, _ in chosen]), figure([b for _, b in chosen]))
         if value is not None:
             draws.append(value)
     tail = (1 - level) / 2
-    return ratio, percentile(draws, tail), percentile(draws, 1 - tail)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
+    return overall, percentile(draws, tail), percentile(draws, 1 - tail)
 
 
 def intervals(contenders: list[dict[str, Any]], resamples: int = RESAMPLES, level: float = LEVEL,
@@ -84,9 +80,9 @@ def intervals(contenders: list[dict[str, Any]], resamples: int = RESAMPLES, leve
             continue
         pairs = paired_repeats(by_name[a], by_name[b])
         for name, figure in STATISTICS.items():
-            ratio, low, high = ratio_interval(pairs, figure, rng, resamples, level)
+            overall, low, high = ratio_interval(pairs, figure, rng, resamples, level)
             rows.append({"compares": [a, b], "statistic": name, "repeats": len(pairs),
-                         "ratio": _round(ratio), "low": _round(low), "high": _round(high)})
+                         "ratio": _round(overall), "low": _round(low), "high": _round(high)})
     return {"method": f"paired bootstrap over repeats, {resamples} resamples, "
                       f"{level:.0%} percentile interval, seed {seed}",
             "level": level, "rows": rows}
