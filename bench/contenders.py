@@ -174,9 +174,12 @@ class SimInstances(Started):
 
     def register_body(self, i: int) -> dict[str, Any]:
         """What instance i would send to a proxy control plane (sim_instance/registration.py)."""
+        meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
+        if self.specs[i].max_concurrency is not None:
+            meta["max_num_seqs"] = self.specs[i].max_concurrency
         return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
                 "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
-                "weight": 1.0, "meta": {"version": "instance_v1", "simulated": True}}
+                "weight": 1.0, "meta": meta}
 
 
 # --- contenders --------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ ENV_NAMES: dict[str, str] = {
     "event_ring_capacity": "PROXY_EVENT_RING_CAPACITY",
     "event_poll_ms": "PROXY_EVENT_POLL_MS",
     "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
+    "pace_step": "PROXY_PACE_STEP",
     # --- faults ---
     "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
     "eject_s": "PROXY_EJECT_S",
@@ -162,6 +163,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     event_poll_ms: float = 5.0
     # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
     snapshot_stale_ms: float = 2000.0
+    # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
+    # sidecar/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
+    pace_step: float = 0.2
     # prometheus_client multiprocess files; "" = a private directory named after the segment.
     metrics_dir: str = ""
     # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
@@ -228,6 +232,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("queue_timeout_s", "kdn_timeout_s", "kv_inject_timeout_s", "event_poll_ms",
                      "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
             _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(0 <= self.pace_step <= 1, "pace_step", "must be 0..1")
         _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
         _check(0 <= self.eject_after_failures <= 1000, "eject_after_failures", "must be 0..1000")
         _check(self.eject_s > 0, "eject_s", "must be > 0")

@@ -33,6 +33,7 @@ class InstanceSlot(NamedTuple):
     last_seen_ms: int
     qps_1m: float | None
     cp_port: int = 0
+    max_num_seqs: int = 0  # 0 = unknown
 
 
 class DirectorySnapshot(NamedTuple):
@@ -64,6 +65,7 @@ def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
         last_seen_ms=last_seen_ms,
         qps_1m=layout.bits_to_qps(qps_bits),
         cp_port=cp_port,
+        max_num_seqs=seg.load(base + layout.S_MAX_NUM_SEQS),
     )
 
 
@@ -136,7 +138,7 @@ class DirectoryWriter:
         return None
 
     def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None,
-                 cp_port: int = 0) -> InstanceSlot:
+                 cp_port: int = 0, max_num_seqs: int = 0) -> InstanceSlot:
         """Put a new instance in a free slot under a new generation."""
         id_bytes, host_bytes = encode_identity(instance_id, host)
         slot = self.free_slot_index()
@@ -158,7 +160,8 @@ class DirectoryWriter:
                                   (layout.S_REGISTERED_AT_MS, now_ms), (layout.S_LAST_SEEN_MS, now_ms),
                                   (layout.S_QPS_1M, layout.qps_to_bits(None)),
                                   (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
-                                  (layout.S_CP_PORT, cp_port), (layout.S_ALIVE, 1)):
+                                  (layout.S_CP_PORT, cp_port), (layout.S_MAX_NUM_SEQS, max_num_seqs),
+                                  (layout.S_ALIVE, 1)):
                 seg.store(base + offset, value)
             seg.store(base + layout.S_STATE, layout.SLOT_ACTIVE)
         finally:
@@ -167,7 +170,8 @@ class DirectoryWriter:
         assert decoded is not None
         return decoded
 
-    def update_address(self, slot: int, host: str, port: int, cp_port: int = 0) -> None:
+    def update_address(self, slot: int, host: str, port: int, cp_port: int = 0,
+                       max_num_seqs: int = 0) -> None:
         _, host_bytes = encode_identity("x", host)
         seg = self._seg
         base = seg.geometry.slot_offset(slot)
@@ -177,6 +181,7 @@ class DirectoryWriter:
             seg.store(base + layout.S_HOST_LEN, len(host_bytes))
             seg.store(base + layout.S_PORT, port)
             seg.store(base + layout.S_CP_PORT, cp_port)
+            seg.store(base + layout.S_MAX_NUM_SEQS, max_num_seqs)
         finally:
             self._end()
 

@@ -52,6 +52,10 @@ Instance slot (directory, written only by the sidecar, SLOT_SIZE bytes)::
     72  cp_port       the instance's control-plane port (KV inject), 0 = unknown
     80  instance_id   MAX_ID_BYTES bytes of UTF-8
     192 host          MAX_HOST_BYTES bytes of UTF-8
+    256 max_num_seqs  how many sequences the instance runs at once (its registration's
+                      meta.max_num_seqs), 0 = unknown; the sidecar's timeline models that many
+                      slots. Survives a sidecar restart with the rest of the slot.
+    264..319 reserved
 
 Pressure snapshot record (written only by the sidecar, double-buffered)::
 
@@ -61,7 +65,12 @@ Pressure snapshot record (written only by the sidecar, double-buffered)::
     24  next_slot_free_at_us absolute wall-clock times: readers subtract their own "now"
     32  prefill_free_at_us
     40  decode_free_at_us
-    48..63 reserved
+    48  marginal_backlog_us  the backlog one more request adds (the timeline's recent pace-scaled
+                         service, or service + decode shared by the slots if that is more);
+                         readers charge it for each request in flight that the timeline has not
+                         seen yet (inflight - pending - decoding), which bridges the snapshot's lag
+                         when a burst lands on several workers at once
+    56..63 reserved
 
 Worker row (one per live worker process, claimed by CAS on its identity word)::
 
@@ -89,7 +98,7 @@ import math
 import struct
 
 MAGIC = 0x3159584F52505243  # b"CRPROXY1" read as a little-endian u64
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: max_num_seqs in the slots (320 bytes), marginal backlog in the snapshot
 WORD = 8
 
 # --- header ------------------------------------------------------------------------------
@@ -135,7 +144,7 @@ COUNT_MASK = (1 << GEN_SHIFT) - 1
 GEN_MASK = (1 << 32) - 1
 
 # --- instance slots ----------------------------------------------------------------------
-SLOT_SIZE = 256
+SLOT_SIZE = 320  # a multiple of 64: slots never share a cache line
 S_GENERATION = 0
 S_STATE = 8
 S_ALIVE = 16
@@ -148,8 +157,9 @@ S_HOST_LEN = 64
 S_CP_PORT = 72
 S_INSTANCE_ID = 80
 S_HOST = 192
+S_MAX_NUM_SEQS = 256
 MAX_ID_BYTES = S_HOST - S_INSTANCE_ID
-MAX_HOST_BYTES = SLOT_SIZE - S_HOST
+MAX_HOST_BYTES = S_MAX_NUM_SEQS - S_HOST
 SLOT_FREE = 0
 SLOT_ACTIVE = 1
 # generation, state, alive, port, registered_at_ms, last_seen_ms, qps bits, id_len, host_len, cp_port
@@ -157,7 +167,7 @@ SLOT_FIELDS = struct.Struct("@10Q")
 
 # --- pressure snapshot ---------------------------------------------------------------------
 SNAPSHOT_RECORD_SIZE = 64
-SNAPSHOT_FIELDS = 6  # generation, pending, decode, next slot free, prefill free, decode free
+SNAPSHOT_FIELDS = 7  # generation, pending, decode, next slot free, prefill free, decode free, marginal
 SNAPSHOT_RECORD = f"{SNAPSHOT_FIELDS}Q{SNAPSHOT_RECORD_SIZE - 8 * SNAPSHOT_FIELDS}x"
 
 # --- worker rows ---------------------------------------------------------------------------

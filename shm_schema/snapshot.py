@@ -27,6 +27,7 @@ class Pressure(NamedTuple):
     next_slot_free_at_us: int
     prefill_free_at_us: int
     decode_free_at_us: int
+    marginal_backlog_us: int = 0  # what one more request adds to the backlog (see layout)
 
 
 class SnapshotWriter:

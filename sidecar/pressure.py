@@ -35,7 +35,7 @@ class ChannelStats:
 
 
 class PressurePublisher:
-    def __init__(self, seg: Segment, epoch: int, ready_slots: int,
+    def __init__(self, seg: Segment, epoch: int, ready_slots: int, pace_step: float = 0.0,
                  min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.1,
                  reservation_max_age_s: float = 900.0) -> None:
         self._seg = seg
@@ -43,7 +43,7 @@ class PressurePublisher:
         self._reader = EventReader(seg)
         self._writer = SnapshotWriter(seg)
         self._directory = DirectoryReader(seg)
-        self.timelines = Timelines(ready_slots)
+        self.timelines = Timelines(ready_slots, pace_step, self._max_num_seqs)
         self._owners: dict[int, int] = {}  # row -> identity whose reservations we hold
         self._dirty = True
         self._last_publish = 0.0
@@ -94,6 +94,12 @@ class PressurePublisher:
         elif event.kind == EventKind.COMPLETE:
             self.timelines.complete(event.request_key, t)
 
+    def _max_num_seqs(self, slot: int, generation: int) -> int:
+        for instance in self._directory.snapshot().instances:
+            if (instance.slot, instance.generation) == (slot, generation):
+                return instance.max_num_seqs
+        return 0
+
     def _forget_departed_rows(self, owners: dict[int, int], now: float) -> None:
         """A row whose owner changed or left (clean exit): its requests are gone."""
         for row, identity in list(self._owners.items()):
@@ -133,9 +139,19 @@ class PressurePublisher:
 
     def describe(self) -> dict[str, Any]:
         pending, decoding = self.timelines.counts()
-        return {"epoch": self.epoch, "events_consumed": self.stats.consumed,
+        return {"epoch": self.epoch, "timelines": self._describe_timelines(),
+                "events_consumed": self.stats.consumed,
                 "events_dropped_by_workers": self.stats.dropped_by_workers,
                 "events_from_previous_epoch": self.stats.stale_epoch,
                 "expired_reservations": self.stats.expired_reservations,
                 "snapshots_published": self.stats.published,
                 "pending_reservations": pending, "decoding": decoding}
+
+    def _describe_timelines(self) -> dict[str, dict[str, Any]]:
+        """Per instance id: the slots its timeline models and its learned pace."""
+        names = {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances}
+        return {names[where]: {"slots": timeline.ready_slots,
+                               "pace": round(timeline.pace.factor, 3),
+                               "pace_observations": timeline.pace.observations,
+                               "marginal_backlog_ms": round(timeline.marginal_backlog_s() * 1000, 1)}
+                for where, timeline in self.timelines.by_instance().items() if where in names}

@@ -3,8 +3,9 @@
 The sidecar is its single owner. What selection needs (id, address, alive, generation) is
 published into the shared table through DirectoryWriter; the rest (endpoints, meta,
 capabilities, qps) lives here. After a sidecar restart the shared table is the source of
-truth: `rebuild` recreates records from it, without capabilities, so the next heartbeat asks
-the instance to resend them (`requires_capabilities`).
+truth: `rebuild` recreates records from it (meta keeps only what the slot stores: cp_port and
+max_num_seqs), without capabilities, so the next heartbeat asks the instance to resend them
+(`requires_capabilities`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from shm_schema import DirectoryWriter, Segment, read_all
+from shm_schema import DirectoryWriter, InstanceSlot, Segment, read_all
 
 from . import wire
 
@@ -42,6 +43,7 @@ class InstanceRecord:
     gpu_util: float | None = None
     alive: bool = True
     cp_port: int = 0
+    max_num_seqs: int = 0  # 0 = unknown
 
 
 class InstanceRegistry:
@@ -63,7 +65,7 @@ class InstanceRegistry:
                 instance_id=slot.instance_id, slot=slot.slot, generation=slot.generation,
                 host=slot.host, port=slot.port, registered_at=slot.registered_at_ms / 1000,
                 last_seen_at=slot.last_seen_ms / 1000, qps_1m=slot.qps_1m, alive=slot.alive,
-                cp_port=slot.cp_port)
+                cp_port=slot.cp_port, max_num_seqs=slot.max_num_seqs, meta=_stored_meta(slot))
         return len(self._records)
 
     # --- control-plane operations --------------------------------------------------------------
@@ -73,25 +75,30 @@ class InstanceRegistry:
         now = self._clock()
         instance_id = req.resolved_id
         record = self._records.get(instance_id)
-        cp_port = _cp_port(req.meta)
+        meta = {**(record.meta if record else {}), **req.meta}  # merged, as the original did
+        cp_port = _meta_int(meta, "cp_port", 65535)
+        max_num_seqs = _meta_int(meta, "max_num_seqs", MAX_NUM_SEQS)
         if record is None:
-            slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000), cp_port)
+            slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000), cp_port,
+                                         max_num_seqs)
             record = InstanceRecord(instance_id=instance_id, slot=slot.slot,
                                     generation=slot.generation, host=req.host, port=req.port,
                                     registered_at=now, last_seen_at=now)
             self._records[instance_id] = record
             log.info("registered %s at %s:%s (slot %d, generation %d)", instance_id, req.host,
                      req.port, record.slot, record.generation)
-        elif (record.host, record.port, record.cp_port) != (req.host, req.port, cp_port):
-            self._writer.update_address(record.slot, req.host, req.port, cp_port)
+        elif (record.host, record.port, record.cp_port, record.max_num_seqs) \
+                != (req.host, req.port, cp_port, max_num_seqs):
+            self._writer.update_address(record.slot, req.host, req.port, cp_port, max_num_seqs)
             record.host, record.port = req.host, req.port
         record.cp_port = cp_port
+        record.max_num_seqs = max_num_seqs
         record.weight = req.weight
         if req.endpoints:
             record.endpoints = list(req.endpoints)
         if req.tags:
             record.tags = list(req.tags)
-        record.meta.update(req.meta)
+        record.meta = meta
         record.capabilities = req.capabilities
         record.capability_fingerprint = wire.fingerprint(req.capabilities)
         self._seen(record, now)
@@ -170,7 +177,19 @@ class InstanceRegistry:
         }
 
 
-def _cp_port(meta: dict[str, Any]) -> int:
-    """The instance's control-plane port, if its meta names a valid one (else 0: unknown)."""
-    value = meta.get("cp_port")
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else 0
+def _stored_meta(slot: InstanceSlot) -> dict[str, Any]:
+    """The part of an instance's meta that its slot in the shared table keeps."""
+    return {key: value for key, value in (("cp_port", slot.cp_port), ("max_num_seqs", slot.max_num_seqs))
+            if value}
+
+
+# vLLM's own ceiling is far below this; anything larger is a typo, not a capacity.
+MAX_NUM_SEQS = 65536
+
+
+def _meta_int(meta: dict[str, Any], key: str, largest: int) -> int:
+    """A positive integer the instance's meta names (cp_port: its control-plane port;
+    max_num_seqs: how many sequences it runs at once), else 0: unknown. A bad value is
+    ignored, not refused: the original Proxy accepted any meta."""
+    value = meta.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= largest else 0

@@ -47,7 +47,7 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
              "created" if seg.created else "re-attached to", seg.name, epoch, seg.creation_id,
              f", adopted {adopted} instances" if adopted else "")
     reaper = WorkerReaper(seg)
-    pressure = PressurePublisher(seg, epoch, settings.ready_concurrency)
+    pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step)
     reaper.before_reap.append(pressure.drain_dead_row)
     state = SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
                          pressure=pressure, view=LoadView(seg),

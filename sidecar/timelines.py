@@ -11,6 +11,10 @@ order (protocol reference §4.3-4.5, with its defects fixed):
 - complete (or failed, or cancelled): the reservation goes away; if it never saw its first
   token the others are re-anchored too.
 
+Two things the workers cannot know are learned here, per instance: how many sequences it
+really runs at once (its registered max_num_seqs, when below READY_CONCURRENCY) and its pace
+(sidecar/pace.py), the factor by which it is slower or faster than the predictor profile.
+
 All times are wall-clock seconds; snapshots publish them as absolute microseconds.
 """
 
@@ -21,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shm_schema.snapshot import Pressure
+
+from .pace import Pace
+
+RECENT_WEIGHT = 0.2  # of the newest reservation in the moving averages of service and decode
 
 
 @dataclass
@@ -41,6 +49,7 @@ class Reservation:
 @dataclass
 class InstanceTimeline:
     ready_slots: int
+    pace: Pace = field(default_factory=lambda: Pace(step=0.0))
     # When each ready slot frees up, as a min-heap: only the multiset matters (the earliest
     # free slot is taken), and READY_CONCURRENCY may be 64, where a linear min per event was
     # most of the sidecar's CPU.
@@ -48,15 +57,20 @@ class InstanceTimeline:
     prefill_free: float = 0.0
     pending: dict[int, Reservation] = field(default_factory=dict)   # reservation order
     decoding: dict[int, Reservation] = field(default_factory=dict)
+    # Recent pace-scaled service and decode times (moving averages), for the marginal backlog.
+    recent_service_s: float = 0.0
+    recent_decode_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.slot_free:
             self.slot_free = [0.0] * self.ready_slots
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
-        res = Reservation(key, service_s, decode_s, reserved_at=t)
+        factor = self.pace.factor
+        res = Reservation(key, service_s * factor, decode_s * factor, reserved_at=t)
+        self._remember_durations(res)
         prefill_start = max(t, self.slot_free[0], self.prefill_free)
-        res.predicted_first_token = prefill_start + service_s
+        res.predicted_first_token = prefill_start + res.service_s
         heapq.heapreplace(self.slot_free, res.predicted_end)
         self.prefill_free = res.predicted_first_token
         self.pending[key] = res
@@ -66,6 +80,7 @@ class InstanceTimeline:
         res = self.pending.pop(key, None)
         if res is None:
             return
+        self.pace.observe(res.predicted_first_token - res.reserved_at, t - res.reserved_at)
         res.first_token_at = t
         self.decoding[key] = res
         self._recompute(t)
@@ -96,6 +111,19 @@ class InstanceTimeline:
         self.slot_free = slots
         self.prefill_free = cursor
 
+    def _remember_durations(self, res: Reservation) -> None:
+        if not self.recent_service_s and not self.recent_decode_s:
+            self.recent_service_s, self.recent_decode_s = res.service_s, res.decode_s
+            return
+        self.recent_service_s += RECENT_WEIGHT * (res.service_s - self.recent_service_s)
+        self.recent_decode_s += RECENT_WEIGHT * (res.decode_s - self.recent_decode_s)
+
+    def marginal_backlog_s(self) -> float:
+        """What one more request adds to the backlog: its prefill on the serial chain, or its
+        share of the slots it occupies through decode when that is more."""
+        return max(self.recent_service_s,
+                   (self.recent_service_s + self.recent_decode_s) / self.ready_slots)
+
     def pressure(self, generation: int) -> Pressure:
         ends = [r.predicted_end for r in self.decoding.values()]
         return Pressure(generation=generation,
@@ -103,7 +131,8 @@ class InstanceTimeline:
                         active_decode_count=len(self.decoding),
                         next_slot_free_at_us=int(self.slot_free[0] * 1e6),
                         prefill_free_at_us=int(self.prefill_free * 1e6),
-                        decode_free_at_us=int(max(ends, default=0.0) * 1e6))
+                        decode_free_at_us=int(max(ends, default=0.0) * 1e6),
+                        marginal_backlog_us=int(self.marginal_backlog_s() * 1e6))
 
     def expire(self, older_than: float, now: float) -> int:
         """Drop reservations whose completion was never reported (a lost event)."""
@@ -114,10 +143,16 @@ class InstanceTimeline:
 
 
 class Timelines:
-    """Every instance's timeline, keyed by (slot, generation)."""
+    """Every instance's timeline, keyed by (slot, generation).
 
-    def __init__(self, ready_slots: int) -> None:
+    `max_num_seqs(slot, generation)` is the instance's registered sequence limit (0 = unknown);
+    `pace_step` how fast paces learn (0 = off)."""
+
+    def __init__(self, ready_slots: int, pace_step: float = 0.0,
+                 max_num_seqs: Callable[[int, int], int] = lambda slot, generation: 0) -> None:
         self.ready_slots = ready_slots
+        self.pace_step = pace_step
+        self._max_num_seqs = max_num_seqs
         self._by_instance: dict[tuple[int, int], InstanceTimeline] = {}
         self._where: dict[int, tuple[int, int]] = {}  # request key -> instance
 
@@ -125,7 +160,9 @@ class Timelines:
         key = (slot, generation)
         timeline = self._by_instance.get(key)
         if timeline is None:
-            timeline = self._by_instance[key] = InstanceTimeline(self.ready_slots)
+            limit = self._max_num_seqs(slot, generation)
+            slots = min(self.ready_slots, limit) if limit > 0 else self.ready_slots
+            timeline = self._by_instance[key] = InstanceTimeline(slots, Pace(self.pace_step))
         return timeline
 
     def reserve(self, slot: int, generation: int, key: int, t: float, service_s: float,
@@ -166,6 +203,9 @@ class Timelines:
         live_keys = {k for t in self._by_instance.values() for k in (*t.pending, *t.decoding)}
         self._where = {k: w for k, w in self._where.items() if k in live_keys}
         return expired
+
+    def by_instance(self) -> dict[tuple[int, int], InstanceTimeline]:
+        return dict(self._by_instance)
 
     def pressures(self) -> dict[int, Pressure]:
         return {slot: t.pressure(gen) for (slot, gen), t in self._by_instance.items()}

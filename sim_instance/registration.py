@@ -41,7 +41,10 @@ def capabilities(config: SimConfig) -> dict[str, Any]:
 def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, Any]:
     # cp_port: where the Proxy reaches POST /v1/kv/inject_ready (the original hard-coded 9002);
     # absent when this Instance has no control plane.
-    meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
+    # max_num_seqs: vLLM's name for how many sequences run at once; the Proxy's sidecar models
+    # that many slots for this instance (when below READY_CONCURRENCY).
+    meta: dict[str, Any] = {"version": "instance_v1", "simulated": True,
+                            "max_num_seqs": config.max_concurrency}
     if cp_port:
         meta["cp_port"] = cp_port
     return {

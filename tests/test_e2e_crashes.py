@@ -55,13 +55,19 @@ def test_sigkill_worker_with_open_streams(make_cluster):
 
 def test_sidecar_killed_and_restarted_keeps_counters(make_cluster):
     cluster = make_cluster(workers=2)
-    inst = cluster.add_instance("--hold-streams", "--heartbeat-interval", "0.5")
+    inst = cluster.add_instance("--hold-streams", "--heartbeat-interval", "0.5", "--max-concurrency", "3")
     old_sidecar = cluster.status()["sidecar"]["pid"]
+
+    def modelled_slots() -> int | None:
+        timeline = cluster.status()["event_channel"]["timelines"].get(inst.instance_id)
+        return None if timeline is None else timeline["slots"]
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
             url = f"{cluster.dp_url}/v1/chat/completions"
             held = [await OpenStream.open(session, url, chat_body()) for _ in range(2)]
+            # The instance registered max_num_seqs 3 (below READY_CONCURRENCY 8).
+            wait_until(lambda: modelled_slots() == 3, 5, message="timeline with the instance's 3 slots")
             os.kill(old_sidecar, signal.SIGKILL)
             # Workers keep routing from the last published directory while it is down.
             inst.release()
@@ -75,6 +81,8 @@ def test_sidecar_killed_and_restarted_keeps_counters(make_cluster):
             assert new_status["sidecar"]["epoch"] == 2
             # The restarted sidecar re-attached: it adopted the instance and the live counts.
             assert cluster.inflight()[inst.instance_id] == 2
+            # Its slot count came back from the shared table, not from a re-registration.
+            wait_until(lambda: modelled_slots() == 3, 5, message="3 slots after the restart")
             inst.release()
             await asyncio.gather(*(s.finish() for s in held))
 

@@ -36,8 +36,10 @@ def _random_load(seg, row, instances, rng: random.Random, publish: bool) -> None
     if publish:
         now = int(time.time() * 1e6)
         SnapshotWriter(seg).publish({
-            i.slot: Pressure(i.generation, rng.randrange(4), rng.randrange(6),
-                             now + rng.randrange(-10**6, 3 * 10**6), now + rng.randrange(-10**6, 10**6), now)
+            # Few pending/decoding against up to 2 in flight, so some requests are unannounced.
+            i.slot: Pressure(i.generation, rng.randrange(2), rng.randrange(2),
+                             now + rng.randrange(-10**6, 3 * 10**6), now + rng.randrange(-10**6, 10**6), now,
+                             rng.randrange(10**6))
             for i in instances})
 
 
@@ -82,3 +84,21 @@ def test_weights_outside_the_compiled_set_use_the_generic_path(table):
     snapshot = router.view.directory.snapshot()
     assert router._fast_totals(snapshot) is None
     assert router.choose().instance_id == "a"
+
+
+def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(table):
+    name, seg, row = table
+    a = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+    for _ in range(3):  # three selected by some worker since the sidecar last published
+        row.add(layout.LANE_INFLIGHT, a.slot, a.generation)
+    now = int(time.time() * 1e6)
+    # The timeline knows one of them (pending); the next slot is free 200 ms from now.
+    SnapshotWriter(seg).publish({a.slot: Pressure(a.generation, 1, 0, now + 200_000, now, now, 500_000)})
+    router = Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
+    snapshot = router.view.directory.snapshot()
+    backlog = router.view.components(snapshot.alive)["predicted_total_backlog_ms"][0]
+    assert backlog == pytest.approx(200 + 2 * 500, abs=5)  # two unannounced x 500 ms
+    weights = router.scorer.weights
+    expected = (3 * weights["inflight"] + weights["pending_prefill_count"]
+                + backlog * weights["predicted_total_backlog_ms"])
+    assert router._fast_totals(snapshot) == pytest.approx([expected], abs=1e-2)

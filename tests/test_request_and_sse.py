@@ -83,7 +83,9 @@ def test_settings_from_env_and_errors_name_the_variable():
                      ({"PROXY_DP_PORT": "70000"}, "PROXY_DP_PORT"),
                      ({"PROXY_INSTANCE_STRATEGY": "least_inflight"}, "PROXY_INSTANCE_STRATEGY"),
                      ({"PROXY_LEAST_LOAD_WEIGHTS": "{"}, "PROXY_LEAST_LOAD_WEIGHTS"),
-                     ({"PROXY_SHM_NAME": "no-slash"}, "PROXY_SHM_NAME")]:
+                     ({"PROXY_SHM_NAME": "no-slash"}, "PROXY_SHM_NAME"),
+                     ({"PROXY_PACE_STEP": "1.5"}, "PROXY_PACE_STEP"),
+                     ({"PROXY_PACE_STEP": "-0.1"}, "PROXY_PACE_STEP")]:
         with pytest.raises((ConfigError, ValueError)) as info:
             Settings.from_env(env)
         assert var in str(info.value), (env, info.value)

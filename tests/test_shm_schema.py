@@ -14,7 +14,7 @@ from cacheroute.config import Settings
 from proxy_workers.router import Lease, Router
 from shm_schema import (DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,
-                        WorkerTableFull, encode_identity, layout, read_rows)
+                        WorkerTableFull, encode_identity, layout, read_all, read_rows)
 from tests.shm_helpers import count_of, fresh_segment, share_of, unique_name, word_of
 
 
@@ -162,6 +162,17 @@ def test_allocate_and_free_bump_the_generation(seg):
     b = writer.allocate("inst-b", "10.0.0.2", 9002)
     assert b.slot == a.slot and b.generation == freed_gen + 1
     assert word_of(seg, b.slot) == (b.generation, 0)
+
+
+def test_max_num_seqs_is_stored_updated_and_not_inherited_by_the_next_instance(seg):
+    writer = DirectoryWriter(seg)
+    a = writer.allocate("inst-a", "10.0.0.1", 9001, cp_port=9002, max_num_seqs=4)
+    assert (a.cp_port, a.max_num_seqs) == (9002, 4)
+    writer.update_address(a.slot, "10.0.0.1", 9001, 9002, max_num_seqs=16)
+    assert read_all(seg)[0].max_num_seqs == 16
+    writer.free(a.slot)
+    b = writer.allocate("inst-b", "10.0.0.2", 9003)
+    assert b.slot == a.slot and b.max_num_seqs == 0  # the reused slot says "unknown"
 
 
 def test_generation_wraps_past_zero(seg):

@@ -138,3 +138,20 @@ def test_second_sidecar_on_the_same_segment_refuses(sidecar):
     assert "another sidecar" in second.log()
     time.sleep(0.2)
     assert get(f"{first.url}/healthz")["ok"]
+
+
+def test_max_num_seqs_from_meta_survives_a_sidecar_restart(sidecar):
+    start, start_raw = sidecar
+    first = start()
+    _register(first.url, 9001, instance_id="small", meta={"max_num_seqs": 4, "cp_port": 9101})
+    _register(first.url, 9002, instance_id="bad", meta={"max_num_seqs": True})
+    _register(first.url, 9003, instance_id="huge", meta={"max_num_seqs": 10**9})
+    # A re-registration without it keeps it: meta is merged (protocol §3.1).
+    _register(first.url, 9001, instance_id="small", meta={"version": "instance_v1"})
+    first.popen.kill()
+    first.popen.wait(10)
+    second = start_raw(name=first.shm_name)
+    wait_until(lambda: get(f"{second.url}/healthz", timeout=1)["ok"], 15, message=second.log())
+    metas = {r["instance_id"]: r["meta"] for r in get(f"{second.url}/v1/instance/list")}
+    # Only what the shared table stores comes back; bad values were never stored.
+    assert metas == {"small": {"max_num_seqs": 4, "cp_port": 9101}, "bad": {}, "huge": {}}

@@ -10,6 +10,7 @@ import pytest
 
 from shm_schema import DirectoryWriter, Segment
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
+from sidecar.pace import Pace
 from sidecar.timelines import InstanceTimeline, Timelines
 
 
@@ -173,3 +174,78 @@ def test_heap_of_ready_slots_predicts_what_a_linear_search_does(seed):
         got.append((sorted(round(r.predicted_first_token, 9) for r in timeline.pending.values()),
                     round(timeline.slot_free[0], 9), round(timeline.prefill_free, 9)))
     assert got == _linear_slots_reference(timeline, ops)
+
+
+# --- learned pace and per-instance slots ------------------------------------------------------
+def _serve_one_at_a_time(tl: Timelines, where: tuple[int, int], true_factor: float,
+                         requests: int, service_s: float = 0.2) -> None:
+    """Requests one after another on an idle instance that takes true_factor x the prediction."""
+    now = 1000.0
+    for key in range(requests):
+        tl.reserve(*where, key, now, service_s, 0.0)
+        now += service_s * true_factor
+        tl.first_token(key, now)
+        tl.complete(key, now)
+
+
+def test_pace_converges_on_an_instance_three_times_slower_than_predicted():
+    tl = Timelines(ready_slots=4, pace_step=0.2)
+    _serve_one_at_a_time(tl, (0, 1), true_factor=3.0, requests=40)
+    _serve_one_at_a_time(tl, (1, 1), true_factor=1.0, requests=40)
+    paces = {where: t.pace for where, t in tl.by_instance().items()}
+    assert paces[(0, 1)].factor == pytest.approx(3.0, rel=0.02) and paces[(0, 1)].observations == 40
+    assert paces[(1, 1)].factor == pytest.approx(1.0)
+    # What the next reservation predicts now includes the pace: 3x the workers' estimate.
+    slow = tl.timeline(0, 1).reserve(99, 2000.0, 0.2, 0.5)
+    assert slow.predicted_first_token == pytest.approx(2000.0 + 0.6, rel=0.02)
+    assert slow.decode_s == pytest.approx(1.5, rel=0.02)
+
+
+def test_one_observation_moves_the_pace_a_bounded_step_and_noise_is_ignored():
+    pace = Pace(step=0.2)
+    pace.observe(predicted_s=0.1, observed_s=1000.0)   # a wild sample: ratio clamped to 10
+    assert pace.factor == pytest.approx(10 ** 0.2)
+    pace.observe(predicted_s=0.001, observed_s=1.0)    # below the noise floor: not learned
+    assert pace.observations == 1 and pace.factor == pytest.approx(10 ** 0.2)
+    for _ in range(200):
+        pace.observe(predicted_s=0.1, observed_s=0.0)  # instant answers: clamped, never 0
+    assert pace.factor == pytest.approx(0.05)
+    for _ in range(500):
+        pace.observe(predicted_s=0.1, observed_s=100.0)
+    assert pace.factor == pytest.approx(50.0)
+
+
+def test_pace_step_zero_keeps_the_profiles_predictions():
+    tl = Timelines(ready_slots=4, pace_step=0.0)
+    _serve_one_at_a_time(tl, (0, 1), true_factor=3.0, requests=10)
+    assert tl.timeline(0, 1).pace.factor == 1.0
+    assert tl.timeline(0, 1).reserve(99, 2000.0, 0.2, 0.5).predicted_first_token == pytest.approx(2000.2)
+
+
+def test_a_reused_slot_starts_with_a_fresh_pace():
+    tl = Timelines(ready_slots=4, pace_step=0.5)
+    _serve_one_at_a_time(tl, (0, 1), true_factor=4.0, requests=20)
+    assert tl.timeline(0, 1).pace.factor > 3.5
+    tl.forget_instances({(0, 2)}, 3000.0)  # slot 0 now holds another instance (generation 2)
+    assert tl.timeline(0, 2).pace.factor == 1.0 and set(tl.by_instance()) == {(0, 2)}
+
+
+def test_timeline_models_the_instances_own_slots_when_fewer_than_ready_concurrency():
+    limits = {(0, 1): 2, (1, 1): 0, (2, 1): 64}
+    tl = Timelines(ready_slots=8, max_num_seqs=lambda slot, gen: limits[(slot, gen)])
+    assert [tl.timeline(s, 1).ready_slots for s in range(3)] == [2, 8, 8]
+    # Two slots busy through a long decode: the third request waits for a slot, not just prefill.
+    for key in range(3):
+        tl.reserve(0, 1, key, 100.0, 0.1, 10.0)
+    third = tl.timeline(0, 1).pending[2]
+    assert third.predicted_first_token == pytest.approx(100.1 + 10.0 + 0.1)
+
+
+def test_marginal_backlog_is_the_prefill_or_the_slot_share_whichever_is_more():
+    t = InstanceTimeline(ready_slots=4, pace=Pace(step=0.0))
+    assert t.pressure(1).marginal_backlog_us == 0  # nothing reserved yet: nothing to charge
+    t.reserve(1, 100.0, service_s=0.2, decode_s=0.2)
+    assert t.pressure(1).marginal_backlog_us == 200_000           # prefill dominates
+    for key in range(2, 40):
+        t.reserve(key, 100.0, service_s=0.4, decode_s=4.0)       # long decodes fill the slots
+    assert t.pressure(1).marginal_backlog_us == pytest.approx((0.4 + 4.0) / 4 * 1e6, rel=0.01)

@@ -3,6 +3,7 @@ the contenders. One place, so the results JSON can say exactly what ran."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
@@ -22,6 +23,14 @@ class Scenario:
     schedule: ScheduleSpec = ScheduleSpec()
     drain_timeout_s: float = 90.0     # after the last arrival, then unfinished streams are errors
     nginx_workers: int = 4
+    # PROXY_LEAST_LOAD_WEIGHTS for every proxy contender. The original's default weighs 1 s of
+    # predicted backlog like one request in flight (§7.1), so within a burst each view sends the
+    # slow instance its count share; 10x that lets the (learned) backlog steer. Same for all
+    # proxy contenders: the ablation compares views, not weights.
+    least_load_weights: tuple[tuple[str, float], ...] = (("predicted_total_backlog_ms", 0.01),)
+
+    def proxy_env(self) -> dict[str, str]:
+        return {"PROXY_LEAST_LOAD_WEIGHTS": json.dumps(dict(self.least_load_weights))}
 
     def instance_specs(self) -> list[InstanceSpec]:
         fast = InstanceSpec(slow_factor=1.0, max_concurrency=self.fast_max_concurrency)
@@ -57,17 +66,19 @@ class ContenderDef:
                 "strategy": self.strategy, "load_view": self.load_view}
 
 
-def _proxy(name: str, workers: int, strategy: str, view: str) -> ContenderDef:
+def _proxy(name: str, workers: int, strategy: str, view: str, env: dict[str, str]) -> ContenderDef:
     return ContenderDef(name, "proxy", workers, strategy, view,
-                        lambda inst: ProxyContender(name, inst, workers, strategy, load_view=view))
+                        lambda inst: ProxyContender(name, inst, workers, strategy, load_view=view,
+                                                    extra_env=env))
 
 
 def contender_defs(scenario: Scenario) -> list[ContenderDef]:
+    env = scenario.proxy_env()
     return [
-        _proxy(REFERENCE, 1, "least_load", "shared"),
-        _proxy(SHARED, 4, "least_load", "shared"),
-        _proxy(PER_WORKER, 4, "least_load", "per_worker"),
-        _proxy(ROUND_ROBIN, 4, "round_robin", "shared"),
+        _proxy(REFERENCE, 1, "least_load", "shared", env),
+        _proxy(SHARED, 4, "least_load", "shared", env),
+        _proxy(PER_WORKER, 4, "least_load", "per_worker", env),
+        _proxy(ROUND_ROBIN, 4, "round_robin", "shared", env),
         ContenderDef(NGINX, "nginx", scenario.nginx_workers, "least_conn", None,
                      lambda inst: NginxContender(NGINX, inst, worker_processes=scenario.nginx_workers,
                                                  method="least_conn")),

@@ -7,7 +7,7 @@ compiles, once per directory snapshot and weight set, a function whose body is t
 weighted sum with every offset and weight as a constant:
 
     [(L[0] & M) * 1.0 + (L[1] & M) * 1.0 + ... + R[1] * 1.0 + R[2] * 0.5
-     + (max(R[3], R[4], now) - now) * 1e-06, ...]
+     + (max(R[3], R[4], now) - now + max(0, (L[0] & M) - R[1] - R[2]) * R[6]) * 1e-06, ...]
 
 over the flat lane words (one struct call) and the flat snapshot records (cached on the
 snapshot generation). It returns None whenever its assumptions do not hold (a slot changed
@@ -48,9 +48,13 @@ def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
                  for n, f in _LANE_FIELDS.items() if n in weights]
         predicted = [_weighted(f"R[{fields * s + f}]", weights[n])
                      for n, f in _RECORD_FIELDS.items() if n in weights]
-        if "predicted_total_backlog_ms" in weights:  # microseconds from now, weighted per ms
+        if "predicted_total_backlog_ms" in weights:  # microseconds, weighted per ms
             scale = weights["predicted_total_backlog_ms"] / 1000
-            predicted.append(f"(max(R[{fields * s + 3}], R[{fields * s + 4}], now) - now) * {scale!r}")
+            r = fields * s
+            # Time until free, plus the unannounced requests (inflight - pending - decoding)
+            # at the marginal cost each (load_view._unannounced_backlog_ms).
+            unseen = f"max(0, (L[{used * s}] & {mask}) - R[{r + 1}] - R[{r + 2}]) * R[{r + 6}]"
+            predicted.append(f"(max(R[{r + 3}], R[{r + 4}], now) - now + {unseen}) * {scale!r}")
         queue_terms.append(" + ".join(queue) or "0")
         full_terms.append(" + ".join(queue + predicted) or "0")
     gens = tuple(generations)

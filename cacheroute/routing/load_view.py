@@ -7,8 +7,11 @@ Three layers, each with its own source:
   `ready_queue_depth`, host-wide lanes changed by the workers' pipelines;
 - predicted reservation pressure: `pending_prefill_count`, `active_decode_count`,
   `predicted_total_backlog_ms`, from the sidecar's snapshot (absolute times, turned into "in N
-  ms" against this process's clock). Unknown (None) when the snapshot is older than
-  `stale_ms` or the sidecar never published one: a dead sidecar must not read as an idle host.
+  ms" against this process's clock); the backlog also charges the requests in flight that the
+  snapshot has not seen yet (host-wide inflight lane - pending - decoding) at the instance's
+  marginal cost, so a burst split over several workers does not all read the same old
+  backlog. Unknown (None) when the snapshot is older than `stale_ms` or the sidecar never
+  published one: a dead sidecar must not read as an idle host.
 
 `per_worker` is the ablation: only this worker's own inflight share, nothing host-wide, which
 is what N independent copies of the original Proxy would see.
@@ -129,7 +132,7 @@ class LoadView:
                                          "qps_1m": [inst.qps_1m for inst in instances]}
         if self.mode == "shared" and instances:
             result.update(self._queue_lanes(instances, span))
-            result.update(self._predicted(instances, span, with_raw))
+            result.update(self._predicted(instances, span, result["inflight"], with_raw))
         return result
 
     def _queue_lanes(self, instances: Sequence[SlotRef], span: int) -> dict[str, list[Any]]:
@@ -143,14 +146,14 @@ class LoadView:
                 result[name].append(word & COUNT_MASK if word >> GEN_SHIFT == inst.generation else None)
         return result
 
-    def _predicted(self, instances: Sequence[SlotRef], span: int,
+    def _predicted(self, instances: Sequence[SlotRef], span: int, inflight: Sequence[int | None],
                    with_raw: bool = False) -> dict[str, list[Any]]:
         now_us = clock.now_us()
         names = PREDICTED + (RAW_PREDICTED if with_raw else ())
         result: dict[str, list[Any]] = {name: [] for name in names}
         fresh = self.predicted_source(now_us) == "fresh"
         records = self.snapshots.records(span) if fresh else ()
-        for inst in instances:
+        for inst, count in zip(instances, inflight, strict=True):
             record = self._record(inst, records)
             if record is None:
                 for name in names:
@@ -159,7 +162,8 @@ class LoadView:
             slot_in, prefill_in = _free_in_ms(record, now_us)
             result["pending_prefill_count"].append(record[1])
             result["active_decode_count"].append(record[2])
-            result["predicted_total_backlog_ms"].append(max(slot_in, prefill_in))
+            result["predicted_total_backlog_ms"].append(
+                max(slot_in, prefill_in) + _unannounced_backlog_ms(record, count))
             if with_raw:
                 result["next_slot_ready_in_ms"].append(slot_in)
                 result["prefill_free_in_ms"].append(prefill_in)
@@ -173,7 +177,15 @@ class LoadView:
         return record if record and record[0] == instance.generation else None
 
 
+def _unannounced_backlog_ms(record: Sequence[int], inflight: int | None) -> float:
+    """Backlog of the requests in flight that the timeline has not seen yet (selected since
+    the snapshot, by any worker), at the instance's marginal cost each."""
+    _, pending, decoding, _, _, _, marginal_us = record
+    unseen = 0 if inflight is None else max(0, inflight - pending - decoding)
+    return unseen * marginal_us / 1000
+
+
 def _free_in_ms(record: Sequence[int], now_us: int) -> tuple[float, float]:
     """(next READY slot free in, prefill chain free in), ms from now, never negative."""
-    _, _, _, slot_free_us, prefill_free_us, _ = record
+    _, _, _, slot_free_us, prefill_free_us, _, _ = record
     return max(0.0, (slot_free_us - now_us) / 1000), max(0.0, (prefill_free_us - now_us) / 1000)

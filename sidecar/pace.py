@@ -1,0 +1,34 @@
+"""How fast an instance really is, learned from its first tokens.
+
+Workers predict service and decode times from one predictor profile for every instance, so an
+instance that is three times slower than the profile (an older GPU, a larger model, a noisy
+neighbour) looks as cheap as the others and keeps receiving its count share of a burst. Each
+first token says how far off the prediction was: the pace is a per-instance factor on the
+predicted durations, moved a step toward observed/predicted in log space (so 3x too slow and
+3x too fast pull equally hard), clamped so one wild sample cannot flip the ranking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this a prediction is mostly clock jitter and event latency: learning from it is noise.
+MIN_PREDICTED_S = 0.005
+RATIO_LIMITS = (0.1, 10.0)   # one observation moves the pace by at most this ratio^step
+FACTOR_LIMITS = (0.05, 50.0)
+
+
+@dataclass
+class Pace:
+    step: float              # 0 = never learn (the profile is trusted as is), 1 = last sample wins
+    factor: float = 1.0      # observed / predicted durations on this instance
+    observations: int = 0
+
+    def observe(self, predicted_s: float, observed_s: float) -> None:
+        if self.step <= 0.0 or predicted_s < MIN_PREDICTED_S:
+            return
+        ratio = min(max(max(observed_s, 0.0) / predicted_s, RATIO_LIMITS[0]), RATIO_LIMITS[1])
+        learned = self.factor * math.exp(self.step * math.log(ratio))
+        self.factor = min(max(learned, FACTOR_LIMITS[0]), FACTOR_LIMITS[1])
+        self.observations += 1
