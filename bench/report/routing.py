@@ -55,7 +55,19 @@ def scenario(data: dict[str, Any]) -> str:
         f"- offered: {num(load.get('requests'))} requests in {num(load.get('bursts'))} bursts, "
         f"{num(load.get('mean_rate_per_s'))} requests/s on average, the same schedule for every "
         "contender and repeat",
+        *_proxy_weights(sc),
     ])
+
+
+def _proxy_weights(sc: dict[str, Any]) -> list[str]:
+    """The least_load weight overrides every proxy contender ran with (absent in older files)."""
+    overrides = sc.get("least_load_weights")
+    if not overrides:
+        return []
+    pairs = ", ".join(f'"{name}": {num(weight)}' for name, weight in overrides)
+    return [f"- every proxy contender: `PROXY_LEAST_LOAD_WEIGHTS='{{{pairs}}}'` "
+            "(other weights at the original's defaults); each instance registers its "
+            "max_concurrency as `meta.max_num_seqs`"]
 
 
 def checks(data: dict[str, Any]) -> str:
