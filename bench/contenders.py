@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Self
 
 from bench.common import ChildProcess, SupervisorPorts, free_port, tree_cpu_s, tree_rss_bytes
+from sim_instance.registration import register_meta
 
 HOST = "127.0.0.1"
 # Fast enough that a simulated instance is not what limits a non-streaming benchmark:
@@ -174,12 +175,9 @@ class SimInstances(Started):
 
     def register_body(self, i: int) -> dict[str, Any]:
         """What instance i would send to a proxy control plane (sim_instance/registration.py)."""
-        meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
-        if self.specs[i].max_concurrency is not None:
-            meta["max_num_seqs"] = self.specs[i].max_concurrency
         return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
                 "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
-                "weight": 1.0, "meta": meta}
+                "weight": 1.0, "meta": register_meta(self.specs[i].max_concurrency)}
 
 
 # --- contenders --------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ class DirectoryWriter:
         assert decoded is not None
         return decoded
 
-    def update_address(self, slot: int, host: str, port: int, cp_port: int = 0,
+    def update_registration(self, slot: int, host: str, port: int, cp_port: int = 0,
                        max_num_seqs: int = 0) -> None:
         _, host_bytes = encode_identity("x", host)
         seg = self._seg

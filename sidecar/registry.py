@@ -76,8 +76,7 @@ class InstanceRegistry:
         instance_id = req.resolved_id
         record = self._records.get(instance_id)
         meta = {**(record.meta if record else {}), **req.meta}  # merged, as the original did
-        cp_port = _meta_int(meta, "cp_port", 65535)
-        max_num_seqs = _meta_int(meta, "max_num_seqs", MAX_NUM_SEQS)
+        cp_port, max_num_seqs = (_meta_int(meta, key) for key in SLOT_META_LIMITS)
         if record is None:
             slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000), cp_port,
                                          max_num_seqs)
@@ -89,7 +88,7 @@ class InstanceRegistry:
                      req.port, record.slot, record.generation)
         elif (record.host, record.port, record.cp_port, record.max_num_seqs) \
                 != (req.host, req.port, cp_port, max_num_seqs):
-            self._writer.update_address(record.slot, req.host, req.port, cp_port, max_num_seqs)
+            self._writer.update_registration(record.slot, req.host, req.port, cp_port, max_num_seqs)
             record.host, record.port = req.host, req.port
         record.cp_port = cp_port
         record.max_num_seqs = max_num_seqs
@@ -179,17 +178,18 @@ class InstanceRegistry:
 
 def _stored_meta(slot: InstanceSlot) -> dict[str, Any]:
     """The part of an instance's meta that its slot in the shared table keeps."""
-    return {key: value for key, value in (("cp_port", slot.cp_port), ("max_num_seqs", slot.max_num_seqs))
-            if value}
+    return {key: getattr(slot, key) for key in SLOT_META_LIMITS if getattr(slot, key)}
 
 
-# vLLM's own ceiling is far below this; anything larger is a typo, not a capacity.
-MAX_NUM_SEQS = 65536
+# Meta fields an instance's slot in the shared table keeps, with their largest valid value
+# (max_num_seqs: vLLM's own ceiling is far below; anything larger is a typo, not a capacity).
+SLOT_META_LIMITS = {"cp_port": 65535, "max_num_seqs": 65536}
 
 
-def _meta_int(meta: dict[str, Any], key: str, largest: int) -> int:
+def _meta_int(meta: dict[str, Any], key: str) -> int:
     """A positive integer the instance's meta names (cp_port: its control-plane port;
     max_num_seqs: how many sequences it runs at once), else 0: unknown. A bad value is
     ignored, not refused: the original Proxy accepted any meta."""
     value = meta.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= largest else 0
+    valid = isinstance(value, int) and not isinstance(value, bool) and 0 < value <= SLOT_META_LIMITS[key]
+    return value if valid else 0

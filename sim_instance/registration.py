@@ -38,15 +38,20 @@ def capabilities(config: SimConfig) -> dict[str, Any]:
     return {"schema_version": "1", "model": {"identifier": config.model, "revision": None}}
 
 
-def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, Any]:
-    # cp_port: where the Proxy reaches POST /v1/kv/inject_ready (the original hard-coded 9002);
-    # absent when this Instance has no control plane.
-    # max_num_seqs: vLLM's name for how many sequences run at once; the Proxy's sidecar models
-    # that many slots for this instance (when below READY_CONCURRENCY).
-    meta: dict[str, Any] = {"version": "instance_v1", "simulated": True,
-                            "max_num_seqs": config.max_concurrency}
+def register_meta(max_num_seqs: int | None, cp_port: int | None = None) -> dict[str, Any]:
+    """max_num_seqs: vLLM's name for how many sequences run at once; the Proxy's sidecar models
+    that many slots for this instance (when below READY_CONCURRENCY). cp_port: where the Proxy
+    reaches POST /v1/kv/inject_ready (the original hard-coded 9002). Each is left out when None."""
+    meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
+    if max_num_seqs is not None:
+        meta["max_num_seqs"] = max_num_seqs
     if cp_port:
         meta["cp_port"] = cp_port
+    return meta
+
+
+def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, Any]:
+    meta = register_meta(config.max_concurrency, cp_port)
     return {
         "instance_id": config.resolved_instance_id,
         "host": config.host,

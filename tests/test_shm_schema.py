@@ -168,7 +168,7 @@ def test_max_num_seqs_is_stored_updated_and_not_inherited_by_the_next_instance(s
     writer = DirectoryWriter(seg)
     a = writer.allocate("inst-a", "10.0.0.1", 9001, cp_port=9002, max_num_seqs=4)
     assert (a.cp_port, a.max_num_seqs) == (9002, 4)
-    writer.update_address(a.slot, "10.0.0.1", 9001, 9002, max_num_seqs=16)
+    writer.update_registration(a.slot, "10.0.0.1", 9001, 9002, max_num_seqs=16)
     assert read_all(seg)[0].max_num_seqs == 16
     writer.free(a.slot)
     b = writer.allocate("inst-b", "10.0.0.2", 9003)
@@ -282,7 +282,7 @@ def test_reader_snapshot_is_cached_on_the_sequence(seg):
     assert reader.snapshot() is first
     writer.touch(0, last_seen_ms=123, qps_1m=2.5)  # not part of selection: no sequence bump
     assert reader.snapshot() is first
-    writer.update_address(0, "other-host", 7)
+    writer.update_registration(0, "other-host", 7)
     second = reader.snapshot()
     assert second is not first and (second.instances[0].host, second.instances[0].port) == ("other-host", 7)
     assert second.instances[0].qps_1m == 2.5
