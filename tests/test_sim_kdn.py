@@ -24,11 +24,11 @@ import pytest
 
 from sim_kdn.config import ConfigError, Knobs
 from sim_kdn.store import StoreError, generate_store, load_store
-from tests.test_sim_instance import (
+from tests.sim_harness import (
     ROOT,
     SimProcess,
-    _wait_until,
     http,
+    poll_until,
     run,
     running_sim,
 )
@@ -352,7 +352,7 @@ def test_hang_holds_until_release(kdn: SimProcess) -> None:
     worker = threading.Thread(target=lambda: results.append(
         timed("POST", kdn.url + "/knowledge/inject_ready_kv", inject_body(["tiny"]))))
     worker.start()
-    _wait_until(lambda: http("GET", kdn.url + "/sim/stats")[2]["held"] == 1)
+    poll_until(lambda: http("GET", kdn.url + "/sim/stats")[2]["held"] == 1)
     assert http("POST", kdn.url + "/knowledge/search/text",
                 {"knowledge_ids": ["tiny"]})[0] == 200  # searches are not held
     time.sleep(0.2)
@@ -423,7 +423,7 @@ def test_sigterm_with_a_hung_request_exits_zero(tmp_path: Path) -> None:
             "POST", kdn.url + "/knowledge/search/text", {"knowledge_ids": ["k0001"]}),
             daemon=True)
         worker.start()
-        _wait_until(lambda: http("GET", kdn.url + "/sim/stats")[2]["held"] == 1)
+        poll_until(lambda: http("GET", kdn.url + "/sim/stats")[2]["held"] == 1)
         t0 = time.monotonic()
         assert kdn.terminate() == 0, kdn.log()
         assert time.monotonic() - t0 < 3
