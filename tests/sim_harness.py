@@ -210,22 +210,30 @@ def shared_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]
 @pytest.fixture
 def sim(shared_sim: SimProcess) -> Iterator[SimProcess]:
     """The shared sim with default knobs, nothing in flight and zeroed counters."""
-    _quiesce(shared_sim)
-    try:
+    with quiet(shared_sim, ("active", "queued", "held"), timeout_s=3):
         yield shared_sim
+
+
+@contextmanager
+def quiet(process: SimProcess, busy_stats: tuple[str, ...], timeout_s: float) -> Iterator[None]:
+    """A shared simulator (instance or KDN) reset before and after a test: a failed test must
+    not leave held requests or changed knobs for the next one."""
+    quiesce(process, busy_stats, timeout_s)
+    try:
+        yield
     finally:
-        _quiesce(shared_sim)  # a failed test must not leave held requests for the next one
+        quiesce(process, busy_stats, timeout_s)
 
 
-def _quiesce(sim: SimProcess) -> None:
-    http("POST", sim.url + "/sim/config/reset")
-    deadline = time.monotonic() + 3
+def quiesce(process: SimProcess, busy_stats: tuple[str, ...], timeout_s: float) -> None:
+    """Default knobs, everything released, every `busy_stats` counter 0, then zeroed stats."""
+    http("POST", process.url + "/sim/config/reset")
+    deadline = time.monotonic() + timeout_s
     while True:
-        http("POST", sim.url + "/sim/release")
-        _, _, stats = http("GET", sim.url + "/sim/stats")
-        if stats["active"] == stats["queued"] == stats["held"] == 0:
+        http("POST", process.url + "/sim/release")
+        _, _, stats = http("GET", process.url + "/sim/stats")
+        if all(stats[key] == 0 for key in busy_stats):
             break
-        assert time.monotonic() < deadline, f"sim did not quiesce: {stats}"
+        assert time.monotonic() < deadline, f"{process.url} did not quiesce: {stats}"
         time.sleep(0.02)
-    http("POST", sim.url + "/sim/stats/reset")
-
+    http("POST", process.url + "/sim/stats/reset")

@@ -29,6 +29,7 @@ from tests.sim_harness import (
     SimProcess,
     http,
     poll_until,
+    quiet,
     run,
     running_sim,
 )
@@ -81,24 +82,8 @@ def shared_kdn(knowledge_file: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture
 def kdn(shared_kdn: SimProcess) -> Iterator[SimProcess]:
     """The shared KDN with start-time knobs, nothing in flight and zeroed counters."""
-    _quiesce(shared_kdn)
-    try:
+    with quiet(shared_kdn, ("held", "active_transfers", "queued_transfers"), timeout_s=5):
         yield shared_kdn
-    finally:
-        _quiesce(shared_kdn)
-
-
-def _quiesce(kdn: SimProcess) -> None:
-    http("POST", kdn.url + "/sim/config/reset")
-    deadline = time.monotonic() + 5
-    while True:
-        http("POST", kdn.url + "/sim/release")
-        _, _, st = http("GET", kdn.url + "/sim/stats")
-        if st["held"] == st["active_transfers"] == st["queued_transfers"] == 0:
-            break
-        assert time.monotonic() < deadline, f"kdn did not quiesce: {st}"
-        time.sleep(0.02)
-    http("POST", kdn.url + "/sim/stats/reset")
 
 
 # --------------------------------------------------------------------------- pure parts
