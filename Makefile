@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Sidecar + N workers on :8001 + (by default) SIM simulated instances. SIM=0 for a real deployment.
+# The demo: sidecar + N workers on :8001 (`cacheroute-proxy run`) and SIM simulated instances
+# plus a simulated KDN (cacheroute_sim/demo.py). A real deployment runs `cacheroute-proxy run`
+# or the systemd units (docs/operations.md); its instances register themselves.
 run-workers: $(STAMP)
-	PROXY_SIM_INSTANCES=$${PROXY_SIM_INSTANCES:-$(SIM)} $(PY) -m supervisor run --workers $(N) --strategy $(STRATEGY)
+	PROXY_SIM_INSTANCES=$${PROXY_SIM_INSTANCES:-$(SIM)} $(PY) -m cacheroute_sim.demo --workers $(N) --strategy $(STRATEGY)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -68,7 +70,7 @@ soak: $(STAMP)
 
 # Remove a segment left by a crashed run (the launcher removes it on a clean stop).
 clean-shm: $(STAMP)
-	$(PY) -m shm_schema.cli unlink
+	$(PY) -m cacheroute_proxy shm unlink
 
 clean:
 	rm -rf $(VENV) *.egg-info build .pytest_cache

@@ -2,7 +2,7 @@
 
 Run:  python -m bench.bench_pressure --out bench/results/pressure.json [--duration 40]
 
-Starts the real thing (`python -m supervisor run`: sidecar, 2 workers with least_load, 2
+Starts the real thing (`python -m cacheroute_sim.demo`: sidecar, 2 workers with least_load, 2
 simulated instances at time scale 1, whose timing follows the same fitted curves as the
 default predictor profile) on free 127.0.0.1 ports and a private segment, then drives
 streaming requests with Poisson arrivals and mixed prompt lengths for a bounded time. Every
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import ChildProcess, free_port, free_port_range, percentile
+from cacheroute_sim.processes import ChildProcess, free_port, free_port_range
+from bench.stats import percentile
 
 PROMPT_TOKENS = (50, 200, 500, 1000, 2000)
 
@@ -80,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {"PROXY_DP_PORT": str(dp), "PROXY_CP_PORT": str(cp),
            "PROXY_WORKER_PRIVATE_PORT_BASE": str(private), "PROXY_WORKERS": "2",
            "PROXY_SIM_INSTANCES": "2", "PROXY_SIM_INSTANCE_PORT_BASE": str(free_port_range(12)),  # base+10i, +1
+           "PROXY_SIM_KDN_PORT": str(free_port()),
            "PROXY_INSTANCE_STRATEGY": "least_load",
            "PROXY_SHM_NAME": f"/cacheroute_bench_{uuid.uuid4().hex[:8]}"}
-    supervisor = ChildProcess(["-m", "supervisor", "run"], env, Path("/tmp/bench_pressure_supervisor.log"))
+    # The demo launcher: the proxy plus its two simulated instances.
+    supervisor = ChildProcess(["-m", "cacheroute_sim.demo"], env, Path("/tmp/bench_pressure_supervisor.log"))
     try:
         _wait_ready(f"http://127.0.0.1:{cp}/debug/instance_loads", 30)
         metas = asyncio.run(_drive(f"http://127.0.0.1:{dp}/v1/chat/completions",

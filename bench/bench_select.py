@@ -38,9 +38,9 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from cacheroute.config import Settings
+from cacheroute_proxy.config import Settings
 from proxy_workers.router import Router
-from cacheroute.routing.strategies import DEFAULT_WEIGHTS
+from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
 from shm_schema.atomic import BACKEND
 from shm_schema.snapshot import Pressure, SnapshotWriter

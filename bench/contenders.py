@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Self
 
-from bench.common import ChildProcess, SupervisorPorts, free_port, tree_cpu_s, tree_rss_bytes
-from sim_instance.registration import register_meta
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
+from bench.machine import tree_cpu_s, tree_rss_bytes
+from cacheroute_sim.instance.registration import register_meta
 
 HOST = "127.0.0.1"
 # Fast enough that a simulated instance is not what limits a non-streaming benchmark:
@@ -142,7 +143,7 @@ class SimInstances(Started):
     def _start_one(self, spec: InstanceSpec) -> None:
         port = free_port()
         instance_id = f"bench-{port}"
-        argv = ["-m", "sim_instance", "--host", HOST, "--port", str(port),
+        argv = ["-m", "cacheroute_sim.instance", "--host", HOST, "--port", str(port),
                 "--instance-id", instance_id, "--no-register", "--cp-port", "0",
                 "--time-scale", str(self.time_scale), "--slow-factor", str(spec.slow_factor),
                 "--log-level", "warning"]
@@ -174,7 +175,7 @@ class SimInstances(Started):
         http_json("POST", f"{self.urls[i]}/sim/stats/reset", {})
 
     def register_body(self, i: int) -> dict[str, Any]:
-        """What instance i would send to a proxy control plane (sim_instance/registration.py)."""
+        """What instance i would send to a proxy control plane (cacheroute_sim/instance/registration.py)."""
         return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
                 "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
                 "weight": 1.0, "meta": register_meta(self.specs[i].max_concurrency)}
@@ -262,7 +263,7 @@ class DirectContender(Contender):
 
 
 class ProxyContender(ProcessContender):
-    """This proxy via `python -m supervisor run`: free ports, a private segment, no simulated
+    """This proxy via `python -m cacheroute_proxy run`: free ports, a private segment, no simulated
     instances of its own; every instance of `instances` registered on its control plane."""
 
     kind = "proxy"
@@ -283,7 +284,7 @@ class ProxyContender(ProcessContender):
         self.url = self.ports.dp_url
 
     def launch(self) -> None:
-        self._child = ChildProcess(["-m", "supervisor", "run"], self.env,
+        self._child = ChildProcess(["-m", "cacheroute_proxy", "run"], self.env,
                                    self.log_dir / "supervisor.log", die_with_parent=True)
 
     def wait_ready(self) -> None:

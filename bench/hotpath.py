@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, ChildProcess, free_port
+from cacheroute_sim.processes import ROOT, ChildProcess, free_port
 from bench.contenders import (
     Contender,
     DirectContender,
@@ -195,7 +195,7 @@ HOT_PATH_FILES = tuple(f"proxy_workers/{name}" for name in (
     "router.py", "metrics.py", "tracker.py", "http1_client.py", "drain.py", "server.py",
     "uvicorn_cycle.py")) + (
     "sidecar/timelines.py", "sidecar/pressure.py", "shm_schema/counters.py",
-    "shm_schema/events.py", "cacheroute/routing/load_view.py", "cacheroute/clock.py")
+    "shm_schema/events.py", "cacheroute_proxy/routing/load_view.py", "cacheroute_proxy/clock.py")
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
@@ -226,7 +226,7 @@ class TreeProxyContender(ProxyContender):
 
     def start(self) -> None:
         # `python -m` puts the working directory first on sys.path, and children inherit it.
-        command = f"cd {shlex.quote(str(self.tree))} && exec {shlex.quote(sys.executable)} -m supervisor run"
+        command = f"cd {shlex.quote(str(self.tree))} && exec {shlex.quote(sys.executable)} -m cacheroute_proxy run"
         self._child = child = ChildProcess(["-c", command], self.env, self.log_dir / "supervisor.log",
                                            die_with_parent=True, program="/bin/sh")
         for i in range(self.ports.workers):

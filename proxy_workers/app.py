@@ -22,16 +22,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cacheroute.auth import TokenGuard, load_token
-from cacheroute.clock import now_ms
-from cacheroute.config import Settings
-from cacheroute.http import (
+from cacheroute_proxy.auth import TokenGuard, load_token
+from cacheroute_proxy.clock import now_ms
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import (
     ERROR_HANDLERS,
     HTTPError,
     JSONResponse,
     from_http_error,
 )
-from cacheroute.routing.report import instance_loads
+from cacheroute_proxy.routing.report import instance_loads
 
 from . import metrics
 from .exchange import ProxyExchange, Responder

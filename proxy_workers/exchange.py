@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import msgspec
 
-from cacheroute.clock import now_ms
-from cacheroute.http import HTTPError
+from cacheroute_proxy.clock import now_ms
+from cacheroute_proxy.http import HTTPError
 
 from . import metrics
 from .pipeline import Job, Pipeline

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from cacheroute.config import Settings
+from cacheroute_proxy.config import Settings
 
 from .request_model import ProxyRequest
 

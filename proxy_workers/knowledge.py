@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from cacheroute.clock import now_ms
-from cacheroute.config import Settings
+from cacheroute_proxy.clock import now_ms
+from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot
 
 from .request_model import Endpoint, ProxyRequest

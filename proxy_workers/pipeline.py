@@ -21,9 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
-from cacheroute.clock import now_ms
-from cacheroute.config import Settings
-from cacheroute.http import HTTPError
+from cacheroute_proxy.clock import now_ms
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
 from .iws import decide

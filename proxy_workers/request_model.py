@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from cacheroute.http import HTTPError
+from cacheroute_proxy.http import HTTPError
 
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=100_000_000)]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import itertools
 
-from cacheroute.clock import now_ms, now_us
-from cacheroute.config import Settings
-from cacheroute.http import HTTPError
-from cacheroute.routing.fast_score import Scorer, compile_scorer
-from cacheroute.routing.load_view import LoadView
-from cacheroute.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
+from cacheroute_proxy.clock import now_ms, now_us
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import HTTPError
+from proxy_workers.fast_score import Scorer, compile_scorer
+from cacheroute_proxy.routing.load_view import LoadView
+from cacheroute_proxy.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
 from shm_schema import (
     Admission,
     DirectorySnapshot,

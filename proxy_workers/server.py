@@ -16,11 +16,11 @@ from typing import AsyncIterator
 import uvicorn
 from starlette.types import ASGIApp
 
-from cacheroute import logs, sd_notify
-from cacheroute.config import Settings
+from cacheroute_proxy import logs, sd_notify
+from cacheroute_proxy.config import Settings
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
-from cacheroute.predictors import get_predictors
+from proxy_workers.predictors import get_predictors
 
 from .app import WorkerContext, build_app
 from .drain import Drain, DrainGate, DrainingServer, draining_protocol, uvicorn_graceful_timeout, \

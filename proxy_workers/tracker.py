@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cacheroute.clock import now_us
+from cacheroute_proxy.clock import now_us
 from shm_schema import Segment, WorkerRow, layout
 from shm_schema.events import EventKind, EventWriter
 

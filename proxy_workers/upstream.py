@@ -16,8 +16,8 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from cacheroute.config import Settings
-from cacheroute.http import HTTPError
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import HTTPError
 
 from .http1_client import HeadTimeout, Http1Connection, Http1Pool, IdleTimeout, UpstreamResponse, request_prefix
 

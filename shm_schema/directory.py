@@ -10,9 +10,8 @@ directory while the sidecar restarts.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
-
-from cacheroute import clock
 
 from . import layout
 from .segment import Segment
@@ -146,7 +145,7 @@ class DirectoryWriter:
             raise DirectoryFull(
                 f"the shared table is full ({self._seg.geometry.instance_capacity} instance slots); "
                 f"raise PROXY_SHM_INSTANCE_CAPACITY or unregister instances")
-        now_ms = clock.now_ms() if now_ms is None else now_ms
+        now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
         seg = self._seg
         base = seg.geometry.slot_offset(slot)
         generation = _next_generation(seg.load(base + layout.S_GENERATION))

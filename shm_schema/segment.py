@@ -3,7 +3,7 @@
 posix_ipc, not `multiprocessing.shared_memory`: the stdlib resource tracker unlinks a segment
 that a process merely attached to. The segment outlives any one process on purpose: a
 restarted sidecar re-attaches and keeps the live counters. It is removed only when the whole
-service stops (the launcher, or `python -m shm_schema.cli unlink`).
+service stops (the launcher, or `python -m cacheroute_proxy shm unlink`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class SegmentNotFound(SegmentError):
 
 def _remedy(name: str) -> str:
     return (f"stop every process using it, then remove it with `make clean-shm` "
-            f"(or `python -m shm_schema.cli unlink --name {name}`)")
+            f"(or `python -m cacheroute_proxy shm unlink --name {name}`)")
 
 
 class Segment:

@@ -10,9 +10,8 @@ passes and each worker computes "in N ms" against its own clock.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
-
-from cacheroute.clock import now_us
 
 from . import layout
 from .segment import Segment
@@ -46,7 +45,7 @@ class SnapshotWriter:
             record = records.get(slot)
             packer.pack_into(seg.buf, geometry.snapshot_record_offset(buffer, slot),
                              *(empty if record is None else record))
-        seg.store(layout.H_SNAPSHOT_PUBLISHED_US, now_us())
+        seg.store(layout.H_SNAPSHOT_PUBLISHED_US, time.time_ns() // 1000)
         seg.store(layout.H_SNAPSHOT_GEN, generation + 1)
         return generation + 1
 

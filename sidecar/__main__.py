@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cacheroute import logs
-from cacheroute.config import ConfigError, Settings
+from cacheroute_proxy import logs
+from cacheroute_proxy.config import ConfigError, Settings
 
 from .server import run
 

@@ -11,12 +11,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cacheroute.auth import TokenGuard, load_token
-from cacheroute.config import Settings
-from cacheroute.http import ERROR_HANDLERS, HTTPError, JSONResponse, decode_json, from_http_error, read_body
-from cacheroute.routing.load_view import LoadView
-from cacheroute.routing.report import instance_loads
-from cacheroute.routing.strategies import LeastLoadStrategy
+from cacheroute_proxy.auth import TokenGuard, load_token
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import ERROR_HANDLERS, HTTPError, JSONResponse, decode_json, from_http_error, read_body
+from cacheroute_proxy.routing.load_view import LoadView
+from cacheroute_proxy.routing.report import instance_loads
+from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 from shm_schema import DirectoryFull, Segment, header
 
 from . import pool_resource, wire

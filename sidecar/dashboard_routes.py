@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cacheroute.clock import now_ms
-from cacheroute.http import JSONResponse, error_response
+from cacheroute_proxy.clock import now_ms
+from cacheroute_proxy.http import JSONResponse, error_response
 from shm_schema import Segment, layout, process_identity, read_all, read_rows, row_contributions
 
 log = logging.getLogger("cacheroute.sidecar.dashboard")

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from cacheroute.config import Settings
-from cacheroute.routing.load_view import LoadView
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.load_view import LoadView
 
 from .registry import InstanceRecord, InstanceRegistry
 from .scheduler_wire import (

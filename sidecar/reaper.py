@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cacheroute.clock import now_ms
+from cacheroute_proxy.clock import now_ms
 from shm_schema import (
     Segment,
     header,

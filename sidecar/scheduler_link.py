@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from cacheroute.config import Settings
+from cacheroute_proxy.config import Settings
 
 from .scheduler_wire import (
     ENDPOINTS,

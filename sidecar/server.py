@@ -13,10 +13,10 @@ from typing import AsyncIterator, Awaitable, Callable
 import uvicorn
 from starlette.applications import Starlette
 
-from cacheroute import logs, sd_notify
-from cacheroute.config import Settings
-from cacheroute.routing.load_view import LoadView
-from cacheroute.routing.strategies import LeastLoadStrategy
+from cacheroute_proxy import logs, sd_notify
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.load_view import LoadView
+from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 from shm_schema import Segment, SegmentError, header
 
 from .app import SidecarState, build_app

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 # ROOT, Process, free_port and free_port_range are re-exported: the tests take them from here.
-from bench.common import ROOT, SupervisorPorts, free_port, free_port_range
-from bench.common import ChildProcess as Process
+from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_range
+from cacheroute_sim.processes import ChildProcess as Process
 
 __all__ = ["ROOT", "Cluster", "Process", "SimInstance", "chat_body", "free_port", "free_port_range",
            "get", "http", "post", "wait_until"]
@@ -77,7 +77,7 @@ class SimInstance:
         self.port = port or free_port()
         self.instance_id = instance_id or f"sim-{self.port}"
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = ["-m", "sim_instance", "--host", "127.0.0.1", "--port", str(self.port),
+        argv = ["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(self.port),
                 "--instance-id", self.instance_id, "--proxy-cp-url", cp_url, *args]
         self.process = Process(argv, {}, log_dir / f"{self.instance_id}.log")
 
@@ -95,7 +95,7 @@ class SimInstance:
 
 
 class Cluster(SupervisorPorts):
-    """`python -m supervisor run` with its own ports and segment (addresses: SupervisorPorts),
+    """`python -m cacheroute_proxy run` with its own ports and segment (addresses: SupervisorPorts),
     plus simulated instances."""
 
     def __init__(self, tmp_path: Path, workers: int = 4, strategy: str = "round_robin",
@@ -108,7 +108,7 @@ class Cluster(SupervisorPorts):
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Cluster:
-        self.launcher = Process(["-m", "supervisor", "run"], self.env, self.tmp_path / "launcher.log")
+        self.launcher = Process(["-m", "cacheroute_proxy", "run"], self.env, self.tmp_path / "launcher.log")
         for index in range(self.workers):
             wait_until(lambda i=index: get(f"{self.worker_url(i)}/healthz", timeout=1)["ok"], 30,
                        message=f"worker {index} healthy\n{self.launcher_log()}")

@@ -5,7 +5,7 @@
 
 Meant for a private network namespace (tests/test_rolling_restart.py makes one), so the
 `tcp_migrate_req` setting it runs with is the namespace's own and the host's stays untouched.
-Starts `python -m supervisor run` (sidecar + N workers) and simulated instances, drives the
+Starts `python -m cacheroute_proxy run` (sidecar + N workers) and simulated instances, drives the
 mixed load of tests/rolling_load.py, sends SIGHUP, waits until every worker answers from a new
 pid and every old one has exited (the "restart window"), keeps the load on 2 s more, then checks
 inflight and lanes are 0 everywhere, stops the
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ChildProcess, SupervisorPorts, free_port
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 from tests.harness import http, wait_until
 from tests.rolling_load import LoadGenerator
 
@@ -49,7 +49,7 @@ class Scenario:
 
     # --- processes ------------------------------------------------------------------------------
     def start(self) -> None:
-        self.launcher = ChildProcess(["-m", "supervisor", "run"], self.env, self.log_dir / "launcher.log",
+        self.launcher = ChildProcess(["-m", "cacheroute_proxy", "run"], self.env, self.log_dir / "launcher.log",
                                      die_with_parent=True)
         for i in range(self.args.workers):
             wait_until(lambda i=i: self.healthz_pid(i), 60, message=f"worker {i} healthy")
@@ -58,7 +58,7 @@ class Scenario:
 
     def _instance(self, i: int) -> ChildProcess:
         port, instance_id = free_port(), f"sim-{i}"
-        proc = ChildProcess(["-m", "sim_instance", "--host", "127.0.0.1", "--port", str(port),
+        proc = ChildProcess(["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(port),
                              "--instance-id", instance_id, "--proxy-cp-url", self.ports.cp_url,
                              "--time-scale", str(self.args.time_scale), "--max-concurrency", "256"],
                             {}, self.log_dir / f"{instance_id}.log", die_with_parent=True)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from bench.common import free_port, free_port_range
+from cacheroute_sim.processes import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_SCALE = 0.05
@@ -42,10 +42,10 @@ def free_port_pair() -> int:
 
 
 class SimProcess:
-    """One ``python -m sim_instance`` (or ``module``) subprocess, output captured to a file."""
+    """One ``python -m cacheroute_sim.instance`` (or ``module``) subprocess, output captured to a file."""
 
     def __init__(self, args: list[str], log_path: Path, port: int | None = None,
-                 env: dict[str, str] | None = None, module: str = "sim_instance") -> None:
+                 env: dict[str, str] | None = None, module: str = "cacheroute_sim.instance") -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The Instance control plane, when a test gave it an explicit --cp-port.
@@ -97,7 +97,7 @@ def clean_env() -> dict[str, str]:
 
 @contextmanager
 def running_sim(log_path: Path, *args: str, port: int | None = None, ready: bool = True,
-                module: str = "sim_instance") -> Iterator[SimProcess]:
+                module: str = "cacheroute_sim.instance") -> Iterator[SimProcess]:
     sim = SimProcess(list(args), log_path, port=port, module=module)
     try:
         if ready:

@@ -6,12 +6,12 @@ import io
 import subprocess
 import sys
 
-from supervisor import status_view
+from cacheroute_proxy.cli import status_view
 from tests.harness import ROOT, chat_body, http
 
 
 def _cli(cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *args, "--url", cluster.cp_url],
+    return subprocess.run([sys.executable, "-m", "cacheroute_proxy", *args, "--url", cluster.cp_url],
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
 
 
@@ -35,6 +35,6 @@ def test_watch_refreshes_and_unreachable_is_an_error():
     out = io.StringIO()
     assert status_view.show(lambda: calls.append(1) or f"round {len(calls)}", out, 0.01, rounds=3) == 0
     assert out.getvalue().count("round") == 3
-    done = subprocess.run([sys.executable, "-m", "supervisor", "status", "--url", "http://127.0.0.1:9"],
+    done = subprocess.run([sys.executable, "-m", "cacheroute_proxy", "status", "--url", "http://127.0.0.1:9"],
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "unreachable" in done.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.common import scheduler_body
+from cacheroute_sim.scheduler.requests import scheduler_body
 from tests.aio import meta_of
 from tests.harness import chat_body, http
 

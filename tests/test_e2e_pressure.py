@@ -119,7 +119,7 @@ def test_sidecar_outage_pressure_goes_stale_routing_goes_on(make_cluster):
 
 def test_knowledge_text_and_kvcache_paths(make_cluster, tmp_path):
     kdn_port = free_port()
-    kdn = Process(["-m", "sim_kdn", "--port", str(kdn_port), "--time-scale", "0.05"], {},
+    kdn = Process(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", "0.05"], {},
                   tmp_path / "kdn.log")
     try:
         wait_until(lambda: get(f"http://127.0.0.1:{kdn_port}/healthz", timeout=1), 15, message="kdn up")

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from cacheroute.config import Settings
-from cacheroute.routing.fast_score import compile_scorer
+from cacheroute_proxy.config import Settings
+from proxy_workers.fast_score import compile_scorer
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow, layout
 from shm_schema.snapshot import Pressure, SnapshotWriter

@@ -131,7 +131,7 @@ def env(tmp_path_factory):  # type: ignore[no-untyped-def]
     try:
         cluster.start()
         kdn_port = free_port()
-        kdn = Process(["-m", "sim_kdn", "--host", "127.0.0.1", "--port", str(kdn_port), "--time-scale", "0.02"],
+        kdn = Process(["-m", "cacheroute_sim.kdn", "--host", "127.0.0.1", "--port", str(kdn_port), "--time-scale", "0.02"],
                       {}, tmp / "kdn.log")
         wait_until(lambda: get(f"http://127.0.0.1:{kdn_port}/healthz", timeout=1), 20, message="sim KDN up")
         sim = cluster.add_instance(time_scale=0.02, instance_id=FIXTURE_ID)
@@ -549,7 +549,7 @@ def test_regression_unencodable_host_is_never_a_500(env: Env, host: str) -> None
 
 def test_regression_plain_ipv6_instance_is_reachable(env: Env, tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    v6 = Process(["-m", "sim_instance", "--host", "::1", "--port", str(port), "--no-register",
+    v6 = Process(["-m", "cacheroute_sim.instance", "--host", "::1", "--port", str(port), "--no-register",
                   "--time-scale", "0.02", "--instance-id", "fuzz-v6"], {}, tmp_path / "v6.log")
     try:
         wait_until(lambda: get(f"http://[::1]:{port}/healthz", timeout=1), 20, message="IPv6 sim up")

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from cacheroute.config import Settings
-from cacheroute.http import HTTPError
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import HTTPError
 from proxy_workers.http1_client import HIGH_WATER, ConnectionClosed, Http1Pool, request_prefix
 from proxy_workers.upstream import Upstream, UpstreamFailure
 

@@ -1,7 +1,7 @@
-"""Tests of cacheroute/predictors/ and the bench scripts that produce its profiles.
+"""Tests of proxy_workers/predictors/ and the tools that produce its profiles.
 
-All in-process and fast: no servers (bench/calibrate_instance.py is exercised through its pure
-helpers; its real run against the simulated instance produced the shipped sim tables).
+In-process and fast, but for one short calibration run against a simulated instance
+(proxy_workers/predictors/calibrate.py; a real run of it produced the shipped sim tables).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from bench import calibrate_instance, refit_predictors
-from cacheroute import predictors as pred
-from cacheroute.predictors import (
+from proxy_workers.predictors import calibrate as calibrate_instance, refit as refit_predictors
+from proxy_workers import predictors as pred
+from proxy_workers.predictors import (
     DEFAULT_PROFILE,
     PROFILE_ENV,
     KvcacheService,
@@ -27,19 +27,20 @@ from cacheroute.predictors import (
     get_predictors,
     load_profile,
 )
-from cacheroute.predictors import profile as profile_module
-from cacheroute.predictors.fitting import (
+from proxy_workers.predictors import profile as profile_module
+from proxy_workers.predictors.fitting import (
     FitError,
     fit_redis,
     fit_tpot,
     fit_ttft,
     least_squares,
 )
-from cacheroute.predictors.tables import TableError, TpotTable, TtftTable, load_table
-from sim_instance import timing as sim_timing
+from proxy_workers.predictors.tables import TableError, TpotTable, TtftTable, load_table
+from cacheroute_sim.instance import timing as sim_timing
+from tests.sim_harness import running_sim
 
 REPO = Path(__file__).resolve().parents[1]
-PKG = REPO / "cacheroute" / "predictors"
+PKG = REPO / "proxy_workers" / "predictors"
 PROFILE_70B = PKG / "profiles" / "llama3-70b-8x5090.json"
 TTFT_70B_BS1 = PKG / "data" / "llama3-70b-8x5090" / "ttft_bs1.json"
 SIM_TTFT = PKG / "data" / "sim" / "ttft.json"
@@ -471,16 +472,17 @@ def test_shipped_tables_are_valid() -> None:
 
 
 def test_calibrate_then_refit_against_a_fast_simulated_instance(tmp_path: Path) -> None:
-    """The whole pipeline on a sim at 1/20 of real time (~1.5 s): spawn, measure, stop, fit."""
+    """The whole pipeline on a sim at 1/20 of real time (~1.5 s): start, measure, stop, fit."""
     scale = 0.05
-    assert calibrate_instance.main([
-        "--spawn-sim", "--sim-time-scale", str(scale), "--out-dir", str(tmp_path),
-        "--ttft-lengths", "500,1500,3000", "--ttft-repeats", "1", "--tpot-bs", "1,2",
-        "--tpot-lengths", "64,512", "--tpot-repeats", "1", "--tpot-window-tokens", "10",
-        "--max-seconds", "20"]) == 0
+    with running_sim(tmp_path / "sim.log", "--no-register", "--time-scale", str(scale)) as sim:
+        assert calibrate_instance.main([
+            "--url", sim.url, "--out-dir", str(tmp_path),
+            "--ttft-lengths", "500,1500,3000", "--ttft-repeats", "1", "--tpot-bs", "1,2",
+            "--tpot-lengths", "64,512", "--tpot-repeats", "1", "--tpot-window-tokens", "10",
+            "--max-seconds", "20"]) == 0
     ttft = load_table(tmp_path / "ttft.json", TtftTable)
     assert [row[0] for row in ttft.rows] == [500, 1500, 3000]  # usage.prompt_tokens = ceil(chars/4)
-    assert "--spawn-sim" in ttft.source
+    assert f"--url {sim.url}" in ttft.source
     tpot = load_table(tmp_path / "tpot.json", TpotTable)
     assert {bs for _, bs, _ in tpot.rows} == {1, 2} and all(ms > 0 for *_, ms in tpot.rows)
     out = tmp_path / "fast.json"

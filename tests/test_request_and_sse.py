@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cacheroute.config import ConfigError, Settings
-from cacheroute.http import HTTPError
+from cacheroute_proxy.config import ConfigError, Settings
+from cacheroute_proxy.http import HTTPError
 from proxy_workers.request_model import Endpoint, recover
 from proxy_workers.sse import DONE_EVENT, DoneStripper, meta_event
 

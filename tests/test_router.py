@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from cacheroute.config import Settings
-from cacheroute.http import HTTPError
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import HTTPError
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow
 

@@ -1,7 +1,7 @@
 """Registration with the Scheduler control plane (protocol §9), from the sidecar.
 
 Real supervisor, sidecar and workers (the harness), simulated instances, and a real
-`python -m sim_scheduler` process on a free port. The simulated Scheduler tells the proxy to
+`python -m cacheroute_sim.scheduler` process on a free port. The simulated Scheduler tells the proxy to
 heartbeat every 0.2 s so the tests see many heartbeats quickly; it validates every body against
 §9 (a malformed one would show up as `invalid` in its stats).
 """
@@ -20,8 +20,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from cacheroute.config import Settings
-from cacheroute.routing.load_view import LoadView
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.load_view import LoadView
 from sidecar import pool_resource, wire
 from sidecar.registry import InstanceRegistry
 from sidecar.scheduler_link import DisabledLink, make_link
@@ -46,7 +46,7 @@ class SimScheduler:
 
     def start(self) -> "SimScheduler":
         self.starts += 1
-        argv = ["-m", "sim_scheduler", "--port", str(self.port),
+        argv = ["-m", "cacheroute_sim.scheduler", "--port", str(self.port),
                 "--heartbeat-interval", str(HEARTBEAT_S), *self._args]
         self.process = Process(argv, {}, self._log_dir / f"scheduler-{self.port}-{self.starts}.log")
         wait_until(lambda: get(f"{self.url}/healthz", timeout=1)["ok"], 20,

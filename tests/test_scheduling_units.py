@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from cacheroute.config import Settings
-from cacheroute.predictors import get_predictors
-from cacheroute.routing.strategies import LeastLoadStrategy, RoundRobinStrategy
+from cacheroute_proxy.config import Settings
+from proxy_workers.predictors import get_predictors
+from cacheroute_proxy.routing.strategies import LeastLoadStrategy, RoundRobinStrategy
 from proxy_workers.iws import decide
 from proxy_workers.pipeline import InstanceStages, Pipeline, _Ticket
 from proxy_workers.request_model import Endpoint, recover

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from cacheroute.config import Settings
+from cacheroute_proxy.config import Settings
 from tests.harness import http, wait_until
 
 TOKEN = "s3cret-token-for-tests"

@@ -29,7 +29,7 @@ def _run(argv: list[str], env: dict[str, str], timeout: float = 30) -> subproces
 def _env(name: str) -> dict[str, str]:
     return {"PROXY_SHM_NAME": name, "PROXY_CP_PORT": str(free_port()),
             "PROXY_DP_PORT": str(free_port()), "PROXY_WORKER_PRIVATE_PORT_BASE": str(free_port_range(2)),
-            "PROXY_WORKERS": "2", "PROXY_SIM_INSTANCES": "0"}
+            "PROXY_WORKERS": "2"}
 
 
 def test_segment_of_another_user(shm_name):
@@ -56,7 +56,7 @@ def test_stale_layout_stops_the_supervisor_with_the_message(shm_name, tmp_path):
     seg = Segment.create_or_attach(shm_name, 8, 2, 64)
     seg.store(layout.H_LAYOUT_VERSION, layout.LAYOUT_VERSION - 1)
     seg.close()
-    supervisor = Process(["-m", "supervisor", "run"], _env(shm_name), tmp_path / "launcher.log")
+    supervisor = Process(["-m", "cacheroute_proxy", "run"], _env(shm_name), tmp_path / "launcher.log")
     assert supervisor.popen.wait(30) == 1
     log = supervisor.log()
     assert f"layout version {layout.LAYOUT_VERSION - 1}" in log and "make clean-shm" in log
@@ -70,7 +70,7 @@ def test_worker_that_cannot_start_stops_the_supervisor(shm_name, tmp_path):
     blocker.bind(("127.0.0.1", int(env["PROXY_WORKER_PRIVATE_PORT_BASE"])))  # worker 0's port taken
     blocker.listen()
     try:
-        supervisor = Process(["-m", "supervisor", "run"], env, tmp_path / "launcher.log")
+        supervisor = Process(["-m", "cacheroute_proxy", "run"], env, tmp_path / "launcher.log")
         assert supervisor.popen.wait(40) == 1
         log = supervisor.log()
         assert "cannot bind" in log and "worker0 cannot start" in log and log.count("started worker0") == 1

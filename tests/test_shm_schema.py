@@ -10,7 +10,7 @@ import stat
 import posix_ipc
 import pytest
 
-from cacheroute.config import Settings
+from cacheroute_proxy.config import Settings
 from proxy_workers.router import Lease, Router
 from shm_schema import (DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,

@@ -1,7 +1,7 @@
-"""Tests of the simulated Instance (sim_instance/): the timing model, request parsing and
+"""Tests of the simulated Instance (cacheroute_sim/instance/): the timing model, request parsing and
 knobs in-process; the data plane's wire behaviour (SSE framing, live timing, concurrency),
 and its faults (truncated bodies, held and hung connections, disconnect detection) against a
-real ``python -m sim_instance`` process (tests/sim_harness.py). Registration and the KV path
+real ``python -m cacheroute_sim.instance`` process (tests/sim_harness.py). Registration and the KV path
 are in test_sim_instance_control_plane.py.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sim_instance import timing
-from sim_instance.config import ConfigError, Knobs
-from sim_instance.request_model import (
+from cacheroute_sim.instance import timing
+from cacheroute_sim.instance.config import ConfigError, Knobs
+from cacheroute_sim.instance.request_model import (
     InvalidJSON,
     InvalidRequest,
     parse_generation_request,

@@ -1,4 +1,4 @@
-"""Tests of the simulated Instance's control side (sim_instance/): registration traffic with a
+"""Tests of the simulated Instance's control side (cacheroute_sim/instance/): registration traffic with a
 fake Proxy control plane, the exit status on SIGTERM, and the KV path (prefix-hit timing, the
 control plane's inject through a simulated KDN), against real processes (tests/sim_harness.py).
 """
@@ -21,11 +21,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.common import free_port
-from sim_instance import timing
-from sim_instance.config import SimConfig
-from sim_instance.registration import register_body
-from sim_instance.request_model import InvalidRequest, parse_kv_prefix_header
+from cacheroute_sim.processes import free_port
+from cacheroute_sim.instance import timing
+from cacheroute_sim.instance.config import SimConfig
+from cacheroute_sim.instance.registration import register_body
+from cacheroute_sim.instance.request_model import InvalidRequest, parse_kv_prefix_header
 from tests.sim_harness import (
     KDN_TIMEOUT_S,
     TIME_SCALE,
@@ -335,7 +335,7 @@ def shared_kdn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]
     tmp = tmp_path_factory.mktemp("kdn")
     (tmp / "k.json").write_text(json.dumps(KDN_KNOWLEDGE))
     with running_sim(tmp / "kdn.log", "--knowledge", str(tmp / "k.json"), *KDN_LINK_ARGS,
-                     module="sim_kdn") as kdn:
+                     module="cacheroute_sim.kdn") as kdn:
         yield kdn
 
 

@@ -1,8 +1,8 @@
-"""Tests of the simulated KDN (sim_kdn/).
+"""Tests of the simulated KDN (cacheroute_sim/kdn/).
 
 The pure parts (store generation and loading, the transfer model, knob validation) are tested
 in-process; the wire behaviour (search, inject, link serialization, faults, topology) against
-real ``python -m sim_kdn`` subprocesses on free ports, stopped by pid in fixture teardowns.
+real ``python -m cacheroute_sim.kdn`` subprocesses on free ports, stopped by pid in fixture teardowns.
 Timing assertions use bounds wide enough for a loaded machine on the slow side; the fast side
 is exact, since a simulated wait can never be shorter than asked.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sim_kdn.config import ConfigError, Knobs
-from sim_kdn.store import StoreError, generate_store, load_store
+from cacheroute_sim.kdn.config import ConfigError, Knobs
+from cacheroute_sim.kdn.store import StoreError, generate_store, load_store
 from tests.sim_harness import (
     ROOT,
     SimProcess,
@@ -75,7 +75,7 @@ def shared_kdn(knowledge_file: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[SimProcess]:
     log = tmp_path_factory.mktemp("kdn") / "kdn.log"
     with running_sim(log, "--knowledge", str(knowledge_file), "--rtt-ms", "0",
-                     "--kdn-id", "kdn-test", module="sim_kdn") as kdn:
+                     "--kdn-id", "kdn-test", module="cacheroute_sim.kdn") as kdn:
         yield kdn
 
 
@@ -385,7 +385,7 @@ def test_stats_reset_keeps_gauges_and_zeroes_counters(kdn: SimProcess) -> None:
 
 def test_generated_store_and_time_scale(tmp_path: Path) -> None:
     with running_sim(tmp_path / "gen.log", "--time-scale", "0.1", "--rtt-ms", "1000",
-                     module="sim_kdn") as kdn:
+                     module="cacheroute_sim.kdn") as kdn:
         assert http("GET", kdn.url + "/healthz")[2]["items"] == 200
         kids = [f"K{i:04d}" for i in range(201)]
         elapsed, _, reply = timed("POST", kdn.url + "/knowledge/search/text",
@@ -403,7 +403,7 @@ def test_generated_store_and_time_scale(tmp_path: Path) -> None:
 @pytest.mark.timeout(20)
 def test_sigterm_with_a_hung_request_exits_zero(tmp_path: Path) -> None:
     with running_sim(tmp_path / "term.log", "--hang", "--shutdown-grace", "0.3",
-                     module="sim_kdn") as kdn:
+                     module="cacheroute_sim.kdn") as kdn:
         worker = threading.Thread(target=http, args=(
             "POST", kdn.url + "/knowledge/search/text", {"knowledge_ids": ["k0001"]}),
             daemon=True)
@@ -418,9 +418,9 @@ def test_sigterm_with_a_hung_request_exits_zero(tmp_path: Path) -> None:
 def test_bad_knowledge_file_is_a_usage_error(tmp_path: Path) -> None:
     bad = tmp_path / "k.json"
     bad.write_text(json.dumps([{"id": "a", "content": "x"}, {"id": "A", "content": "y"}]))
-    done = subprocess.run([sys.executable, "-m", "sim_kdn", "--knowledge", str(bad)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "cacheroute_sim.kdn", "--knowledge", str(bad)], cwd=ROOT,
                           capture_output=True, text=True, timeout=20, check=False)
     assert done.returncode == 2 and "duplicate knowledge id 'a'" in done.stderr, done.stderr
-    done = subprocess.run([sys.executable, "-m", "sim_kdn", "--rtt-ms", "-5"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "cacheroute_sim.kdn", "--rtt-ms", "-5"], cwd=ROOT,
                           capture_output=True, text=True, timeout=20, check=False)
     assert done.returncode == 2 and "rtt_ms must be >= 0" in done.stderr, done.stderr

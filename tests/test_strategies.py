@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from cacheroute.config import ConfigError, Settings
-from cacheroute.routing.load_view import LoadView
-from cacheroute.routing.strategies import (DEFAULT_WEIGHTS, LeastLoadStrategy, RoundRobinStrategy,
+from cacheroute_proxy.config import ConfigError, Settings
+from cacheroute_proxy.routing.load_view import LoadView
+from cacheroute_proxy.routing.strategies import (DEFAULT_WEIGHTS, LeastLoadStrategy, RoundRobinStrategy,
                                            build_strategy, resolve_weights)
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, WorkerRow

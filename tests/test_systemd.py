@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from cacheroute import sd_notify
-from cacheroute.config import Settings
+from cacheroute_proxy import sd_notify
+from cacheroute_proxy.config import Settings
 from shm_schema import Segment
 from tests.harness import ROOT, Process, SimInstance, chat_body, get, wait_until
-from bench.common import SupervisorPorts
+from cacheroute_sim.processes import SupervisorPorts
 
 UNITS_DIR = ROOT / "deploy" / "systemd"
 UNIT_FILES = ("cacheroute-proxy.target", "cacheroute-proxy-runtime.service",
@@ -123,7 +123,7 @@ def test_units_fit_together():
                     assert ref in units, f"{name}: {key}={ref} names no unit in deploy/systemd"
     runtime = units["cacheroute-proxy-runtime.service"]["Service"]
     assert "cacheroute-proxy/metrics" in runtime["RuntimeDirectory"].split()
-    assert "shm_schema.cli unlink" in runtime["ExecStop"] and runtime["RemoveIPC"] == "no"
+    assert "cacheroute_proxy shm unlink" in runtime["ExecStop"] and runtime["RemoveIPC"] == "no"
     for role in ("sidecar", "worker@"):
         service = units[f"cacheroute-proxy-{role}.service"]["Service"]
         assert service["Type"] == "notify" and service["NotifyAccess"] == "main"

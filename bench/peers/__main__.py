@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT
+from cacheroute_sim.processes import ROOT
 from bench.peers import summary
 from bench.peers.plan import DEFAULT_CONTENDERS, KNOWN, RunConfig
 from bench.peers.runner import run

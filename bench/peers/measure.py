@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import run_wrk, wrk_post_script
+from bench.wrk import run_wrk, wrk_post_script
 from bench.contenders import Contender
 from bench.peers import stream_load
 

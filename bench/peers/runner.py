@@ -22,7 +22,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.common import machine_info, tool_versions
+from bench.machine import machine_info, tool_versions
 from bench.contenders import Contender, InstanceSpec, SimInstances, StartError, router_available
 from bench.peers import measure, summary
 from bench.peers.plan import SCENARIOS, ContenderPlan, RunConfig, chosen

@@ -102,7 +102,7 @@ def summarize(tally: Tally, elapsed: float) -> dict[str, Any]:
 
 
 def _rank(ordered: list[float], q: float) -> float:
-    from bench.common import percentile
+    from bench.stats import percentile
 
     return percentile(ordered, q)
 
@@ -111,7 +111,7 @@ def run_process(url: str, concurrency: int, seconds: float, max_tokens: int) -> 
     """Run the client as a child process (bounded: killed at seconds + 30) and return its JSON."""
     cmd = [sys.executable, "-m", "bench.peers.stream_load", "--url", url, "--concurrency",
            str(concurrency), "--seconds", str(seconds), "--max-tokens", str(max_tokens)]
-    from bench.common import ROOT
+    from cacheroute_sim.processes import ROOT
 
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30,

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.common import ROOT
+from cacheroute_sim.processes import ROOT
 from bench.report.build import build, charts_available
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import machine_info, tool_versions
+from bench.machine import machine_info, tool_versions
 from bench.contenders import Contender, ProxyContender, SimInstances, StartError, http_json
 from bench.routing import summary, uncertainty
 from bench.routing.client import run_schedule

@@ -7,7 +7,7 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-from bench.common import percentile
+from bench.stats import percentile
 from bench.routing.client import RequestResult
 from bench.routing.sampler import Samples
 

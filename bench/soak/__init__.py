@@ -6,8 +6,8 @@ Run:  python -m bench.soak --duration 600 --out bench/results/soak.json     (mak
 
 What it starts, on 127.0.0.1 only, with free ports and a private segment name, and stops by pid
 (`processes`):
-- `python -m supervisor run`: sidecar + 4 workers (least_load), PROXY_SIM_INSTANCES=0;
-- 3 simulated instances (`python -m sim_instance ... --proxy-cp-url <cp> --time-scale 0.2`)
+- `python -m cacheroute_proxy run`: sidecar + 4 workers (least_load);
+- 3 simulated instances (`python -m cacheroute_sim.instance ... --proxy-cp-url <cp> --time-scale 0.2`)
   that register themselves; instance 0 is the *flapper*.
 
 Load (`load`): `--clients` closed-loop clients (default 20) with a little think time, each

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import scheduler_body
+from cacheroute_sim.scheduler.requests import scheduler_body
 from bench.soak.clock import SoakClock
 from bench.soak.config import SoakConfig
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import percentile
+from bench.stats import percentile
 
 # The proxy's own error codes (README "Endpoints"): a 5xx carrying one of these did not come
 # from an instance.

@@ -1,5 +1,5 @@
 """The processes the soak starts, on 127.0.0.1 with free ports and a private segment name:
-`python -m supervisor run` (sidecar + workers, least_load, no simulated instances of its own)
+`python -m cacheroute_proxy run` (sidecar + workers, least_load, no simulated instances of its own)
 and the simulated instances that register with it. Starting them (from the main thread, so
 each dies with the soak), reaching them over HTTP, and stopping each by its pid."""
 
@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from bench.common import ChildProcess, SupervisorPorts, free_port_range
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port_range
 from bench.soak.config import SoakConfig
 
 
@@ -57,7 +57,7 @@ class SoakProcesses(SupervisorPorts):
     # --- start (synchronous, main thread) ------------------------------------------------------
     def start(self) -> None:
         """The supervisor until every worker is healthy, then every instance until registered."""
-        self.supervisor = self._child(["-m", "supervisor", "run"], self.env, "supervisor")
+        self.supervisor = self._child(["-m", "cacheroute_proxy", "run"], self.env, "supervisor")
         for index in range(self.cfg.workers):
             _wait_sync(lambda i=index: _get_sync(f"{self.worker_url(i)}/healthz", 1)["ok"], 40,
                        f"worker {index} healthy\n{self.supervisor.tail()}")
@@ -68,7 +68,7 @@ class SoakProcesses(SupervisorPorts):
 
     def start_instance(self, i: int) -> None:
         """Instance i on its own port and id (again, after a restart); main thread only."""
-        argv = ["-m", "sim_instance", "--host", "127.0.0.1", "--port", str(self.instance_ports[i]),
+        argv = ["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(self.instance_ports[i]),
                 "--cp-port", str(self.instance_ports[i] + 1), "--instance-id", self.instance_ids[i],
                 "--proxy-cp-url", self.cp_url, "--time-scale", str(self.cfg.time_scale),
                 "--seed", str(self.cfg.seed + i)]

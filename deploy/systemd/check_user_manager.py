@@ -41,7 +41,7 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parent.parent  # the checkout, installed in editable mode: the units import from it
 sys.path.insert(0, str(PROJECT))  # run as a script from the checkout: its helpers are importable
-from bench.common import free_port, free_port_range  # noqa: E402
+from cacheroute_sim.processes import free_port, free_port_range  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 SYSTEMD = "/lib/systemd/systemd"
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")]

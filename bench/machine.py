@@ -1,0 +1,99 @@
+"""What a results file records about where it ran, and what a contender costs: the CPU seconds
+and resident memory of its process trees, the machine, the tools' versions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def process_tree(pids: list[int]) -> list["psutil.Process"]:
+    """The processes of these roots and all their descendants that are alive right now."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                found[proc.pid] = proc
+        except psutil.Error:
+            continue  # a root that already ended costs nothing more
+    return list(found.values())
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """user + system CPU seconds of every live process in the trees (take a delta over a window:
+    a child that ends inside the window takes its seconds with it)."""
+    import psutil
+
+    total = 0.0
+    for proc in process_tree(pids):
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def tree_rss_bytes(pids: list[int]) -> int:
+    """Resident set size summed over the trees (shared pages are counted once per process)."""
+    import psutil
+
+    total = 0
+    for proc in process_tree(pids):
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+# --- machine and versions (what a results file records) -------------------------------------------
+def machine_info() -> dict[str, Any]:
+    """nproc, CPU model, kernel, memory, load average and CPU pressure right now."""
+    import platform
+
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+                            "kernel": platform.release(), "machine": platform.machine(),
+                            "python": sys.version.split()[0],
+                            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    for key, path, pick in (("cpu_model", "/proc/cpuinfo", "model name"),
+                            ("mem_total", "/proc/meminfo", "MemTotal")):
+        try:
+            line = next(ln for ln in Path(path).read_text().splitlines() if ln.startswith(pick))
+            info[key] = line.split(":", 1)[1].strip()
+        except (OSError, StopIteration):
+            info[key] = None
+    try:  # "some avg10=... avg60=..." lines: how long runnable tasks waited for a CPU
+        info["pressure_cpu"] = Path("/proc/pressure/cpu").read_text().strip().splitlines()
+    except OSError:
+        info["pressure_cpu"] = None
+    return info
+
+
+def tool_versions(packages: tuple[str, ...] = (), commands: tuple[tuple[str, ...], ...] = ()) -> dict[str, Any]:
+    """Installed versions of these Python packages and the first output line of these commands
+    (e.g. ("nginx", "-v")); None for what is missing."""
+    from importlib import metadata
+
+    out: dict[str, Any] = {"python": sys.version.split()[0]}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    for argv in commands:
+        try:
+            done = subprocess.run(list(argv), capture_output=True, text=True, timeout=10)
+            text = (done.stdout or done.stderr).strip().splitlines()
+            out[argv[0]] = text[0] if text else None
+        except (OSError, subprocess.TimeoutExpired):
+            out[argv[0]] = None
+    return out
+
+

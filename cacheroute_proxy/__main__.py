@@ -1,0 +1,7 @@
+"""`python -m cacheroute_proxy ...` is the `cacheroute-proxy` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

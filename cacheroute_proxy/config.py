@@ -1,0 +1,336 @@
+"""The one typed place for configuration.
+
+Every knob has a default here and an environment variable, named as in the original Proxy
+where one existed (`PROXY_INSTANCE_STRATEGY`, `PROXY_INSTANCE_TTL_S`, `PROXY_CP_PORT`, ...).
+Command-line flags override the environment by calling :meth:`Settings.with_overrides`.
+A bad value fails at start with a message naming the variable, never later on a request.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+import msgspec
+
+# (field name, environment variable). The order is the order of the docs table in README.
+ENV_NAMES: dict[str, str] = {
+    "dp_host": "PROXY_DP_HOST",
+    "dp_port": "PROXY_DP_PORT",
+    "cp_host": "PROXY_CP_HOST",
+    "cp_port": "PROXY_CP_PORT",
+    "workers": "PROXY_WORKERS",
+    "worker_private_host": "PROXY_WORKER_PRIVATE_HOST",
+    "worker_private_port_base": "PROXY_WORKER_PRIVATE_PORT_BASE",
+    "instance_strategy": "PROXY_INSTANCE_STRATEGY",
+    "load_view": "PROXY_LOAD_VIEW",
+    "instance_ttl_s": "PROXY_INSTANCE_TTL_S",
+    "instance_purge_grace_s": "PROXY_INSTANCE_PURGE_GRACE_S",
+    "shm_name": "PROXY_SHM_NAME",
+    "shm_instance_capacity": "PROXY_SHM_INSTANCE_CAPACITY",
+    "shm_worker_capacity": "PROXY_SHM_WORKER_CAPACITY",
+    "upstream_connect_timeout_s": "PROXY_UPSTREAM_CONNECT_TIMEOUT_S",
+    "upstream_first_byte_timeout_s": "PROXY_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
+    "upstream_idle_timeout_s": "PROXY_UPSTREAM_IDLE_TIMEOUT_S",
+    "upstream_pool_size": "PROXY_UPSTREAM_POOL_SIZE",
+    "max_body_bytes": "PROXY_MAX_BODY_BYTES",
+    "openai_api_key": "OPENAI_API_KEY",
+    "least_load_weights": "PROXY_LEAST_LOAD_WEIGHTS",
+    "worker_restart_backoff_s": "PROXY_WORKER_RESTART_BACKOFF_S",
+    "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
+    "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
+    "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
+    "log_level": "PROXY_LOG_LEVEL",
+    # --- the prepare/ready pipeline and predicted pressure (protocol §4-§6) ---
+    "prepare_concurrency": "PREPARE_CONCURRENCY",
+    "ready_concurrency": "READY_CONCURRENCY",
+    "ready_release_policy": "PROXY_READY_RELEASE_POLICY",
+    "text_bypass_max_per_flush": "PROXY_TEXT_BYPASS_MAX_PER_FLUSH",
+    "max_queue_per_instance": "PROXY_MAX_QUEUE_PER_INSTANCE",
+    "queue_timeout_s": "PROXY_QUEUE_TIMEOUT_S",
+    "injection_strategy": "PROXY_INJECTION_STRATEGY",
+    "iws_kdn_queue_penalty_alpha": "IWS_KDN_QUEUE_PENALTY_ALPHA",
+    "iws_decision_margin_ms": "IWS_DECISION_MARGIN_MS",
+    "kdn_default_bandwidth_mbps": "KDN_DEFAULT_BANDWIDTH_MBPS",
+    "kdn_timeout_s": "PROXY_KDN_TIMEOUT_S",
+    "kv_inject_timeout_s": "PROXY_KV_INJECT_TIMEOUT_S",
+    "instance_cp_port_offset": "PROXY_INSTANCE_CP_PORT_OFFSET",
+    "predictor_profile": "PROXY_PREDICTOR_PROFILE",
+    "event_ring_capacity": "PROXY_EVENT_RING_CAPACITY",
+    "event_poll_ms": "PROXY_EVENT_POLL_MS",
+    "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
+    "pace_step": "PROXY_PACE_STEP",
+    # --- faults ---
+    "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
+    "eject_s": "PROXY_EJECT_S",
+    "retry_attempts": "PROXY_RETRY_ATTEMPTS",
+    "metrics_dir": "PROXY_METRICS_DIR",
+    # --- security ---
+    "cp_token": "PROXY_CP_TOKEN",
+    "cp_token_file": "PROXY_CP_TOKEN_FILE",
+    "debug_requires_token": "PROXY_DEBUG_REQUIRES_TOKEN",
+    # --- registration with the Scheduler control plane (protocol §9), from the sidecar ---
+    "scheduler_cp_url": "SCHEDULER_CP_URL",
+    "proxy_id": "PROXY_ID",
+    "advertise_host": "PROXY_ADVERTISE_HOST",
+    "advertise_port": "PROXY_ADVERTISE_PORT",
+    "scheduler_heartbeat_s": "PROXY_HEARTBEAT_S",
+    "scheduler_timeout_s": "PROXY_SCHEDULER_TIMEOUT_S",
+    "scheduler_backoff_max_s": "PROXY_SCHEDULER_BACKOFF_MAX_S",
+    "max_capacity": "PROXY_MAX_CAPACITY",
+    "instance_count": "PROXY_INSTANCE_COUNT",
+    "kv_mem_per_instance_gb": "PROXY_KV_MEM_PER_INSTANCE_GB",
+    "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
+    "kdn_links": "PROXY_KDN_LINKS_JSON",
+}
+
+STRATEGY_ALIASES: dict[str, str] = {
+    "round_robin": "round_robin",
+    "round-robin": "round_robin",
+    "rr": "round_robin",
+    "least_load": "least_load",
+    "least-load": "least_load",
+    "ll": "least_load",
+}
+
+LOAD_VIEWS = ("shared", "per_worker")
+RELEASE_POLICIES = ("ordered", "text_bypass")
+INJECTION_STRATEGIES = ("default", "iws")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    dp_host: str = "127.0.0.1"
+    dp_port: int = 8001
+    cp_host: str = "127.0.0.1"
+    cp_port: int = 8002
+    workers: int = 4
+    worker_private_host: str = "127.0.0.1"
+    # Worker i is also reachable on worker_private_port_base + i (to ask one specific worker).
+    worker_private_port_base: int = 8100
+    instance_strategy: str = "round_robin"
+    # "shared": least_load reads the host-wide table. "per_worker": each worker sees only its
+    # own contributions, like N copies of the original Proxy (an ablation for benchmarks).
+    load_view: str = "shared"
+    instance_ttl_s: float = 30.0
+    instance_purge_grace_s: float = 60.0
+    shm_name: str = "/cacheroute_proxy"
+    shm_instance_capacity: int = 256
+    shm_worker_capacity: int = 64
+    upstream_connect_timeout_s: float = 5.0
+    upstream_first_byte_timeout_s: float = 600.0
+    upstream_idle_timeout_s: float = 120.0
+    upstream_pool_size: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    openai_api_key: str | None = None
+    least_load_weights: dict[str, float] = {}
+    worker_restart_backoff_s: float = 0.2
+    reaper_interval_s: float = 0.25
+    # On SIGTERM a worker lets requests and streams finish this long, then cuts the rest cleanly.
+    drain_timeout_s: float = 30.0
+    # A worker closes a keep-alive connection idle this long (clients must use a shorter idle
+    # timeout, or they may send on a connection the worker is closing).
+    keepalive_timeout_s: float = 5.0
+    log_level: str = "info"
+    prepare_concurrency: int = 8
+    # Host-wide: N workers together never forward more than this to one instance at once.
+    ready_concurrency: int = 8
+    ready_release_policy: str = "ordered"
+    text_bypass_max_per_flush: int = 1
+    # Requests one worker lets wait per instance (prepare + ready) before answering 429.
+    max_queue_per_instance: int = 256
+    queue_timeout_s: float = 60.0
+    injection_strategy: str = "default"
+    iws_kdn_queue_penalty_alpha: float = 0.5
+    iws_decision_margin_ms: float = 100.0
+    kdn_default_bandwidth_mbps: float = 1000.0
+    kdn_timeout_s: float = 10.0
+    kv_inject_timeout_s: float = 60.0
+    # Where an instance's control plane (KV inject) listens when it does not say (meta.cp_port).
+    instance_cp_port_offset: int = 1
+    predictor_profile: str = "llama3-70b-8x5090"
+    event_ring_capacity: int = 1024
+    event_poll_ms: float = 5.0
+    # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
+    snapshot_stale_ms: float = 2000.0
+    # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
+    # sidecar/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
+    pace_step: float = 0.2
+    # prometheus_client multiprocess files; "" = a private directory named after the segment.
+    metrics_dir: str = ""
+    # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
+    eject_after_failures: int = 3
+    eject_s: float = 10.0
+    # Tries on other instances when one fails before anything reached the client.
+    retry_attempts: int = 1
+    # Bearer token required for register/heartbeat/unregister when set (the file is preferred:
+    # it keeps the secret out of the environment and the process table).
+    cp_token: str | None = None
+    cp_token_file: str | None = None
+    # Also require it for /debug/* and the instance list, on the control plane and the workers.
+    debug_requires_token: bool = False
+    # Scheduler control plane (e.g. http://127.0.0.1:7002); None: registration is off.
+    scheduler_cp_url: str | None = None
+    # None: hp_{advertise_host}:{advertise_port}, the original's default.
+    proxy_id: str | None = None
+    # What the Scheduler is told to send requests to; None: dp_host (the machine's name if
+    # that is a wildcard) and dp_port, the port every worker shares.
+    advertise_host: str | None = None
+    advertise_port: int | None = None
+    # Heartbeat interval when the register reply names none.
+    scheduler_heartbeat_s: float = 5.0
+    # Every call to the Scheduler gives up after this; retries back off up to the cap.
+    scheduler_timeout_s: float = 5.0
+    scheduler_backoff_max_s: float = 30.0
+    # Advertised in the register body; max_capacity is also pool_resource's `capacity`.
+    max_capacity: int = 8
+    # None: the number of instances registered when the proxy registers.
+    instance_count: int | None = None
+    kv_mem_per_instance_gb: float = 128.0
+    kv_cache_update_policy: str = "lru"
+    # Static KDN links {kdn_key: {metrics}}, sent in the register meta as `kdn_links`.
+    kdn_links: dict[str, dict[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
+               f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
+        _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
+        for name in ("dp_port", "cp_port", "worker_private_port_base"):
+            _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
+        _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")
+        _check(self.workers <= self.shm_worker_capacity, "workers",
+               f"exceeds the shared table's worker capacity ({self.shm_worker_capacity})")
+        _check(1 <= self.shm_instance_capacity <= 4096, "shm_instance_capacity", "must be 1..4096")
+        _check(1 <= self.shm_worker_capacity <= 1024, "shm_worker_capacity", "must be 1..1024")
+        _check(self.shm_name.startswith("/") and "/" not in self.shm_name[1:], "shm_name",
+               "must look like /name (one leading slash, no other)")
+        for name in ("instance_ttl_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
+                     "upstream_idle_timeout_s", "reaper_interval_s", "drain_timeout_s",
+                     "keepalive_timeout_s"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.instance_purge_grace_s >= 0, "instance_purge_grace_s", "must be >= 0")
+        _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
+        _check(self.ready_release_policy in RELEASE_POLICIES, "ready_release_policy",
+               f"must be one of {RELEASE_POLICIES}")
+        _check(self.injection_strategy in INJECTION_STRATEGIES, "injection_strategy",
+               f"must be one of {INJECTION_STRATEGIES}")
+        for name in ("prepare_concurrency", "ready_concurrency", "max_queue_per_instance",
+                     "text_bypass_max_per_flush"):
+            _check(1 <= getattr(self, name) <= 100_000, name, "must be 1..100000")
+        for name in ("queue_timeout_s", "kdn_timeout_s", "kv_inject_timeout_s", "event_poll_ms",
+                     "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(0 <= self.pace_step <= 1, "pace_step", "must be 0..1")
+        _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
+        _check(0 <= self.eject_after_failures <= 1000, "eject_after_failures", "must be 0..1000")
+        _check(self.eject_s > 0, "eject_s", "must be > 0")
+        _check(0 <= self.retry_attempts <= 5, "retry_attempts", "must be 0..5")
+        if self.cp_token_file:
+            try:
+                readable = bool(open(self.cp_token_file).read().strip())
+            except OSError as exc:
+                raise ValueError(f"PROXY_CP_TOKEN_FILE: cannot read {self.cp_token_file}: {exc.strerror}") from None
+            _check(readable, "cp_token_file", f"{self.cp_token_file} is empty")
+        self._check_scheduler_link()
+
+    def _check_scheduler_link(self) -> None:
+        if self.scheduler_cp_url is not None:
+            url = urlsplit(self.scheduler_cp_url)
+            try:
+                url.port  # noqa: B018 - raises ValueError for a port that is not a number
+            except ValueError:
+                url = urlsplit("")
+            _check(url.scheme in ("http", "https") and bool(url.hostname), "scheduler_cp_url",
+                   f"must be an http(s) URL such as http://127.0.0.1:7002, got {self.scheduler_cp_url!r}")
+        _check(self.advertise_port is None or 0 < self.advertise_port < 65536, "advertise_port",
+               "must be a TCP port (1..65535)")
+        for name in ("scheduler_heartbeat_s", "scheduler_timeout_s", "scheduler_backoff_max_s"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.max_capacity >= 0, "max_capacity", "must be >= 0")
+        _check(self.instance_count is None or self.instance_count >= 0, "instance_count", "must be >= 0")
+        _check(self.kv_mem_per_instance_gb >= 0, "kv_mem_per_instance_gb", "must be >= 0")
+
+    def __repr__(self) -> str:  # never print the token
+        shown = {k: ("***" if k == "cp_token" and v else v)
+                 for k, v in msgspec.structs.asdict(self).items()}
+        return f"Settings({shown})"
+
+    @property
+    def strategy_name(self) -> str:
+        """The canonical strategy name behind an alias."""
+        return STRATEGY_ALIASES[self.instance_strategy]
+
+    @property
+    def heartbeat_interval_s(self) -> int:
+        # The original's formula, so Instances keep their heartbeat cadence.
+        return int(min(10, max(1, self.instance_ttl_s // 3)))
+
+    @property
+    def cp_url(self) -> str:
+        return f"http://{self.cp_host}:{self.cp_port}"
+
+    @property
+    def resolved_metrics_dir(self) -> str:
+        return self.metrics_dir or f"/tmp/cacheroute-metrics-{self.shm_name.strip('/')}"
+
+    def worker_private_port(self, index: int) -> int:
+        return self.worker_private_port_base + index
+
+    def with_overrides(self, **overrides: Any) -> "Settings":
+        """A copy with the non-None overrides applied (for CLI flags), validated again."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if not given:
+            return self
+        return _convert({**msgspec.structs.asdict(self), **given})
+
+    def to_env(self) -> dict[str, str]:
+        """Environment that reproduces these settings in a child process."""
+        env: dict[str, str] = {}
+        for field, var in ENV_NAMES.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            env[var] = msgspec.json.encode(value).decode() if isinstance(value, dict) else str(value)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for field, var in ENV_NAMES.items():
+            if var in environ and environ[var] != "":
+                raw[field] = _parse_env_value(field, var, environ[var])
+        return _convert(raw)
+
+
+def _parse_env_value(field: str, var: str, text: str) -> Any:
+    if field in ("least_load_weights", "kdn_links"):
+        try:
+            return msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{var}: not valid JSON ({exc})") from None
+    return text
+
+
+def _convert(raw: dict[str, Any]) -> Settings:
+    try:
+        return msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_name_the_variable(str(exc))) from None
+
+
+def _name_the_variable(message: str) -> str:
+    # msgspec says "... - at `$.dp_port`"; operators set PROXY_DP_PORT, so say that.
+    for field, var in ENV_NAMES.items():
+        if f"`$.{field}`" in message or f"`$.{field}[" in message:
+            return f"{var}: {message}"
+    return message
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{ENV_NAMES.get(field, field)}: {message}")

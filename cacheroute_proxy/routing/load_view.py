@@ -1,0 +1,191 @@
+"""What a selection sees: the alive candidates and their load components, read from the
+shared table with plain loads (no lock, no syscall, no IPC).
+
+Three layers, each with its own source:
+- lifecycle: `inflight`, the host-wide lane every worker's begin/end changes;
+- instantaneous queue: `active_prepare`, `active_ready`, `prepare_queue_depth`,
+  `ready_queue_depth`, host-wide lanes changed by the workers' pipelines;
+- predicted reservation pressure: `pending_prefill_count`, `active_decode_count`,
+  `predicted_total_backlog_ms`, from the sidecar's snapshot (absolute times, turned into "in N
+  ms" against this process's clock); the backlog also charges the requests in flight that the
+  snapshot has not seen yet (host-wide inflight lane - pending - decoding) at the instance's
+  marginal cost, so a burst split over several workers does not all read the same old
+  backlog. Unknown (None) when the snapshot is older than `stale_ms` or the sidecar never
+  published one: a dead sidecar must not read as an idle host.
+
+`per_worker` is the ablation: only this worker's own inflight share, nothing host-wide, which
+is what N independent copies of the original Proxy would see.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from cacheroute_proxy import clock
+from shm_schema import (
+    CountersReader,
+    DirectoryReader,
+    InstanceSlot,
+    Segment,
+    WorkerRow,
+    layout,
+)
+from shm_schema.snapshot import SnapshotReader
+
+GEN_SHIFT = 32
+COUNT_MASK = (1 << 32) - 1
+QUEUE_LANES = ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth")
+PREDICTED = ("pending_prefill_count", "active_decode_count", "predicted_total_backlog_ms")
+RAW_PREDICTED = ("next_slot_ready_in_ms", "prefill_free_in_ms")
+
+SOURCES = {
+    "shared": {"inflight": "shared_table_inflight", "qps_1m": "instance_heartbeat",
+               **dict.fromkeys(QUEUE_LANES, "shared_table_queue_lanes"),
+               **dict.fromkeys(PREDICTED, "sidecar_reservation_timeline")},
+    "per_worker": {"inflight": "worker_local_counter", "qps_1m": "instance_heartbeat"},
+}
+
+
+class SlotRef(Protocol):
+    """Anything naming a slot under a generation (InstanceSlot, the sidecar's records)."""
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
+class LoadView:
+    def __init__(self, seg: Segment, mode: str = "shared", own_row: WorkerRow | None = None,
+                 stale_ms: float = 2000.0) -> None:
+        if mode == "per_worker" and own_row is None:
+            raise ValueError("the per_worker view needs the worker's own row")
+        self.mode = mode
+        self.directory = DirectoryReader(seg)
+        self.snapshots = SnapshotReader(seg)
+        self._counters = CountersReader(seg)
+        self._own_row = own_row
+        self._stale_us = int(stale_ms * 1000)
+        self.sources = SOURCES[mode]
+
+    # --- layer availability ----------------------------------------------------------------
+    def predicted_source(self, now_us: int | None = None) -> str:
+        """'fresh', 'stale' (older than the limit) or 'unavailable' (never published)."""
+        if self.mode != "shared":
+            return "unavailable"
+        published = self.snapshots.published_us()
+        if not published:
+            return "unavailable"
+        now_us = clock.now_us() if now_us is None else now_us
+        return "fresh" if now_us - published <= self._stale_us else "stale"
+
+    def ready_wait_ms(self, instance: SlotRef) -> float | None:
+        """Predicted wait before a new request on `instance` could start prefill, from a fresh
+        snapshot; None if the predicted layer is unknown. (Once per request: one record, not
+        every component.)"""
+        now_us = clock.now_us()
+        if self.predicted_source(now_us) != "fresh":
+            return None
+        record = self._record(instance, self.snapshots.records(instance.slot + 1))
+        return None if record is None else max(_free_in_ms(record, now_us))
+
+    def snapshot_age_ms(self) -> float | None:
+        published = self.snapshots.published_us()
+        return None if not published else (clock.now_us() - published) / 1000
+
+    # --- reads for the selection path (see proxy_workers.router and fast_score) -------------------
+    def candidates(self) -> tuple[InstanceSlot, ...]:
+        return self.directory.snapshot().alive
+
+    def lanes(self, span: int) -> tuple[int, ...]:
+        return self._counters.lanes(span)
+
+    def fresh_records(self, span: int, now_us: int) -> tuple[int, ...] | None:
+        """The snapshot records if the predicted layer is fresh and published, else None."""
+        if self.predicted_source(now_us) != "fresh":
+            return None
+        return self.snapshots.records(span) or None
+
+    def words(self, span: int) -> Sequence[int]:
+        if self.mode == "shared" or self._own_row is None:
+            return self._counters.words(span)
+        return self._own_row.own_words(span)
+
+    # --- components of any instance list (the generic path, debug reports) ----------------------
+    def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
+        """Inflight per instance. In the shared view, None if the slot has been reused since
+        the directory snapshot (unknown, not zero); in the per-worker view a share of another
+        generation is this worker's 0."""
+        if not instances:
+            return []
+        words = self.words(span or 1 + max(s.slot for s in instances))
+        unknown = 0 if self.mode == "per_worker" else None
+        return [words[i.slot] & COUNT_MASK if words[i.slot] >> GEN_SHIFT == i.generation else unknown
+                for i in instances]
+
+    def components(self, instances: Sequence[InstanceSlot], span: int | None = None,
+                   with_raw: bool = False) -> dict[str, list[Any]]:
+        """Every component (and with `with_raw`, the predicted raw times) for any instances."""
+        span = span or (1 + max((s.slot for s in instances), default=-1))
+        result: dict[str, list[Any]] = {"inflight": self.inflight(instances, span),
+                                         "qps_1m": [inst.qps_1m for inst in instances]}
+        if self.mode == "shared" and instances:
+            result.update(self._queue_lanes(instances, span))
+            result.update(self._predicted(instances, span, result["inflight"], with_raw))
+        return result
+
+    def _queue_lanes(self, instances: Sequence[SlotRef], span: int) -> dict[str, list[Any]]:
+        lanes = self._counters.lanes(span)
+        used = layout.LANES_USED
+        result: dict[str, list[Any]] = {name: [] for name in QUEUE_LANES}
+        for inst in instances:
+            base = used * inst.slot
+            for lane, name in enumerate(layout.LANE_NAMES[1:], start=1):
+                word = lanes[base + lane]
+                result[name].append(word & COUNT_MASK if word >> GEN_SHIFT == inst.generation else None)
+        return result
+
+    def _predicted(self, instances: Sequence[SlotRef], span: int, inflight: Sequence[int | None],
+                   with_raw: bool = False) -> dict[str, list[Any]]:
+        now_us = clock.now_us()
+        names = PREDICTED + (RAW_PREDICTED if with_raw else ())
+        result: dict[str, list[Any]] = {name: [] for name in names}
+        fresh = self.predicted_source(now_us) == "fresh"
+        records = self.snapshots.records(span) if fresh else ()
+        for inst, count in zip(instances, inflight, strict=True):
+            record = self._record(inst, records)
+            if record is None:
+                for name in names:
+                    result[name].append(None)
+                continue
+            slot_in, prefill_in = _free_in_ms(record, now_us)
+            result["pending_prefill_count"].append(record[1])
+            result["active_decode_count"].append(record[2])
+            result["predicted_total_backlog_ms"].append(
+                max(slot_in, prefill_in) + _unannounced_backlog_ms(record, count))
+            if with_raw:
+                result["next_slot_ready_in_ms"].append(slot_in)
+                result["prefill_free_in_ms"].append(prefill_in)
+        return result
+
+    @staticmethod
+    def _record(instance: SlotRef, records: Sequence[int]) -> Sequence[int] | None:
+        """The instance's snapshot record, if the snapshot describes its generation."""
+        fields = layout.SNAPSHOT_FIELDS
+        record = records[fields * instance.slot:fields * (instance.slot + 1)]
+        return record if record and record[0] == instance.generation else None
+
+
+def _unannounced_backlog_ms(record: Sequence[int], inflight: int | None) -> float:
+    """Backlog of the requests in flight that the timeline has not seen yet (selected since
+    the snapshot, by any worker), at the instance's marginal cost each."""
+    _, pending, decoding, _, _, _, marginal_us = record
+    unseen = 0 if inflight is None else max(0, inflight - pending - decoding)
+    return unseen * marginal_us / 1000
+
+
+def _free_in_ms(record: Sequence[int], now_us: int) -> tuple[float, float]:
+    """(next READY slot free in, prefill chain free in), ms from now, never negative."""
+    _, _, _, slot_free_us, prefill_free_us, _, _ = record
+    return max(0.0, (slot_free_us - now_us) / 1000), max(0.0, (prefill_free_us - now_us) / 1000)

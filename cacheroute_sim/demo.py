@@ -1,0 +1,176 @@
+"""`make run-workers` (`python -m cacheroute_sim.demo`): the proxy on simulated instances, so a
+`curl` works on a fresh machine at once.
+
+It starts the production launcher (`cacheroute-proxy run`: sidecar and N workers) as one child,
+waits for its control plane, then starts PROXY_SIM_INSTANCES simulated instances (instance i
+on port base + 10*i, its control plane on the next port) and one simulated KDN for
+Scheduler-style requests with knowledge. The instances register with the proxy themselves, as
+real ones do. A simulated process that crashes is started again; if the proxy stops, the demo
+stops. Ctrl-C / SIGTERM: the instances leave first (they unregister), then the KDN, then the
+proxy (it drains). SIGHUP is passed on to the proxy: a rolling restart of its workers.
+
+The production launcher knows nothing of this: a deployment without `cacheroute_sim` runs
+`cacheroute-proxy run` (or the systemd units) and its instances register on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+from cacheroute_proxy import logs
+from cacheroute_proxy.config import ConfigError, Settings
+from cacheroute_proxy.probe import get_json
+from cacheroute_proxy.supervisor.children import Child, describe_exit
+
+log = logging.getLogger("cacheroute.demo")
+
+SIM_INSTANCES_ENV = "PROXY_SIM_INSTANCES"
+SIM_PORT_BASE_ENV = "PROXY_SIM_INSTANCE_PORT_BASE"
+SIM_KDN_PORT_ENV = "PROXY_SIM_KDN_PORT"
+CONTROL_PLANE_WAIT_S = 30.0
+RESTART_DELAY_S = 1.0
+STOP_TIMEOUT_S = 10.0
+# The proxy's own stop may take its whole drain; the demo waits that long, plus this margin.
+PROXY_STOP_MARGIN_S = 15.0
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise SystemExit(f"demo: {name} must be an integer, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cacheroute_sim.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", "-n", type=int, default=None, help="proxy workers (PROXY_WORKERS)")
+    parser.add_argument("--strategy", default=None, help="round_robin|least_load (PROXY_INSTANCE_STRATEGY)")
+    parser.add_argument("--port", type=int, default=None, help="service port (PROXY_DP_PORT)")
+    parser.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    parser.add_argument("--sim-instances", type=int, default=_env_int(SIM_INSTANCES_ENV, 2),
+                        help=f"simulated instances to start ({SIM_INSTANCES_ENV}, default 2; 0 = none)")
+    parser.add_argument("--sim-port-base", type=int, default=_env_int(SIM_PORT_BASE_ENV, 9001),
+                        help=f"port of simulated instance 0; instance i listens on base + 10*i "
+                             f"({SIM_PORT_BASE_ENV}, default 9001)")
+    parser.add_argument("--kdn-port", type=int, default=_env_int(SIM_KDN_PORT_ENV, 9101),
+                        help=f"port of the simulated KDN ({SIM_KDN_PORT_ENV}, default 9101)")
+    return parser
+
+
+def proxy_argv(args: argparse.Namespace) -> list[str]:
+    """`cacheroute-proxy run` with the flags the demo was given (the rest comes from the
+    environment, which the child inherits)."""
+    argv = ["-m", "cacheroute_proxy", "run"]
+    for flag, value in (("--workers", args.workers), ("--strategy", args.strategy),
+                        ("--port", args.port), ("--load-view", args.load_view)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def simulated_children(args: argparse.Namespace, cp_url: str) -> list[Child]:
+    children = [Child(f"sim-instance{i}", [
+        "-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(args.sim_port_base + 10 * i),
+        "--proxy-cp-url", cp_url], {}) for i in range(args.sim_instances)]
+    if args.sim_instances:  # the knowledge server, for Scheduler-style requests with knowledge
+        children.append(Child("sim-kdn", ["-m", "cacheroute_sim.kdn", "--host", "127.0.0.1",
+                                          "--port", str(args.kdn_port)], {}))
+    return children
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
+        self.settings = settings
+        self.proxy = Child("proxy", proxy_argv(args), {})
+        self.sims = simulated_children(args, settings.cp_url)
+        self._stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGHUP, lambda *_: self.proxy.signal(signal.SIGHUP))
+        try:
+            self.proxy.start()
+            if not self._wait_for_control_plane():
+                return 1
+            for child in self.sims:
+                child.start()
+            self._announce()
+            while not self._stopping:
+                code = self.proxy.exited()
+                if code is not None:
+                    log.error("the proxy stopped (%s); stopping the demo", describe_exit(code))
+                    return 1
+                self._restart_crashed_sims()
+                time.sleep(0.1)
+            return 0
+        finally:
+            self._stop()
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self._stopping = True
+
+    def _wait_for_control_plane(self) -> bool:
+        deadline = time.monotonic() + CONTROL_PLANE_WAIT_S
+        while time.monotonic() < deadline and not self._stopping:
+            if self.proxy.exited() is not None:
+                log.error("the proxy did not start (its log above says why)")
+                return False
+            if get_json(f"{self.settings.cp_url}/healthz") is not None:
+                return True
+            time.sleep(0.1)
+        if not self._stopping:
+            log.error("the proxy's control plane %s did not answer within %.0fs",
+                      self.settings.cp_url, CONTROL_PLANE_WAIT_S)
+        return False
+
+    def _restart_crashed_sims(self) -> None:
+        now = time.monotonic()
+        for child in self.sims:
+            code = child.exited()
+            if code is None:
+                continue
+            if child.next_start_at == 0.0:
+                child.next_start_at = now + RESTART_DELAY_S
+                log.warning("%s %s; restarting in %.0fs", child.name, describe_exit(code), RESTART_DELAY_S)
+            elif now >= child.next_start_at:
+                child.next_start_at = 0.0
+                child.restarts += 1
+                child.start()
+
+    def _announce(self) -> None:
+        s = self.settings
+        instances = sum(1 for c in self.sims if c.name.startswith("sim-instance"))
+        log.info("demo: %d simulated instances register with %s; try\n  curl -s http://%s:%d/v1/chat/completions "
+                 "-H 'content-type: application/json' -d '{\"model\": \"sim-model\", \"messages\": "
+                 "[{\"role\": \"user\", \"content\": \"hello\"}]}'", instances, s.cp_url, s.dp_host, s.dp_port)
+
+    def _stop(self) -> None:
+        for child in self.sims:  # instances first: they unregister while the proxy still answers
+            child.signal(signal.SIGTERM)
+        for child in self.sims:
+            child.stop(STOP_TIMEOUT_S)
+        self.proxy.stop(self.settings.drain_timeout_s + PROXY_STOP_MARGIN_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env().with_overrides(workers=args.workers, instance_strategy=args.strategy,
+                                                      dp_port=args.port, load_view=args.load_view)
+    except (ConfigError, ValueError) as exc:
+        print(f"demo: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logs.configure("demo", settings.log_level)
+    return Demo(args, settings).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

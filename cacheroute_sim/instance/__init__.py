@@ -1,0 +1,35 @@
+"""Simulated OpenAI-compatible vLLM Instance, for the demo and the test suite.
+
+Run: ``python -m cacheroute_sim.instance --port 9001 [--no-register] [--time-scale 0.05] [knobs...]``
+(``--help`` lists every flag).
+
+Data plane: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not),
+``GET /v1/models``, ``GET /healthz``. Every response carries ``x-sim-instance: <id>``.
+Timing follows the fitted curves of the protocol reference (timing.py): serialized prefill,
+batched decode whose inter-token latency grows with the batch, ``--max-concurrency`` slots.
+
+Control plane (protocol §6.3), a second listener on ``--cp-port`` (default: data port + 1,
+skipped with a warning when that port is taken; ``--cp-port 0`` disables it):
+``GET /healthz`` and ``POST /v1/kv/inject_ready`` ``{"request_id", "kdn_addr", "model",
+"knowledge_ids"}``, which calls the KDN's ``/knowledge/inject_ready_kv`` with this Instance's
+(fake, never contacted) Redis target ``--redis-host/--redis-port/--redis-db/--redis-password``
+and relays the KDN's answer verbatim; a failed KDN call (unreachable, ``--kdn-timeout``
+exceeded, 5xx, not a JSON object) answers 502 ``{"ok": false, ..., "detail": <reason>}``.
+The register body carries ``meta.cp_port`` so the Proxy need not assume 9002.
+
+KV prefix hit (simulation-only hint, a real vLLM ignores the header): a data-plane request
+with ``x-cacheroute-kv-prefix-tokens: N`` (integer >= 0; the Proxy sends it on the kvcache path
+after a successful inject) is prefilled as if its first N prompt tokens were in Redis: the
+prefill computes ``max(1, prompt_tokens - N)`` tokens, after a Redis pull of
+``2764.34 ms/GB x N x 0.0000381 GB + 12.46 ms`` (N capped at the prompt; scaled like every
+other duration). A malformed value is a 400.
+
+Control routes for tests:
+- ``GET /sim/config`` / ``POST /sim/config`` (partial JSON update of the knobs, validated)
+  / ``POST /sim/config/reset`` (back to the start-time knobs);
+- ``POST /sim/release``: let every currently hung, held or stalled request go on;
+- ``GET /sim/stats`` / ``POST /sim/stats/reset`` (includes ``kv_injects``,
+  ``kv_inject_failed``, ``kv_prefix_hits``, ``kv_prefix_tokens_total``).
+Knobs (config.Knobs): slow_factor, hang, fail_status + fail_rate, drop_after_chunks,
+stall_after_chunks, hold_streams, default_max_tokens.
+"""

@@ -1,0 +1,133 @@
+"""The Starlette app: OpenAI data-plane routes plus the /sim control routes for tests.
+
+Registration is not part of the app (server.py runs it), so the app can also be mounted
+in-process by a test without any control-plane traffic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cacheroute_sim.common.control_routes import control_routes, read_json_object
+from cacheroute_sim.common.knobs import KnobStore
+from cacheroute_sim.common.responses import json_response
+from cacheroute_sim.instance.config import Knobs, SimConfig
+from cacheroute_sim.instance.engine import Engine
+from cacheroute_sim.instance.generation import GenerationResponse
+from cacheroute_sim.instance.request_model import (
+    KV_PREFIX_HEADER,
+    InvalidJSON,
+    InvalidRequest,
+    Kind,
+    parse_generation_request,
+)
+
+INSTANCE_HEADER = b"x-sim-instance"
+
+# Starlette only calls ``response(scope, receive, send)``, so a handler may return any ASGI
+# callable; GenerationResponse is one without being a Response subclass.
+Handler = Callable[[Request], Awaitable[Response | GenerationResponse]]
+
+
+class SimState:
+    """Everything the routes share: config, knobs, engine, the fail_rate RNG."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.instance_id = config.resolved_instance_id
+        self.knobs: KnobStore[Knobs] = KnobStore(config.knobs)
+        self.engine = Engine(time_scale=config.time_scale,
+                             max_concurrency=config.max_concurrency, knobs=self.knobs)
+        self.rng = random.Random(config.seed)
+
+    # What the /sim control routes (sim_common.control_routes) call.
+    def release_held(self) -> int:
+        return self.engine.release_held()
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        return self.engine.stats.snapshot(self.instance_id)
+
+    def reset_stats(self) -> None:
+        self.engine.stats.reset()
+
+
+class InstanceHeaderMiddleware:
+    """Adds ``x-sim-instance`` to every response, so tests see which instance answered.
+
+    Pure ASGI (not BaseHTTPMiddleware) so it never buffers or delays a stream.
+    """
+
+    def __init__(self, app: ASGIApp, instance_id: str) -> None:
+        self.app = app
+        self.header = (INSTANCE_HEADER, instance_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
+    """The data-plane app; pass ``state`` to share it with the control plane (server.py)."""
+    state = state or SimState(config)
+    routes = [
+        Route("/v1/chat/completions", _generation_route(state, "chat"), methods=["POST"]),
+        Route("/v1/completions", _generation_route(state, "text"), methods=["POST"]),
+        Route("/v1/models", _models_route(state), methods=["GET"]),
+        Route("/healthz", _healthz, methods=["GET"]),
+        # vLLM's own probe path; LLM routers (vllm-router) wait for it before routing.
+        Route("/health", _healthz, methods=["GET"]),
+        *control_routes(state, read_json_object),
+    ]
+    app = Starlette(routes=routes, middleware=[
+        Middleware(InstanceHeaderMiddleware, instance_id=state.instance_id)])
+    app.state.sim = state
+    return app
+
+
+def _generation_route(state: SimState, kind: Kind) -> Handler:
+    async def handle(request: Request) -> Response | GenerationResponse:
+        body = await request.body()
+        try:
+            parsed = parse_generation_request(
+                body, kind, default_max_tokens=state.knobs.current.default_max_tokens,
+                default_model=state.config.model,
+                kv_prefix_header=request.headers.get(KV_PREFIX_HEADER))
+        except InvalidJSON:
+            state.engine.stats.invalid += 1
+            return json_response({"error": "invalid_json"}, 400)
+        except InvalidRequest as exc:
+            state.engine.stats.invalid += 1
+            return json_response({"error": "invalid_request", "detail": str(exc)}, 400)
+        return GenerationResponse(parsed, state.engine, state.rng)
+
+    return handle
+
+
+def _models_route(state: SimState) -> Handler:
+    async def handle(request: Request) -> Response:
+        # OpenAI clients probe this before the first call; one model, like a vLLM server.
+        model = {"id": state.config.model, "object": "model", "owned_by": "sim_instance"}
+        return json_response({"object": "list", "data": [model]})
+
+    return handle
+
+
+async def _healthz(request: Request) -> Response:
+    return json_response({"ok": True})

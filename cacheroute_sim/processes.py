@@ -1,0 +1,155 @@
+"""Processes on 127.0.0.1 for the demo, the tests and the benchmarks: free listening ports
+below the ephemeral range, the ports and segment name of one `cacheroute-proxy run`, and a child
+process started from the repository root and stopped by its pid."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from cacheroute_proxy.supervisor import children
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- ports -----------------------------------------------------------------------------------
+LISTEN_PORTS_FROM = 10000  # listeners are picked from here up to the kernel's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now, below the ephemeral range: a port the
+    kernel hands out as port 0 can be taken by any outgoing connection's source port before our
+    server binds it (seen as "address already in use" under load); one below is not."""
+    rng = random.Random()  # not the tests' seeded global one
+    high = _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(LISTEN_PORTS_FROM, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # an exotic port range: let the kernel choose
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_range(count: int) -> int:
+    """A base port such that base .. base+count-1 are all free right now."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        base = free_port()
+        if base + count >= 65000 or base < low < base + count:  # not into the ephemeral range
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+class SupervisorPorts:
+    """Free 127.0.0.1 ports and a private segment name for one `cacheroute-proxy run` with
+    `workers` workers, the environment that tells it so, and the URLs to reach it."""
+
+    def __init__(self, workers: int, shm_prefix: str) -> None:
+        self.workers = workers
+        self.dp_port, self.cp_port = free_port(), free_port()
+        self.private_base = free_port_range(workers)  # worker i answers on private_base + i
+        self.shm_name = f"/{shm_prefix}_{uuid.uuid4().hex[:10]}"
+
+    def supervisor_env(self, strategy: str) -> dict[str, str]:
+        """Room for 32 instances and 16 workers (instances register themselves)."""
+        return {
+            "PROXY_DP_PORT": str(self.dp_port), "PROXY_CP_PORT": str(self.cp_port),
+            "PROXY_WORKER_PRIVATE_PORT_BASE": str(self.private_base),
+            "PROXY_SHM_NAME": self.shm_name,
+            "PROXY_INSTANCE_STRATEGY": strategy, "PROXY_WORKERS": str(self.workers),
+            "PROXY_SHM_INSTANCE_CAPACITY": "32", "PROXY_SHM_WORKER_CAPACITY": "16",
+        }
+
+    @property
+    def dp_url(self) -> str:
+        return f"http://127.0.0.1:{self.dp_port}"
+
+    @property
+    def cp_url(self) -> str:
+        return f"http://127.0.0.1:{self.cp_port}"
+
+    def worker_url(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.private_base + index}"
+
+
+# --- child processes -----------------------------------------------------------------------------
+class ChildProcess:
+    """`python <argv>` run from the repository root with `env` added to ours, stdout and stderr
+    to `log_path`, in its own session (a Ctrl-C reaches only us); stopped by its pid.
+
+    append_log: add to the log instead of starting it afresh (a process restarted on one log).
+    die_with_parent: the child gets SIGTERM when the thread that started it ends (PDEATHSIG
+    follows the creating thread, so start such children from the main thread).
+    program: run this executable (e.g. "nginx") instead of our Python interpreter."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, *,
+                 append_log: bool = False, die_with_parent: bool = False,
+                 program: str | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab" if append_log else "wb")  # noqa: SIM115 - lives as long as the child
+        self.popen = subprocess.Popen([program or sys.executable, *argv], cwd=ROOT, env={**os.environ, **env},
+                                      stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True,
+                                      preexec_fn=children.die_with_parent if die_with_parent else None)  # noqa: PLW1509
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        """Send `signum` and wait up to `timeout` s, then SIGKILL; the exit code (negative:
+        the signal that ended it)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signum)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log()[-chars:]
+        except OSError:
+            return ""
+
+

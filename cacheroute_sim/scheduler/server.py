@@ -1,0 +1,22 @@
+"""Runs the app under uvicorn (uvloop + httptools); SIGTERM/SIGINT drain for
+``shutdown_grace_s``, then cancel what is left (hung requests) and exit 0."""
+
+from __future__ import annotations
+
+import logging
+
+import uvloop
+
+from cacheroute_sim.common.serving import Server, serve_until_signalled, uvicorn_config
+from cacheroute_sim.scheduler.app import create_app
+from cacheroute_sim.scheduler.config import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+def run(config: SchedulerConfig) -> None:
+    uvloop.run(serve(config))
+
+
+async def serve(config: SchedulerConfig) -> None:
+    await serve_until_signalled(Server(uvicorn_config(create_app(config), config, config.port)), log)
