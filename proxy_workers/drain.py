@@ -1,20 +1,13 @@
 """Graceful drain of one worker on SIGTERM: stop accepting, let what is in flight finish up to
 `PROXY_DRAIN_TIMEOUT_S`, then cut what is left cleanly, and say what happened.
 
-Three pieces, one per layer uvicorn lets us change:
+The mechanics that reach into uvicorn (a protocol that never closes a connection under a request
+that may be on its way, a server that says when its shutdown begins and acts at the deadline)
+are in cacheroute_proxy/uvicorn_seam.py; this module decides what they do:
 
-- :class:`DrainingServer` (uvicorn.Server) starts the drain when uvicorn begins its shutdown
-  (listeners closed: with `net.ipv4.tcp_migrate_req=1` the kernel hands connections still in
-  their accept queue to another worker of the `SO_REUSEPORT` group instead of resetting them),
-  arms the deadline, and logs what was drained and what was cut.
-- The HTTP protocol (:func:`draining_protocol`) decides how each connection ends. uvicorn's own
-  shutdown closes idle keep-alive connections at once, which races with a client that is
-  sending a request on one right now (it gets a reset, not an answer). Here no connection is
-  closed while a request may be on its way: a request whose response head is not out yet is
-  answered with `Connection: close`; a stream already under way stays keep-alive and the
-  *next* request on that connection gets `Connection: close`; an idle connection keeps the
-  normal keep-alive timer (`PROXY_KEEPALIVE_TIMEOUT_S`). A client whose idle timeout is shorter
-  than that never sees a connection closed under it.
+- :class:`Drain` is the worker's state of leaving: whether it drains, the requests in flight,
+  what finished and what was cut; the seam's `DrainingServer` calls `begin` when the listeners
+  close, `cut_remaining` at the deadline and `report` at the end.
 - :class:`DrainGate` (ASGI) knows every request in flight. At the deadline it cancels them (their
   leases end in the exchange's `finally`) and finishes each response itself: a stream gets a
   `cacheroute_meta` event whose `error` is `worker_drain_deadline` and no `[DONE]`, a request
@@ -25,16 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from typing import Any
-
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cacheroute_proxy.uvicorn_seam import response_progress
+
 from .sse import cut_meta_event
-from .uvicorn_cycle import notify_disconnect
 
 log = logging.getLogger("cacheroute.worker")
 
@@ -47,17 +37,10 @@ _CUT_BODY = (b'{"error": "worker_draining", "detail": "the worker stopped at its
              b'before answering; retry"}')
 
 
-def _progress(send: Send) -> tuple[bool, bool]:
-    """(started, complete) of a response, read from uvicorn's RequestResponseCycle, whose bound
-    `send` the app is given: so nothing wraps `send` on the path of every chunk."""
-    cycle = getattr(send, "__self__", None)
-    return getattr(cycle, "response_started", True), getattr(cycle, "response_complete", False)
-
-
 def _under_way(send: Send) -> bool:
     # A JSON answer goes out in one go (head and body back to back), so a response that has
     # started and not ended is, in practice, a stream.
-    started, complete = _progress(send)
+    started, complete = response_progress(send)
     return started and not complete
 
 
@@ -86,7 +69,7 @@ class Drain:
     def cut_remaining(self) -> None:
         """The deadline: cancel every request still running; DrainGate ends each response."""
         for task, send in list(self.active.items()):
-            started, complete = _progress(send)
+            started, complete = response_progress(send)
             if complete:
                 continue
             self.cutting.add(task)
@@ -106,7 +89,7 @@ class Drain:
 async def finish_cut(send: Send) -> None:
     """End a response the deadline cut: a stream gets its error event and no [DONE]; a request
     not yet answered gets 503."""
-    started, complete = _progress(send)
+    started, complete = response_progress(send)
     if complete:
         return
     if started:
@@ -149,75 +132,6 @@ class DrainGate:
             del drain.active[task]
             if drain.draining and not cut:
                 drain.finished += 1
-
-
-def draining_protocol(drain: Drain) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol, with a shutdown that never closes a connection under a
-    request that may be on its way (see the module docstring), and that tells a request
-    waiting for its client to leave (`uvicorn_cycle.watch_disconnect`) when it does."""
-
-    class DrainingHttpTools(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if drain.draining:  # accepted after the listeners closed: shut down like the others
-                self.shutdown()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            cycle = self.cycle
-            super().connection_lost(exc)
-            notify_disconnect(cycle)
-
-        def shutdown(self) -> None:
-            cycle = self.cycle
-            if cycle is None or cycle.response_complete:
-                # Idle, or a request is arriving right now: keep it. The next request is
-                # answered with Connection: close; the keep-alive timer ends it if none comes.
-                if self.timeout_keep_alive_task is None and not self.transport.is_closing():
-                    self.timeout_keep_alive_task = self.loop.call_later(
-                        self.timeout_keep_alive, self.timeout_keep_alive_handler)
-            elif not cycle.response_started:
-                cycle.keep_alive = False  # its head will say Connection: close
-            # else: a response under way whose head promised keep-alive; after it the
-            # connection is idle as above, and the next request on it gets Connection: close.
-
-        def on_headers_complete(self) -> None:
-            super().on_headers_complete()
-            if drain.draining and self.cycle is not None:
-                self.cycle.keep_alive = False
-
-        def close_at_deadline(self) -> None:
-            cycle = self.cycle
-            if cycle is None or cycle.response_complete:
-                self.transport.close()
-            else:
-                cycle.keep_alive = False
-
-    return DrainingHttpTools
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose shutdown drains (see the module docstring)."""
-
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
-        super().__init__(config)
-        self._drain = drain
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        drain = self._drain
-        drain.begin(len(self.server_state.connections))
-        deadline = asyncio.get_running_loop().call_later(drain.timeout_s, self._at_deadline)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            deadline.cancel()
-            drain.report()
-
-    def _at_deadline(self) -> None:
-        self._drain.cut_remaining()
-        for connection in list(self.server_state.connections):
-            closer = getattr(connection, "close_at_deadline", None)
-            if closer is not None:
-                closer()
 
 
 def uvicorn_graceful_timeout(drain_timeout_s: float) -> float:

@@ -8,7 +8,7 @@ the upstream connection, so the instance stops generating for nobody.
 Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's
 bytes (only a `[DONE]` line is looked for); a JSON answer gets `_cacheroute_meta` spliced in
 after a validating decode that builds no values, and leaves in one write; a disconnect is a
-callback from the protocol that cancels the request's own task (uvicorn_cycle.py).
+callback from the protocol that cancels the request's own task (cacheroute_proxy/uvicorn_seam.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.http import HTTPError
+from cacheroute_proxy.uvicorn_seam import client_gone, send_whole, unwatch_disconnect, watch_disconnect
 
 from . import metrics
 from .pipeline import Job, Pipeline
@@ -28,7 +29,6 @@ from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event, meta_object
 from .http1_client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
-from .uvicorn_cycle import send_whole, unwatch_disconnect, watch_disconnect
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -261,18 +261,18 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
 
     The CancelledError this causes is recognised here and absorbed; any other cancellation
     (server shutdown, drain) goes on up. Under uvicorn the protocol calls back on disconnect
-    (uvicorn_cycle.watch_disconnect); elsewhere one watcher task reads `receive()`."""
+    (uvicorn_seam.watch_disconnect); elsewhere one watcher task reads `receive()`."""
     task = asyncio.current_task()
     assert task is not None
     state = {"done": False, "gone": False}
 
-    def client_gone() -> None:
+    def on_client_gone() -> None:
         if not state["done"]:  # never cancel a task that already left `work`
             state["gone"] = True
             task.cancel()
 
-    cycle = watch_disconnect(send, client_gone)
-    if cycle is not None and cycle.disconnected:  # gone before we started watching
+    cycle = watch_disconnect(send, on_client_gone)
+    if cycle is not None and client_gone(cycle):  # gone before we started watching
         unwatch_disconnect(cycle)
         work.close()
         return None
@@ -281,7 +281,7 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            client_gone()
+            on_client_gone()
 
         watcher = asyncio.get_running_loop().create_task(watch())
     try:

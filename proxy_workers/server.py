@@ -16,15 +16,15 @@ from typing import AsyncIterator
 import uvicorn
 from starlette.types import ASGIApp
 
-from cacheroute_proxy import logs, sd_notify
+from cacheroute_proxy import logs, serving
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.uvicorn_seam import DrainingServer, draining_protocol, has_started, requests_in_flight
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from proxy_workers.predictors import get_predictors
 
 from .app import WorkerContext, build_app
-from .drain import Drain, DrainGate, DrainingServer, draining_protocol, uvicorn_graceful_timeout, \
-    warn_if_queued_connections_may_reset
+from .drain import Drain, DrainGate, uvicorn_graceful_timeout, warn_if_queued_connections_may_reset
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router
@@ -144,7 +144,7 @@ def run(settings: Settings, index: int) -> int:
             return 2
 
         def describe(server: uvicorn.Server) -> str:  # systemd's STATUS= line, every few seconds
-            return f"worker {index}: {sd_notify.requests_in_flight(server)} requests in flight"
+            return f"worker {index}: {requests_in_flight(server)} requests in flight"
         return _serve(app, settings, [shared, private], describe=describe)
     finally:
         leftover = row.release()
@@ -154,7 +154,7 @@ def run(settings: Settings, index: int) -> int:
 
 
 def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket], *,
-           describe: sd_notify.Describe) -> int:
+           describe: serving.Describe) -> int:
     drain = Drain(settings.drain_timeout_s)  # SIGTERM: drain, then cut at the deadline (drain.py)
     config = uvicorn.Config(DrainGate(app, drain), loop="uvloop", http=draining_protocol(drain),
                             lifespan="on", log_config=None, log_level=settings.log_level,
@@ -164,5 +164,5 @@ def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket], *,
                             timeout_graceful_shutdown=uvicorn_graceful_timeout(settings.drain_timeout_s))
     logs.keep_control_after_signals()
     server = DrainingServer(config, drain)
-    sd_notify.serve(server, describe, sockets)  # READY once listening (segment and row are ours by now)
-    return 0 if server.started else 3
+    serving.serve(server, describe, sockets)  # READY once listening (segment and row are ours by now)
+    return 0 if has_started(server) else 3

@@ -13,10 +13,11 @@ from typing import AsyncIterator, Awaitable, Callable
 import uvicorn
 from starlette.applications import Starlette
 
-from cacheroute_proxy import logs, sd_notify
+from cacheroute_proxy import logs, serving
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
+from cacheroute_proxy.uvicorn_seam import has_started
 from shm_schema import Segment, SegmentError, header
 
 from .app import SidecarState, build_app
@@ -158,8 +159,8 @@ def run(settings: Settings) -> int:
         logs.keep_control_after_signals()
         server = uvicorn.Server(config)
         # plain server.run() outside systemd
-        sd_notify.serve(server, lambda _server: status_line(state), [control])
-        return 0 if server.started else 3
+        serving.serve(server, lambda _server: status_line(state), [control])
+        return 0 if has_started(server) else 3
     finally:
         header.release_sidecar(seg)
         seg.close()

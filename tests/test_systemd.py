@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cacheroute_proxy import sd_notify
+from cacheroute_proxy import systemd
 from cacheroute_proxy.config import Settings
 from shm_schema import Segment
 from tests.harness import ROOT, Process, SimInstance, chat_body, get, wait_until
@@ -173,10 +173,10 @@ def test_sidecar_with_its_port_taken_exits_2():
 
 # --- sd_notify, unit level ---------------------------------------------------------------------
 def test_notify_is_a_no_op_without_notify_socket():
-    notifier = sd_notify.Notifier(environ={})
+    notifier = systemd.Notifier(environ={})
     assert not notifier.enabled and notifier.send(READY=1) is False
     for unsupported in ("", "relative/path", "vsock:2:1234", "@"):
-        assert not sd_notify.Notifier({"NOTIFY_SOCKET": unsupported}).enabled, unsupported
+        assert not systemd.Notifier({"NOTIFY_SOCKET": unsupported}).enabled, unsupported
 
 
 def test_notify_to_an_abstract_socket():
@@ -184,7 +184,7 @@ def test_notify_to_an_abstract_socket():
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
         listener.bind("\0" + name)
         listener.settimeout(10)
-        notifier = sd_notify.Notifier({"NOTIFY_SOCKET": "@" + name})
+        notifier = systemd.Notifier({"NOTIFY_SOCKET": "@" + name})
         assert notifier.send(READY=1, STATUS="two\nlines") is True
         # A newline would start a new field, so it must not reach systemd inside a value.
         assert listener.recv(4096) == b"READY=1\nSTATUS=two lines"
@@ -193,19 +193,19 @@ def test_notify_to_an_abstract_socket():
 
 
 def test_notify_to_a_missing_socket_fails_quietly(tmp_path):
-    notifier = sd_notify.Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
+    notifier = systemd.Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
     assert notifier.enabled and notifier.send(READY=1) is False
 
 
 def test_watchdog_interval():
     pid = os.getpid()
-    assert sd_notify.watchdog_interval_s({}) is None
-    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "15000000"}) == 7.5
-    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "15000000", "WATCHDOG_PID": str(pid)}, pid) == 7.5
+    assert systemd.watchdog_interval_s({}) is None
+    assert systemd.watchdog_interval_s({"WATCHDOG_USEC": "15000000"}) == 7.5
+    assert systemd.watchdog_interval_s({"WATCHDOG_USEC": "15000000", "WATCHDOG_PID": str(pid)}, pid) == 7.5
     # Meant for another process (a parent that set it before exec'ing a child): not ours.
-    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "15000000", "WATCHDOG_PID": str(pid + 1)}, pid) is None
-    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "0"}) is None
-    assert sd_notify.watchdog_interval_s({"WATCHDOG_USEC": "soon"}) is None
+    assert systemd.watchdog_interval_s({"WATCHDOG_USEC": "15000000", "WATCHDOG_PID": str(pid + 1)}, pid) is None
+    assert systemd.watchdog_interval_s({"WATCHDOG_USEC": "0"}) is None
+    assert systemd.watchdog_interval_s({"WATCHDOG_USEC": "soon"}) is None
 
 
 # --- sd_notify, real processes -----------------------------------------------------------------

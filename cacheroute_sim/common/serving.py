@@ -1,16 +1,19 @@
-"""uvicorn as both simulators run it: uvloop + httptools, no lifespan, no access log."""
+"""uvicorn as the simulators run it: uvloop + httptools, no lifespan, no access log, and
+signals handled by the simulator itself (uvicorn_seam.SignalFreeServer: uvicorn's own handler
+would re-raise SIGTERM after serve() and start draining before a simulated instance has
+unregistered)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Iterator
 from typing import Protocol
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from cacheroute_proxy.uvicorn_seam import SignalFreeServer, exit_requested, request_exit
 
 
 class ServeConfig(Protocol):
@@ -26,20 +29,6 @@ class ServeConfig(Protocol):
     def shutdown_grace_s(self) -> float: ...
 
 
-class Server(uvicorn.Server):
-    """A uvicorn server that leaves SIGTERM/SIGINT to the simulator.
-
-    uvicorn's own handler would re-raise the signal once serve() returns, so the process
-    would end by signal instead of exit status 0; and it would start draining before the
-    simulator did what must come first (sim_instance unregisters from the Proxy, then asks
-    uvicorn to drain).
-    """
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 def uvicorn_config(app: ASGIApp, config: ServeConfig, port: int) -> uvicorn.Config:
     """``shutdown_grace_s`` bounds the drain; requests still in flight then are cancelled
     (held and hung ones would otherwise block the exit forever)."""
@@ -50,16 +39,14 @@ def uvicorn_config(app: ASGIApp, config: ServeConfig, port: int) -> uvicorn.Conf
         timeout_graceful_shutdown=config.shutdown_grace_s)  # type: ignore[arg-type]
 
 
-async def serve_until_signalled(server: Server, log: logging.Logger) -> None:
+async def serve_until_signalled(server: SignalFreeServer, log: logging.Logger) -> None:
     """Serve; the first SIGTERM/SIGINT drains (bounded by the config's grace), a second one
     stops waiting for what is in flight."""
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
-        if server.should_exit:
-            server.force_exit = True
         log.info("received %s, shutting down", signal.Signals(signum).name)
-        server.should_exit = True
+        request_exit(server, force=exit_requested(server))  # a second signal stops waiting
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import uvicorn
 import uvloop
 
-from cacheroute_sim.common.serving import Server, uvicorn_config
+from cacheroute_proxy.uvicorn_seam import SignalFreeServer, has_started, request_exit
+from cacheroute_sim.common.serving import uvicorn_config
 from cacheroute_sim.instance.app import SimState, create_app
 from cacheroute_sim.instance.config import SimConfig
 from cacheroute_sim.instance.control_plane import create_cp_app
@@ -54,11 +55,11 @@ async def serve(config: SimConfig) -> None:
     state = SimState(config)
     cp_sock = _bind_control_plane(config)
     kdn = KdnClient(config)
-    servers = [Server(uvicorn_config(create_app(config, state), config, config.port))]
+    servers = [SignalFreeServer(uvicorn_config(create_app(config, state), config, config.port))]
     sockets: list[list[socket.socket] | None] = [None]
     if cp_sock is not None:
         cp_port = cp_sock.getsockname()[1]
-        servers.append(Server(uvicorn_config(create_cp_app(state, kdn), config, cp_port)))
+        servers.append(SignalFreeServer(uvicorn_config(create_cp_app(state, kdn), config, cp_port)))
         sockets.append([cp_sock])
     logging.getLogger("uvicorn.error").addFilter(_QuietExpectedErrors())
     stop = _install_signal_handlers(servers)
@@ -73,7 +74,7 @@ async def serve(config: SimConfig) -> None:
         if registrar is not None:
             await registrar.close()
         for srv in servers:
-            srv.should_exit = True
+            request_exit(srv)
         await asyncio.gather(*tasks)
         await kdn.close()
         if cp_sock is not None:
@@ -113,7 +114,7 @@ async def _start_registration(config: SimConfig, servers: Sequence[uvicorn.Serve
     if not config.register:
         return None
     # Register only once every port listens, or the Proxy may route to a closed port.
-    while not all(s.started for s in servers) and not any(t.done() for t in tasks):
+    while not all(has_started(s) for s in servers) and not any(t.done() for t in tasks):
         await asyncio.sleep(0.01)
     if any(t.done() for t in tasks):
         return None
@@ -129,7 +130,7 @@ def _install_signal_handlers(servers: Sequence[uvicorn.Server]) -> asyncio.Event
     def on_signal(signum: int) -> None:
         if stop.is_set():
             for server in servers:  # second signal: stop waiting for in-flight requests
-                server.force_exit = True
+                request_exit(server, force=True)
         log.info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
 

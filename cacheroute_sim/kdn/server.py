@@ -10,7 +10,8 @@ import logging
 
 import uvloop
 
-from cacheroute_sim.common.serving import Server, serve_until_signalled, uvicorn_config
+from cacheroute_proxy.uvicorn_seam import SignalFreeServer
+from cacheroute_sim.common.serving import serve_until_signalled, uvicorn_config
 from cacheroute_sim.kdn.app import create_app
 from cacheroute_sim.kdn.config import KdnConfig
 from cacheroute_sim.kdn.store import KnowledgeStore
@@ -23,4 +24,4 @@ def run(config: KdnConfig, store: KnowledgeStore) -> None:
 
 
 async def serve(config: KdnConfig, store: KnowledgeStore) -> None:
-    await serve_until_signalled(Server(uvicorn_config(create_app(config, store), config, config.port)), log)
+    await serve_until_signalled(SignalFreeServer(uvicorn_config(create_app(config, store), config, config.port)), log)

@@ -7,7 +7,8 @@ import logging
 
 import uvloop
 
-from cacheroute_sim.common.serving import Server, serve_until_signalled, uvicorn_config
+from cacheroute_proxy.uvicorn_seam import SignalFreeServer
+from cacheroute_sim.common.serving import serve_until_signalled, uvicorn_config
 from cacheroute_sim.scheduler.app import create_app
 from cacheroute_sim.scheduler.config import SchedulerConfig
 
@@ -19,4 +20,4 @@ def run(config: SchedulerConfig) -> None:
 
 
 async def serve(config: SchedulerConfig) -> None:
-    await serve_until_signalled(Server(uvicorn_config(create_app(config), config, config.port)), log)
+    await serve_until_signalled(SignalFreeServer(uvicorn_config(create_app(config), config, config.port)), log)

@@ -1,20 +1,27 @@
-"""The hot-path shortcuts through uvicorn's RequestResponseCycle (proxy_workers/uvicorn_cycle.py),
-against a real uvicorn server on 127.0.0.1 running the worker's own protocol class: if the pinned
-uvicorn's internals move, these fail instead of the worker silently taking the slow path (or
-answering wrongly)."""
+"""Everything cacheroute_proxy/uvicorn_seam.py relies on, against a real uvicorn server on
+127.0.0.1 running the worker's own protocol class: if the pinned uvicorn's internals move, these
+fail instead of the worker silently taking the slow path (or answering wrongly)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 from typing import Any, Awaitable, Callable
 
 import uvicorn
 import uvloop
 
-from proxy_workers.drain import Drain, draining_protocol
+from cacheroute_proxy import uvicorn_seam as seam
+from cacheroute_proxy.uvicorn_seam import (
+    cycle_of,
+    draining_protocol,
+    send_whole,
+    unwatch_disconnect,
+    watch_disconnect,
+)
+from proxy_workers.drain import Drain
 from proxy_workers.exchange import run_until_disconnect
-from proxy_workers.uvicorn_cycle import cycle_of, send_whole, unwatch_disconnect, watch_disconnect
 
 Scope = dict[str, Any]
 App = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -291,3 +298,125 @@ async def test_run_until_disconnect_does_not_start_for_a_client_already_gone() -
         writer.close()
         await asyncio.wait_for(finished.wait(), 5)
     assert outcome == [None] and ran == []
+
+
+# --- the connection and server layers -------------------------------------------------------------
+class Hooks:
+    """A drain as DrainingServer sees it: records what it was told."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.draining = False
+        self.calls: list[tuple[str, int]] = []
+
+    def begin(self, connections: int) -> None:
+        self.draining = True
+        self.calls.append(("begin", connections))
+
+    def cut_remaining(self) -> None:
+        self.calls.append(("cut", 0))
+
+    def report(self) -> None:
+        self.calls.append(("report", 0))
+
+
+class DrainingHarness(Harness):
+    def __init__(self, app: App, hooks: Hooks) -> None:
+        super().__init__(app)
+        config = uvicorn.Config(self.app, http=draining_protocol(hooks), loop="asyncio",
+                                lifespan="off", log_config=None, access_log=False,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=10)
+        self.server = seam.DrainingServer(config, hooks)
+
+
+def held_app(entered: asyncio.Event, release: asyncio.Event, seen: list[tuple[bool, bool]]) -> App:
+    """Answers once `release` is set, noting response_progress before, during and after."""
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
+        entered.set()
+        await release.wait()
+        seen.append(seam.response_progress(send))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(BODY)).encode())]})
+        seen.append(seam.response_progress(send))
+        await send({"type": "http.response.body", "body": BODY})
+        seen.append(seam.response_progress(send))
+    return app
+
+
+@in_loop
+async def test_server_state_and_response_progress_are_read_from_a_running_server() -> None:
+    entered, release, seen = asyncio.Event(), asyncio.Event(), []
+    async with Harness(held_app(entered, release, seen)) as harness:
+        assert seam.has_started(harness.server) and not seam.exit_requested(harness.server)
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(post())
+        await asyncio.wait_for(entered.wait(), 5)
+        assert seam.requests_in_flight(harness.server) == 1
+        assert seam.open_connections(harness.server) == 1
+        release.set()
+        answer = await asyncio.wait_for(reader.readuntil(BODY), 5)
+        writer.close()
+        seam.request_exit(harness.server)
+        assert seam.exit_requested(harness.server)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert seen == [(False, False), (True, False), (True, True)]
+
+
+@in_loop
+async def test_a_request_arriving_during_the_drain_is_answered_with_connection_close() -> None:
+    entered, release, seen = asyncio.Event(), asyncio.Event(), []
+    hooks = Hooks(timeout_s=5.0)
+    async with DrainingHarness(held_app(entered, release, seen), hooks) as harness:
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(post())
+        await asyncio.wait_for(entered.wait(), 5)
+        seam.request_exit(harness.server)  # what SIGTERM does
+        while not hooks.calls:
+            await asyncio.sleep(0.01)
+        release.set()
+        answer = await asyncio.wait_for(reader.read(), 5)  # read to the close
+    assert hooks.calls == [("begin", 1), ("report", 0)]
+    assert b"connection: close" in answer.lower() and answer.endswith(BODY)
+
+
+@in_loop
+async def test_the_deadline_cuts_what_still_runs() -> None:
+    entered, release, seen = asyncio.Event(), asyncio.Event(), []
+    hooks = Hooks(timeout_s=0.2)
+    async with DrainingHarness(held_app(entered, release, seen), hooks) as harness:
+        _, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        writer.write(post())
+        await asyncio.wait_for(entered.wait(), 5)
+        seam.request_exit(harness.server)
+        while ("cut", 0) not in hooks.calls:
+            await asyncio.sleep(0.01)
+        release.set()  # the app answers after the cut; the connection closes after it
+    assert hooks.calls == [("begin", 1), ("cut", 0), ("report", 0)]
+
+
+def test_run_with_uses_the_loop_the_config_names() -> None:
+    loops: list[object] = []
+
+    async def main() -> None:
+        loops.append(asyncio.get_running_loop())
+
+    seam.run_with(uvicorn.Server(uvicorn.Config(http_app(send_plain), loop="uvloop")), main)
+    assert isinstance(loops[0], uvloop.Loop)
+
+
+@in_loop
+async def test_a_signal_free_server_leaves_the_signal_handlers_to_its_caller() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[object] = []
+
+    @http_app
+    async def app(scope: Scope, send: Any, receive: Any) -> None:
+        seen.append(signal.getsignal(signal.SIGTERM))
+        await send_plain(send)
+
+    harness = Harness(app)
+    harness.server = seam.SignalFreeServer(harness.server.config)
+    async with harness:
+        await exchange(harness.port, [post()])
+    assert seen == [before] and signal.getsignal(signal.SIGTERM) is before
