@@ -105,7 +105,7 @@ class SupervisorPorts:
 
 # --- child processes -----------------------------------------------------------------------------
 class ChildProcess:
-    """`python <argv>` run from the repository root with `env` added to ours, stdout and stderr
+    """`python <argv>` run from the repository root (or `cwd`) with `env` added to ours, stdout and stderr
     to `log_path`, in its own session (a Ctrl-C reaches only us); stopped by its pid.
 
     append_log: add to the log instead of starting it afresh (a process restarted on one log).
@@ -115,10 +115,10 @@ class ChildProcess:
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, *,
                  append_log: bool = False, die_with_parent: bool = False,
-                 program: str | None = None) -> None:
+                 program: str | None = None, cwd: Path = ROOT) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab" if append_log else "wb")  # noqa: SIM115 - lives as long as the child
-        self.popen = subprocess.Popen([program or sys.executable, *argv], cwd=ROOT, env={**os.environ, **env},
+        self.popen = subprocess.Popen([program or sys.executable, *argv], cwd=cwd, env={**os.environ, **env},
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True,
                                       preexec_fn=children.die_with_parent if die_with_parent else None)  # noqa: PLW1509

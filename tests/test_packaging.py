@@ -1,0 +1,121 @@
+"""What a deployment installs: the wheel holds the product and nothing else (no simulated
+instance, KDN or Scheduler, no benchmarks, no tests), and the proxy runs from that wheel alone:
+`cacheroute-proxy run` started where `cacheroute_sim` cannot be imported serves a request to an
+instance that registered itself."""
+
+from __future__ import annotations
+
+import http.server as stdlib_http
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
+
+PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out),
+                           str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (built,) = out.glob("cacheroute_proxy-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel alone, installed into its own directory (its dependencies come from the
+    environment the tests run in)."""
+    target = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target",
+                           str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return target
+
+
+def test_the_wheel_holds_the_product_and_its_data_only(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert packages == PRODUCT
+    assert "proxy_workers/predictors/profiles/llama3-70b-8x5090.json" in names
+    assert "sidecar/dashboard/index.html" in names
+    assert "cacheroute_proxy/uvicorn_seam.py" in names
+
+
+class Backend(stdlib_http.ThreadingHTTPServer):
+    """A bare OpenAI-style instance in the test process: what a deployment's engine is to the
+    proxy, without anything of this repository."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Answer)
+        self.port = self.server_address[1]
+
+
+class _Answer(stdlib_http.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = json.dumps({"id": "x", "object": "chat.completion",
+                           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def backend() -> Iterator[Backend]:
+    server = Backend()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_proxy_runs_from_the_wheel_without_the_doubles(installed: Path, backend: Backend,
+                                                           tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u, proxy_workers as p; "
+         "print(p.__file__); print(u.find_spec('cacheroute_sim') is None)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    where, no_doubles = probe.stdout.split()
+    assert where.startswith(str(installed)) and no_doubles == "True", probe.stderr
+
+    ports = SupervisorPorts(workers=2, shm_prefix="cacheroute_test")
+    launcher = Process(["-m", "cacheroute_proxy", "run"],
+                       {**ports.supervisor_env("least_load"), "PYTHONPATH": str(installed)},
+                       tmp_path / "launcher.log", cwd=tmp_path)
+    try:
+        for index in range(ports.workers):
+            wait_until(lambda i=index: get(f"{ports.worker_url(i)}/healthz", timeout=1)["ok"], 30,
+                       message=f"worker {index}\n{launcher.tail()}")
+        post(f"{ports.cp_url}/v1/instance/register",
+             {"instance_id": "engine", "host": "127.0.0.1", "port": backend.port})
+        wait_until(lambda: all(get(f"{ports.worker_url(i)}/debug/instance_loads")["instances"]
+                               for i in range(ports.workers)), 10, message="every worker sees it")
+        status, answer, headers = http("POST", f"{ports.dp_url}/v1/chat/completions",
+                                       {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200, answer
+        assert answer["choices"][0]["message"]["content"] == "hi"
+        assert answer["_cacheroute_meta"]["trace"]["instance_id"] == "engine"
+        assert headers["x-cacheroute-instance"] == "engine"
+    finally:
+        code = launcher.stop(signal.SIGINT, timeout=45)
+    assert code == 0, launcher.tail()
+    assert not os.path.exists(f"/dev/shm{ports.shm_name}")
