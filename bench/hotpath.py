@@ -5,8 +5,8 @@ process, these contenders (bench/contenders.py starts and stops them by pid):
 
 - `direct`: the instance itself, the baseline for added latency;
 - `proxy-1w` / `proxy-2w`: this proxy through its supervisor with 1 and 2 workers;
-- `base-1w` / `base-2w` (--baseline REF): the same, with the worker's hot-path files as they
-  were at git REF (a copy of the tree), for a before/after in one interleaved run;
+- `base-1w` / `base-2w` (--baseline REF): the same proxy as it was at git REF (the whole tree
+  at REF, exported), for a before/after in one interleaved run;
 - `floor` (--floor): the cheapest proxy this stack allows, one uvicorn+httptools process whose
   plain ASGI callable forwards the body through one pooled aiohttp session and relays the
   answer -- no validation, selection, shared table or metrics: what is left is the stack;
@@ -189,31 +189,22 @@ class FloorContender(Contender):
         return [self._child.pid] if self._child and self._child.running() else []
 
 
-# --- a baseline: the same tree with the hot-path files as they were at a git ref ---------------
-HOT_PATH_FILES = tuple(f"proxy_workers/{name}" for name in (
-    "app.py", "exchange.py", "upstream.py", "sse.py", "request_model.py", "pipeline.py",
-    "router.py", "metrics.py", "tracker.py", "http1_client.py", "drain.py", "server.py",
-    "uvicorn_cycle.py")) + (
-    "sidecar/timelines.py", "sidecar/pressure.py", "shm_schema/counters.py",
-    "shm_schema/events.py", "cacheroute_proxy/routing/load_view.py", "cacheroute_proxy/clock.py")
-
-
+# --- a baseline: the whole tree as it was at a git ref -------------------------------------------
 def baseline_tree(ref: str, into: Path) -> Path:
-    """A copy of this working tree whose hot-path files (worker, sidecar event path, shared
-    counters) come from `ref`, so an A/B compares exactly those files (everything else is
-    today's)."""
+    """The repository at `ref` (git archive: tracked files only, no results), run with today's
+    interpreter and installed dependencies: an A/B of the whole product, across restructurings."""
     tree = into / f"baseline-{ref}"
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__",
-                                                                 "*.egg-info", "results"))
-    for name in HOT_PATH_FILES:
-        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{name}"],
-                              capture_output=True, check=False)
-        if done.returncode != 0:
-            if b"exists on disk, but not in" in done.stderr or b"does not exist in" in done.stderr:
-                continue  # newer than REF: nothing at REF imports it, today's copy stays unused
-            raise SystemExit(f"--baseline {ref}: {done.stderr.decode().strip()}")
-        (tree / name).write_bytes(done.stdout)
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {ref}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(tree), "--exclude=bench/results"], input=archive.stdout, check=True)
     return tree
+
+
+def launcher_module(tree: Path) -> str:
+    """The module that runs `... run` in that tree (`supervisor` before the product package)."""
+    return "cacheroute_proxy" if (tree / "cacheroute_proxy" / "__main__.py").exists() else "supervisor"
 
 
 class TreeProxyContender(ProxyContender):
@@ -226,7 +217,8 @@ class TreeProxyContender(ProxyContender):
 
     def start(self) -> None:
         # `python -m` puts the working directory first on sys.path, and children inherit it.
-        command = f"cd {shlex.quote(str(self.tree))} && exec {shlex.quote(sys.executable)} -m cacheroute_proxy run"
+        command = (f"cd {shlex.quote(str(self.tree))} && exec {shlex.quote(sys.executable)} "
+                   f"-m {launcher_module(self.tree)} run")
         self._child = child = ChildProcess(["-c", command], self.env, self.log_dir / "supervisor.log",
                                            die_with_parent=True, program="/bin/sh")
         for i in range(self.ports.workers):
@@ -355,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true", help="also the trivial uvicorn+aiohttp proxy")
     p.add_argument("--nginx", action="store_true", help="also nginx with 2 workers")
     p.add_argument("--baseline", metavar="GIT_REF", default=None,
-                   help="also run the proxy with the hot-path files of this ref (an A/B in one run)")
+                   help="also run the proxy as it was at this git ref (an A/B in one run)")
     p.add_argument("--time-scale", type=float, default=0.0, help="of the simulated instance")
     p.add_argument("--proxy-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment for the proxy contenders")
