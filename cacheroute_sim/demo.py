@@ -146,11 +146,21 @@ class Demo:
                 child.start()
 
     def _announce(self) -> None:
+        """Once every simulated instance is in the proxy's directory: the line to try."""
         s = self.settings
-        instances = sum(1 for c in self.sims if c.name.startswith("sim-instance"))
-        log.info("demo: %d simulated instances register with %s; try\n  curl -s http://%s:%d/v1/chat/completions "
+        wanted = sum(1 for c in self.sims if c.name.startswith("sim-instance"))
+        deadline = time.monotonic() + CONTROL_PLANE_WAIT_S
+        while time.monotonic() < deadline and not self._stopping and self._alive_instances() < wanted:
+            time.sleep(0.2)
+        log.info("demo: %d simulated instances registered with %s; try\n  curl -s http://%s:%d/v1/chat/completions "
                  "-H 'content-type: application/json' -d '{\"model\": \"sim-model\", \"messages\": "
-                 "[{\"role\": \"user\", \"content\": \"hello\"}]}'", instances, s.cp_url, s.dp_host, s.dp_port)
+                 "[{\"role\": \"user\", \"content\": \"hello\"}]}'", self._alive_instances(), s.cp_url,
+                 s.dp_host, s.dp_port)
+
+    def _alive_instances(self) -> int:
+        loads = get_json(f"{self.settings.cp_url}/debug/instance_loads")
+        rows = loads.get("instances", []) if isinstance(loads, dict) else []
+        return sum(1 for row in rows if row.get("is_alive"))
 
     def _stop(self) -> None:
         for child in self.sims:  # instances first: they unregister while the proxy still answers
