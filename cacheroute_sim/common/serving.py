@@ -31,7 +31,7 @@ class Server(uvicorn.Server):
 
     uvicorn's own handler would re-raise the signal once serve() returns, so the process
     would end by signal instead of exit status 0; and it would start draining before the
-    simulator did what must come first (sim_instance unregisters from the Proxy, then asks
+    simulator did what must come first (the instance unregisters from the Proxy, then asks
     uvicorn to drain).
     """
 
