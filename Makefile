@@ -35,7 +35,7 @@ bench: $(STAMP)
 bench-pressure: $(STAMP)
 	$(PY) -m bench.bench_pressure --out bench/results/pressure.json
 
-# Server and client comparison behind the stack choice (bench/STACK_CHOICE.md), ~6 minutes.
+# Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
 bench-stack: $(STAMP)
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) -m pip install --quiet -e '.[bench]'

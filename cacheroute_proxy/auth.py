@@ -1,8 +1,8 @@
 """An optional bearer token for the control plane (and, if asked, the debug endpoints).
 
 Without it anyone who reaches the control port could register an instance and receive
-traffic, or unregister the real ones (the original's defect §10.15). The comparison is
-constant-time; the token is never logged.
+traffic, or unregister the real ones (the original's defect, docs/protocol.md §7.5). The
+comparison is constant-time; the token is never logged.
 """
 
 from __future__ import annotations

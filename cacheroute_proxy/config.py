@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-# (field name, environment variable). The order is the order of the docs table in README.
+# (field name, environment variable); docs/configuration.md §1 lists every one by topic.
 ENV_NAMES: dict[str, str] = {
     "dp_host": "PROXY_DP_HOST",
     "dp_port": "PROXY_DP_PORT",
@@ -42,7 +42,7 @@ ENV_NAMES: dict[str, str] = {
     "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
     "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
     "log_level": "PROXY_LOG_LEVEL",
-    # --- the prepare/ready pipeline and predicted pressure (protocol §4-§6) ---
+    # --- the prepare/ready pipeline and predicted pressure (docs/architecture.md §5, §6) ---
     "prepare_concurrency": "PREPARE_CONCURRENCY",
     "ready_concurrency": "READY_CONCURRENCY",
     "ready_release_policy": "PROXY_READY_RELEASE_POLICY",
@@ -70,7 +70,7 @@ ENV_NAMES: dict[str, str] = {
     "cp_token": "PROXY_CP_TOKEN",
     "cp_token_file": "PROXY_CP_TOKEN_FILE",
     "debug_requires_token": "PROXY_DEBUG_REQUIRES_TOKEN",
-    # --- registration with the Scheduler control plane (protocol §9), from the sidecar ---
+    # --- registration with the Scheduler control plane (docs/protocol.md §6), from the sidecar ---
     "scheduler_cp_url": "SCHEDULER_CP_URL",
     "proxy_id": "PROXY_ID",
     "advertise_host": "PROXY_ADVERTISE_HOST",

@@ -3,7 +3,7 @@
 The two proxied routes (POST /v1/chat/completions and /v1/completions) are served by a plain
 ASGI callable, `DataPlane`, in front of Starlette: no Request object, no middleware stack, no
 route matching, because on a proxy that forwards a small JSON body those cost as much as the
-forwarding itself (measured with bench/hotpath.py: README "Server and client stack"). Every
+forwarding itself (measured with bench/hotpath.py: docs/architecture.md §8). Every
 other route, and other methods on the proxied paths (405), go through Starlette as before.
 """
 

@@ -3,7 +3,7 @@ connection, responses parsed by httptools (the parser uvicorn uses), a LIFO pool
 
 Why not aiohttp here: on this path it cost 180-215 µs of CPU per request against 50-90 µs for
 this client, which writes a cached request line and headers with the body in one call and
-parses the answer in C (README "Server and client stack"; the proxy as a whole:
+parses the answer in C (docs/benchmarks.md §6; the proxy as a whole:
 bench/hotpath.py). aiohttp stays for everything else
 (the KDN, the instances' control plane). What this client does not do, because the forward
 never needs it: redirects, cookies, proxies, TLS, compression (no Accept-Encoding is sent, so

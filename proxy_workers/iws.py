@@ -1,4 +1,4 @@
-"""IWS: choose text or kvcache injection per request by predicted cost (protocol §6.2).
+"""IWS: choose text or kvcache injection per request by predicted cost (docs/architecture.md §5.4).
 
 Pure arithmetic over the predictors, the chosen instance's predicted ready wait (from the
 sidecar's snapshot) and this worker's KV link timeline; no side effects, unlike the original

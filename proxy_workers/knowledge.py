@@ -1,5 +1,5 @@
-"""Knowledge preparation (protocol §2.4, §6): fetch from the KDN, classify, inject into the body,
-and on the kvcache path have the instance pull prebuilt KV blocks first.
+"""Knowledge preparation (docs/protocol.md §2.5, §5): fetch from the KDN, classify, inject into
+the body, and on the kvcache path have the instance pull prebuilt KV blocks first.
 
 Differences from the original, on purpose: the instance's control-plane port comes from its
 registration (`meta.cp_port`) or `PROXY_INSTANCE_CP_PORT_OFFSET`, not a hard-coded 9002; every
@@ -42,10 +42,10 @@ class Knowledge:
 
 
 class LinkTimeline:
-    """KV transfers over one (instance, KDN) link (§6.3): they run one at a time (the lock:
-    serialized by real completion, not by a prediction that may be far off), and `free_at`
-    predicts when the link frees, for IWS and the trace. Per worker: a host-wide link schedule
-    would need the sidecar; see README limits."""
+    """KV transfers over one (instance, KDN) link (docs/protocol.md §5.5): they run one at a
+    time (the lock: serialized by real completion, not by a prediction that may be far off),
+    and `free_at` predicts when the link frees, for IWS and the trace. Per worker: a host-wide
+    link schedule would need the sidecar; see docs/architecture.md §9."""
 
     def __init__(self) -> None:
         self.free_at = 0.0

@@ -1,4 +1,5 @@
-"""The prepare/ready pipeline of one worker (protocol §4.2), without the original's stalls.
+"""The prepare/ready pipeline of one worker (docs/architecture.md §5), without the original's
+stalls.
 
     prepare (PREPARE_CONCURRENCY per instance in this worker: KDN fetch, injection, KV inject)
     -> release in prepare order (`ordered`) or let text requests pass a blocked head

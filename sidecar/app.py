@@ -1,4 +1,5 @@
-"""The control plane on 127.0.0.1:8002, wire-compatible with the original (§1.2, §3)."""
+"""The control plane on 127.0.0.1:8002, wire-compatible with the original
+(docs/protocol.md §3, §4)."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def build_app(state: SidecarState) -> Starlette:
         })
 
     async def debug_pool_resource(request: Request) -> Response:
-        # What the next Scheduler heartbeat would carry (protocol §9.2), even with it off.
+        # What the next Scheduler heartbeat would carry (docs/protocol.md §6.5), even with it off.
         proxy_id = (state.scheduler.status.proxy_id if state.scheduler and state.scheduler.status.proxy_id
                     else Identity.from_settings(settings).proxy_id)
         return JSONResponse({"ok": True, "pool_resource": pool_resource.snapshot_of(

@@ -1,4 +1,4 @@
-"""The `pool_resource` snapshot the proxy reports to the Scheduler (protocol §9.2).
+"""The `pool_resource` snapshot the proxy reports to the Scheduler (docs/protocol.md §6.5).
 
 Computed by the sidecar from its registry (who is alive, resource reports) and the shared
 table (inflight and queue depths as every worker sees them), so one snapshot speaks for all
@@ -28,7 +28,8 @@ ADMISSION_STATES = ("accepting", "degraded", "rejecting")
 
 
 class ResourceReport(Protocol):
-    """An instance's normalised resource snapshot (§3.4), if the registry keeps one."""
+    """An instance's normalised resource snapshot, if the registry keeps one (it does not yet:
+    docs/protocol.md §7.3)."""
 
     cpu_util: float | None
     memory_used_mb: float | None
@@ -44,8 +45,8 @@ class ResourceReport(Protocol):
 
 
 def resource_of(record: InstanceRecord) -> ResourceReport | None:
-    # The registry does not take resource snapshots (§3.4) today; when it keeps one on the
-    # record as `resource`, the utilization block fills in without a change here.
+    # The registry does not take resource snapshots today (docs/protocol.md §7.3); when it keeps
+    # one on the record as `resource`, the utilization block fills in without a change here.
     return getattr(record, "resource", None)
 
 
@@ -135,8 +136,9 @@ def _admission_counts(reports: Sequence[ResourceReport]) -> dict[str, int]:
 
 
 def _pool_state(alive: int, reporting: int, counts: dict[str, int]) -> str:
-    """§9.2: nothing alive, or every instance reports rejecting -> rejecting; any degraded or
-    rejecting one, or an alive instance without a report -> degraded; else accepting."""
+    """docs/protocol.md §6.5: nothing alive, or every instance reports rejecting -> rejecting;
+    any degraded or rejecting one, or an alive instance without a report -> degraded; else
+    accepting."""
     if alive == 0:
         return "rejecting"
     if reporting and counts["rejecting"] == reporting and reporting == alive:

@@ -70,8 +70,8 @@ class InstanceRegistry:
 
     # --- control-plane operations --------------------------------------------------------------
     def register(self, req: wire.RegisterRequest) -> InstanceRecord:
-        """Upsert (protocol §3.1). Raises ValueError naming a field that does not fit a slot,
-        DirectoryFull when no slot is free; in both cases nothing has changed."""
+        """Upsert (docs/protocol.md §3.2). Raises ValueError naming a field that does not fit a
+        slot, DirectoryFull when no slot is free; in both cases nothing has changed."""
         now = self._clock()
         instance_id = req.resolved_id
         record = self._records.get(instance_id)
@@ -163,7 +163,7 @@ class InstanceRegistry:
         return [r for r in rows if include_dead or r.alive]
 
     def row(self, record: InstanceRecord, inflight: int | None) -> dict[str, Any]:
-        """A `/v1/instance/list` row (protocol §3.3)."""
+        """A `/v1/instance/list` row (docs/protocol.md §3.5)."""
         return {
             "instance_id": record.instance_id, "host": record.host, "port": record.port,
             "endpoints": record.endpoints, "tags": record.tags, "weight": record.weight,

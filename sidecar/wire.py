@@ -1,4 +1,4 @@
-"""Control-plane wire format (protocol reference §3), one msgspec Struct per payload.
+"""Control-plane wire format (docs/protocol.md §3), one msgspec Struct per payload.
 
 Decoding validates: a wrong type or a missing required field is rejected with msgspec's
 message, which names the field (``Expected `int`, got `str` - at `$.port```).

@@ -1,5 +1,5 @@
-"""Hypothesis strategies for tests/test_fuzz.py, each paired with its oracle (what the README
-says must happen).
+"""Hypothesis strategies for tests/test_fuzz.py, each paired with its oracle (what
+docs/protocol.md says must happen).
 
 Data plane: a `DataCase` is the raw bytes of one POST plus what must come back: `ok` (a body
 the proxy and the simulated instance both accept: 200), `reject` (the proxy must refuse it:

@@ -42,7 +42,7 @@ class RequestResult:
 
 
 def chat_body(arrival: Arrival) -> dict[str, Any]:
-    # sim_instance counts ceil(chars / 4) prompt tokens.
+    # The simulated instance counts ceil(chars / 4) prompt tokens.
     return {"model": "sim", "stream": True, "max_tokens": arrival.max_tokens,
             "messages": [{"role": "user", "content": "x" * (4 * arrival.prompt_tokens)}]}
 

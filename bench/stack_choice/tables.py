@@ -1,4 +1,4 @@
-"""The two Markdown tables of STACK_CHOICE.md, from the medians."""
+"""The two Markdown tables of docs/benchmarks.md §7, from the medians."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the two simulators (sim_instance, sim_kdn) share, so one fix serves both.
+"""What the two simulators (cacheroute_sim.instance, .kdn) share, so one fix serves both.
 
 Both are test doubles driven the same way: typed start-time config, run-time knobs behind
 ``/sim/config``, a release gate for hung requests, ``/sim/stats`` counters, the same CLI and log

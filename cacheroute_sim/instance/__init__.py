@@ -5,10 +5,11 @@ Run: ``python -m cacheroute_sim.instance --port 9001 [--no-register] [--time-sca
 
 Data plane: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not),
 ``GET /v1/models``, ``GET /healthz``. Every response carries ``x-sim-instance: <id>``.
-Timing follows the fitted curves of the protocol reference (timing.py): serialized prefill,
-batched decode whose inter-token latency grows with the batch, ``--max-concurrency`` slots.
+Timing follows the fitted curves of the original benchmark tables (timing.py;
+docs/predictors.md §3.1, §3.2): serialized prefill, batched decode whose inter-token latency
+grows with the batch, ``--max-concurrency`` slots.
 
-Control plane (protocol §6.3), a second listener on ``--cp-port`` (default: data port + 1,
+Control plane (docs/protocol.md §5.3), a second listener on ``--cp-port`` (default: data port + 1,
 skipped with a warning when that port is taken; ``--cp-port 0`` disables it):
 ``GET /healthz`` and ``POST /v1/kv/inject_ready`` ``{"request_id", "kdn_addr", "model",
 "knowledge_ids"}``, which calls the KDN's ``/knowledge/inject_ready_kv`` with this Instance's

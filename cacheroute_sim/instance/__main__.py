@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Bearer token for control-plane calls (env PROXY_CP_TOKEN)")
     reg.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
                      default=None, help="seconds; overrides the register reply's interval")
-    cp = p.add_argument_group("instance control plane (KV inject, protocol §6.3)")
+    cp = p.add_argument_group("instance control plane (KV inject, docs/protocol.md §5.3)")
     cp.add_argument("--cp-port", type=int, default=None,
                     help="default: --port + 1 (skipped with a warning if that port is taken); "
                          "0 disables the control plane")

@@ -49,7 +49,7 @@ class SimState:
                              max_concurrency=config.max_concurrency, knobs=self.knobs)
         self.rng = random.Random(config.seed)
 
-    # What the /sim control routes (sim_common.control_routes) call.
+    # What the /sim control routes (cacheroute_sim.common.control_routes) call.
     def release_held(self) -> int:
         return self.engine.release_held()
 

@@ -3,7 +3,7 @@
 Two parts with different lifetimes:
 - :class:`SimConfig` is fixed at start (address, registration, time scale, concurrency);
 - :class:`Knobs` are the fault and workload knobs, set by CLI flags at start and replaced at
-  run time through ``POST /sim/config`` (held in a :class:`sim_common.knobs.KnobStore`).
+  run time through ``POST /sim/config`` (held in a :class:`cacheroute_sim.common.knobs.KnobStore`).
 A bad value fails at once with a message naming the field, never later on a request.
 """
 
@@ -17,7 +17,7 @@ import msgspec
 from cacheroute_sim.common.knobs import KnobsBase
 from cacheroute_sim.common.validation import ConfigError, require, struct_from_mapping
 
-# ConfigError is re-exported: callers and tests catch sim_instance.config.ConfigError.
+# ConfigError is re-exported: callers and tests catch cacheroute_sim.instance.config.ConfigError.
 __all__ = ["MAX_TOKENS_LIMIT", "ConfigError", "Knobs", "SimConfig",
            "sim_config_from_mapping"]
 
@@ -76,7 +76,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     shutdown_grace_s: float = 2.0
     log_level: str = "info"
     knobs: Knobs = msgspec.field(default_factory=Knobs)
-    # Instance control plane (POST /v1/kv/inject_ready, protocol §6.3) on a second listener.
+    # Instance control plane (POST /v1/kv/inject_ready, docs/protocol.md §5.3), a second listener.
     # None: data port + 1 (9001 -> 9002 like the original); 0: no control plane.
     cp_port: int | None = None
     # The Redis target this Instance hands to the KDN on a KV inject. Never connected to.

@@ -1,6 +1,6 @@
-"""Registration with the Proxy control plane, as a real Instance does (protocol §3, §8).
+"""Registration with the Proxy control plane, as a real Instance does (docs/protocol.md §3).
 
-Fixes over the original Instance (protocol §10.8): a heartbeat answered ``{"ok": false}``
+Fixes over the original Instance (docs/protocol.md §7.3): a heartbeat answered ``{"ok": false}``
 (Proxy restarted, instance purged) re-registers at once instead of being ignored; an
 unreachable control plane is retried with a capped backoff forever, in the background, and
 logged once per state change rather than per attempt.

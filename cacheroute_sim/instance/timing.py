@@ -1,4 +1,5 @@
-"""Pure timing model of one vLLM Instance (protocol reference §5.1, §5.2).
+"""Pure timing model of one vLLM Instance (fits of the original benchmark tables, as in
+docs/predictors.md §3.1, §3.2).
 
 All functions return real-GPU milliseconds; the engine scales them by time_scale and the
 slow_factor knob. Nothing here sleeps or reads state, so it is unit-tested directly.
@@ -19,7 +20,7 @@ LAST_ANCHOR_TOKENS = PREFILL_ANCHORS[-1][0]
 
 # Least-squares fit of the benchmark table for bs=1: t(L) = 1.48604 ms * L - 64.205 ms.
 # It sits ~24 ms below the last anchor at L=345; the step is kept because both pieces are
-# what the reference prescribes, and real prefill times jitter more than that anyway.
+# what the fits give, and real prefill times jitter more than that anyway.
 LONG_PROMPT_SLOPE_MS = 1.48604
 LONG_PROMPT_INTERCEPT_MS = -64.205
 
@@ -30,7 +31,7 @@ ITL_MAX_BATCH = 8
 
 CHARS_PER_TOKEN = 4
 
-# LMCache pull of a KV prefix from Redis (protocol §5.3): 2764.34 ms/GB + 12.46 ms, with
+# LMCache pull of a KV prefix from Redis (docs/predictors.md §3.3): 2764.34 ms/GB + 12.46 ms, with
 # 0.0000381 GB of KV per token.
 REDIS_PULL_MS_PER_GB = 2764.3407821694204
 REDIS_PULL_BASE_MS = 12.460820712239126

@@ -49,7 +49,7 @@ class KdnState:
     async def sleep_ms(self, real_ms: float) -> None:
         await asyncio.sleep(max(0.0, real_ms * self.config.time_scale) / 1000.0)
 
-    # What the /sim control routes (sim_common.control_routes) call.
+    # What the /sim control routes (cacheroute_sim.common.control_routes) call.
     def release_held(self) -> int:
         return self.gate.release()
 

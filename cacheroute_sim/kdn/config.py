@@ -1,9 +1,9 @@
 """Typed configuration of the simulated KDN.
 
-Like sim_instance: :class:`KdnConfig` is fixed at start (address, store, time scale);
+Like the instance's: :class:`KdnConfig` is fixed at start (address, store, time scale);
 :class:`Knobs` (network model and faults) are set by CLI flags at start and replaced at run
-time through ``POST /sim/config`` (held in a :class:`sim_common.knobs.KnobStore`). A bad value
-fails at once with a message naming the field.
+time through ``POST /sim/config`` (held in a :class:`cacheroute_sim.common.knobs.KnobStore`).
+A bad value fails at once with a message naming the field.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import msgspec
 from cacheroute_sim.common.knobs import KnobsBase
 from cacheroute_sim.common.validation import ConfigError, require, struct_from_mapping
 
-# ConfigError is re-exported: callers and tests catch sim_kdn.config.ConfigError.
+# ConfigError is re-exported: callers and tests catch cacheroute_sim.kdn.config.ConfigError.
 __all__ = ["ConfigError", "FaultOn", "KdnConfig", "Knobs", "kdn_config_from_mapping"]
 
 FaultOn = Literal["all", "search", "inject"]
 
-# Transfer model of the original Proxy's IWS (protocol §6.2): 0.096 MB of KV per token over
-# a link used at 82.5 % of its nominal bandwidth. The defaults make the simulated transfer
-# take exactly what the Proxy predicts.
+# Transfer model of the original Proxy's IWS (docs/predictors.md §3.5): 0.096 MB of KV per
+# token over a link used at 82.5 % of its nominal bandwidth. The defaults make the simulated
+# transfer take exactly what the Proxy predicts.
 DEFAULT_KV_BYTES_PER_TOKEN = 96_000
 DEFAULT_LINK_EFFICIENCY = 0.825
 

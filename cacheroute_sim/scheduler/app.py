@@ -1,5 +1,5 @@
-"""The Starlette app: the Scheduler control-plane routes a proxy calls (§9), debug routes
-listing what the proxies reported, and /sim for tests."""
+"""The Starlette app: the Scheduler control-plane routes a proxy calls (docs/protocol.md §6),
+debug routes listing what the proxies reported, and /sim for tests."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class SchedulerState:
     def expire(self) -> None:
         self.registry.expire(self.knobs.current.ttl_s)
 
-    # What the /sim control routes (sim_common.control_routes) call.
+    # What the /sim control routes (cacheroute_sim.common.control_routes) call.
     def release_held(self) -> int:
         return self.gate.release()
 

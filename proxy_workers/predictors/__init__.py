@@ -1,4 +1,4 @@
-"""Timing predictors of the Proxy (protocol reference §5, §6.2), with real coefficients.
+"""Timing predictors of the Proxy (docs/predictors.md), with real coefficients.
 
     from proxy_workers.predictors import get_predictors
     p = get_predictors("default")          # $PROXY_PREDICTOR_PROFILE or llama3-70b-8x5090

@@ -17,8 +17,8 @@ Inputs are the table files of :mod:`proxy_workers.predictors.tables` (what
 
 Everything not fitted (anchors, KV constants, kinds without a table, TPOT ``missing_bs``) is
 copied from ``--base``. Negative times are clipped to 0 before fitting; ``--aggregate median``
-first reduces repeated measurements of the same point to their median (the reference's Redis
-recipe).
+first reduces repeated measurements of the same point to their median (how the original's Redis
+pull fit was made).
 
 ``--check`` writes nothing: it prints old (``--base``) vs new coefficients and the residuals of
 both on the given tables; with ``--tolerance R`` it exits 1 if any prediction on the table
