@@ -99,13 +99,20 @@ class ProxyExchange:
         self._tried: frozenset[tuple[int, int]] = frozenset()
 
     async def run(self, receive: Receive, out: Responder) -> None:
+        trace = self._job.trace
         for attempt in range(1 + self._retries):
             self._attempt = attempt
+            trace["route_select_start_ms"] = now_ms()
             try:
-                lease = self._router.acquire(self._job.trace, self._tried)
-            except HTTPError as exc:
+                lease = self._router.acquire(self._tried)
+            except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
                 await out.error(exc)
                 return
+            trace["route_select_end_ms"] = now_ms()
+            age = lease.snapshot_age_ms
+            if age is not None:
+                trace["snapshot_age_ms"] = round(age, 1)
+            trace["instance_id"] = lease.instance.instance_id
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await run_until_disconnect(self._run(lease, out), out.send, receive)
@@ -114,7 +121,7 @@ class ProxyExchange:
             if not retry:
                 return
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
-            self._job.trace["retries"] = attempt + 1
+            trace["retries"] = attempt + 1
 
     def _can_retry(self) -> bool:
         """Asked only once an attempt failed: another is allowed, and there is an instance to
