@@ -238,8 +238,9 @@ class ProxyExchange:
         trace["first_token_ms"] = now
         trace["actual_ttft_ms"] = now - trace["proxy_recv_ms"]
         metrics.TTFT.observe(trace["actual_ttft_ms"] / 1000)
-        if "ready_dequeue_ms" in trace:
-            trace["actual_vllm_ttft_ms"] = now - trace["forward_start_ms"]
+        # Always known here: forward() runs only once admitted to ready, and both admission
+        # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
+        trace["actual_vllm_ttft_ms"] = now - trace["forward_start_ms"]
         if job.predicted_first_token_ms is not None:
             trace["predict_error_ms"] = int(now - job.predicted_first_token_ms)
         self._pipeline.first_token(job)
