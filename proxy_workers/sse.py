@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from .knowledge import Knowledge
+from .trace import Trace
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _MARKER = b"[DONE]"
@@ -54,7 +55,7 @@ class DoneStripper:
         return b"".join(kept)
 
 
-def meta_object(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> dict[str, Any]:
+def meta_object(trace: Trace, error: str | None, knowledge: Knowledge | None = None) -> dict[str, Any]:
     """The `cacheroute_meta` payload, keys in the original's order."""
     knowledge = knowledge or Knowledge()
     return {"trace": trace, "kv_ack": knowledge.kv_ack, "kv_ready_kids": knowledge.kv_ready_kids,
@@ -62,12 +63,12 @@ def meta_object(trace: dict[str, Any], error: str | None, knowledge: Knowledge |
             "error": error}
 
 
-def meta_event(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> bytes:
+def meta_event(trace: Trace, error: str | None, knowledge: Knowledge | None = None) -> bytes:
     return (b"event: cacheroute_meta\ndata: " + _encoder.encode(meta_object(trace, error, knowledge))
             + b"\n\n")
 
 
-def cut_meta_event(trace: dict[str, Any], error: str, knowledge: Knowledge | None = None) -> bytes:
+def cut_meta_event(trace: Trace, error: str, knowledge: Knowledge | None = None) -> bytes:
     """The meta event that ends a stream cut short. Relayed bytes end on a line, not always on
     an event: the leading blank line ends a half-sent event first (after a whole one it is an
     empty line, which SSE ignores), so the meta never merges into the instance's last event."""
