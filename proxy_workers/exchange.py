@@ -26,8 +26,8 @@ from . import metrics
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
-from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event, meta_object
-from .trace import Trace
+from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
+from .trace import Trace, encode_meta
 from .http1_client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
@@ -226,7 +226,7 @@ class ProxyExchange:
             return
         self._account(lease, True)
         trace.forward_end_ms = now_ms()
-        meta = meta_object(trace, job.knowledge.error, job.knowledge)
+        meta = encode_meta(trace, job.knowledge.error, job.knowledge)
         await out.whole(200, _JSON, with_meta(body, meta), lease)
 
     def _account(self, lease: Lease, ok: bool) -> None:
@@ -247,21 +247,21 @@ class ProxyExchange:
         self._pipeline.first_token(job)
 
 
-def with_meta(body: bytes, meta: dict[str, Any]) -> bytes:
-    """The instance's JSON object with `_cacheroute_meta` as its last key. Its own bytes are
-    kept (validated, not decoded into values and encoded again); an answer that is not one
-    JSON object is wrapped as `{"raw": <text>, "_cacheroute_meta": ...}`."""
+def with_meta(body: bytes, meta: bytes) -> bytes:
+    """The instance's JSON object with `meta` (encoded `cacheroute_meta`) as its last key,
+    `_cacheroute_meta`. The instance's own bytes are kept (validated, not decoded into values
+    and encoded again), and so are the meta's; an answer that is not one JSON object is
+    wrapped as `{"raw": <text>, "_cacheroute_meta": ...}`."""
     try:
         fields = _object_of_raw.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: meta})
+        return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: msgspec.Raw(meta)})
     if _META_KEY in fields:  # the instance sent one itself: ours replaces it, as before
-        fields[_META_KEY] = meta
+        fields[_META_KEY] = msgspec.Raw(meta)
         return _encoder.encode(fields)
-    encoded = _encoder.encode(meta)
     if not fields:
-        return b'{"_cacheroute_meta":' + encoded + b"}"
-    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + encoded + b"}"
+        return b'{"_cacheroute_meta":' + meta + b"}"
+    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}"
 
 
 async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
