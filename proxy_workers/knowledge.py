@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -30,16 +29,16 @@ TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below t
                  "user's question. If the context is irrelevant to the question, ignore it.")
 
 
-@dataclass
-class Knowledge:
-    """What preparation found and did; reported in cacheroute_meta."""
+class Knowledge(msgspec.Struct):
+    """What preparation found and did: its lists, ack and error go into cacheroute_meta
+    (trace.encode_meta). One per request, so a Struct: built without a Python-level __init__."""
 
-    kv_ready_kids: list[str] = field(default_factory=list)
-    text_only_kids: list[str] = field(default_factory=list)
-    miss_kids: list[str] = field(default_factory=list)
-    kv_ack: dict[str, Any] = field(default_factory=dict)
+    kv_ready_kids: list[str] = msgspec.field(default_factory=list)
+    text_only_kids: list[str] = msgspec.field(default_factory=list)
+    miss_kids: list[str] = msgspec.field(default_factory=list)
+    kv_ack: dict[str, Any] = msgspec.field(default_factory=dict)
     prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
-    error: str | None = None
+    error: str | None = None  # preparation failed; the request went on without its knowledge
 
 
 class LinkTimeline:

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
+import msgspec
+
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
@@ -119,16 +121,17 @@ class InstanceStages:
     admission: AdmissionQueue = field(default_factory=AdmissionQueue)
 
 
-@dataclass
-class Job:
-    """One request's pipeline state, reported in cacheroute_meta."""
+class Job(msgspec.Struct):
+    """One request's state across its attempts: what the pipeline and the exchange share.
+    The trace and the knowledge are reported in cacheroute_meta. A Struct: one per request,
+    built without a Python-level __init__."""
 
     request: ProxyRequest
     trace: Trace
-    key: int = 0
-    knowledge: Knowledge = field(default_factory=Knowledge)
+    key: int = 0  # the tracker's event key of the current attempt
+    knowledge: Knowledge = msgspec.field(default_factory=Knowledge)
     prepared: bool = False  # a retry on another instance does not fetch and inject again
-    predicted_first_token_ms: float | None = None
+    predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
 
 
 class Pipeline:
