@@ -305,7 +305,7 @@ class Pipeline:
     def _reserve(self, lease: Lease, job: Job) -> None:
         """Tell the sidecar the request is released to ready, with its predicted service."""
         request, trace, knowledge = job.request, job.trace, job.knowledge
-        job.trace.ready_enqueue_ms = now_ms()
+        trace.ready_enqueue_ms = now_ms()
         predictors = self._predictors
         knowledge_tokens = request.knowledge.knowledge_tokens if request.knowledge else 0
         if knowledge.prefix_tokens:  # the instance holds the knowledge's KV: pull + residual prefill
