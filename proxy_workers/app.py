@@ -38,6 +38,7 @@ from .exchange import ProxyExchange, Responder
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
+from .trace import Trace
 from .upstream import Upstream
 
 log = logging.getLogger("cacheroute.worker")
@@ -137,7 +138,7 @@ class DataPlane:
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive,
                      responder: Responder) -> None:
         ctx = self._ctx
-        trace: dict[str, Any] = {"proxy_recv_ms": now_ms(), "worker": ctx.name}
+        trace = Trace(proxy_recv_ms=now_ms(), worker=ctx.name)
         try:
             proxy_request = recover(endpoint, await read_body(scope, receive, self._limit))
         except HTTPError as exc:
@@ -145,7 +146,7 @@ class DataPlane:
             return
         except ClientGone:  # counted as 499, nothing to answer
             return
-        trace["request_id"] = proxy_request.request_id
+        trace.request_id = proxy_request.request_id
         exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
                                  retries=self._retries)
         await exchange.run(receive, responder)

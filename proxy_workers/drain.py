@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cacheroute_proxy.uvicorn_seam import response_progress
 
 from .sse import cut_meta_event
+from .trace import Trace
 
 log = logging.getLogger("cacheroute.worker")
 
@@ -93,7 +94,7 @@ async def finish_cut(send: Send) -> None:
     if complete:
         return
     if started:
-        body = cut_meta_event({}, DRAIN_CUT_ERROR)
+        body = cut_meta_event(Trace(), DRAIN_CUT_ERROR)
     else:
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"retry-after", b"1")]})

@@ -26,7 +26,8 @@ from . import metrics
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
-from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event, meta_object
+from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
+from .trace import Trace, encode_meta
 from .http1_client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
@@ -89,7 +90,7 @@ class Responder:
 
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
-                 request: ProxyRequest, trace: dict[str, Any], retries: int = 0) -> None:
+                 request: ProxyRequest, trace: Trace, retries: int = 0) -> None:
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
@@ -99,13 +100,20 @@ class ProxyExchange:
         self._tried: frozenset[tuple[int, int]] = frozenset()
 
     async def run(self, receive: Receive, out: Responder) -> None:
+        trace = self._job.trace
         for attempt in range(1 + self._retries):
             self._attempt = attempt
+            trace.route_select_start_ms = now_ms()
             try:
-                lease = self._router.acquire(self._job.trace, self._tried)
-            except HTTPError as exc:
+                lease = self._router.acquire(self._tried)
+            except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
                 await out.error(exc)
                 return
+            trace.route_select_end_ms = now_ms()
+            age = lease.snapshot_age_ms
+            if age is not None:
+                trace.snapshot_age_ms = round(age, 1)
+            trace.instance_id = lease.instance.instance_id
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await run_until_disconnect(self._run(lease, out), out.send, receive)
@@ -114,7 +122,7 @@ class ProxyExchange:
             if not retry:
                 return
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
-            self._job.trace["retries"] = attempt + 1
+            trace.retries = attempt + 1
 
     def _can_retry(self) -> bool:
         """Asked only once an attempt failed: another is allowed, and there is an instance to
@@ -135,7 +143,7 @@ class ProxyExchange:
         request, trace = job.request, job.trace
         key = (lease.instance.slot, lease.instance.generation)
         outliers = self._router.outliers
-        trace["forward_start_ms"] = now_ms()
+        trace.forward_start_ms = now_ms()
         headers = None
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
             headers = {"x-cacheroute-kv-prefix-tokens": str(job.knowledge.prefix_tokens)}
@@ -201,7 +209,7 @@ class ProxyExchange:
         except UpstreamFailure as exc:
             error = exc.reason
         self._account(lease, error is None)
-        trace["forward_end_ms"] = now_ms()
+        trace.forward_end_ms = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
         final = (meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT if error is None
                  else cut_meta_event(trace, error, job.knowledge))
@@ -217,8 +225,8 @@ class ProxyExchange:
             await out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
         self._account(lease, True)
-        trace["forward_end_ms"] = now_ms()
-        meta = meta_object(trace, job.knowledge.error, job.knowledge)
+        trace.forward_end_ms = now_ms()
+        meta = encode_meta(trace, job.knowledge.error, job.knowledge)
         await out.whole(200, _JSON, with_meta(body, meta), lease)
 
     def _account(self, lease: Lease, ok: bool) -> None:
@@ -228,31 +236,32 @@ class ProxyExchange:
     def _first_token(self, job: Job) -> None:
         trace = job.trace
         now = now_ms()
-        trace["first_token_ms"] = now
-        trace["actual_ttft_ms"] = now - trace["proxy_recv_ms"]
-        metrics.TTFT.observe(trace["actual_ttft_ms"] / 1000)
-        if "ready_dequeue_ms" in trace:
-            trace["actual_vllm_ttft_ms"] = now - trace["forward_start_ms"]
+        trace.first_token_ms = now
+        trace.actual_ttft_ms = ttft = now - trace.proxy_recv_ms
+        metrics.TTFT.observe(ttft / 1000)
+        # Always known here: forward() runs only once admitted to ready, and both admission
+        # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
+        trace.actual_vllm_ttft_ms = now - trace.forward_start_ms
         if job.predicted_first_token_ms is not None:
-            trace["predict_error_ms"] = int(now - job.predicted_first_token_ms)
+            trace.predict_error_ms = int(now - job.predicted_first_token_ms)
         self._pipeline.first_token(job)
 
 
-def with_meta(body: bytes, meta: dict[str, Any]) -> bytes:
-    """The instance's JSON object with `_cacheroute_meta` as its last key. Its own bytes are
-    kept (validated, not decoded into values and encoded again); an answer that is not one
-    JSON object is wrapped as `{"raw": <text>, "_cacheroute_meta": ...}`."""
+def with_meta(body: bytes, meta: bytes) -> bytes:
+    """The instance's JSON object with `meta` (encoded `cacheroute_meta`) as its last key,
+    `_cacheroute_meta`. The instance's own bytes are kept (validated, not decoded into values
+    and encoded again), and so are the meta's; an answer that is not one JSON object is
+    wrapped as `{"raw": <text>, "_cacheroute_meta": ...}`."""
     try:
         fields = _object_of_raw.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: meta})
+        return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: msgspec.Raw(meta)})
     if _META_KEY in fields:  # the instance sent one itself: ours replaces it, as before
-        fields[_META_KEY] = meta
+        fields[_META_KEY] = msgspec.Raw(meta)
         return _encoder.encode(fields)
-    encoded = _encoder.encode(meta)
     if not fields:
-        return b'{"_cacheroute_meta":' + encoded + b"}"
-    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + encoded + b"}"
+        return b'{"_cacheroute_meta":' + meta + b"}"
+    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}"
 
 
 async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -22,6 +21,7 @@ from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot
 
 from .request_model import Endpoint, ProxyRequest
+from .trace import Trace
 from .upstream import base_url
 
 NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
@@ -29,16 +29,16 @@ TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below t
                  "user's question. If the context is irrelevant to the question, ignore it.")
 
 
-@dataclass
-class Knowledge:
-    """What preparation found and did; reported in cacheroute_meta."""
+class Knowledge(msgspec.Struct):
+    """What preparation found and did: its lists, ack and error go into cacheroute_meta
+    (trace.encode_meta). One per request, so a Struct: built without a Python-level __init__."""
 
-    kv_ready_kids: list[str] = field(default_factory=list)
-    text_only_kids: list[str] = field(default_factory=list)
-    miss_kids: list[str] = field(default_factory=list)
-    kv_ack: dict[str, Any] = field(default_factory=dict)
+    kv_ready_kids: list[str] = msgspec.field(default_factory=list)
+    text_only_kids: list[str] = msgspec.field(default_factory=list)
+    miss_kids: list[str] = msgspec.field(default_factory=list)
+    kv_ack: dict[str, Any] = msgspec.field(default_factory=dict)
     prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
-    error: str | None = None
+    error: str | None = None  # preparation failed; the request went on without its knowledge
 
 
 class LinkTimeline:
@@ -84,15 +84,15 @@ class KnowledgePreparer:
             link = self._links[key] = LinkTimeline()
         return link
 
-    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: dict[str, Any]) -> Knowledge:
+    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace) -> Knowledge:
         spec = request.knowledge
         result = Knowledge()
         if spec is None or not spec.wanted or request.body is None:
             return result
         try:
-            trace["kdn_fetch_start_ms"] = now_ms()
+            trace.kdn_fetch_start_ms = now_ms()
             items, result.miss_kids = await self._fetch(spec.kdn_addr, spec.knowledge_ids)
-            trace["kdn_fetch_end_ms"] = now_ms()
+            trace.kdn_fetch_end_ms = now_ms()
             context = self._classify(spec.knowledge_ids, items, result)
             if context:
                 _inject(request, context, spec.injection_type)
@@ -141,7 +141,7 @@ class KnowledgePreparer:
         return "\n".join(t for t in kv_texts + text_texts if t)
 
     async def _kv_inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                         trace: dict[str, Any]) -> None:
+                         trace: Trace) -> None:
         spec = request.knowledge
         assert spec is not None
         if not result.kv_ready_kids:
@@ -154,17 +154,17 @@ class KnowledgePreparer:
         queued_at = time.time()
         predicted_end = link.reserve(queued_at, transfer_s)
         async with link.lock:
-            trace["kdn_link_wait_ms"] = int((time.time() - queued_at) * 1000)
+            trace.kdn_link_wait_ms = int((time.time() - queued_at) * 1000)
             try:
                 await self._inject(request, instance, result, trace, effective)
             finally:
                 link.done(predicted_end, time.time())
 
     async def _inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                      trace: dict[str, Any], effective: int) -> None:
+                      trace: Trace, effective: int) -> None:
         spec = request.knowledge
         assert spec is not None
-        trace["kv_ack_start_ms"] = now_ms()
+        trace.kv_ack_start_ms = now_ms()
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
         url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
         body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
@@ -178,12 +178,12 @@ class KnowledgePreparer:
                     raise RuntimeError(f"KV inject answered {resp.status}: {detail}")
             result.kv_ack = ack
             result.prefix_tokens = effective
-            trace["kvcache_actual_path"] = "kv_injected"
+            trace.kvcache_actual_path = "kv_injected"
         except Exception as exc:
             result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
-            trace["kvcache_actual_path"] = "recompute"  # the instance prefills the text instead
+            trace.kvcache_actual_path = "recompute"  # the instance prefills the text instead
         finally:
-            trace["kv_ack_end_ms"] = now_ms()
+            trace.kv_ack_end_ms = now_ms()
 
 
 def _inject(request: ProxyRequest, context: str, mode: str) -> None:

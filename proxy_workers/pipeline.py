@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
+import msgspec
+
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
@@ -31,6 +33,7 @@ from .iws import decide
 from .knowledge import Knowledge, KnowledgePreparer
 from .request_model import ProxyRequest
 from .router import Lease
+from .trace import Trace
 from .tracker import RequestTracker
 
 T = TypeVar("T")
@@ -119,16 +122,17 @@ class InstanceStages:
     admission: AdmissionQueue = field(default_factory=AdmissionQueue)
 
 
-@dataclass
-class Job:
-    """One request's pipeline state, reported in cacheroute_meta."""
+class Job(msgspec.Struct):
+    """One request's state across its attempts: what the pipeline and the exchange share.
+    The trace and the knowledge are reported in cacheroute_meta. A Struct: one per request,
+    built without a Python-level __init__."""
 
     request: ProxyRequest
-    trace: dict[str, Any]
-    key: int = 0
-    knowledge: Knowledge = field(default_factory=Knowledge)
+    trace: Trace
+    key: int = 0  # the tracker's event key of the current attempt
+    knowledge: Knowledge = msgspec.field(default_factory=Knowledge)
     prepared: bool = False  # a retry on another instance does not fetch and inject again
-    predicted_first_token_ms: float | None = None
+    predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
 
 
 class Pipeline:
@@ -163,8 +167,8 @@ class Pipeline:
         stages.queued += 1
         ticket = _Ticket(stages.next_seq, "text", asyncio.get_running_loop().create_future())
         stages.next_seq += 1
-        job.trace["prepare_seq"] = ticket.seq
-        job.trace["proxy_enqueue_ms"] = now_ms()
+        job.trace.prepare_seq = ticket.seq
+        job.trace.proxy_enqueue_ms = now_ms()
         job.key = self._tracker.new_key()
         reserved = False
         try:
@@ -221,7 +225,7 @@ class Pipeline:
                 return False, False
             # Nothing to prepare and a free slot: the prepare lanes would be entered and left
             # without a wait in between, invisible to every reader, so they are skipped.
-            trace["prepare_start_ms"] = trace["prepare_self_done_ms"] = now_ms()
+            trace.prepare_start_ms = trace.prepare_self_done_ms = now_ms()
             job.prepared = True
         stages.waiting[ticket.seq] = ticket
         self._flush(stages)
@@ -232,7 +236,7 @@ class Pipeline:
                                                     self._settings.ready_concurrency) \
                 is not Admission.ADMITTED:
             return True, False  # full (wait) or stale (_admit says so)
-        trace["ready_dequeue_ms"] = now_ms()
+        trace.ready_dequeue_ms = now_ms()
         return True, True
 
     def _decide_injection(self, lease: Lease, job: Job, ticket: _Ticket) -> None:
@@ -245,10 +249,10 @@ class Pipeline:
             decision = decide(request, ready_wait, link.wait_s(time.time()) * 1000,
                               self._predictors, self._settings)
             spec.injection_type = decision.mode
-            trace["iws_reason"] = decision.reason
+            trace.iws_reason = decision.reason
         if spec is not None:
             ticket.injection_type = spec.injection_type
-            trace["injection_mode"] = spec.injection_type
+            trace.injection_mode = spec.injection_type
 
     async def _prepare(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         request, trace = job.request, job.trace
@@ -259,9 +263,9 @@ class Pipeline:
             lease.leave(layout.LANE_PREPARE_WAITING)
         lease.enter(layout.LANE_PREPARE_ACTIVE)
         try:
-            trace["prepare_start_ms"] = now_ms()
+            trace.prepare_start_ms = now_ms()
             job.knowledge = await self._preparer.prepare(request, lease.instance, trace)
-            trace["prepare_self_done_ms"] = now_ms()
+            trace.prepare_self_done_ms = now_ms()
         finally:
             stages.prepare_slots.release()
             lease.leave(layout.LANE_PREPARE_ACTIVE)
@@ -302,7 +306,7 @@ class Pipeline:
     def _reserve(self, lease: Lease, job: Job) -> None:
         """Tell the sidecar the request is released to ready, with its predicted service."""
         request, trace, knowledge = job.request, job.trace, job.knowledge
-        job.trace["ready_enqueue_ms"] = now_ms()
+        trace.ready_enqueue_ms = now_ms()
         predictors = self._predictors
         knowledge_tokens = request.knowledge.knowledge_tokens if request.knowledge else 0
         if knowledge.prefix_tokens:  # the instance holds the knowledge's KV: pull + residual prefill
@@ -313,12 +317,12 @@ class Pipeline:
             service = predictors.text_service_ms(request.prompt_tokens, 0)
         decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, 1)
         ready_wait = self._pressure_of(lease.instance)
-        trace["predict_service_ms"] = round(service, 1)
-        trace["predict_decode_ms"] = round(decode, 1)
+        trace.predict_service_ms = round(service, 1)
+        trace.predict_decode_ms = round(decode, 1)
         if ready_wait is not None:
-            trace["predict_queue_wait_ms"] = round(ready_wait, 1)
+            trace.predict_queue_wait_ms = round(ready_wait, 1)
             job.predicted_first_token_ms = time.time() * 1000 + ready_wait + service
-            trace["pred_first_token_ts_ms"] = int(job.predicted_first_token_ms)
+            trace.pred_first_token_ts_ms = int(job.predicted_first_token_ms)
         self._tracker.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
                               decode, request.decode_tokens, request.prompt_tokens)
 
@@ -337,7 +341,7 @@ class Pipeline:
                 lease.leave(layout.LANE_READY_WAITING)
         if result is Admission.STALE:
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
-        job.trace["ready_dequeue_ms"] = now_ms()
+        job.trace.ready_dequeue_ms = now_ms()
 
 
 def _set(future: asyncio.Future[None]) -> None:

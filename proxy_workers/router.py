@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from cacheroute_proxy.clock import now_ms, now_us
+from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.fast_score import Scorer, compile_scorer
@@ -28,12 +28,17 @@ from .upstream import base_url
 
 
 class Lease:
-    """A request's hold on one instance: inflight, plus whichever queue lanes it is in."""
+    """A request's hold on one instance: inflight, plus whichever queue lanes it is in.
 
-    __slots__ = ("instance", "_row", "_held", "_lanes")
+    `snapshot_age_ms`: how old the sidecar's predicted layer was when least_load chose this
+    instance (None for other strategies, or before any snapshot), for the request's trace."""
 
-    def __init__(self, instance: InstanceSlot, row: WorkerRow) -> None:
+    __slots__ = ("instance", "snapshot_age_ms", "_row", "_held", "_lanes")
+
+    def __init__(self, instance: InstanceSlot, row: WorkerRow,
+                 snapshot_age_ms: float | None = None) -> None:
         self.instance = instance
+        self.snapshot_age_ms = snapshot_age_ms
         self._row = row
         self._held = True
         self._lanes: list[int] = []
@@ -133,17 +138,12 @@ class Router:
         """Is there an alive instance outside `exclude` to retry on?"""
         return any((i.slot, i.generation) not in exclude for i in self.view.directory.snapshot().alive)
 
-    def acquire(self, trace: dict[str, int | str],
-                exclude: frozenset[tuple[int, int]] = frozenset()) -> Lease:
-        trace["route_select_start_ms"] = now_ms()
+    def acquire(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> Lease:
+        """Choose an instance outside `exclude` and begin a request on it (503 if there is none,
+        or if it left the table between the choice and the begin)."""
         instance = self.choose(exclude)
-        trace["route_select_end_ms"] = now_ms()
-        if self._least_load:
-            age = self.view.snapshot_age_ms()  # how old the predicted layer this choice used was
-            if age is not None:
-                trace["snapshot_age_ms"] = round(age, 1)
+        age = self.view.snapshot_age_ms() if self._least_load else None
         if not self.row.begin(instance.slot, instance.generation):
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
-        trace["instance_id"] = instance.instance_id
-        return Lease(instance, self.row)
+        return Lease(instance, self.row, age)
 

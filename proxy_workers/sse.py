@@ -7,15 +7,11 @@ chunk boundary inside a line costs a concatenation.
 
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
-
 from .knowledge import Knowledge
+from .trace import Trace, encode_meta
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _MARKER = b"[DONE]"
-_encoder = msgspec.json.Encoder()
 
 
 class DoneStripper:
@@ -54,20 +50,13 @@ class DoneStripper:
         return b"".join(kept)
 
 
-def meta_object(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> dict[str, Any]:
-    """The `cacheroute_meta` payload, keys in the original's order."""
-    knowledge = knowledge or Knowledge()
-    return {"trace": trace, "kv_ack": knowledge.kv_ack, "kv_ready_kids": knowledge.kv_ready_kids,
-            "text_only_kids": knowledge.text_only_kids, "miss_kids": knowledge.miss_kids,
-            "error": error}
+def meta_event(trace: Trace, error: str | None, knowledge: Knowledge | None = None) -> bytes:
+    """The stream's `cacheroute_meta` event (without knowledge: its lists and ack empty)."""
+    meta = encode_meta(trace, error, knowledge if knowledge is not None else Knowledge())
+    return b"event: cacheroute_meta\ndata: " + meta + b"\n\n"
 
 
-def meta_event(trace: dict[str, Any], error: str | None, knowledge: Knowledge | None = None) -> bytes:
-    return (b"event: cacheroute_meta\ndata: " + _encoder.encode(meta_object(trace, error, knowledge))
-            + b"\n\n")
-
-
-def cut_meta_event(trace: dict[str, Any], error: str, knowledge: Knowledge | None = None) -> bytes:
+def cut_meta_event(trace: Trace, error: str, knowledge: Knowledge | None = None) -> bytes:
     """The meta event that ends a stream cut short. Relayed bytes end on a line, not always on
     an event: the leading blank line ends a half-sent event first (after a whole one it is an
     empty line, which SSE ignores), so the meta never merges into the instance's last event."""

@@ -10,6 +10,7 @@ from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.request_model import Endpoint, recover
 from proxy_workers.sse import DONE_EVENT, DoneStripper, meta_event
+from proxy_workers.trace import Trace
 
 
 def _scheduler(**prompt):
@@ -70,7 +71,7 @@ def test_trailing_partial_line_is_flushed_unchanged():
 
 
 def test_meta_event_shape():
-    event = meta_event({"proxy_recv_ms": 1}, None)
+    event = meta_event(Trace(proxy_recv_ms=1), None)
     assert event.startswith(b"event: cacheroute_meta\ndata: {\"trace\":") and event.endswith(b"\n\n")
     assert DONE_EVENT == b"data: [DONE]\n\n"
 

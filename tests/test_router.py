@@ -30,7 +30,7 @@ def _router(name: str, seg: Segment, strategy: str = "least_load") -> Router:
 def test_no_alive_instance_is_503(table):
     name, seg = table
     with pytest.raises(HTTPError) as info:
-        _router(name, seg).acquire({})
+        _router(name, seg).acquire()
     assert (info.value.status, info.value.code) == (503, "no_instance")
 
 
@@ -43,7 +43,7 @@ def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(ta
     writer.free(slot.slot)  # the sidecar purges it right after the selection
     router.choose = lambda exclude=frozenset(): chosen  # type: ignore[method-assign]
     with pytest.raises(HTTPError) as info:
-        router.acquire({})
+        router.acquire()
     assert info.value.detail == "selected instance is no longer registered"
     assert router.row.own_words(8) == (0,) * 8
 
@@ -54,8 +54,8 @@ def test_lease_release_is_idempotent_and_least_load_sees_it(table):
     writer.allocate("a", "127.0.0.1", 9001)
     writer.allocate("b", "127.0.0.1", 9002)
     router = _router(name, seg)
-    first = router.acquire({})
-    second = router.acquire({})
+    first = router.acquire()
+    second = router.acquire()
     assert {first.instance.instance_id, second.instance.instance_id} == {"a", "b"}
     assert first.release() and not first.release()
-    assert router.acquire({}).instance.instance_id == first.instance.instance_id
+    assert router.acquire().instance.instance_id == first.instance.instance_id

@@ -322,9 +322,8 @@ def test_router_lease_double_release_decrements_once(seg):
                         shm_instance_capacity=4, shm_worker_capacity=3, workers=1)
     row = WorkerRow.claim(seg, 0)
     router = Router(settings, seg, row)
-    trace: dict = {}
-    first, second = router.acquire(trace), router.acquire(trace)
-    assert trace["instance_id"] == "inst-a"
+    first, second = router.acquire(), router.acquire()
+    assert first.instance.instance_id == second.instance.instance_id == "inst-a"
     assert first.base_url == "http://127.0.0.1:9001"
     slot = first.instance.slot
     assert count_of(seg, slot) == 2

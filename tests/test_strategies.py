@@ -233,7 +233,7 @@ def test_router_least_load_follows_the_shared_table(table):
                         shm_worker_capacity=4, workers=2)
     router_one, router_two = Router(settings, seg, one), Router(settings, seg, two)
     # Each worker's begin is seen by the other at once: six requests spread 2/2/2.
-    leases = [(router_one if i % 2 else router_two).acquire({}) for i in range(6)]
+    leases = [(router_one if i % 2 else router_two).acquire() for i in range(6)]
     assert Counter(lease.instance.instance_id for lease in leases) == \
         {"inst-0": 2, "inst-1": 2, "inst-2": 2}
     for lease in leases:

@@ -1,0 +1,89 @@
+"""One request's record (`Trace`) and the `cacheroute_meta` object it is reported in (`Meta`).
+
+The trace is written along the request's way through the worker -- app (arrival), exchange
+(selection, forward, first token), pipeline (prepare and ready stages, predictions) and knowledge
+(KDN fetch, KV inject) -- and read by clients and bench/bench_pressure.py as the `trace` member
+of `cacheroute_meta`. Its fields are declared in the order a request meets them, which is the
+order they have in the JSON. Each defaults to None, and a None field is left out of the JSON
+(`omit_defaults`), so the object names exactly what this request went through; a 0 is a value
+and is kept.
+
+`encode_meta` is the one place `cacheroute_meta` is encoded: the JSON answer splices its bytes
+in (exchange.with_meta), the stream sends them as its last event (sse.meta_event).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from .knowledge import Knowledge
+
+# Times named *_ms without "predict" are wall-clock milliseconds (cacheroute_proxy.clock.now_ms).
+
+
+class Trace(msgspec.Struct, omit_defaults=True, gc=False):
+    """A request's timings and decisions, in lifecycle order. Scalars only, so the garbage
+    collector need not track it (gc=False)."""
+
+    # --- arrival (app) ---
+    proxy_recv_ms: int | None = None  # the request reached the worker, before its body was read
+    worker: str | None = None  # which worker served it: w<index>-pid<pid>
+    request_id: int | None = None  # the client's Request_ID (0 for a plain OpenAI body)
+    # --- instance selection (exchange, around Router.acquire) ---
+    route_select_start_ms: int | None = None
+    route_select_end_ms: int | None = None  # the lease is held from here
+    snapshot_age_ms: float | None = None  # least_load: age of the predicted layer the choice read
+    instance_id: str | None = None  # the instance chosen (the last one, after a retry)
+    # --- prepare stage (pipeline) ---
+    prepare_seq: int | None = None  # place in this worker's prepare order for the instance
+    proxy_enqueue_ms: int | None = None  # entered the instance's pipeline
+    iws_reason: str | None = None  # IWS only: why text or kvcache was chosen
+    injection_mode: str | None = None  # a request with knowledge: "text" or "kvcache"
+    prepare_start_ms: int | None = None  # a prepare slot was held (or nothing was to prepare)
+    # --- knowledge (knowledge.KnowledgePreparer, inside the prepare stage) ---
+    kdn_fetch_start_ms: int | None = None
+    kdn_fetch_end_ms: int | None = None
+    kdn_link_wait_ms: int | None = None  # kvcache: wait for the (instance, KDN) link to free
+    kv_ack_start_ms: int | None = None  # kvcache: the instance was asked to pull the KV
+    kvcache_actual_path: str | None = None  # "kv_injected", or "recompute" if the pull failed
+    kv_ack_end_ms: int | None = None
+    prepare_self_done_ms: int | None = None  # this request's preparation ended
+    # --- ready stage (pipeline) ---
+    ready_enqueue_ms: int | None = None  # released in prepare order, reserved with the sidecar
+    predict_service_ms: float | None = None  # predicted prefill (or KV pull + residual prefill)
+    predict_decode_ms: float | None = None  # predicted decode of all its tokens
+    predict_queue_wait_ms: float | None = None  # predicted ready wait (a fresh snapshot only)
+    pred_first_token_ts_ms: int | None = None  # when the first token is predicted, wall clock
+    ready_dequeue_ms: int | None = None  # admitted under the host-wide READY_CONCURRENCY
+    # --- forward (exchange) ---
+    forward_start_ms: int | None = None
+    first_token_ms: int | None = None  # a stream's first chunk from the instance
+    actual_ttft_ms: int | None = None  # first_token_ms - proxy_recv_ms
+    actual_vllm_ttft_ms: int | None = None  # first_token_ms - forward_start_ms
+    predict_error_ms: int | None = None  # first token actual - predicted (> 0: later than predicted)
+    forward_end_ms: int | None = None  # the instance's answer was read whole (or failed)
+    # --- retries (exchange) ---
+    retries: int | None = None  # attempts after the first; the timings above are the last one's
+
+
+class Meta(msgspec.Struct):
+    """The `cacheroute_meta` object. Every member is always present (`error` as null)."""
+
+    trace: Trace
+    kv_ack: dict[str, Any]  # the instance's answer to the KV pull, or the proxy's own account
+    kv_ready_kids: list[str]
+    text_only_kids: list[str]
+    miss_kids: list[str]
+    error: str | None  # why knowledge or the answer is missing or cut; null if nothing is
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
+    """`cacheroute_meta` as JSON bytes: the trace and what preparation found and did."""
+    return _encoder.encode(Meta(trace, knowledge.kv_ack, knowledge.kv_ready_kids,
+                                knowledge.text_only_kids, knowledge.miss_kids, error))

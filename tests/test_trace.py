@@ -1,0 +1,273 @@
+"""The typed request record and the cacheroute_meta wire format (proxy_workers/trace.py).
+
+The trace's key names, their order and which of them appear are what clients and
+bench/bench_pressure.py read, so they are written out here in full rather than derived from
+the Struct: a renamed, moved or dropped field fails these tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from typing import Any, AsyncIterator
+
+import pytest
+
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http import HTTPError
+from proxy_workers.app import DataPlane, WorkerContext
+from proxy_workers.exchange import with_meta
+from proxy_workers.knowledge import Knowledge, KnowledgePreparer
+from proxy_workers.pipeline import Pipeline
+from proxy_workers.predictors import get_predictors
+from proxy_workers.router import Lease, Router
+from proxy_workers.sse import cut_meta_event, meta_event
+from proxy_workers.trace import Trace, encode_meta
+from proxy_workers.tracker import RequestTracker
+from shm_schema import DirectoryWriter, WorkerRow
+from tests.aio import meta_of
+from tests.shm_helpers import fresh_segment
+
+META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error"]
+# Every trace key, in the order a request meets them (and the JSON lists them).
+TRACE_KEYS = [
+    "proxy_recv_ms", "worker", "request_id",
+    "route_select_start_ms", "route_select_end_ms", "snapshot_age_ms", "instance_id",
+    "prepare_seq", "proxy_enqueue_ms", "iws_reason", "injection_mode", "prepare_start_ms",
+    "kdn_fetch_start_ms", "kdn_fetch_end_ms", "kdn_link_wait_ms", "kv_ack_start_ms",
+    "kvcache_actual_path", "kv_ack_end_ms", "prepare_self_done_ms",
+    "ready_enqueue_ms", "predict_service_ms", "predict_decode_ms", "predict_queue_wait_ms",
+    "pred_first_token_ts_ms", "ready_dequeue_ms",
+    "forward_start_ms", "first_token_ms", "actual_ttft_ms", "actual_vllm_ttft_ms",
+    "predict_error_ms", "forward_end_ms",
+    "retries",
+]
+# Set only on a stream's first token.
+FIRST_TOKEN_KEYS = {"first_token_ms", "actual_ttft_ms", "actual_vllm_ttft_ms", "predict_error_ms"}
+
+
+def _decoded(meta: bytes) -> dict[str, Any]:
+    return json.loads(meta)
+
+
+# --- the record and its encoding -----------------------------------------------------------------
+
+def test_every_field_encodes_under_its_wire_name_in_lifecycle_order():
+    trace = Trace(**{name: i + 1 for i, name in enumerate(TRACE_KEYS)})
+    meta = _decoded(encode_meta(trace, None, Knowledge()))
+    assert list(meta) == META_KEYS
+    assert list(meta["trace"]) == TRACE_KEYS
+    assert list(meta["trace"].values()) == list(range(1, len(TRACE_KEYS) + 1))
+
+
+def test_a_field_never_set_is_absent_and_a_zero_is_present():
+    trace = Trace(proxy_recv_ms=1700000000000, worker="w0-pid1", request_id=0)
+    trace.kdn_link_wait_ms = 0
+    trace.snapshot_age_ms = 0.0
+    trace.retries = 0
+    assert _decoded(encode_meta(trace, None, Knowledge()))["trace"] == {
+        "proxy_recv_ms": 1700000000000, "worker": "w0-pid1", "request_id": 0,
+        "snapshot_age_ms": 0.0, "kdn_link_wait_ms": 0, "retries": 0}
+
+
+def test_meta_members_are_always_present_error_as_null():
+    assert encode_meta(Trace(), None, Knowledge()) == (
+        b'{"trace":{},"kv_ack":{},"kv_ready_kids":[],"text_only_kids":[],"miss_kids":[],'
+        b'"error":null}')
+    knowledge = Knowledge(kv_ready_kids=["K1"], text_only_kids=["k2"], miss_kids=["nope"],
+                          kv_ack={"ok": True}, prefix_tokens=512, error="prepare_failed: x")
+    meta = _decoded(encode_meta(Trace(instance_id="i"), knowledge.error, knowledge))
+    assert meta == {"trace": {"instance_id": "i"}, "kv_ack": {"ok": True}, "kv_ready_kids": ["K1"],
+                    "text_only_kids": ["k2"], "miss_kids": ["nope"], "error": "prepare_failed: x"}
+
+
+def test_stream_events_carry_the_same_bytes():
+    trace, knowledge = Trace(proxy_recv_ms=5, retries=1), Knowledge(miss_kids=["m"])
+    encoded = encode_meta(trace, None, knowledge)
+    assert meta_event(trace, None, knowledge) == b"event: cacheroute_meta\ndata: " + encoded + b"\n\n"
+    cut = cut_meta_event(trace, "upstream_failed: reset", knowledge)
+    assert cut == b"\nevent: cacheroute_meta\ndata: " + encode_meta(trace, "upstream_failed: reset",
+                                                                     knowledge) + b"\n\n"
+    # The drain's cut of a stream it knows nothing about: an empty record, empty knowledge.
+    assert cut_meta_event(Trace(), "worker_drain_deadline") == (
+        b'\nevent: cacheroute_meta\ndata: {"trace":{},"kv_ack":{},"kv_ready_kids":[],'
+        b'"text_only_kids":[],"miss_kids":[],"error":"worker_drain_deadline"}\n\n')
+
+
+@pytest.mark.parametrize("body, expected", [
+    (b'{"id":"x","n":1}', b'{"id":"x","n":1,"_cacheroute_meta":META}'),
+    (b'{"id":"x"}\n', b'{"id":"x","_cacheroute_meta":META}'),
+    (b"{}", b'{"_cacheroute_meta":META}'),
+    (b'{"_cacheroute_meta":1,"id":"x"}', b'{"_cacheroute_meta":META,"id":"x"}'),
+    (b"[1,2]", b'{"raw":"[1,2]","_cacheroute_meta":META}'),
+    (b"not json", b'{"raw":"not json","_cacheroute_meta":META}'),
+])
+def test_json_answer_gets_the_encoded_meta_spliced_in(body, expected):
+    meta = encode_meta(Trace(proxy_recv_ms=1, retries=0), None, Knowledge())
+    assert with_meta(body, meta) == expected.replace(b"META", meta)
+
+
+# --- routing takes no telemetry -------------------------------------------------------------------
+
+def test_router_acquire_takes_no_trace():
+    assert list(inspect.signature(Router.acquire).parameters) == ["self", "exclude"]
+
+
+@pytest.fixture
+def segment():
+    with fresh_segment(instance_capacity=4, worker_capacity=2) as seg:
+        yield seg
+
+
+def test_lease_carries_the_snapshot_age_of_a_least_load_choice(segment):
+    DirectoryWriter(segment).allocate("inst-a", "127.0.0.1", 9001)
+    for strategy, expected in (("least_load", 12.345), ("round_robin", None)):
+        router = Router(Settings(instance_strategy=strategy, shm_name=segment.name), segment,
+                        WorkerRow.claim(segment, 0))
+        router.view.snapshot_age_ms = lambda: 12.345  # type: ignore[method-assign]
+        lease = router.acquire()
+        assert (lease.instance.instance_id, lease.snapshot_age_ms) == ("inst-a", expected)
+        assert lease.release()
+        router.row.release()
+    assert Lease(lease.instance, WorkerRow.claim(segment, 1)).snapshot_age_ms is None
+
+
+# --- one request through every path, in one process ---------------------------------------------
+# app -> exchange (selection, a failed first attempt, the retry) -> pipeline (IWS, prepare,
+# reserve, admission) -> knowledge (KDN fetch, KV inject) -> forward (stream: first token) ->
+# cacheroute_meta. Only the network is replaced: the KDN, the instances' control planes and
+# their data planes answer from here.
+
+class _Answer:
+    def __init__(self, status: int, payload: Any) -> None:
+        self.status = status
+        self._payload = payload
+
+    async def __aenter__(self) -> "_Answer":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        return json.dumps(self._payload).encode()
+
+
+class _Session:
+    """The KDN's search (every id kv-ready) and the instances' KV inject (accepted)."""
+
+    def post(self, url: str, json: dict[str, Any], timeout: Any) -> _Answer:
+        if url.endswith("/knowledge/search/text"):
+            return _Answer(200, {"items": [{"knowledge_id": kid, "content": f"about {kid}",
+                                            "kv_ready": True} for kid in json["knowledge_ids"]]})
+        assert url.endswith("/v1/kv/inject_ready"), url
+        return _Answer(200, {"ok": True, "injected_kids": json["knowledge_ids"]})
+
+
+class _Response:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.status = 200
+        self.content_type = "application/json"
+        self.chunks = chunks
+
+    def at_eof(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Upstream:
+    """The first connection is refused (the exchange retries elsewhere); then a stream of two
+    chunks, or one JSON answer."""
+
+    def __init__(self) -> None:
+        self.session = _Session()
+        self.opened: list[int] = []
+
+    async def open(self, host: str, port: int, path: str, body: bytes,
+                   headers: dict[str, str] | None) -> _Response:
+        self.opened.append(port)
+        if len(self.opened) == 1:
+            raise HTTPError(502, "upstream_unavailable", "connection refused")
+        if json.loads(body).get("stream"):
+            return _Response([b'data: {"choices":[{"delta":{"content":"tok "}}]}\n\n',
+                              b"data: [DONE]\n\n"])
+        return _Response([b'{"object":"chat.completion","choices":[]}'])
+
+    async def chunks(self, response: _Response) -> AsyncIterator[bytes]:
+        for chunk in response.chunks:
+            yield chunk
+
+    async def read_all(self, response: _Response) -> bytes:
+        return b"".join(response.chunks)
+
+
+def _scheduler_body(stream: bool) -> bytes:
+    return json.dumps({
+        "Request_ID": 0, "Prompt": {"model": "m", "user_prompt": "q" * 200, "token_length": 50,
+                                    "max_tokens": 4, "stream": stream},
+        "Service": {"Enable_know_injection": True, "Injection_type": "text",
+                    "Knowledge_List": ["K1", "K2"], "Knowledge_length": 4000},
+        "Task": {"KDN_server_addr": "127.0.0.1:9101"}}).encode()
+
+
+async def _serve(plane: DataPlane, body: bytes) -> tuple[int, bytes]:
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    await plane(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_request_through_every_path_reports_every_key_in_order(segment, stream):
+    writer = DirectoryWriter(segment)
+    writer.allocate("inst-a", "127.0.0.1", 9001)
+    writer.allocate("inst-b", "127.0.0.1", 9002)
+    settings = Settings(instance_strategy="least_load", injection_strategy="iws",
+                        shm_name=segment.name, retry_attempts=1)
+    row = WorkerRow.claim(segment, 0)
+    router = Router(settings, segment, row)
+    router.view.snapshot_age_ms = lambda: 3.27  # type: ignore[method-assign]  # no sidecar here
+    upstream = _Upstream()
+    predictors = get_predictors(settings.predictor_profile)
+    pipeline = Pipeline(settings, RequestTracker(segment, row),
+                        KnowledgePreparer(settings, upstream, predictors), predictors,
+                        pressure_of=lambda instance: 40.0)
+    plane = DataPlane(WorkerContext(settings, 0, router, upstream, pipeline), rest=None)  # type: ignore[arg-type]
+
+    status, body = asyncio.run(_serve(plane, _scheduler_body(stream)))
+
+    assert status == 200 and upstream.opened[0] != upstream.opened[1]  # retried elsewhere
+    meta = meta_of(body) if stream else json.loads(body)["_cacheroute_meta"]
+    assert list(meta) == META_KEYS and meta["error"] is None, meta
+    expected = TRACE_KEYS if stream else [k for k in TRACE_KEYS if k not in FIRST_TOKEN_KEYS]
+    assert list(meta["trace"]) == expected
+    trace = meta["trace"]
+    assert (trace["request_id"], trace["retries"], trace["snapshot_age_ms"]) == (0, 1, 3.3)
+    assert (trace["injection_mode"], trace["kvcache_actual_path"]) == ("kvcache", "kv_injected")
+    assert trace["instance_id"] == {9001: "inst-a", 9002: "inst-b"}[upstream.opened[1]]
+    assert trace["predict_queue_wait_ms"] == 40.0 and trace["kdn_link_wait_ms"] >= 0
+    assert meta["kv_ready_kids"] == ["K1", "K2"] and meta["kv_ack"]["ok"] is True
+    if stream:
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert trace["actual_ttft_ms"] == trace["first_token_ms"] - trace["proxy_recv_ms"]
+        assert trace["actual_vllm_ttft_ms"] == trace["first_token_ms"] - trace["forward_start_ms"]
