@@ -67,9 +67,13 @@ class Responder:
 
     async def whole(self, status: int, content_type: tuple[bytes, bytes], body: bytes,
                     lease: Lease | None = None, headers: dict[str, str] | None = None) -> None:
+        """The whole answer in one go. A `lease` names the instance in a header and ends before
+        the answer leaves: whoever reads the shared table after seeing the answer sees the
+        request gone (the exchange's `finally` releases it too; the second call is a no-op)."""
         raw = [content_type]
         if lease is not None:
             raw.append(_instance_header(lease))
+            lease.release()
         if headers:
             raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         if send_whole(self.send, status, [*raw, self._tail], body):
@@ -213,6 +217,7 @@ class ProxyExchange:
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
         final = (meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT if error is None
                  else cut_meta_event(trace, error, job.knowledge))
+        lease.release()  # before the end of the stream leaves, as for a whole answer
         await send({"type": "http.response.body", "body": final, "more_body": False})
 
     async def _relay_whole(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
