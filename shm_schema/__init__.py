@@ -4,13 +4,13 @@
 """
 
 from . import layout
-from .counters import (Admission, CountersReader, Reaped, RowState, WorkerRow,
-                       WorkerTableFull, counter_value, free_row, inflight_count, read_rows,
-                       reap_row, reconcile, reconcile_slot, row_contributions, subtract_row,
-                       take_row)
+from .counters import (Admission, CountersReader, WorkerRow, WorkerTableFull, counter_value,
+                       inflight_count)
 from .directory import (DirectoryFull, DirectoryReader, DirectorySnapshot, DirectoryWriter,
                         InstanceSlot, encode_identity, read_all)
 from .layout import LAYOUT_VERSION, word_count, word_generation
+from .repair import (Reaped, RowState, free_row, read_rows, reap_row, reconcile, reconcile_slot,
+                     row_contributions, subtract_row, take_row)
 from .segment import Segment, SegmentError, SegmentLayoutError, SegmentNotFound
 
 __all__ = [

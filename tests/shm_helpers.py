@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Iterator, Sequence
 
 from shm_schema import Segment, WorkerRow, layout, process_identity
-from shm_schema.counters import row_contributions
+from shm_schema.repair import row_contributions
 
 SPAWN = multiprocessing.get_context("spawn")
 
