@@ -20,6 +20,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from shm_schema import layout
+from shm_schema.bitfields import CounterWord
+from shm_schema.records import SNAPSHOT
 
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 
@@ -38,8 +40,8 @@ def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
     weights = {name: w for name, w in strategy.weights.items() if w}
     if not slots or not set(weights) <= _SUPPORTED:
         return None
-    used, fields = layout.LANES_USED, layout.SNAPSHOT_FIELDS
-    mask = layout.COUNT_MASK
+    used, fields = layout.LANES_USED, SNAPSHOT.count
+    mask = CounterWord.COUNT_MASK
     lane_gens = ", ".join(f"L[{used * s}] >> 32" for s in slots)
     record_gens = ", ".join(f"R[{fields * s}]" for s in slots)
     queue_terms, full_terms = [], []

@@ -15,17 +15,19 @@ import struct
 import time
 
 from . import layout, process_identity
+from .bitfields import CounterWord, JournalWord
 from .repair import free_row, subtract_row
 from .segment import Segment
 
+# The hot path (_apply) inlines these instead of calling the bitfields methods.
 _WORD = layout.WORD
 _LANES = layout.LANES
 _COUNTERS = layout.COUNTERS_OFFSET
-_GEN_SHIFT = layout.GEN_SHIFT
-_COUNT_MASK = layout.COUNT_MASK
-_SEQ_SHIFT = layout.JOURNAL_SEQ_SHIFT
-_LANE_SHIFT = layout.JOURNAL_LANE_SHIFT
-_JOURNAL_END = layout.JOURNAL_END_BIT
+_GEN_SHIFT = CounterWord.GENERATION_SHIFT
+_COUNT_MASK = CounterWord.COUNT_MASK
+_SEQ_SHIFT = JournalWord.SEQUENCE_SHIFT
+_LANE_SHIFT = JournalWord.LANE_SHIFT
+_JOURNAL_END = JournalWord.END_BIT
 _INFLIGHT = layout.LANE_INFLIGHT
 
 
@@ -52,25 +54,23 @@ class CountersReader:
         self._lanes: dict[int, struct.Struct] = {}
 
     def words(self, span: int) -> tuple[int, ...]:
-        """The inflight word of slots 0 .. span-1."""
+        """The inflight CounterWord of slots 0 .. span-1."""
         unpacker = self._inflight.get(span)
         if unpacker is None:
             unpacker = self._inflight[span] = layout.inflight_struct(span)
         return unpacker.unpack_from(self._buf, _COUNTERS)
 
     def lanes(self, span: int) -> tuple[int, ...]:
-        """Every used lane of slots 0 .. span-1, LANES_USED words per slot."""
+        """Every used lane of slots 0 .. span-1, LANES_USED words per slot (layout.lane_index)."""
         unpacker = self._lanes.get(span)
         if unpacker is None:
             unpacker = self._lanes[span] = layout.lanes_struct(span)
         return unpacker.unpack_from(self._buf, _COUNTERS)
 
 
-
 def counter_value(seg: Segment, slot: int, generation: int, lane: int = _INFLIGHT) -> int | None:
     """The count of a (slot, lane) if the slot still carries `generation`, else None."""
-    word = seg.load(seg.geometry.counter_offset(slot, lane))
-    return layout.word_count(word) if layout.word_generation(word) == generation else None
+    return CounterWord.count_under(seg.load(seg.geometry.counter_offset(slot, lane)), generation)
 
 
 def inflight_count(seg: Segment, slot: int, generation: int) -> int | None:
@@ -115,7 +115,8 @@ class WorkerRow:
         zero = bytes(seg.geometry.contributions_size)
         seg.buf[self._contrib_base:self._contrib_base + len(zero)] = zero
         now = time.time_ns()
-        for offset, value in ((layout.R_JOURNAL, 0), (layout.R_WORKER_INDEX, worker_index),
+        for offset, value in ((layout.R_JOURNAL, JournalWord.idle(0)),
+                              (layout.R_WORKER_INDEX, worker_index),
                               (layout.R_CLAIMED_AT_NS, now), (layout.R_HEARTBEAT_NS, now),
                               (layout.R_RING_TAIL, 0), (layout.R_RING_HEAD, 0),
                               (layout.R_EVENTS_DROPPED, 0)):
@@ -149,13 +150,14 @@ class WorkerRow:
     def _apply(self, lane: int, slot: int, generation: int, delta: int, limit: int) -> int:
         """1 applied, 0 refused (at the limit or the floor), -1 stale generation.
 
-        Hot path (twice per request for inflight): the CAS loop and the share update are
-        inlined and the atomic methods pre-bound; see bench/bench_select.py for its cost."""
+        Hot path (twice per request for inflight): the CAS loop, the share update and the
+        CounterWord / JournalWord formats are inlined and the atomic methods pre-bound; see
+        bench/bench_select.py for its cost."""
         seq = self._op_seq + 1
         self._op_seq = seq
-        journal = seq << _SEQ_SHIFT
+        journal = seq << _SEQ_SHIFT  # JournalWord.idle
         self._store(self._journal_offset, journal | (lane << _LANE_SHIFT) | (slot + 1)
-                    | (_JOURNAL_END if delta < 0 else 0))
+                    | (_JOURNAL_END if delta < 0 else 0))  # JournalWord.pending
         index = _LANES * slot + lane
         offset = _COUNTERS + _WORD * index
         word = self._load(offset)
@@ -187,7 +189,7 @@ class WorkerRow:
 
     def own_words(self, span: int) -> tuple[int, ...]:
         """This worker's own inflight contribution words (the per-worker ablation view)."""
-        return tuple(self._mirror[0:span * _LANES:_LANES])
+        return tuple(self._mirror[_INFLIGHT:span * _LANES:_LANES])
 
     def heartbeat(self) -> None:
         self._atomic.store_u64(self._base + layout.R_HEARTBEAT_NS, time.time_ns())

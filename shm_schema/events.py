@@ -18,10 +18,11 @@ import enum
 from typing import Iterator, NamedTuple
 
 from . import layout
+from .records import EVENT
 from .segment import Segment
 
-_FIELDS = layout.EVENT_FIELDS
-_SIZE = layout.EVENT_SIZE
+_FIELDS = EVENT.struct
+_SIZE = EVENT.size
 
 
 class EventKind(enum.IntEnum):

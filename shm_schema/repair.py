@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import layout
+from . import header, layout
+from .bitfields import CounterWord, JournalWord, ProcessIdentity
+from .records import ROW_HEADER
 from .segment import Segment
 
 _LANES = layout.LANES
@@ -37,15 +39,18 @@ class RowState(NamedTuple):
 def read_rows(seg: Segment) -> list[RowState]:
     """Every claimed worker row."""
     rows = []
+    unpack, identity = ROW_HEADER.struct.unpack_from, ROW_HEADER.index.identity
     for row in range(seg.geometry.worker_capacity):
-        (identity, heartbeat, journal, index, claimed_at, tail, head,
-         dropped) = layout.ROW_FIELDS.unpack_from(seg.buf, seg.geometry.row_offset(row))
-        if identity:
-            pid, _ = layout.unpack_identity(identity)
-            rows.append(RowState(row, identity, pid, index, heartbeat, claimed_at,
-                                 layout.journal_pending_slot(journal),
-                                 layout.journal_pending_is_end(journal),
-                                 layout.journal_pending_lane(journal), tail, head, dropped))
+        words = unpack(seg.buf, seg.geometry.row_offset(row))
+        if words[identity]:  # decoded by name only for claimed rows: the sidecar scans often
+            fields = ROW_HEADER.make(words)
+            journal = fields.journal
+            rows.append(RowState(row, fields.identity, ProcessIdentity.pid(fields.identity),
+                                 fields.worker_index, fields.heartbeat_ns, fields.claimed_at_ns,
+                                 JournalWord.pending_slot(journal),
+                                 JournalWord.pending_is_end(journal),
+                                 JournalWord.pending_lane(journal), fields.ring_tail,
+                                 fields.ring_head, fields.events_dropped))
     return rows
 
 
@@ -57,12 +62,13 @@ def row_contributions(seg: Segment, row: int, lane: int | None = _INFLIGHT) -> d
         seg.buf, geometry.contributions_base(row))
     shares = {}
     for index, word in enumerate(words):
-        if layout.word_count(word):
+        count = CounterWord.count(word)
+        if count:
             slot, word_lane = divmod(index, _LANES)
             if lane is None:
-                shares[(slot, word_lane)] = (layout.word_generation(word), layout.word_count(word))
+                shares[(slot, word_lane)] = (CounterWord.generation(word), count)
             elif word_lane == lane:
-                shares[slot] = (layout.word_generation(word), layout.word_count(word))
+                shares[slot] = (CounterWord.generation(word), count)
     return shares
 
 
@@ -81,11 +87,11 @@ def subtract_row(seg: Segment, row: int, landed_decrement: tuple[int, int] | Non
             count -= 1
         offset = geometry.counter_offset(slot, lane)
         word = seg.load(offset)
-        while count > 0 and layout.word_generation(word) == generation:
-            remaining = max(0, layout.word_count(word) - count)
-            previous = seg.atomic.cas_u64(offset, word, layout.pack_word(generation, remaining))
+        while count > 0 and CounterWord.generation(word) == generation:
+            remaining = max(0, CounterWord.count(word) - count)
+            previous = seg.atomic.cas_u64(offset, word, CounterWord.pack(generation, remaining))
             if previous == word:
-                subtracted[(slot, lane)] = layout.word_count(word) - remaining
+                subtracted[(slot, lane)] = CounterWord.count(word) - remaining
                 break
             word = previous
         seg.store(geometry.contribution_offset(row, slot, lane), 0)
@@ -100,8 +106,8 @@ def free_row(seg: Segment, row: int, identity: int) -> bool:
         return False
     dropped = seg.atomic.exchange_u64(base + layout.R_EVENTS_DROPPED, 0)
     if dropped:
-        seg.fetch_add(layout.H_EVENTS_DROPPED_GONE, dropped)
-    seg.store(base + layout.R_JOURNAL, 0)
+        header.add_events_dropped_gone(seg, dropped)
+    seg.store(base + layout.R_JOURNAL, JournalWord.idle(0))
     return seg.atomic.cas_u64(base + layout.R_IDENTITY, identity, 0) == identity
 
 
@@ -124,9 +130,9 @@ def reap_row(seg: Segment, row: int, dead_identity: int, reaper_identity: int,
     if not taken and not take_row(seg, row, dead_identity, reaper_identity):
         return None
     journal = seg.load(seg.geometry.row_offset(row) + layout.R_JOURNAL)
-    slot = layout.journal_pending_slot(journal)
-    pending = None if slot is None else (slot, layout.journal_pending_lane(journal))
-    landed = pending if layout.journal_pending_is_end(journal) else None
+    slot = JournalWord.pending_slot(journal)
+    pending = None if slot is None else (slot, JournalWord.pending_lane(journal))
+    landed = pending if JournalWord.pending_is_end(journal) else None
     subtracted = subtract_row(seg, row, landed)
     free_row(seg, row, reaper_identity)
     return Reaped(subtracted, pending)
@@ -147,14 +153,15 @@ def reconcile(seg: Segment, slot: int, lane: int = _INFLIGHT) -> int | None:
     after = _row_states_for(seg, slot, lane)
     if after != before:
         return None
-    generation = layout.word_generation(word)
-    expected = sum(layout.word_count(c) for _, c in before if layout.word_generation(c) == generation)
-    correction = expected - layout.word_count(word)
+    generation = CounterWord.generation(word)
+    expected = sum(CounterWord.count(share) for _, share in before
+                   if CounterWord.generation(share) == generation)
+    correction = expected - CounterWord.count(word)
     if correction == 0:
         return 0
-    if seg.atomic.cas_u64(offset, word, layout.pack_word(generation, expected)) != word:
+    if seg.atomic.cas_u64(offset, word, CounterWord.pack(generation, expected)) != word:
         return None
-    seg.fetch_add(layout.H_RECONCILE_COUNT, 1)
+    header.count_reconcile_correction(seg)
     return correction
 
 
@@ -179,7 +186,7 @@ def _row_states_for(seg: Segment, slot: int, lane: int) -> list[tuple[int, int]]
         if not seg.load(base + layout.R_IDENTITY):
             continue
         journal = seg.load(base + layout.R_JOURNAL)
-        if layout.journal_pending_slot(journal) is not None:
+        if JournalWord.pending_slot(journal) is not None:
             return None
         states.append((journal, seg.load(geometry.contribution_offset(row, slot, lane))))
     return states

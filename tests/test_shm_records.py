@@ -1,9 +1,10 @@
-"""shm_schema's declarations: each record and bit-packed word round-trips and spells exactly the
-words the layout has always stored."""
+"""shm_schema's declarations: each record and bit-packed word round-trips, sits where layout.py's
+byte map says, and spells exactly the words the layout has always stored."""
 
 from __future__ import annotations
 
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -27,7 +28,36 @@ RECORDS = {"HeaderWords": HEADER, "CounterLanes": COUNTER_LANES, "SlotRecord": S
            "SnapshotRecord": SNAPSHOT, "RowHeader": ROW_HEADER, "EventRecord": EVENT}
 
 
-# --- the declarations ----------------------------------------------------------------------------
+# --- the byte map --------------------------------------------------------------------------------
+def _documented_blocks() -> dict[str, str]:
+    """layout.py's byte-map blocks, keyed by the declaration their heading names."""
+    paragraphs = (layout.__doc__ or "").split("\n\n")
+    blocks = {}
+    for heading, block in zip(paragraphs, paragraphs[1:]):
+        named = re.search(r"\((\w+)[,;)]", heading)
+        if heading.endswith("::") and named:
+            blocks[named.group(1)] = block
+    return blocks
+
+
+@pytest.mark.parametrize("name", ["HeaderWords", "SlotRecord", "SnapshotRecord", "RowHeader",
+                                  "EventRecord"])
+def test_every_field_is_where_the_byte_map_says(name: str) -> None:
+    record = RECORDS[name]
+    documented = {field: int(offset) for offset, field in
+                  re.findall(r"^    (\d+)\s+(\w+)", _documented_blocks()[name], re.MULTILINE)}
+    assert {field: documented.get(field) for field in record.fields} == record.offset._asdict()
+    beyond = {field: offset for field, offset in documented.items() if field not in record.fields}
+    assert all(offset >= record.size for offset in beyond.values()), beyond  # what follows it
+
+
+def test_the_counter_lanes_are_the_ones_the_byte_map_lists() -> None:
+    block = _documented_blocks()["CounterLanes"]
+    listed = re.findall(r"(\d+) ([a-z_]+)", block[block.index("lane 0"):])
+    assert {name: int(lane) for lane, name in listed if name != "reserved"} == \
+        COUNTER_LANES.index._asdict()
+
+
 def test_the_layout_version_and_the_sizes_are_unchanged() -> None:
     assert layout.LAYOUT_VERSION == 3
     assert (HEADER.size, COUNTER_LANES.size, SLOT.size, SNAPSHOT.size, ROW_HEADER.size,

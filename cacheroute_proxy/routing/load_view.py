@@ -30,6 +30,7 @@ from shm_schema import (
     WorkerRow,
     layout,
 )
+from shm_schema.records import SNAPSHOT
 from shm_schema.snapshot import SnapshotReader
 
 GEN_SHIFT = 32
@@ -172,7 +173,7 @@ class LoadView:
     @staticmethod
     def _record(instance: SlotRef, records: Sequence[int]) -> Sequence[int] | None:
         """The instance's snapshot record, if the snapshot describes its generation."""
-        fields = layout.SNAPSHOT_FIELDS
+        fields = SNAPSHOT.count
         record = records[fields * instance.slot:fields * (instance.slot + 1)]
         return record if record and record[0] == instance.generation else None
 
