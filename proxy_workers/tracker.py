@@ -1,18 +1,19 @@
 """This worker's side of the event channel: reserve / first-token / complete events for the
 sidecar's timelines, and a full re-announcement of live requests when the sidecar restarts.
 
-A request key is `row << 48 | sequence`, unique on the host while the row is held.
+A request key (shm_schema.bitfields.RequestKey) names this worker's row and a per-worker
+sequence, so it is unique on the host while the row is held.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from cacheroute_proxy.clock import now_us
-from shm_schema import Segment, WorkerRow, layout
+from shm_schema import Segment, WorkerRow, header
+from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventKind, EventWriter
-
-ROW_SHIFT = 48
 
 
 @dataclass
@@ -31,10 +32,10 @@ class RequestTracker:
     def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536) -> None:
         self._seg = seg
         self._writer = EventWriter(seg, row.row, spill_limit)
-        self._prefix = row.row << ROW_SHIFT
-        self._seq = 0
+        # Consecutive keys of this row, from sequence 1: one C call per request.
+        self._next_key = itertools.count(RequestKey.pack(row.row, 1)).__next__
         self._live: dict[int, LiveRequest] = {}
-        self._epoch = seg.load(layout.H_SIDECAR_EPOCH)
+        self._epoch = header.sidecar_epoch(seg)
         self.resyncs = 0
 
     @property
@@ -42,8 +43,7 @@ class RequestTracker:
         return self._writer
 
     def new_key(self) -> int:
-        self._seq += 1
-        return self._prefix | self._seq
+        return self._next_key()
 
     def reserve(self, key: int, slot: int, generation: int, service_ms: float, decode_ms: float,
                 decode_tokens: int, prompt_tokens: int) -> None:
@@ -77,7 +77,7 @@ class RequestTracker:
             self._writer.write(kind, self._epoch, key, live.slot, live.generation, t_us, a)
 
     def _check_epoch(self) -> None:
-        epoch = self._seg.load(layout.H_SIDECAR_EPOCH)
+        epoch = header.sidecar_epoch(self._seg)
         if epoch == self._epoch:
             return
         # A new sidecar discards what was written for the old one: replace it with the state of

@@ -23,6 +23,12 @@ def next_tie_break(seg: Segment) -> int:
     return seg.atomic.fetch_add_u64(layout.H_TIE_COUNTER, 1)
 
 
+def sidecar_epoch(seg: Segment) -> int:
+    """+1 at every sidecar start: events written under an older epoch are discarded.
+    (Once per event on a worker: one atomic load, no other call.)"""
+    return seg.atomic.load_u64(layout.H_SIDECAR_EPOCH)
+
+
 def claim_sidecar(seg: Segment) -> int:
     """Record this process as the sidecar; returns the new sidecar epoch."""
     seg.store(layout.H_SIDECAR_IDENTITY, process_identity.own_identity())
@@ -52,6 +58,11 @@ def count_reaped_worker(seg: Segment) -> None:
 
 def count_reconcile_correction(seg: Segment) -> None:
     seg.fetch_add(layout.H_RECONCILE_COUNT, 1)
+
+
+def events_dropped_gone(seg: Segment) -> int:
+    """Events dropped by workers whose rows have since been freed (see repair.free_row)."""
+    return seg.load(layout.H_EVENTS_DROPPED_GONE)
 
 
 def add_events_dropped_gone(seg: Segment, dropped: int) -> None:

@@ -13,15 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shm_schema import DirectoryReader, Segment, layout, read_all, read_rows
+from shm_schema import DirectoryReader, Segment, header, read_all, read_rows
+from shm_schema.bitfields import RequestKey
 from shm_schema.events import Event, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
-
-ROW_SHIFT = 48  # request key = row << 48 | per-worker sequence
 
 
 @dataclass
@@ -60,7 +59,7 @@ class PressurePublisher:
         for row in rows:
             self._drain(row.row)
         self.stats.dropped_by_workers = (sum(r.events_dropped for r in rows)
-                                         + self._seg.load(layout.H_EVENTS_DROPPED_GONE))
+                                         + header.events_dropped_gone(self._seg))
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             self._housekeeping(now)
@@ -110,7 +109,7 @@ class PressurePublisher:
             self._owners.setdefault(row, identity)
 
     def _drop_row(self, row: int, now: float) -> None:
-        if self.timelines.drop_keys(lambda key: key >> ROW_SHIFT == row, now):
+        if self.timelines.drop_keys(lambda key: RequestKey.row(key) == row, now):
             self._dirty = True
 
     def _housekeeping(self, now: float) -> None:

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from shm_schema import Segment, WorkerRow, layout, read_rows
+from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventKind, EventReader, EventWriter
 from proxy_workers.tracker import RequestTracker
 
@@ -35,7 +36,7 @@ def _produce(name: str, index: int, count: int, start, done, stop) -> None:
     writer = EventWriter(seg, row.row)
     start.wait()
     for seq in range(count):
-        writer.write(EventKind.RESERVE, 1, (row.row << 48) | seq, index, 1, seq)
+        writer.write(EventKind.RESERVE, 1, RequestKey.pack(row.row, seq), index, 1, seq)
         if writer.spilled and seq % 256 == 0:
             time.sleep(0)  # a real worker yields to its loop; the spill keeps order meanwhile
     deadline = time.monotonic() + 30
@@ -64,7 +65,8 @@ def test_burst_of_50000_events_from_4_workers_none_lost(seg_name):
         while time.monotonic() < deadline:
             for row in read_rows(seg):
                 for event in reader.drain(row.row):
-                    received.setdefault(event.request_key >> 48, []).append(event.request_key & 0xFFFF_FFFF)
+                    received.setdefault(RequestKey.row(event.request_key), []).append(
+                        RequestKey.sequence(event.request_key))
             while not done.empty():
                 finished.append(done.get())
             if len(finished) == PRODUCERS and sum(map(len, received.values())) >= PRODUCERS * EVENTS_EACH:
