@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from cacheroute_proxy.clock import now_us
 from shm_schema import Segment, WorkerRow, header
 from shm_schema.bitfields import RequestKey
-from shm_schema.events import EventKind, EventWriter
+from shm_schema.events import EventWriter
 
 
 @dataclass
@@ -50,31 +50,27 @@ class RequestTracker:
         live = LiveRequest(slot, generation, now_us(), int(service_ms * 1000), int(decode_ms * 1000),
                            decode_tokens, prompt_tokens)
         self._live[key] = live
-        self._emit(EventKind.RESERVE, key, live, live.reserved_at_us)
+        self._check_epoch()
+        self._writer.reserve(self._epoch, key, slot, generation, live.reserved_at_us,
+                             live.service_us, live.decode_us, decode_tokens, prompt_tokens)
 
     def first_token(self, key: int) -> None:
         live = self._live.get(key)
         if live is not None and live.first_token_us is None:
             live.first_token_us = now_us()
-            self._emit(EventKind.FIRST_TOKEN, key, live, live.first_token_us)
+            self._check_epoch()
+            self._writer.first_token(self._epoch, key, live.slot, live.generation, live.first_token_us)
 
     def complete(self, key: int, failed: bool) -> None:
         live = self._live.pop(key, None)
         if live is not None:
-            self._emit(EventKind.COMPLETE, key, live, now_us(), a=int(failed))
+            self._check_epoch()
+            self._writer.complete(self._epoch, key, live.slot, live.generation, now_us(), failed)
 
     def tick(self) -> None:
         """Periodic: move spilled events into the ring; re-announce after a sidecar restart."""
         self._check_epoch()
         self._writer.flush()
-
-    def _emit(self, kind: int, key: int, live: LiveRequest, t_us: int, a: int | None = None) -> None:
-        self._check_epoch()
-        if a is None:
-            self._writer.write(kind, self._epoch, key, live.slot, live.generation, t_us,
-                               live.service_us, live.decode_us, live.decode_tokens, live.prompt_tokens)
-        else:
-            self._writer.write(kind, self._epoch, key, live.slot, live.generation, t_us, a)
 
     def _check_epoch(self) -> None:
         epoch = header.sidecar_epoch(self._seg)
@@ -86,10 +82,9 @@ class RequestTracker:
         self._writer.discard_spill()
         self.resyncs += 1
         for key, live in self._live.items():
-            self._writer.write(EventKind.RESYNC, epoch, key, live.slot, live.generation,
-                               live.reserved_at_us, live.service_us, live.decode_us,
-                               live.decode_tokens, live.prompt_tokens)
+            self._writer.resync(epoch, key, live.slot, live.generation, live.reserved_at_us,
+                                live.service_us, live.decode_us, live.decode_tokens,
+                                live.prompt_tokens)
             if live.first_token_us is not None:
-                self._writer.write(EventKind.FIRST_TOKEN, epoch, key, live.slot, live.generation,
-                                   live.first_token_us)
-
+                self._writer.first_token(epoch, key, live.slot, live.generation,
+                                         live.first_token_us)

@@ -87,7 +87,7 @@ class PressurePublisher:
         t = event.t_us / 1e6
         if event.kind in (EventKind.RESERVE, EventKind.RESYNC):
             self.timelines.reserve(event.slot, event.generation, event.request_key, t,
-                                   event.a / 1e6, event.b / 1e6)
+                                   event.service_us / 1e6, event.decode_us / 1e6)
         elif event.kind == EventKind.FIRST_TOKEN:
             self.timelines.first_token(event.request_key, t)
         elif event.kind == EventKind.COMPLETE:
@@ -125,7 +125,9 @@ class PressurePublisher:
     def _publish(self, now: float) -> None:
         # Every registered instance gets a record: an idle one is a measured zero, not unknown.
         now_us = int(now * 1e6)
-        records = {i.slot: Pressure(i.generation, 0, 0, now_us, now_us, now_us)
+        records = {i.slot: Pressure(generation=i.generation, pending_prefill_count=0,
+                                    active_decode_count=0, next_slot_free_at_us=now_us,
+                                    prefill_free_at_us=now_us, decode_free_at_us=now_us)
                    for i in self._directory.snapshot().instances}
         for slot, pressure in self.timelines.pressures().items():
             current = records.get(slot)
