@@ -8,10 +8,12 @@ import uuid
 
 import pytest
 
+from cacheroute_proxy import clock
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrategy
 from proxy_workers import fast_score
 from proxy_workers.fast_score import compile_scorer
+from proxy_workers import router as router_module
 from proxy_workers.router import Router
 from shm_schema import CounterWord, DirectoryWriter, Segment, WorkerRow, layout
 from shm_schema.records import COUNTER_LANES, SNAPSHOT, CounterLanes, SnapshotRecord
@@ -48,12 +50,17 @@ def _random_load(seg, row, instances, rng: random.Random, publish: bool) -> None
 
 @pytest.mark.parametrize("publish", [True, False])
 @pytest.mark.parametrize("seed", range(5))
-def test_fast_totals_equal_generic_totals(table, seed, publish):
+def test_fast_totals_equal_generic_totals(table, seed, publish, monkeypatch):
     name, seg, row = table
     rng = random.Random(seed)
     writer = DirectoryWriter(seg)
     instances = [writer.allocate(f"i{n}", "127.0.0.1", 9000 + n) for n in range(rng.randint(1, 20))]
     _random_load(seg, row, instances, rng, publish)
+    # Both paths read "now" for the backlog; one clock reading for both, so a descheduling
+    # between the two calls (a busy host) cannot move the backlog of one and not the other.
+    now = clock.now_us()
+    monkeypatch.setattr(clock, "now_us", lambda: now)
+    monkeypatch.setattr(router_module, "now_us", lambda: now)
     router = Router(Settings(shm_name=name, instance_strategy="least_load", snapshot_stale_ms=60_000),
                     seg, row)
     snapshot = router.view.directory.snapshot()
