@@ -11,14 +11,15 @@ struct call) and the flat snapshot records R (cached on the snapshot generation)
      + (max(R[next_slot_free_at_us of a], R[prefill_free_at_us of a], now) - now
         + unannounced(a) * R[marginal_backlog_us of a]) * w_per_us, ...]
 
-Every index in it comes from shm_schema's declarations (layout.lane_index for the lanes,
-snapshot.flat_index with records.SNAPSHOT's field indices for the records), and a counter word
-is decoded by the source text CounterWord gives, so the scorer cannot drift from the format;
-tests/test_fast_score.py checks its tables and its results against the declarations.
+(w_per_us: the backlog weight, which is per millisecond, over 1000.) Every index in it comes
+from shm_schema's declarations (layout.lane_index for the lanes, snapshot.flat_index with
+records.SNAPSHOT's field indices for the records), and a counter word is decoded by the source
+text CounterWord gives, so the scorer cannot drift from the format.
 
 It returns None whenever its assumptions do not hold (a slot changed generation, a record
 describes another generation), and the caller then takes the generic path, so both always
-agree; tests/test_fast_score.py checks that they do.
+agree. tests/test_fast_score.py checks both: its tables against the declarations, each
+component alone against the record read by name, and its totals against the generic path's.
 """
 
 from __future__ import annotations

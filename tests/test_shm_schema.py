@@ -363,7 +363,8 @@ def test_claim_starts_from_a_clean_row(seg):
     geometry = seg.geometry
     # Garbage left in a free row (a row is only zeroed for the slots that held something).
     seg.store(geometry.contribution_offset(0, inst.slot), CounterWord.pack(inst.generation, 9))
-    seg.store(geometry.row_offset(0) + layout.R_JOURNAL, JournalWord.pending(3, inst.slot, layout.LANE_INFLIGHT, is_end=False))
+    seg.store(geometry.row_offset(0) + layout.R_JOURNAL,
+              JournalWord.pending(3, inst.slot, layout.LANE_INFLIGHT, is_end=False))
     row = WorkerRow.claim(seg, 5)
     assert row.row == 0
     assert share_of(seg, 0, inst.slot, inst.generation) == 0
