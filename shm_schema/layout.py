@@ -268,4 +268,5 @@ def inflight_struct(span: int) -> struct.Struct:
     """The inflight lane of slots 0 .. span-1, one word a slot."""
     before = COUNTER_LANES.offset.inflight
     after = COUNTER_LANES.size - before - WORD
-    return struct.Struct("@" + f"{before}xQ{after}x" * span)
+    one_slot = (f"{before}x" if before else "") + f"Q{after}x"
+    return struct.Struct("@" + one_slot * span)

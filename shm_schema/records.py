@@ -48,7 +48,7 @@ class Record(Generic[T]):
         self.index: T = declaration(*range(self.count))
         self.offset: T = declaration(*offsets)
         # Without a byte-order prefix, so `array` can repeat it.
-        self.format = "".join(codes) + f"{self.size - used}x"
+        self.format = _run_lengths(codes) + _padding(self.size - used)
         self.struct = struct.Struct("@" + self.format)
         self.make = declaration._make  # type: ignore[attr-defined]  # fields tuple -> record
 
@@ -61,6 +61,22 @@ class Record(Generic[T]):
     def array(self, span: int) -> struct.Struct:
         """`span` records back to back, unpacked as one flat tuple of `count` fields each."""
         return struct.Struct("@" + self.format * span)
+
+
+def _run_lengths(codes: list[str]) -> str:
+    """'5Q' rather than 'QQQQQ': the same bytes, but struct handles a run as one code, which
+    is measurably faster when a reader unpacks every record of a region in one call."""
+    runs: list[list] = []
+    for code in codes:
+        if runs and code == "Q" and runs[-1][0] == "Q":
+            runs[-1][1] += 1
+        else:
+            runs.append([code, 1])
+    return "".join(code if count == 1 else f"{count}{code}" for code, count in runs)
+
+
+def _padding(size: int) -> str:
+    return f"{size}x" if size else ""
 
 
 # --- the header ------------------------------------------------------------------------------
