@@ -165,16 +165,21 @@ class EventReader:
             tail = min(tail, head + limit)
         ring = geometry.ring_offset(row)
         capacity = geometry.ring_capacity
+        # Locals, not module globals, inside the loop: the sidecar decodes every event. An Event
+        # is built by tuple.__new__ on all its fields (what Event(...) does, minus a Python frame).
+        buf, unpack, size, new = seg.buf, _UNPACK_FROM, _SIZE, tuple.__new__
+        kind_mask, epoch_shift, complete = _KIND_MASK, _EPOCH_SHIFT, _COMPLETE
+        slot_shift, generation_mask = _SLOT_SHIFT, _GENERATION_MASK
         try:
             while head < tail:
-                tag, key, where, t_us, p0, p1, p2, p3 = _UNPACK_FROM(
-                    seg.buf, ring + _SIZE * (head % capacity))
+                tag, key, where, t_us, p0, p1, p2, p3 = unpack(buf, ring + size * (head % capacity))
                 head += 1
-                kind, epoch = tag & _KIND_MASK, tag >> _EPOCH_SHIFT
-                slot, generation = where >> _SLOT_SHIFT, where & _GENERATION_MASK
-                if kind == _COMPLETE:
-                    yield Event(kind, epoch, key, slot, generation, t_us, 0, 0, 0, 0, p0 != 0)
+                kind = tag & kind_mask
+                if kind == complete:
+                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
+                                      where & generation_mask, t_us, 0, 0, 0, 0, p0 != 0))
                 else:
-                    yield Event(kind, epoch, key, slot, generation, t_us, p0, p1, p2, p3)
+                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
+                                      where & generation_mask, t_us, p0, p1, p2, p3, False))
         finally:
             seg.store(base + layout.R_RING_HEAD, head)
