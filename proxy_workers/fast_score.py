@@ -4,15 +4,22 @@ The generic path (LoadView.components + LeastLoadStrategy.totals) builds a list 
 and then sums them; in Python that is ~25 us for 16 instances. Selection runs on
 every request, and the candidate set changes only when the directory does, so this module
 compiles, once per directory snapshot and weight set, a function whose body is the whole
-weighted sum with every offset and weight as a constant:
+weighted sum with every offset and weight as a constant, over the flat lane words L (one
+struct call) and the flat snapshot records R (cached on the snapshot generation):
 
-    [(L[0] & M) * 1.0 + (L[1] & M) * 1.0 + ... + R[1] * 1.0 + R[2] * 0.5
-     + (max(R[3], R[4], now) - now + max(0, (L[0] & M) - R[1] - R[2]) * R[6]) * 1e-06, ...]
+    [count(L[inflight of slot a]) * w + ... + R[pending_prefill_count of a] * w
+     + (max(R[next_slot_free_at_us of a], R[prefill_free_at_us of a], now) - now
+        + unannounced(a) * R[marginal_backlog_us of a]) * w_per_us, ...]
 
-over the flat lane words (one struct call) and the flat snapshot records (cached on the
-snapshot generation). It returns None whenever its assumptions do not hold (a slot changed
-generation, a record describes another generation), and the caller then takes the generic
-path, so both always agree; tests/test_fast_score.py checks that they do.
+(w_per_us: the backlog weight, which is per millisecond, over 1000.) Every index in it comes
+from shm_schema's declarations (layout.lane_index for the lanes, snapshot.flat_index with
+records.SNAPSHOT's field indices for the records), and a counter word is decoded by the source
+text CounterWord gives, so the scorer cannot drift from the format.
+
+It returns None whenever its assumptions do not hold (a slot changed generation, a record
+describes another generation), and the caller then takes the generic path, so both always
+agree. tests/test_fast_score.py checks both: its tables against the declarations, each
+component alone against the record read by name, and its totals against the generic path's.
 """
 
 from __future__ import annotations
@@ -20,16 +27,21 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from shm_schema import layout
+from shm_schema.bitfields import CounterWord
+from shm_schema.records import SNAPSHOT
+from shm_schema.snapshot import flat_index
 
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 
 Scorer = Callable[[Sequence[int], Sequence[int] | None, int], list[float] | None]
 
-# Component -> (table, field) in the generated code: L = lane words, R = snapshot records.
-_LANE_FIELDS = {"inflight": 0, "active_ready": 1, "active_prepare": 2, "prepare_queue_depth": 3,
-                "ready_queue_depth": 4}
-_RECORD_FIELDS = {"pending_prefill_count": 1, "active_decode_count": 2}
-_SUPPORTED = {*_LANE_FIELDS, *_RECORD_FIELDS, "predicted_total_backlog_ms"}
+# Component -> its lane (a word of L) or its snapshot field (a word of R), by name.
+LANE_FIELDS = {name: layout.LANE_NAMES.index(name) for name in layout.LANE_NAMES}
+RECORD_FIELDS = {name: getattr(SNAPSHOT.index, name)
+                 for name in ("pending_prefill_count", "active_decode_count")}
+BACKLOG = "predicted_total_backlog_ms"
+_SUPPORTED = {*LANE_FIELDS, *RECORD_FIELDS, BACKLOG}
+_R = SNAPSHOT.index
 
 
 def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
@@ -38,23 +50,16 @@ def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
     weights = {name: w for name, w in strategy.weights.items() if w}
     if not slots or not set(weights) <= _SUPPORTED:
         return None
-    used, fields = layout.LANES_USED, layout.SNAPSHOT_FIELDS
-    mask = layout.COUNT_MASK
-    lane_gens = ", ".join(f"L[{used * s}] >> 32" for s in slots)
-    record_gens = ", ".join(f"R[{fields * s}]" for s in slots)
+    lane_gens = ", ".join(CounterWord.generation_source(_lane(s, layout.LANE_INFLIGHT)) for s in slots)
+    record_gens = ", ".join(_record(s, _R.generation) for s in slots)
     queue_terms, full_terms = [], []
     for s in slots:
-        queue = [_weighted(f"(L[{used * s + f}] & {mask})", weights[n])
-                 for n, f in _LANE_FIELDS.items() if n in weights]
-        predicted = [_weighted(f"R[{fields * s + f}]", weights[n])
-                     for n, f in _RECORD_FIELDS.items() if n in weights]
-        if "predicted_total_backlog_ms" in weights:  # microseconds, weighted per ms
-            scale = weights["predicted_total_backlog_ms"] / 1000
-            r = fields * s
-            # Time until free, plus the unannounced requests (inflight - pending - decoding)
-            # at the marginal cost each (load_view._unannounced_backlog_ms).
-            unseen = f"max(0, (L[{used * s}] & {mask}) - R[{r + 1}] - R[{r + 2}]) * R[{r + 6}]"
-            predicted.append(f"(max(R[{r + 3}], R[{r + 4}], now) - now + {unseen}) * {scale!r}")
+        queue = [_weighted(CounterWord.count_source(_lane(s, lane)), weights[name])
+                 for name, lane in LANE_FIELDS.items() if name in weights]
+        predicted = [_weighted(_record(s, field), weights[name])
+                     for name, field in RECORD_FIELDS.items() if name in weights]
+        if BACKLOG in weights:
+            predicted.append(_backlog_term(s, weights[BACKLOG]))
         queue_terms.append(" + ".join(queue) or "0")
         full_terms.append(" + ".join(queue + predicted) or "0")
     gens = tuple(generations)
@@ -70,6 +75,25 @@ def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
     namespace: dict[str, object] = {"GENS": gens}
     exec(compile(source, "<least_load scorer>", "exec"), namespace)
     return namespace["scorer"]  # type: ignore[return-value]
+
+
+def _backlog_term(slot: int, weight_per_ms: float) -> str:
+    """Time until the instance is free, plus the requests in flight the snapshot has not seen
+    (inflight - pending - decoding) at the marginal cost each (load_view's
+    _unannounced_backlog_ms); the record is in microseconds, the weight per millisecond."""
+    inflight = CounterWord.count_source(_lane(slot, layout.LANE_INFLIGHT))
+    unseen = (f"max(0, {inflight} - {_record(slot, _R.pending_prefill_count)}"
+              f" - {_record(slot, _R.active_decode_count)}) * {_record(slot, _R.marginal_backlog_us)}")
+    free_at = f"max({_record(slot, _R.next_slot_free_at_us)}, {_record(slot, _R.prefill_free_at_us)}, now)"
+    return f"({free_at} - now + {unseen}) * {weight_per_ms / 1000!r}"
+
+
+def _lane(slot: int, lane: int) -> str:
+    return f"L[{layout.lane_index(slot, lane)}]"
+
+
+def _record(slot: int, field: int) -> str:
+    return f"R[{flat_index(slot, field)}]"
 
 
 def _weighted(term: str, weight: float) -> str:

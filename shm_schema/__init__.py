@@ -1,23 +1,27 @@
 """The shared load table: one POSIX shared-memory segment read by every worker without IPC.
 
-`layout` is the only module that knows byte offsets; the others speak in slots and rows.
+`records` declares every multi-word record and `bitfields` every bit-packed word, once;
+`layout` places them in the segment (the byte map). The other modules speak in slots, rows
+and named fields: `segment` (create, attach, validate), `header`, `directory`, `counters`
+(the worker's path), `repair` (the sidecar's), `snapshot`, `events`, `process_identity`.
 """
 
 from . import layout
-from .counters import (Admission, CountersReader, Reaped, RowState, WorkerRow,
-                       WorkerTableFull, counter_value, free_row, inflight_count, read_rows,
-                       reap_row, reconcile, reconcile_slot, row_contributions, subtract_row,
-                       take_row)
+from .bitfields import CounterWord
+from .counters import (Admission, CountersReader, WorkerRow, WorkerTableFull, counter_value,
+                       inflight_count)
 from .directory import (DirectoryFull, DirectoryReader, DirectorySnapshot, DirectoryWriter,
                         InstanceSlot, encode_identity, read_all)
-from .layout import LAYOUT_VERSION, word_count, word_generation
+from .layout import LAYOUT_VERSION
+from .repair import (Reaped, RowState, free_row, read_rows, reap_row, reconcile, reconcile_slot,
+                     row_contributions, subtract_row, take_row)
 from .segment import Segment, SegmentError, SegmentLayoutError, SegmentNotFound
 
 __all__ = [
-    "Admission", "CountersReader", "counter_value", "layout", "reconcile", "take_row",
-    "DirectoryFull", "DirectoryReader", "DirectorySnapshot", "DirectoryWriter",
-    "InstanceSlot", "LAYOUT_VERSION", "Reaped", "RowState", "Segment", "SegmentError", "SegmentLayoutError",
-    "SegmentNotFound", "WorkerRow", "WorkerTableFull", "encode_identity", "free_row",
-    "inflight_count", "read_all", "read_rows", "reap_row", "reconcile_slot", "row_contributions",
-    "subtract_row", "word_count", "word_generation",
+    "Admission", "CounterWord", "CountersReader", "counter_value", "layout", "reconcile",
+    "take_row", "DirectoryFull", "DirectoryReader", "DirectorySnapshot", "DirectoryWriter",
+    "InstanceSlot", "LAYOUT_VERSION", "Reaped", "RowState", "Segment", "SegmentError",
+    "SegmentLayoutError", "SegmentNotFound", "WorkerRow", "WorkerTableFull", "encode_identity",
+    "free_row", "inflight_count", "read_all", "read_rows", "reap_row", "reconcile_slot",
+    "row_contributions", "subtract_row",
 ]

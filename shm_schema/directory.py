@@ -14,6 +14,8 @@ import time
 from typing import NamedTuple
 
 from . import layout
+from .bitfields import CounterWord, OptionalFloatWord
+from .records import SLOT
 from .segment import Segment
 
 
@@ -44,28 +46,27 @@ class DirectorySnapshot(NamedTuple):
 
 
 def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
-    base = seg.geometry.slot_offset(slot)
-    (generation, state, alive, port, registered_at_ms, last_seen_ms, qps_bits, id_len,
-     host_len, cp_port) = layout.SLOT_FIELDS.unpack_from(seg.buf, base)
-    if state != layout.SLOT_ACTIVE:
+    record = SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot))
+    if record.state != layout.SLOT_ACTIVE:
         return None
-    id_start = base + layout.S_INSTANCE_ID
-    host_start = base + layout.S_HOST
-    id_len = min(id_len, layout.MAX_ID_BYTES)
-    host_len = min(host_len, layout.MAX_HOST_BYTES)
     return InstanceSlot(
         slot=slot,
-        generation=generation,
-        instance_id=bytes(seg.buf[id_start:id_start + id_len]).decode("utf-8", "replace"),
-        host=bytes(seg.buf[host_start:host_start + host_len]).decode("utf-8", "replace"),
-        port=port,
-        alive=bool(alive),
-        registered_at_ms=registered_at_ms,
-        last_seen_ms=last_seen_ms,
-        qps_1m=layout.bits_to_qps(qps_bits),
-        cp_port=cp_port,
-        max_num_seqs=seg.load(base + layout.S_MAX_NUM_SEQS),
+        generation=record.generation,
+        instance_id=_text(record.instance_id, record.id_len),
+        host=_text(record.host, record.host_len),
+        port=record.port,
+        alive=bool(record.alive),
+        registered_at_ms=record.registered_at_ms,
+        last_seen_ms=record.last_seen_ms,
+        qps_1m=OptionalFloatWord.unpack(record.qps_1m),
+        cp_port=record.cp_port,
+        max_num_seqs=record.max_num_seqs,
     )
+
+
+def _text(field: bytes, length: int) -> str:
+    """The used part of a text field (a length past its end, from a torn read, is clamped)."""
+    return field[:length].decode("utf-8", "replace")
 
 
 def read_all(seg: Segment) -> tuple[InstanceSlot, ...]:
@@ -157,7 +158,7 @@ class DirectoryWriter:
             _write_text(seg, base + layout.S_HOST, host_bytes, layout.MAX_HOST_BYTES)
             for offset, value in ((layout.S_GENERATION, generation), (layout.S_PORT, port),
                                   (layout.S_REGISTERED_AT_MS, now_ms), (layout.S_LAST_SEEN_MS, now_ms),
-                                  (layout.S_QPS_1M, layout.qps_to_bits(None)),
+                                  (layout.S_QPS_1M, OptionalFloatWord.pack(None)),
                                   (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
                                   (layout.S_CP_PORT, cp_port), (layout.S_MAX_NUM_SEQS, max_num_seqs),
                                   (layout.S_ALIVE, 1)):
@@ -199,7 +200,7 @@ class DirectoryWriter:
         base = self._seg.geometry.slot_offset(slot)
         self._seg.store(base + layout.S_LAST_SEEN_MS, last_seen_ms)
         if qps_1m is not None:
-            self._seg.store(base + layout.S_QPS_1M, layout.qps_to_bits(qps_1m))
+            self._seg.store(base + layout.S_QPS_1M, OptionalFloatWord.pack(qps_1m))
 
     def free(self, slot: int) -> None:
         """Remove the instance; bump the generation so every outstanding lease goes stale."""
@@ -233,11 +234,11 @@ def encode_identity(instance_id: str, host: str) -> tuple[bytes, bytes]:
 
 def _reset_counters(seg: Segment, slot: int, generation: int) -> None:
     for lane in range(layout.LANES_USED):
-        seg.atomic.exchange_u64(seg.geometry.counter_offset(slot, lane), layout.pack_word(generation, 0))
+        seg.atomic.exchange_u64(seg.geometry.counter_offset(slot, lane), CounterWord.pack(generation, 0))
 
 
 def _next_generation(generation: int) -> int:
-    nxt = (generation + 1) & layout.GEN_MASK
+    nxt = (generation + 1) & CounterWord.MAX_GENERATION  # it tags every counter word of the slot
     return nxt or 1  # never 0: a zeroed word must not look like a live generation
 
 

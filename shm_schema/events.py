@@ -2,52 +2,67 @@
 
 Why rings in the segment: a POSIX message queue holds 10 messages here and an AF_UNIX datagram
 socket about 11, far too shallow for bursts. A ring of `ring_capacity` fixed 64-byte records
-costs one struct write and one atomic store per event, never blocks, and survives a sidecar
-restart. When the ring is full the worker keeps events in a bounded local spill, in order, and
-moves them in as the sidecar catches up; only when the spill is full too is an event dropped,
-and then it is counted in the row (`events_dropped`, shown in /debug/status).
+(records.EventRecord) costs one struct write and one atomic store per event, never blocks, and
+survives a sidecar restart. When the ring is full the worker keeps events in a bounded local
+spill, in order, and moves them in as the sidecar catches up; only when the spill is full too
+is an event dropped, and then it is counted in the row (`events_dropped`, shown in
+/debug/status).
 
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
+
+The writer has one method per kind, with that kind's payload as named parameters; the reader
+yields `Event`s with the payload by name. Both pack the record in EventRecord's field order
+with the EventTag / SlotGeneration formats inlined: three events per request, so no record
+object is built on the write path.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 from typing import Iterator, NamedTuple
 
 from . import layout
+from .bitfields import EventTag, SlotGeneration
+from .records import EVENT, EventKind
 from .segment import Segment
 
-_FIELDS = layout.EVENT_FIELDS
-_SIZE = layout.EVENT_SIZE
+__all__ = ["Event", "EventKind", "EventReader", "EventWriter"]
 
-
-class EventKind(enum.IntEnum):
-    RESERVE = 1      # released to ready: a = predicted prefill us, b = predicted decode us,
-                     # c = decode tokens, d = prompt tokens
-    FIRST_TOKEN = 2  # the instance produced its first byte of output
-    COMPLETE = 3     # finished (a = 0) or failed/cancelled (a = 1); the reservation goes away
-    RESYNC = 4       # a live request re-announced to a new sidecar: same payload as RESERVE,
-                     # plus t_us = original reserve time; FIRST_TOKEN follows if it was seen
+_PACK_INTO = EVENT.struct.pack_into
+_UNPACK_FROM = EVENT.struct.unpack_from
+_SIZE = EVENT.size
+_EPOCH_SHIFT = EventTag.EPOCH_SHIFT
+_KIND_MASK = EventTag.KIND_MASK
+_SLOT_SHIFT = SlotGeneration.SLOT_SHIFT
+_GENERATION_MASK = SlotGeneration.GENERATION_MASK
+_RESERVE = int(EventKind.RESERVE)
+_FIRST_TOKEN = int(EventKind.FIRST_TOKEN)
+_COMPLETE = int(EventKind.COMPLETE)
+_RESYNC = int(EventKind.RESYNC)
 
 
 class Event(NamedTuple):
+    """A decoded event. The payload fields are those of records.ReservePayload (RESERVE,
+    RESYNC) and records.CompletePayload (COMPLETE); the others are 0 / False."""
     kind: int
     epoch: int
     request_key: int
     slot: int
     generation: int
     t_us: int
-    a: int = 0
-    b: int = 0
-    c: int = 0
-    d: int = 0
+    service_us: int = 0
+    decode_us: int = 0
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
+    failed: bool = False
 
 
 class EventWriter:
-    """The worker side (single producer) of one row's ring, with a bounded local spill."""
+    """The worker side (single producer) of one row's ring, with a bounded local spill.
+
+    Every write never blocks and returns False only if the event had to be dropped (counted).
+    """
 
     def __init__(self, seg: Segment, row: int, spill_limit: int = 65536) -> None:
         geometry = seg.geometry
@@ -71,19 +86,34 @@ class EventWriter:
     def spilled(self) -> int:
         return len(self._spill)
 
-    def write(self, kind: int, epoch: int, request_key: int, slot: int, generation: int,
-              t_us: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> bool:
-        """Never blocks. False only if the event had to be dropped (counted)."""
-        record = (kind | (epoch << 8), request_key, (slot << 32) | generation, t_us, a, b, c, d)
-        if self._spill or not self._put(record):
-            if len(self._spill) >= self._spill_limit:
-                self.dropped += 1
-                self._fetch_add(self._dropped_offset, 1)
-                return False
-            self._spill.append(record)
-            self.flush()
-        return True
+    # --- one method per kind ----------------------------------------------------------------
+    def reserve(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int,
+                service_us: int, decode_us: int, decode_tokens: int, prompt_tokens: int) -> bool:
+        """Released to ready: the request takes its place on the instance's timeline."""
+        record = (_RESERVE | (epoch << _EPOCH_SHIFT), request_key, (slot << _SLOT_SHIFT) | generation,
+                  t_us, service_us, decode_us, decode_tokens, prompt_tokens)
+        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
 
+    def resync(self, epoch: int, request_key: int, slot: int, generation: int, reserved_at_us: int,
+               service_us: int, decode_us: int, decode_tokens: int, prompt_tokens: int) -> bool:
+        """A live request re-announced to a new sidecar, as it was reserved."""
+        record = (_RESYNC | (epoch << _EPOCH_SHIFT), request_key, (slot << _SLOT_SHIFT) | generation,
+                  reserved_at_us, service_us, decode_us, decode_tokens, prompt_tokens)
+        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+
+    def first_token(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int) -> bool:
+        record = (_FIRST_TOKEN | (epoch << _EPOCH_SHIFT), request_key,
+                  (slot << _SLOT_SHIFT) | generation, t_us, 0, 0, 0, 0)
+        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+
+    def complete(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int,
+                 failed: bool) -> bool:
+        """Finished (`failed` False) or failed/cancelled: the reservation goes away."""
+        record = (_COMPLETE | (epoch << _EPOCH_SHIFT), request_key,
+                  (slot << _SLOT_SHIFT) | generation, t_us, int(failed), 0, 0, 0)
+        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+
+    # --- the ring and the spill ---------------------------------------------------------------
     def flush(self) -> int:
         """Move spilled events into the ring, oldest first; returns how many remain."""
         spill = self._spill
@@ -97,11 +127,21 @@ class EventWriter:
         self._spill.clear()
         return count
 
+    def _spill_or_drop(self, record: tuple[int, ...]) -> bool:
+        """The ring is full, or older events wait in the spill: keep order behind them."""
+        if len(self._spill) >= self._spill_limit:
+            self.dropped += 1
+            self._fetch_add(self._dropped_offset, 1)
+            return False
+        self._spill.append(record)
+        self.flush()
+        return True
+
     def _put(self, record: tuple[int, ...]) -> bool:
         tail = self._tail
         if tail - self._load(self._head_offset) >= self._capacity:
             return False
-        _FIELDS.pack_into(self._buf, self._ring_base + _SIZE * (tail % self._capacity), *record)
+        _PACK_INTO(self._buf, self._ring_base + _SIZE * (tail % self._capacity), *record)
         self._tail = tail + 1
         self._store(self._tail_offset, tail + 1)  # publish after the record is written
         self.written += 1
@@ -125,12 +165,21 @@ class EventReader:
             tail = min(tail, head + limit)
         ring = geometry.ring_offset(row)
         capacity = geometry.ring_capacity
+        # Locals, not module globals, inside the loop: the sidecar decodes every event. An Event
+        # is built by tuple.__new__ on all its fields (what Event(...) does, minus a Python frame).
+        buf, unpack, size, new = seg.buf, _UNPACK_FROM, _SIZE, tuple.__new__
+        kind_mask, epoch_shift, complete = _KIND_MASK, _EPOCH_SHIFT, _COMPLETE
+        slot_shift, generation_mask = _SLOT_SHIFT, _GENERATION_MASK
         try:
             while head < tail:
-                kind_epoch, key, slot_gen, t_us, a, b, c, d = _FIELDS.unpack_from(
-                    seg.buf, ring + _SIZE * (head % capacity))
+                tag, key, where, t_us, p0, p1, p2, p3 = unpack(buf, ring + size * (head % capacity))
                 head += 1
-                yield Event(kind_epoch & 0xFF, kind_epoch >> 8, key, slot_gen >> 32,
-                            slot_gen & 0xFFFFFFFF, t_us, a, b, c, d)
+                kind = tag & kind_mask
+                if kind == complete:
+                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
+                                      where & generation_mask, t_us, 0, 0, 0, 0, p0 != 0))
+                else:
+                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
+                                      where & generation_mask, t_us, p0, p1, p2, p3, False))
         finally:
             seg.store(base + layout.R_RING_HEAD, head)

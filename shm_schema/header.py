@@ -1,4 +1,7 @@
-"""Header words shared by every process: cursors, sidecar presence, debug counters."""
+"""Header words shared by every process: cursors, sidecar presence, debug counters.
+
+Other modules read and change the header through these named accessors, never by offset.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import time
 from typing import Any
 
 from . import layout, process_identity
+from .bitfields import ProcessIdentity
+from .records import HEADER
 from .segment import Segment
 
 
@@ -16,6 +21,12 @@ def next_round_robin(seg: Segment) -> int:
 
 def next_tie_break(seg: Segment) -> int:
     return seg.atomic.fetch_add_u64(layout.H_TIE_COUNTER, 1)
+
+
+def sidecar_epoch(seg: Segment) -> int:
+    """+1 at every sidecar start: events written under an older epoch are discarded.
+    (Once per event on a worker: one atomic load, no other call.)"""
+    return seg.atomic.load_u64(layout.H_SIDECAR_EPOCH)
 
 
 def claim_sidecar(seg: Segment) -> int:
@@ -29,7 +40,7 @@ def other_live_sidecar(seg: Segment) -> int | None:
     """The pid of a live sidecar other than this process that owns the segment, if any."""
     identity = seg.load(layout.H_SIDECAR_IDENTITY)
     if identity and identity != process_identity.own_identity() and process_identity.is_alive(identity):
-        return layout.unpack_identity(identity)[0]
+        return ProcessIdentity.pid(identity)
     return None
 
 
@@ -45,23 +56,37 @@ def count_reaped_worker(seg: Segment) -> None:
     seg.fetch_add(layout.H_REAPED_WORKERS, 1)
 
 
+def count_reconcile_correction(seg: Segment) -> None:
+    seg.fetch_add(layout.H_RECONCILE_COUNT, 1)
+
+
+def events_dropped_gone(seg: Segment) -> int:
+    """Events dropped by workers whose rows have since been freed (see repair.free_row)."""
+    return seg.load(layout.H_EVENTS_DROPPED_GONE)
+
+
+def add_events_dropped_gone(seg: Segment, dropped: int) -> None:
+    seg.fetch_add(layout.H_EVENTS_DROPPED_GONE, dropped)
+
+
 def describe(seg: Segment) -> dict[str, Any]:
     """The header as JSON-friendly values, for /debug/status."""
-    identity = seg.load(layout.H_SIDECAR_IDENTITY)
-    heartbeat_ns = seg.load(layout.H_SIDECAR_HEARTBEAT_NS)
+    words = HEADER.unpack_from(seg.buf)
+    identity = words.sidecar_identity
+    heartbeat_ns = words.sidecar_heartbeat_ns
     return {
         "name": seg.name,
-        "layout_version": seg.load(layout.H_LAYOUT_VERSION),
+        "layout_version": words.layout_version,
         "creation_id": f"{seg.creation_id:016x}",
-        "created_at_ms": seg.load(layout.H_CREATED_AT_NS) // 1_000_000,
+        "created_at_ms": words.created_at_ns // 1_000_000,
         "instance_capacity": seg.geometry.instance_capacity,
         "worker_capacity": seg.geometry.worker_capacity,
         "total_size": seg.geometry.total_size,
-        "directory_seq": seg.load(layout.H_DIRECTORY_SEQ),
-        "sidecar_pid": layout.unpack_identity(identity)[0] if identity else None,
+        "directory_seq": words.directory_seq,
+        "sidecar_pid": ProcessIdentity.pid(identity) if identity else None,
         "sidecar_alive": bool(identity) and process_identity.is_alive(identity),
-        "sidecar_epoch": seg.load(layout.H_SIDECAR_EPOCH),
+        "sidecar_epoch": words.sidecar_epoch,
         "sidecar_heartbeat_age_ms": (time.time_ns() - heartbeat_ns) // 1_000_000 if heartbeat_ns else None,
-        "reconcile_corrections": seg.load(layout.H_RECONCILE_COUNT),
-        "reaped_workers": seg.load(layout.H_REAPED_WORKERS),
+        "reconcile_corrections": words.reconcile_count,
+        "reaped_workers": words.reaped_workers,
     }

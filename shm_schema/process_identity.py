@@ -1,4 +1,5 @@
-"""Who is a process, in a way that survives pid reuse: pid plus kernel start time.
+"""Who is a process, in a way that survives pid reuse: pid plus kernel start time (packed
+into one word by bitfields.ProcessIdentity).
 
 The start time is field 22 of /proc/<pid>/stat, in clock ticks since boot. It never changes
 for a process and a new process with a recycled pid gets a different one, so the pair names
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from . import layout
+from .bitfields import ProcessIdentity
 
 
 def start_ticks(pid: int) -> int | None:
@@ -28,12 +29,12 @@ def own_identity() -> int:
     pid = os.getpid()
     ticks = start_ticks(pid)
     assert ticks is not None
-    return layout.pack_identity(pid, ticks)
+    return ProcessIdentity.pack(pid, ticks)
 
 
 def is_alive(identity: int) -> bool:
     """True if the process that `identity` names still runs (a zombie counts as dead)."""
-    pid, ticks = layout.unpack_identity(identity)
+    pid, ticks = ProcessIdentity.unpack(identity)
     if start_ticks(pid) != ticks:
         return False
     try:

@@ -19,6 +19,8 @@ import posix_ipc
 
 from . import layout
 from .atomic import AtomicView, open_view
+from .bitfields import CounterWord
+from .records import HEADER
 
 
 class SegmentError(RuntimeError):
@@ -117,19 +119,19 @@ class Segment:
         return cls(name, mapping, inode, created=False)
 
     def _check_header(self) -> None:
-        magic, version, inst_cap, worker_cap, size, _ = layout.HEADER_IDENTITY.unpack_from(self.buf, 0)
-        if magic != layout.MAGIC:
+        header = HEADER.unpack_from(self.buf)
+        if header.magic != layout.MAGIC:
             self.close()
             raise SegmentLayoutError(
-                f"shared memory {self.name} is not a CacheRoute load table (magic {magic:#x}); "
+                f"shared memory {self.name} is not a CacheRoute load table (magic {header.magic:#x}); "
                 f"{_remedy(self.name)}")
-        if version != layout.LAYOUT_VERSION:
+        if header.layout_version != layout.LAYOUT_VERSION:
             self.close()
             raise SegmentLayoutError(
-                f"shared memory {self.name} has layout version {version}, but this build uses "
-                f"layout version {layout.LAYOUT_VERSION}; {_remedy(self.name)}")
-        ring_cap = struct.unpack_from("@Q", self.buf, layout.H_RING_CAPACITY)[0]
-        expected = layout.Geometry(inst_cap, worker_cap, ring_cap).total_size
+                f"shared memory {self.name} has layout version {header.layout_version}, but this "
+                f"build uses layout version {layout.LAYOUT_VERSION}; {_remedy(self.name)}")
+        inst_cap, worker_cap, size = header.instance_capacity, header.worker_capacity, header.total_size
+        expected = layout.Geometry(inst_cap, worker_cap, header.ring_capacity).total_size
         mapped = len(self.buf)
         if size != expected or mapped < expected:
             self.close()
@@ -203,7 +205,7 @@ def _initialise(mapping: mmap.mmap, geometry: layout.Geometry) -> None:
         # Generation 1 for fresh slots: a zero word never matches a live lease.
         struct.pack_into("@Q", mapping, geometry.slot_offset(slot) + layout.S_GENERATION, 1)
         for lane in range(layout.LANES_USED):
-            struct.pack_into("@Q", mapping, geometry.counter_offset(slot, lane), layout.pack_word(1, 0))
+            struct.pack_into("@Q", mapping, geometry.counter_offset(slot, lane), CounterWord.pack(1, 0))
     # Magic last: an attacher that sees it sees a fully initialised header.
     raw = memoryview(mapping)
     view = open_view(raw)

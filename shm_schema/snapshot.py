@@ -6,27 +6,39 @@ moved, the reader keeps what it had (never spins), so a descheduled or killed wr
 stall a worker. Readers decode only when the generation changed: the common case is one load.
 Times are absolute (microseconds since the epoch), so the sidecar need not republish as time
 passes and each worker computes "in N ms" against its own clock.
+
+A record is a `records.SnapshotRecord` (`Pressure` here, its name on the publishing side).
 """
 
 from __future__ import annotations
 
+import struct
 import time
-from typing import NamedTuple
+from typing import Sequence
 
 from . import layout
+from .records import SNAPSHOT, SnapshotRecord
 from .segment import Segment
 
-_FIELDS = layout.SNAPSHOT_FIELDS
+Pressure = SnapshotRecord
+
+_STRIDE = SNAPSHOT.count  # fields of one record in the flat tuple `records` returns
+_GENERATION = SNAPSHOT.index.generation
+_EMPTY = SnapshotRecord(*(0,) * SNAPSHOT.count)
 
 
-class Pressure(NamedTuple):
-    generation: int  # the slot generation it describes
-    pending_prefill_count: int
-    active_decode_count: int
-    next_slot_free_at_us: int
-    prefill_free_at_us: int
-    decode_free_at_us: int
-    marginal_backlog_us: int = 0  # what one more request adds to the backlog (see layout)
+def flat_index(slot: int, field: int) -> int:
+    """Where field `field` (a SNAPSHOT.index) of `slot` is in the flat tuple of `records`."""
+    return _STRIDE * slot + field
+
+
+def record_at(records: Sequence[int], slot: int, generation: int) -> SnapshotRecord | None:
+    """A slot's record from the flat tuple of `SnapshotReader.records`, if the tuple covers
+    the slot and the record describes `generation` (else the instance is unknown to it)."""
+    fields = records[_STRIDE * slot:_STRIDE * (slot + 1)]
+    if len(fields) < _STRIDE or fields[_GENERATION] != generation:
+        return None
+    return SNAPSHOT.make(fields)
 
 
 class SnapshotWriter:
@@ -39,12 +51,9 @@ class SnapshotWriter:
         geometry = seg.geometry
         generation = seg.load(layout.H_SNAPSHOT_GEN)
         buffer = (generation + 1) % 2
-        empty = (0,) * _FIELDS
-        packer = layout.snapshot_struct(1)
         for slot in range(geometry.instance_capacity):
-            record = records.get(slot)
-            packer.pack_into(seg.buf, geometry.snapshot_record_offset(buffer, slot),
-                             *(empty if record is None else record))
+            SNAPSHOT.pack_into(seg.buf, geometry.snapshot_record_offset(buffer, slot),
+                               records.get(slot, _EMPTY))
         seg.store(layout.H_SNAPSHOT_PUBLISHED_US, time.time_ns() // 1000)
         seg.store(layout.H_SNAPSHOT_GEN, generation + 1)
         return generation + 1
@@ -58,13 +67,14 @@ class SnapshotReader:
         self._generation = -1
         self._records: tuple[int, ...] = ()
         self._span = 0
-        self._structs: dict[int, object] = {}
+        self._structs: dict[int, struct.Struct] = {}
 
     def published_us(self) -> int:
         return self._seg.load(layout.H_SNAPSHOT_PUBLISHED_US)
 
     def records(self, span: int) -> tuple[int, ...]:
-        """Flat fields (SNAPSHOT_FIELDS a slot) of slots 0 .. span-1; () if never published."""
+        """The records of slots 0 .. span-1 as one flat tuple (SNAPSHOT.count fields a slot,
+        at SNAPSHOT.index within it; `record_at` decodes one); () if never published."""
         seg = self._seg
         generation = seg.load(layout.H_SNAPSHOT_GEN)
         if generation == self._generation and span <= self._span:
@@ -73,9 +83,9 @@ class SnapshotReader:
             return ()
         unpacker = self._structs.get(span)
         if unpacker is None:
-            unpacker = self._structs[span] = layout.snapshot_struct(span)
+            unpacker = self._structs[span] = SNAPSHOT.array(span)
         offset = seg.geometry.snapshot_record_offset(generation % 2, 0)
-        records = unpacker.unpack_from(seg.buf, offset)  # type: ignore[attr-defined]
+        records = unpacker.unpack_from(seg.buf, offset)
         if seg.load(layout.H_SNAPSHOT_GEN) != generation:
             return self._records  # the writer moved on while we read: keep the previous one
         self._generation, self._records, self._span = generation, records, span
@@ -83,9 +93,4 @@ class SnapshotReader:
 
     def pressure(self, slot: int, generation: int) -> Pressure | None:
         """One slot's record if it describes `generation`."""
-        records = self.records(slot + 1)
-        if not records:
-            return None
-        fields = records[_FIELDS * slot:_FIELDS * (slot + 1)]
-        return Pressure(*fields) if fields and fields[0] == generation else None
-
+        return record_at(self.records(slot + 1), slot, generation)

@@ -13,15 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shm_schema import DirectoryReader, Segment, layout, read_all, read_rows
+from shm_schema import DirectoryReader, Segment, header, read_all, read_rows
+from shm_schema.bitfields import RequestKey
 from shm_schema.events import Event, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
-
-ROW_SHIFT = 48  # request key = row << 48 | per-worker sequence
 
 
 @dataclass
@@ -60,7 +59,7 @@ class PressurePublisher:
         for row in rows:
             self._drain(row.row)
         self.stats.dropped_by_workers = (sum(r.events_dropped for r in rows)
-                                         + self._seg.load(layout.H_EVENTS_DROPPED_GONE))
+                                         + header.events_dropped_gone(self._seg))
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             self._housekeeping(now)
@@ -88,7 +87,7 @@ class PressurePublisher:
         t = event.t_us / 1e6
         if event.kind in (EventKind.RESERVE, EventKind.RESYNC):
             self.timelines.reserve(event.slot, event.generation, event.request_key, t,
-                                   event.a / 1e6, event.b / 1e6)
+                                   event.service_us / 1e6, event.decode_us / 1e6)
         elif event.kind == EventKind.FIRST_TOKEN:
             self.timelines.first_token(event.request_key, t)
         elif event.kind == EventKind.COMPLETE:
@@ -110,7 +109,7 @@ class PressurePublisher:
             self._owners.setdefault(row, identity)
 
     def _drop_row(self, row: int, now: float) -> None:
-        if self.timelines.drop_keys(lambda key: key >> ROW_SHIFT == row, now):
+        if self.timelines.drop_keys(lambda key: RequestKey.row(key) == row, now):
             self._dirty = True
 
     def _housekeeping(self, now: float) -> None:
@@ -126,7 +125,9 @@ class PressurePublisher:
     def _publish(self, now: float) -> None:
         # Every registered instance gets a record: an idle one is a measured zero, not unknown.
         now_us = int(now * 1e6)
-        records = {i.slot: Pressure(i.generation, 0, 0, now_us, now_us, now_us)
+        records = {i.slot: Pressure(generation=i.generation, pending_prefill_count=0,
+                                    active_decode_count=0, next_slot_free_at_us=now_us,
+                                    prefill_free_at_us=now_us, decode_free_at_us=now_us)
                    for i in self._directory.snapshot().instances}
         for slot, pressure in self.timelines.pressures().items():
             current = records.get(slot)

@@ -18,8 +18,8 @@ import time
 import uuid
 from typing import Any, Iterator, Sequence
 
-from shm_schema import Segment, WorkerRow, layout, process_identity
-from shm_schema.counters import row_contributions
+from shm_schema import CounterWord, Segment, WorkerRow, process_identity
+from shm_schema.repair import row_contributions
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -43,12 +43,12 @@ def fresh_segment(instance_capacity: int = 8, worker_capacity: int = 8) -> Itera
 
 
 def count_of(seg: Segment, slot: int) -> int:
-    return layout.word_count(seg.load(seg.geometry.inflight_offset(slot)))
+    return CounterWord.count(seg.load(seg.geometry.inflight_offset(slot)))
 
 
 def word_of(seg: Segment, slot: int) -> tuple[int, int]:
     word = seg.load(seg.geometry.inflight_offset(slot))
-    return layout.word_generation(word), layout.word_count(word)
+    return CounterWord.generation(word), CounterWord.count(word)
 
 
 def share_of(seg: Segment, row: int, slot: int, generation: int) -> int:

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from shm_schema import (DirectoryWriter, WorkerRow, layout, process_identity, read_rows,
-                        row_contributions)
+from shm_schema import (CounterWord, DirectoryWriter, WorkerRow, layout, process_identity,
+                        read_rows, row_contributions)
+from shm_schema.bitfields import JournalWord, ProcessIdentity
 from sidecar.reaper import WorkerReaper
 from tests.shm_helpers import (SPAWN, child_identity, children, churn_worker, count_of,
                                fresh_segment, mixed_ops_worker, proc_state, recv, row_agent,
@@ -283,7 +284,9 @@ def dead_identity():
 
 
 def _set_journal(seg, row: int, slot: int | None, seq: int = 4242, is_end: bool = False) -> None:
-    seg.store(seg.geometry.row_offset(row) + layout.R_JOURNAL, layout.pack_journal(seq, slot, is_end))
+    journal = (JournalWord.idle(seq) if slot is None
+               else JournalWord.pending(seq, slot, layout.LANE_INFLIGHT, is_end))
+    seg.store(seg.geometry.row_offset(row) + layout.R_JOURNAL, journal)
 
 
 # With the direction in the journal, the reaper can only leave a slot one too high (an
@@ -347,7 +350,7 @@ def test_reconcile_waits_for_a_quiescent_moment(dead_identity):
         assert reaper._pending_reconcile == {(slot, layout.LANE_INFLIGHT)}
         assert count_of(seg, slot) == 2 + 1 + 1  # dead share subtracted, nothing re-derived
         # The live worker finishes its begin (own row +1, journal cleared) ...
-        seg.store(seg.geometry.contribution_offset(live.row, slot), layout.pack_word(gen, 3))
+        seg.store(seg.geometry.contribution_offset(live.row, slot), CounterWord.pack(gen, 3))
         _set_journal(seg, live.row, None, seq=1)
         settle_reaper(seg, reaper)
         assert count_of(seg, slot) == 3
@@ -392,9 +395,9 @@ def test_same_pid_other_start_time_counts_as_dead():
     with fresh_segment(instance_capacity=4, worker_capacity=4) as seg:
         ((slot, gen),) = allocate(seg, 1)
         me = process_identity.own_identity()
-        pid, ticks = layout.unpack_identity(me)
+        pid, ticks = ProcessIdentity.unpack(me)
         assert pid == os.getpid()
-        impostor = layout.pack_identity(pid, ticks + 1)  # a previous holder of our pid
+        impostor = ProcessIdentity.pack(pid, ticks + 1)  # a previous holder of our pid
         assert not process_identity.is_alive(impostor)
         live = WorkerRow.claim(seg, 0)
         recycled = WorkerRow.claim(seg, 1, identity=impostor)

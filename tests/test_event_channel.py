@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from shm_schema import Segment, WorkerRow, layout, read_rows
+from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventKind, EventReader, EventWriter
 from proxy_workers.tracker import RequestTracker
 
@@ -35,7 +36,7 @@ def _produce(name: str, index: int, count: int, start, done, stop) -> None:
     writer = EventWriter(seg, row.row)
     start.wait()
     for seq in range(count):
-        writer.write(EventKind.RESERVE, 1, (row.row << 48) | seq, index, 1, seq)
+        writer.reserve(1, RequestKey.pack(row.row, seq), index, 1, seq, 0, 0, 0, 0)
         if writer.spilled and seq % 256 == 0:
             time.sleep(0)  # a real worker yields to its loop; the spill keeps order meanwhile
     deadline = time.monotonic() + 30
@@ -64,7 +65,8 @@ def test_burst_of_50000_events_from_4_workers_none_lost(seg_name):
         while time.monotonic() < deadline:
             for row in read_rows(seg):
                 for event in reader.drain(row.row):
-                    received.setdefault(event.request_key >> 48, []).append(event.request_key & 0xFFFF_FFFF)
+                    received.setdefault(RequestKey.row(event.request_key), []).append(
+                        RequestKey.sequence(event.request_key))
             while not done.empty():
                 finished.append(done.get())
             if len(finished) == PRODUCERS and sum(map(len, received.values())) >= PRODUCERS * EVENTS_EACH:
@@ -88,7 +90,7 @@ def test_full_ring_spills_in_order_and_counts_drops(seg_name):
     _, seg = seg_name
     row = WorkerRow.claim(seg, 0)
     writer = EventWriter(seg, row.row, spill_limit=10)
-    results = [writer.write(EventKind.COMPLETE, 1, i, 0, 1, i) for i in range(1024 + 30)]
+    results = [writer.complete(1, i, 0, 1, i, failed=False) for i in range(1024 + 30)]
     assert results.count(False) == 20 and writer.dropped == 20
     assert read_rows(seg)[0].events_dropped == 20
     reader = EventReader(seg)
@@ -117,7 +119,9 @@ def test_new_sidecar_epoch_discards_spill_and_resyncs_live_requests(seg_name):
     after = list(reader.drain(row.row))
     assert [(e.kind, e.request_key, e.epoch) for e in after] == [
         (EventKind.RESYNC, live, 1), (EventKind.FIRST_TOKEN, live, 1)]
-    assert after[0].a == 100_000 and after[0].b == 500_000 and after[0].t_us == before[0].t_us
+    assert after[0].service_us == 100_000 and after[0].decode_us == 500_000
+    assert (after[0].decode_tokens, after[0].prompt_tokens) == (20, 50)
+    assert after[0].t_us == before[0].t_us
     assert tracker.resyncs == 1
 
 
@@ -128,7 +132,7 @@ def test_dropped_events_stay_counted_after_the_worker_is_gone(seg_name):
     row = WorkerRow.claim(seg, 0)
     writer = EventWriter(seg, row.row, spill_limit=0)
     for i in range(1024 + 20):
-        writer.write(EventKind.COMPLETE, 0, i, 0, 1, i)
+        writer.complete(0, i, 0, 1, i, failed=False)
     publisher = PressurePublisher(seg, epoch=0, ready_slots=8)
     publisher.tick()
     assert publisher.stats.dropped_by_workers == 20

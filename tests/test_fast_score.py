@@ -8,10 +8,15 @@ import uuid
 
 import pytest
 
+from cacheroute_proxy import clock
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrategy
+from proxy_workers import fast_score
 from proxy_workers.fast_score import compile_scorer
+from proxy_workers import router as router_module
 from proxy_workers.router import Router
-from shm_schema import DirectoryWriter, Segment, WorkerRow, layout
+from shm_schema import CounterWord, DirectoryWriter, Segment, WorkerRow, layout
+from shm_schema.records import COUNTER_LANES, SNAPSHOT, CounterLanes, SnapshotRecord
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 
@@ -45,12 +50,17 @@ def _random_load(seg, row, instances, rng: random.Random, publish: bool) -> None
 
 @pytest.mark.parametrize("publish", [True, False])
 @pytest.mark.parametrize("seed", range(5))
-def test_fast_totals_equal_generic_totals(table, seed, publish):
+def test_fast_totals_equal_generic_totals(table, seed, publish, monkeypatch):
     name, seg, row = table
     rng = random.Random(seed)
     writer = DirectoryWriter(seg)
     instances = [writer.allocate(f"i{n}", "127.0.0.1", 9000 + n) for n in range(rng.randint(1, 20))]
     _random_load(seg, row, instances, rng, publish)
+    # Both paths read "now" for the backlog; one clock reading for both, so a descheduling
+    # between the two calls (a busy host) cannot move the backlog of one and not the other.
+    now = clock.now_us()
+    monkeypatch.setattr(clock, "now_us", lambda: now)
+    monkeypatch.setattr(router_module, "now_us", lambda: now)
     router = Router(Settings(shm_name=name, instance_strategy="least_load", snapshot_stale_ms=60_000),
                     seg, row)
     snapshot = router.view.directory.snapshot()
@@ -102,3 +112,58 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
     expected = (3 * weights["inflight"] + weights["pending_prefill_count"]
                 + backlog * weights["predicted_total_backlog_ms"])
     assert router._fast_totals(snapshot) == pytest.approx([expected], abs=1e-2)
+
+
+# --- the scorer's raw indices are shm_schema's ----------------------------------------------------
+def test_the_scorer_tables_are_the_declarations() -> None:
+    """The words the generated code reads, by component, equal the declared positions."""
+    assert fast_score.LANE_FIELDS == COUNTER_LANES.index._asdict()
+    assert fast_score.RECORD_FIELDS == {name: getattr(SNAPSHOT.index, name)
+                                        for name in ("pending_prefill_count", "active_decode_count")}
+    assert fast_score._SUPPORTED == {*COUNTER_LANES.fields, "pending_prefill_count",
+                                     "active_decode_count", fast_score.BACKLOG}
+
+
+def _distinct_table(generations: tuple[int, ...], now: int) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                                    list[CounterLanes], list[SnapshotRecord]]:
+    """Lanes and snapshot records with a different value in every field, built by name, and the
+    flat tuples CountersReader.lanes / SnapshotReader.records make of them."""
+    lanes = [CounterLanes(*(CounterWord.pack(gen, 10 * slot + lane + 1)
+                            for lane in range(layout.LANES_USED)))
+             for slot, gen in enumerate(generations)]
+    records = [SnapshotRecord(generation=gen, pending_prefill_count=slot + 1,
+                              active_decode_count=slot + 2,
+                              next_slot_free_at_us=now + 3_000 * (slot + 1),
+                              prefill_free_at_us=now + 5_000 * (slot + 1),
+                              decode_free_at_us=now + 7_000, marginal_backlog_us=11_000 * (slot + 1))
+               for slot, gen in enumerate(generations)]
+    return (tuple(word for slot in lanes for word in slot),
+            tuple(field for record in records for field in record), lanes, records)
+
+
+def _expected(component: str, lanes: CounterLanes, record: SnapshotRecord, now: int) -> float:
+    if component in COUNTER_LANES.fields:
+        return CounterWord.count(getattr(lanes, component))
+    if component != fast_score.BACKLOG:
+        return getattr(record, component)
+    unseen = max(0, CounterWord.count(lanes.inflight) - record.pending_prefill_count
+                 - record.active_decode_count)
+    free_at = max(record.next_slot_free_at_us, record.prefill_free_at_us, now)
+    return (free_at - now + unseen * record.marginal_backlog_us) / 1000
+
+
+@pytest.mark.parametrize("component", sorted(fast_score._SUPPORTED))
+def test_each_component_alone_reads_the_word_its_name_declares(component: str) -> None:
+    """One weight at a time, so two components whose indices were swapped cannot hide behind
+    equal weights."""
+    now = 1_000_000
+    generations = (3, 5)
+    flat_lanes, flat_records, lanes, records = _distinct_table(generations, now)
+    weights = {name: 0.0 for name in DEFAULT_WEIGHTS}
+    weights[component] = 1.0
+    scorer = compile_scorer(LeastLoadStrategy(weights), [0, 1], generations)
+    assert scorer is not None
+    expected = [_expected(component, lane, record, now) for lane, record in zip(lanes, records)]
+    assert scorer(flat_lanes, flat_records, now) == pytest.approx(expected)
+    if component in COUNTER_LANES.fields:
+        assert scorer(flat_lanes, None, now) == pytest.approx(expected)

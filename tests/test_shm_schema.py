@@ -12,9 +12,10 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from proxy_workers.router import Lease, Router
-from shm_schema import (DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
+from shm_schema import (CounterWord, DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,
                         WorkerTableFull, encode_identity, layout, read_all, read_rows)
+from shm_schema.bitfields import JournalWord
 from tests.shm_helpers import count_of, fresh_segment, share_of, unique_name, word_of
 
 
@@ -177,10 +178,10 @@ def test_max_num_seqs_is_stored_updated_and_not_inherited_by_the_next_instance(s
 
 def test_generation_wraps_past_zero(seg):
     base = seg.geometry.slot_offset(0)
-    seg.store(base + layout.S_GENERATION, layout.GEN_MASK)
+    seg.store(base + layout.S_GENERATION, CounterWord.MAX_GENERATION)
     inst = DirectoryWriter(seg).allocate("inst-a", "h", 1)
     assert inst.generation == 1  # never 0
-    seg.store(base + layout.S_GENERATION, layout.GEN_MASK)
+    seg.store(base + layout.S_GENERATION, CounterWord.MAX_GENERATION)
     DirectoryWriter(seg).free(0)
     assert seg.load(base + layout.S_GENERATION) == 1
     assert word_of(seg, 0) == (1, 0)
@@ -360,8 +361,9 @@ def test_claim_starts_from_a_clean_row(seg):
     inst = DirectoryWriter(seg).allocate("inst-a", "h", 1)
     geometry = seg.geometry
     # Garbage left in a free row (a row is only zeroed for the slots that held something).
-    seg.store(geometry.contribution_offset(0, inst.slot), layout.pack_word(inst.generation, 9))
-    seg.store(geometry.row_offset(0) + layout.R_JOURNAL, layout.pack_journal(3, inst.slot))
+    seg.store(geometry.contribution_offset(0, inst.slot), CounterWord.pack(inst.generation, 9))
+    seg.store(geometry.row_offset(0) + layout.R_JOURNAL,
+              JournalWord.pending(3, inst.slot, layout.LANE_INFLIGHT, is_end=False))
     row = WorkerRow.claim(seg, 5)
     assert row.row == 0
     assert share_of(seg, 0, inst.slot, inst.generation) == 0
@@ -381,8 +383,8 @@ def test_inflight_reader_words_match_the_words(seg):
     for span in (1, 3, 4):
         words = reader.words(span)
         assert words == tuple(seg.load(seg.geometry.inflight_offset(s)) for s in range(span))
-    assert [layout.word_count(w) for w in reader.words(3)] == [2, 0, 5]
-    assert [layout.word_generation(w) for w in reader.words(3)] == \
+    assert [CounterWord.count(w) for w in reader.words(3)] == [2, 0, 5]
+    assert [CounterWord.generation(w) for w in reader.words(3)] == \
         [insts[0].generation, insts[1].generation + 1, insts[2].generation]
     row.release()
 

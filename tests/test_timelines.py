@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from shm_schema import DirectoryWriter, Segment
+from shm_schema.bitfields import RequestKey
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
 from sidecar.pace import Pace
 from sidecar.timelines import InstanceTimeline, Timelines
@@ -54,13 +55,12 @@ def test_completion_before_first_token_frees_the_chain():
 
 def test_timelines_route_events_by_key_and_drop_a_workers_requests():
     tl = Timelines(ready_slots=8)
-    row3 = 3 << 48
-    tl.reserve(0, 5, row3 | 1, 10.0, 1.0, 1.0)
-    tl.reserve(0, 5, row3 | 2, 10.0, 1.0, 1.0)
-    tl.reserve(1, 2, (4 << 48) | 1, 10.0, 1.0, 1.0)
-    tl.first_token(row3 | 1, 10.5)
+    tl.reserve(0, 5, RequestKey.pack(3, 1), 10.0, 1.0, 1.0)
+    tl.reserve(0, 5, RequestKey.pack(3, 2), 10.0, 1.0, 1.0)
+    tl.reserve(1, 2, RequestKey.pack(4, 1), 10.0, 1.0, 1.0)
+    tl.first_token(RequestKey.pack(3, 1), 10.5)
     assert tl.counts() == (2, 1)
-    assert tl.drop_keys(lambda k: k >> 48 == 3, 11.0) == 2
+    assert tl.drop_keys(lambda k: RequestKey.row(k) == 3, 11.0) == 2
     assert tl.counts() == (1, 0)
     assert set(tl.pressures()) == {0, 1} and tl.pressures()[1].pending_prefill_count == 1
     tl.forget_instances({(1, 2)}, 11.0)

@@ -30,11 +30,12 @@ from shm_schema import (
     WorkerRow,
     layout,
 )
-from shm_schema.snapshot import SnapshotReader
+from shm_schema.bitfields import CounterWord
+from shm_schema.records import SnapshotRecord
+from shm_schema.snapshot import SnapshotReader, record_at
 
-GEN_SHIFT = 32
-COUNT_MASK = (1 << 32) - 1
 QUEUE_LANES = ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth")
+_QUEUE_LANE_IDS = tuple(layout.LANE_NAMES.index(name) for name in QUEUE_LANES)
 PREDICTED = ("pending_prefill_count", "active_decode_count", "predicted_total_backlog_ms")
 RAW_PREDICTED = ("next_slot_ready_in_ms", "prefill_free_in_ms")
 
@@ -87,7 +88,7 @@ class LoadView:
         now_us = clock.now_us()
         if self.predicted_source(now_us) != "fresh":
             return None
-        record = self._record(instance, self.snapshots.records(instance.slot + 1))
+        record = self.snapshots.pressure(instance.slot, instance.generation)
         return None if record is None else max(_free_in_ms(record, now_us))
 
     def snapshot_age_ms(self) -> float | None:
@@ -120,9 +121,10 @@ class LoadView:
         if not instances:
             return []
         words = self.words(span or 1 + max(s.slot for s in instances))
-        unknown = 0 if self.mode == "per_worker" else None
-        return [words[i.slot] & COUNT_MASK if words[i.slot] >> GEN_SHIFT == i.generation else unknown
-                for i in instances]
+        counts = [CounterWord.count_under(words[i.slot], i.generation) for i in instances]
+        if self.mode == "per_worker":
+            return [0 if count is None else count for count in counts]
+        return counts
 
     def components(self, instances: Sequence[InstanceSlot], span: int | None = None,
                    with_raw: bool = False) -> dict[str, list[Any]]:
@@ -137,13 +139,11 @@ class LoadView:
 
     def _queue_lanes(self, instances: Sequence[SlotRef], span: int) -> dict[str, list[Any]]:
         lanes = self._counters.lanes(span)
-        used = layout.LANES_USED
         result: dict[str, list[Any]] = {name: [] for name in QUEUE_LANES}
         for inst in instances:
-            base = used * inst.slot
-            for lane, name in enumerate(layout.LANE_NAMES[1:], start=1):
-                word = lanes[base + lane]
-                result[name].append(word & COUNT_MASK if word >> GEN_SHIFT == inst.generation else None)
+            for lane, name in zip(_QUEUE_LANE_IDS, QUEUE_LANES):
+                word = lanes[layout.lane_index(inst.slot, lane)]
+                result[name].append(CounterWord.count_under(word, inst.generation))
         return result
 
     def _predicted(self, instances: Sequence[SlotRef], span: int, inflight: Sequence[int | None],
@@ -154,14 +154,14 @@ class LoadView:
         fresh = self.predicted_source(now_us) == "fresh"
         records = self.snapshots.records(span) if fresh else ()
         for inst, count in zip(instances, inflight, strict=True):
-            record = self._record(inst, records)
+            record = record_at(records, inst.slot, inst.generation)
             if record is None:
                 for name in names:
                     result[name].append(None)
                 continue
             slot_in, prefill_in = _free_in_ms(record, now_us)
-            result["pending_prefill_count"].append(record[1])
-            result["active_decode_count"].append(record[2])
+            result["pending_prefill_count"].append(record.pending_prefill_count)
+            result["active_decode_count"].append(record.active_decode_count)
             result["predicted_total_backlog_ms"].append(
                 max(slot_in, prefill_in) + _unannounced_backlog_ms(record, count))
             if with_raw:
@@ -169,23 +169,16 @@ class LoadView:
                 result["prefill_free_in_ms"].append(prefill_in)
         return result
 
-    @staticmethod
-    def _record(instance: SlotRef, records: Sequence[int]) -> Sequence[int] | None:
-        """The instance's snapshot record, if the snapshot describes its generation."""
-        fields = layout.SNAPSHOT_FIELDS
-        record = records[fields * instance.slot:fields * (instance.slot + 1)]
-        return record if record and record[0] == instance.generation else None
 
-
-def _unannounced_backlog_ms(record: Sequence[int], inflight: int | None) -> float:
+def _unannounced_backlog_ms(record: SnapshotRecord, inflight: int | None) -> float:
     """Backlog of the requests in flight that the timeline has not seen yet (selected since
     the snapshot, by any worker), at the instance's marginal cost each."""
-    _, pending, decoding, _, _, _, marginal_us = record
-    unseen = 0 if inflight is None else max(0, inflight - pending - decoding)
-    return unseen * marginal_us / 1000
+    announced = record.pending_prefill_count + record.active_decode_count
+    unseen = 0 if inflight is None else max(0, inflight - announced)
+    return unseen * record.marginal_backlog_us / 1000
 
 
-def _free_in_ms(record: Sequence[int], now_us: int) -> tuple[float, float]:
+def _free_in_ms(record: SnapshotRecord, now_us: int) -> tuple[float, float]:
     """(next READY slot free in, prefill chain free in), ms from now, never negative."""
-    _, _, _, slot_free_us, prefill_free_us, _, _ = record
-    return max(0.0, (slot_free_us - now_us) / 1000), max(0.0, (prefill_free_us - now_us) / 1000)
+    return (max(0.0, (record.next_slot_free_at_us - now_us) / 1000),
+            max(0.0, (record.prefill_free_at_us - now_us) / 1000))
