@@ -21,24 +21,12 @@ from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot
 
 from .request_model import Endpoint, ProxyRequest
-from .trace import Trace
+from .trace import Knowledge, Trace
 from .upstream import base_url
 
 NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
 TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below to answer the "
                  "user's question. If the context is irrelevant to the question, ignore it.")
-
-
-class Knowledge(msgspec.Struct):
-    """What preparation found and did: its lists, ack and error go into cacheroute_meta
-    (trace.encode_meta). One per request, so a Struct: built without a Python-level __init__."""
-
-    kv_ready_kids: list[str] = msgspec.field(default_factory=list)
-    text_only_kids: list[str] = msgspec.field(default_factory=list)
-    miss_kids: list[str] = msgspec.field(default_factory=list)
-    kv_ack: dict[str, Any] = msgspec.field(default_factory=dict)
-    prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
-    error: str | None = None  # preparation failed; the request went on without its knowledge
 
 
 class LinkTimeline:

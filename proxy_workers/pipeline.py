@@ -30,10 +30,10 @@ from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
 from .iws import decide
-from .knowledge import Knowledge, KnowledgePreparer
+from .knowledge import KnowledgePreparer
 from .request_model import ProxyRequest
 from .router import Lease
-from .trace import Trace
+from .trace import Knowledge, Trace
 from .tracker import RequestTracker
 
 T = TypeVar("T")

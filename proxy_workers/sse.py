@@ -7,8 +7,7 @@ chunk boundary inside a line costs a concatenation.
 
 from __future__ import annotations
 
-from .knowledge import Knowledge
-from .trace import Trace, encode_meta
+from .trace import Knowledge, Trace, encode_meta
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _MARKER = b"[DONE]"

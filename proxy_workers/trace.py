@@ -1,4 +1,5 @@
-"""One request's record (`Trace`) and the `cacheroute_meta` object it is reported in (`Meta`).
+"""One request's record (`Trace`), what preparing its knowledge found (`Knowledge`), and the
+`cacheroute_meta` object both are reported in (`Meta`).
 
 The trace is written along the request's way through the worker -- app (arrival), exchange
 (selection, forward, first token), pipeline (prepare and ready stages, predictions) and knowledge
@@ -14,12 +15,9 @@ in (exchange.with_meta), the stream sends them as its last event (sse.meta_event
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-
-if TYPE_CHECKING:
-    from .knowledge import Knowledge
 
 # Times named *_ms without "predict" are wall-clock milliseconds (cacheroute_proxy.clock.now_ms).
 
@@ -67,6 +65,18 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     forward_end_ms: int | None = None  # the instance's answer was read whole (or failed)
     # --- retries (exchange) ---
     retries: int | None = None  # attempts after the first; the timings above are the last one's
+
+
+class Knowledge(msgspec.Struct):
+    """What preparation found and did: its lists, ack and error go into cacheroute_meta
+    (encode_meta). One per request, so a Struct: built without a Python-level __init__."""
+
+    kv_ready_kids: list[str] = msgspec.field(default_factory=list)
+    text_only_kids: list[str] = msgspec.field(default_factory=list)
+    miss_kids: list[str] = msgspec.field(default_factory=list)
+    kv_ack: dict[str, Any] = msgspec.field(default_factory=dict)
+    prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
+    error: str | None = None  # preparation failed; the request went on without its knowledge
 
 
 class Meta(msgspec.Struct):

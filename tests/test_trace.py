@@ -18,12 +18,12 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.app import DataPlane, WorkerContext
 from proxy_workers.exchange import with_meta
-from proxy_workers.knowledge import Knowledge, KnowledgePreparer
+from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.pipeline import Pipeline
 from proxy_workers.predictors import get_predictors
 from proxy_workers.router import Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
-from proxy_workers.trace import Trace, encode_meta
+from proxy_workers.trace import Knowledge, Trace, encode_meta
 from proxy_workers.tracker import RequestTracker
 from shm_schema import DirectoryWriter, WorkerRow
 from tests.aio import meta_of
