@@ -20,7 +20,9 @@ from cacheroute_proxy.routing.report import instance_loads
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 from shm_schema import DirectoryFull, Segment, header
 
-from . import pool_resource, wire
+from cacheroute_proxy import instance_wire as wire
+
+from . import pool_resource
 from .dashboard_routes import dashboard_routes
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper

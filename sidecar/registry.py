@@ -19,7 +19,7 @@ import msgspec
 
 from shm_schema import DirectoryWriter, InstanceSlot, Segment, read_all
 
-from . import wire
+from cacheroute_proxy import instance_wire as wire
 
 log = logging.getLogger("cacheroute.sidecar.registry")
 

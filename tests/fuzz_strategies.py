@@ -32,7 +32,7 @@ COMPLETIONS = "/v1/completions"
 BODY_LIMIT = 8 * 1024 * 1024          # PROXY_MAX_BODY_BYTES default
 DEEP_SAFE = 200                       # nesting depth that stays clear of the RecursionError bug
 RAW_MARK = "~~FUZZ-RAW~~"             # replaced by raw bytes after JSON encoding
-# sidecar/wire.py Host: hostname labels of 1-63 letters/digits/inner hyphens, IPv4, IPv6 plain or
+# cacheroute_proxy/instance_wire.py Host: hostname labels of 1-63 letters/digits/inner hyphens, IPv4, IPv6 plain or
 # bracketed (written out again here: the oracle must not import what it checks).
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 HOST_RE = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]+)")

@@ -51,7 +51,7 @@ from hypothesis import HealthCheck, event, given, note, seed, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from sidecar.wire import Capabilities, fingerprint
+from cacheroute_proxy.instance_wire import Capabilities, fingerprint
 from tests import fuzz_strategies as fz
 from tests.harness import (
     Cluster,

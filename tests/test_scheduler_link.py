@@ -22,7 +22,8 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from sidecar import pool_resource, wire
+from cacheroute_proxy import instance_wire as wire
+from sidecar import pool_resource
 from sidecar.registry import InstanceRegistry
 from sidecar.scheduler_link import DisabledLink, make_link
 from tests.aio import OpenStream

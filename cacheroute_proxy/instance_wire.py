@@ -1,4 +1,6 @@
-"""Control-plane wire format (docs/protocol.md §3), one msgspec Struct per payload.
+"""The wire format between an instance (or the agent beside it) and the proxy's control plane
+(docs/protocol.md §3), one msgspec Struct per payload: the sidecar decodes them, an agent
+encodes them.
 
 Decoding validates: a wrong type or a missing required field is rejected with msgspec's
 message, which names the field (``Expected `int`, got `str` - at `$.port```).
