@@ -49,7 +49,7 @@ Instance slot (SlotRecord; the directory, written only by the sidecar, SLOT_SIZE
 
     0   generation    changes whenever the slot changes identity (allocate and free)
     8   state         SLOT_FREE or SLOT_ACTIVE
-    16  alive         1 if the instance's heartbeat is within its TTL
+    16  alive         1 if the instance is a candidate: seen within its TTL and not unhealthy
     24  port
     32  registered_at_ms
     40  last_seen_ms  (written without the directory seqlock: not used for selection)
@@ -62,7 +62,11 @@ Instance slot (SlotRecord; the directory, written only by the sidecar, SLOT_SIZE
     256 max_num_seqs  how many sequences the instance runs at once (its registration's
                       meta.max_num_seqs), 0 = unknown; the sidecar's timeline models that many
                       slots. Survives a sidecar restart with the rest of the slot.
-    264..319 reserved
+    264 unhealthy     1 when the instance is out of the candidate set because it (its
+                      heartbeat's `healthy: false`) or the sidecar's probe of it said so,
+                      0 otherwise; alive is 0 whenever this is 1. Written with alive, under
+                      the directory seqlock. An older segment has 0 here (reserved bytes).
+    272..319 reserved
 
 Pressure snapshot record (SnapshotRecord; written only by the sidecar, double-buffered)::
 
@@ -177,6 +181,7 @@ S_CP_PORT = SLOT.offset.cp_port
 S_INSTANCE_ID = SLOT.offset.instance_id
 S_HOST = SLOT.offset.host
 S_MAX_NUM_SEQS = SLOT.offset.max_num_seqs
+S_UNHEALTHY = SLOT.offset.unhealthy
 MAX_ID_BYTES = SLOT.text["instance_id"]
 MAX_HOST_BYTES = SLOT.text["host"]
 SLOT_FREE = 0
