@@ -85,7 +85,7 @@ ENV_NAMES: dict[str, str] = {
     "kv_mem_per_instance_gb": "PROXY_KV_MEM_PER_INSTANCE_GB",
     "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
     "kdn_links": "PROXY_KDN_LINKS_JSON",
-    # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §7) ---
+    # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
     "static_instances": "PROXY_STATIC_INSTANCES",
     "static_probe_s": "PROXY_STATIC_PROBE_S",
 }
