@@ -20,7 +20,7 @@ import pytest
 
 from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
 
-PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers"}
+PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers", "instance_agent"}
 
 
 @pytest.fixture(scope="module")
