@@ -31,13 +31,17 @@ class EngineInfo(msgspec.Struct, frozen=True):
     version: str | None = None
     models: tuple[str, ...] = ()
 
-    def capabilities(self) -> Capabilities | None:
-        """The registration's capabilities (docs/protocol.md §3.4), or None if nothing is known."""
+    def capabilities(self, cache_features: list[str] | None = None) -> Capabilities | None:
+        """The registration's capabilities (docs/protocol.md §3.4), or None if the engine said
+        nothing. `cache_features` is what the caller knows the instance can do besides serving
+        (the engine cannot say): `[]` for a plain engine, whose knowledge then goes in as text."""
         if self.model_id is None and self.version is None:
             return None
+        runtime = None if self.version is None and cache_features is None else \
+            RuntimeCapability(vllm_version=self.version, supported_cache_features=cache_features)
         return Capabilities(
             model=None if self.model_id is None else ModelCapability(identifier=self.model_id),
-            runtime=None if self.version is None else RuntimeCapability(vllm_version=self.version))
+            runtime=runtime)
 
     def meta(self) -> dict[str, Any]:
         return {} if self.max_model_len is None else {"max_model_len": self.max_model_len}

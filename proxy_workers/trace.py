@@ -38,7 +38,7 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     # --- prepare stage (pipeline) ---
     prepare_seq: int | None = None  # place in this worker's prepare order for the instance
     proxy_enqueue_ms: int | None = None  # entered the instance's pipeline
-    iws_reason: str | None = None  # IWS only: why text or kvcache was chosen
+    iws_reason: str | None = None  # why text or kvcache was chosen (IWS, or an instance without KV pull)
     injection_mode: str | None = None  # a request with knowledge: "text" or "kvcache"
     prepare_start_ms: int | None = None  # a prepare slot was held (or nothing was to prepare)
     # --- knowledge (knowledge.KnowledgePreparer, inside the prepare stage) ---

@@ -35,6 +35,7 @@ class InstanceSlot(NamedTuple):
     qps_1m: float | None
     cp_port: int = 0
     max_num_seqs: int = 0  # 0 = unknown
+    kv_inject: int = layout.KV_INJECT_UNKNOWN
     unhealthy: bool = False  # out because it (or its probe) said so, not for its TTL
 
 
@@ -62,6 +63,7 @@ def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
         qps_1m=OptionalFloatWord.unpack(record.qps_1m),
         cp_port=record.cp_port,
         max_num_seqs=record.max_num_seqs,
+        kv_inject=record.kv_inject,
         unhealthy=bool(record.unhealthy),
     )
 
@@ -140,7 +142,8 @@ class DirectoryWriter:
         return None
 
     def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None,
-                 cp_port: int = 0, max_num_seqs: int = 0, unhealthy: bool = False) -> InstanceSlot:
+                 cp_port: int = 0, max_num_seqs: int = 0,
+                 kv_inject: int = layout.KV_INJECT_UNKNOWN, unhealthy: bool = False) -> InstanceSlot:
         """Put a new instance in a free slot under a new generation: a candidate at once, or
         (`unhealthy`) registered but out of the candidate set until `set_alive`."""
         id_bytes, host_bytes = encode_identity(instance_id, host)
@@ -164,7 +167,7 @@ class DirectoryWriter:
                                   (layout.S_QPS_1M, OptionalFloatWord.pack(None)),
                                   (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
                                   (layout.S_CP_PORT, cp_port), (layout.S_MAX_NUM_SEQS, max_num_seqs),
-                                  (layout.S_UNHEALTHY, int(unhealthy)),
+                                  (layout.S_KV_INJECT, kv_inject), (layout.S_UNHEALTHY, int(unhealthy)),
                                   (layout.S_ALIVE, int(not unhealthy))):
                 seg.store(base + offset, value)
             seg.store(base + layout.S_STATE, layout.SLOT_ACTIVE)
@@ -175,7 +178,7 @@ class DirectoryWriter:
         return decoded
 
     def update_registration(self, slot: int, host: str, port: int, cp_port: int = 0,
-                       max_num_seqs: int = 0) -> None:
+                            max_num_seqs: int = 0, kv_inject: int = layout.KV_INJECT_UNKNOWN) -> None:
         _, host_bytes = encode_identity("x", host)
         seg = self._seg
         base = seg.geometry.slot_offset(slot)
@@ -186,6 +189,7 @@ class DirectoryWriter:
             seg.store(base + layout.S_PORT, port)
             seg.store(base + layout.S_CP_PORT, cp_port)
             seg.store(base + layout.S_MAX_NUM_SEQS, max_num_seqs)
+            seg.store(base + layout.S_KV_INJECT, kv_inject)
         finally:
             self._end()
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from shm_schema import DirectoryWriter, InstanceSlot, Segment, read_all
+from shm_schema import DirectoryWriter, InstanceSlot, Segment, layout, read_all
 
 from cacheroute_proxy import instance_wire as wire
 from cacheroute_proxy.health import EXPIRED, HEALTHY, UNHEALTHY, slot_health
@@ -54,6 +54,7 @@ class InstanceRecord:
     health: str = HEALTHY
     cp_port: int = 0
     max_num_seqs: int = 0  # 0 = unknown
+    kv_inject: int = layout.KV_INJECT_UNKNOWN
     resource: InstanceResource | None = None  # the last accepted resource snapshot
     static: bool = False  # from PROXY_STATIC_INSTANCES: probed by the sidecar, never purged
 
@@ -85,7 +86,8 @@ class InstanceRegistry:
                 instance_id=slot.instance_id, slot=slot.slot, generation=slot.generation,
                 host=slot.host, port=slot.port, registered_at=slot.registered_at_ms / 1000,
                 last_seen_at=slot.last_seen_ms / 1000, qps_1m=slot.qps_1m, health=slot_health(slot),
-                cp_port=slot.cp_port, max_num_seqs=slot.max_num_seqs, meta=_stored_meta(slot))
+                cp_port=slot.cp_port, max_num_seqs=slot.max_num_seqs, kv_inject=slot.kv_inject,
+                meta=_stored_meta(slot))
         return len(self._records)
 
     def get(self, instance_id: str) -> InstanceRecord | None:
@@ -103,9 +105,10 @@ class InstanceRegistry:
         record = self._records.get(instance_id)
         meta = {**(record.meta if record else {}), **req.meta}  # merged, as the original did
         cp_port, max_num_seqs = (_meta_int(meta, key) for key in SLOT_META_LIMITS)
+        kv_inject = _kv_inject(req.capabilities)
         if record is None:
             slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000), cp_port,
-                                         max_num_seqs, unhealthy=not healthy)
+                                         max_num_seqs, kv_inject, unhealthy=not healthy)
             record = InstanceRecord(instance_id=instance_id, slot=slot.slot,
                                     generation=slot.generation, host=req.host, port=req.port,
                                     registered_at=now, last_seen_at=now,
@@ -113,12 +116,14 @@ class InstanceRegistry:
             self._records[instance_id] = record
             log.info("registered %s at %s:%s (slot %d, generation %d)", instance_id, req.host,
                      req.port, record.slot, record.generation)
-        elif (record.host, record.port, record.cp_port, record.max_num_seqs) \
-                != (req.host, req.port, cp_port, max_num_seqs):
-            self._writer.update_registration(record.slot, req.host, req.port, cp_port, max_num_seqs)
+        elif (record.host, record.port, record.cp_port, record.max_num_seqs, record.kv_inject) \
+                != (req.host, req.port, cp_port, max_num_seqs, kv_inject):
+            self._writer.update_registration(record.slot, req.host, req.port, cp_port, max_num_seqs,
+                                             kv_inject)
             record.host, record.port = req.host, req.port
         record.cp_port = cp_port
         record.max_num_seqs = max_num_seqs
+        record.kv_inject = kv_inject
         record.weight = req.weight
         if req.endpoints:
             record.endpoints = list(req.endpoints)
@@ -146,6 +151,7 @@ class InstanceRegistry:
         if req.capabilities is not None:
             record.capabilities = req.capabilities
             record.capability_fingerprint = wire.fingerprint(req.capabilities)
+            self._set_kv_inject(record, _kv_inject(req.capabilities))
         if req.qps_1m is not None:
             record.qps_1m = req.qps_1m
         if req.gpu_util is not None:
@@ -157,6 +163,12 @@ class InstanceRegistry:
         else:
             self._seen(record, now)
         return {"ok": True}
+
+    def _set_kv_inject(self, record: InstanceRecord, kv_inject: int) -> None:
+        if kv_inject != record.kv_inject:
+            record.kv_inject = kv_inject
+            self._writer.update_registration(record.slot, record.host, record.port, record.cp_port,
+                                             record.max_num_seqs, kv_inject)
 
     def report_resource(self, req: wire.ResourceSnapshotRequest) -> bool:
         """Keep the normalised snapshot (docs/protocol.md §3.7). It refreshes liveness like a
@@ -264,6 +276,14 @@ class InstanceRegistry:
         return {"instance_id": record.instance_id, "host": record.host, "port": record.port,
                 "last_seen_at": record.last_seen_at,
                 "resource": None if record.resource is None else record.resource.summary()}
+
+
+def _kv_inject(capabilities: wire.Capabilities | None) -> int:
+    """What the slot says of the instance's KV pull (layout.KV_INJECT_*), from its capabilities."""
+    pulls = None if capabilities is None else capabilities.pulls_kv()
+    if pulls is None:
+        return layout.KV_INJECT_UNKNOWN
+    return layout.KV_INJECT_YES if pulls else layout.KV_INJECT_NO
 
 
 def _stored_meta(slot: InstanceSlot) -> dict[str, Any]:

@@ -98,7 +98,9 @@ class StaticProber:
         # An engine that answered /health but not (yet) /v1/models keeps what was read before:
         # registering without capabilities would clear them.
         known = self._registry.get(target.instance_id)
-        capabilities = info.capabilities() or (known.capabilities if known else None)
+        # A plain engine serves no KV inject (nothing runs beside it to pull from a KDN): no cache
+        # features, so its knowledge goes in as text instead of waiting for an inject.
+        capabilities = info.capabilities(cache_features=[]) or (known.capabilities if known else None)
         request = wire.RegisterRequest(host=target.host, port=target.port, instance_id=target.instance_id,
                                        endpoints=ENDPOINTS, meta=info.meta(), capabilities=capabilities)
         try:

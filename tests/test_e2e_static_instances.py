@@ -58,7 +58,7 @@ def test_static_instances_are_registered_probed_flipped_kept_and_readopted(make_
     found = row(cluster, "static-a")
     assert found["static"] is True and (found["host"], found["port"]) == ("127.0.0.1", port)
     assert found["capabilities"]["model"]["identifier"] == "static-model"
-    assert found["capabilities"]["runtime"]["vllm_version"] == "sim-0.1"
+    assert found["capabilities"]["runtime"] == {"vllm_version": "sim-0.1", "supported_cache_features": []}
     assert found["meta"]["max_model_len"] == 2048 and found["capability_fingerprint"].startswith("sha256:")
     generation = found["slot_generation"]
     assert served_by(cluster, 3) == {"static-a"}
