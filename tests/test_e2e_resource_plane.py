@@ -7,6 +7,7 @@ answers by asking the sidecar, and the heartbeat's `healthy` flag (docs/protocol
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 from typing import Any
 
@@ -20,7 +21,7 @@ from proxy_workers.sidecar_reads import sidecar_read
 from starlette.applications import Starlette
 from starlette.routing import Route
 from tests.aio import OpenStream
-from tests.harness import chat_body, free_port, get, http, post, wait_until
+from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
 
 TOKEN = "resource-plane-token"
 # What `/v1/instance/list` rows had before this plane: a client of them must keep finding these.
@@ -262,3 +263,40 @@ def test_healthy_false_takes_an_instance_out_at_once_and_true_brings_it_back(mak
     wait_until(lambda: all(cluster.inflight(w)[held.instance_id] == 0 for w in (None, *range(cluster.workers))),
                10, message="inflight back to 0 everywhere")
     assert "is unhealthy: its heartbeat says healthy: false" in cluster.launcher_log()
+
+
+# --- the instance agent as this plane's client ------------------------------------------------------------
+def test_the_agents_reports_and_health_land_in_the_plane(make_cluster, tmp_path):
+    from tests.test_instance_agent import Agent, Engine, listed  # the agent's own test doubles
+
+    cluster = make_cluster(workers=2)
+    kdn_port = free_port()
+    kdn = Process(["-m", "cacheroute_sim.kdn", "--host", "127.0.0.1", "--port", str(kdn_port)], {},
+                  tmp_path / "kdn.log")
+    engine = Engine(tmp_path).start()
+    agent = Agent(cluster, engine, "--kdn-targets", f"127.0.0.1:{kdn_port}", "--resource-interval", "0.5")
+    iid = agent.instance_id
+    try:
+        wait_until(lambda: (listed(cluster, iid) or {}).get("resource"), 30, message=f"a snapshot\n{agent.log()}")
+        resource = {r["instance_id"]: r for r in get(f"{cluster.cp_url}/debug/instance_resources")["instances"]}[iid]
+        assert resource["resource"]["cpu_util"] is not None and resource["resource"]["memory_total_mb"] > 0
+        assert resource["resource"]["reported_instance_id"] == iid
+        assert get(f"{cluster.worker_url(1)}/debug/pool_resource")["pool_resource"]["instances"]["with_resource"] == 1
+        links = wait_until(lambda: get(f"{cluster.cp_url}/v1/topology/kdn_links")["kdn_links"], 30,
+                           message=f"the agent's links\n{agent.log()}")
+        assert links[f"kdn://127.0.0.1:{kdn_port}"]["reported_by"] == iid
+        assert cluster.status()["topology_kdn_links"] == len(links) >= 1
+
+        engine.stop()  # the agent says so in its next heartbeat: out at once, still registered
+        wait_until(lambda: (listed(cluster, iid) or {}).get("health") == "unhealthy", 15,
+                   message=f"the agent's healthy: false\n{agent.log()}")
+        assert get(f"{cluster.worker_url(0)}/v1/topology/kdn_links")["kdn_links"] == links  # not purged
+        engine.start()
+        wait_until(lambda: (listed(cluster, iid) or {}).get("health") == "healthy", 30,
+                   message=f"healthy again\n{agent.log()}")
+    finally:
+        agent.process.stop(signal.SIGTERM)
+        engine.stop()
+        kdn.stop()
+    assert listed(cluster, iid) is None
+    assert get(f"{cluster.cp_url}/v1/topology/kdn_links")["kdn_links"] == {}  # its links left with it
