@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from . import static_instances
+
 # (field name, environment variable); docs/configuration.md §1 lists every one by topic.
 ENV_NAMES: dict[str, str] = {
     "dp_host": "PROXY_DP_HOST",
@@ -84,6 +86,9 @@ ENV_NAMES: dict[str, str] = {
     "kv_mem_per_instance_gb": "PROXY_KV_MEM_PER_INSTANCE_GB",
     "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
     "kdn_links": "PROXY_KDN_LINKS_JSON",
+    # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
+    "static_instances": "PROXY_STATIC_INSTANCES",
+    "static_probe_s": "PROXY_STATIC_PROBE_S",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -195,6 +200,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_update_policy: str = "lru"
     # Static KDN links {kdn_key: {metrics}}, sent in the register meta as `kdn_links`.
     kdn_links: dict[str, dict[str, Any]] = {}
+    # Engines the sidecar registers itself: "url[=id],..." (cacheroute_proxy/static_instances.py).
+    static_instances: str = ""
+    # How often the sidecar probes each one's GET /health.
+    static_probe_s: float = 2.0
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -241,6 +250,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                f"instance or remove one, so a control plane bound beyond loopback needs a token "
                f"(PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
         self._check_scheduler_link()
+        static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
+        _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
+
+    @property
+    def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
+        return static_instances.parse(self.static_instances)
 
     def _check_scheduler_link(self) -> None:
         if self.scheduler_cp_url is not None:
