@@ -513,6 +513,19 @@ def test_calibrate_refuses_non_loopback_targets() -> None:
         calibrate_instance.require_loopback("http://10.1.2.3:8000")
 
 
+def test_calibrate_counts_a_chunk_per_token_even_with_empty_text() -> None:
+    """vLLM's chunks as they come: the role-only opening, a token whose text is still empty (it
+    ends inside a UTF-8 character), a token with text, the usage chunk; the sim's too."""
+    token = calibrate_instance.carries_a_token
+    assert not token({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert token({"choices": [{"delta": {"content": ""}, "finish_reason": "length"}]})
+    assert token({"choices": [{"delta": {"content": "ab"}}]})
+    assert token({"choices": [{"text": ""}]})  # completions
+    assert not token({"choices": [], "usage": {"prompt_tokens": 9}})
+    assert not token({"choices": [{"delta": {"role": "assistant"}}]})  # the sim's opening
+    assert not token({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+
+
 def test_calibrate_window_takes_only_gaps_while_all_streams_decode() -> None:
     trace = calibrate_instance.StreamTrace
     # Stream A starts at t=0 (gaps 0.1 s); B gets its first chunk at 0.35 (gaps 0.2 s).
