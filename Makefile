@@ -72,6 +72,11 @@ bench: $(STAMP)
 bench-pressure: $(STAMP)
 	$(PY) -m bench.bench_pressure --out bench/results/pressure.json
 
+# The same against real vLLM engines (two CPU engines from .venv-vllm serving the tiny model,
+# predictor profile vllm-cpu-tiny; ~1.5 min after install-vllm: engines start, 60 s of load).
+bench-pressure-vllm: install-vllm
+	$(CACHE_ENV) $(PY) -m bench.bench_pressure --vllm --out bench/results/pressure_vllm.json
+
 # Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
 bench-stack: $(STAMP)
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
