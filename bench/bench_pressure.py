@@ -104,8 +104,8 @@ async def _drive(url: str, workload: Workload, seed: int) -> tuple[list[dict], l
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         end = time.monotonic() + workload.duration_s
         while time.monotonic() < end:
-            tasks.append(asyncio.ensure_future(
-                _one(session, url, workload, rng.choice(workload.prompt_tokens), rng.randint(*workload.max_tokens))))
+            tokens, max_tokens = rng.choice(workload.prompt_tokens), rng.randint(*workload.max_tokens)
+            tasks.append(asyncio.ensure_future(_one(session, url, workload, tokens, max_tokens)))
             await asyncio.sleep(rng.expovariate(workload.rate_per_s))
         results = await asyncio.gather(*tasks, return_exceptions=True)
     failures = [f"{type(r).__name__}: {r}" for r in results if not isinstance(r, dict)]
@@ -150,7 +150,8 @@ def vllm_proxy(engines: int, profile: str, log_dir: Path, info: dict[str, Any]) 
         # a worker listens would be refused and counted as failed.
         for url in (ports.cp_url, *(ports.worker_url(i) for i in range(ports.workers)), ports.dp_url):
             _wait_until_up(f"{url}/healthz", 30)
-        registrations = [HandRegistration(ports.cp_url, e, f"vllm-{i}").start() for i, e in enumerate(started)]
+        registrations = [HandRegistration(ports.cp_url, engine, f"vllm-{i}").start()
+                         for i, engine in enumerate(started)]
         _wait_ready(f"{ports.cp_url}/debug/instance_loads", engines, 30)
         with urllib.request.urlopen(f"{started[0].url}/version", timeout=5) as response:
             info.update(vllm_version=json.loads(response.read())["version"], engines=engines,

@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ttft_rows:
         write_table(out / "ttft.json", TtftTable(
             kind="ttft", rows=ttft_rows,
-            source=source + ". Streaming chat, max_tokens=1, time to first content chunk, "
+            source=source + ". Streaming chat, max_tokens=1, time to the first chunk carrying a token, "
                             "bs=1, requests one at a time."))
         written.append(out / "ttft.json")
     if tpot_rows:

@@ -52,7 +52,8 @@ def test_chat_json_through_the_proxy(proxy: Callable[..., Cluster], openai_modul
     assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 7
     # The proxy's meta is the body's last key (§2.6); the client keeps it as an extra field.
-    assert answer.model_extra["_cacheroute_meta"]["trace"]["instance_id"] == raw.headers["x-cacheroute-instance"]
+    meta = answer.model_extra["_cacheroute_meta"]
+    assert meta["trace"]["instance_id"] == raw.headers["x-cacheroute-instance"]
 
 
 def test_completions_through_the_proxy(proxy: Callable[..., Cluster], openai_module: Any) -> None:
