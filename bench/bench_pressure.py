@@ -10,8 +10,8 @@ curves as the default predictor profile).
 --vllm: starts real vLLM engines instead (tests/real_engine/engines.py: the CPU build in
 .venv-vllm serving the tiny model, each pinned to its own core; `make install-vllm` makes both)
 and `python -m cacheroute_proxy run` with the `vllm-cpu-tiny` predictor profile, measured on the
-same engine (docs/predictors.md §2); the engines are registered on the control plane with
-heartbeats (tests/real_engine/registration.py). Prompts and outputs fit the engine's 1,024-token
+same engine (docs/predictors.md §2); each engine is registered by an instance agent beside it
+(tests/real_engine/registration.py). Prompts and outputs fit the engine's 1,024-token
 context, and arrivals are sized for it.
 
 Both drive streaming requests with Poisson arrivals and mixed prompt lengths for a bounded
@@ -136,21 +136,21 @@ def simulated_proxy() -> Iterator[str]:
 def vllm_proxy(engines: int, profile: str, log_dir: Path, info: dict[str, Any]) -> Iterator[str]:
     """`engines` real vLLM engines behind `cacheroute-proxy run` (2 workers, least_load, the
     given predictor profile). Fills `info` with the engines' facts; yields the data plane's URL."""
-    # tests/ holds the engine launcher and the hand registration the real-engine suite uses.
+    # tests/ holds the engine launcher and the agent registration the real-engine suite uses.
     from tests.real_engine.engines import MAX_MODEL_LEN, MAX_NUM_SEQS, start_engines, stop_engines
-    from tests.real_engine.registration import HandRegistration
+    from tests.real_engine.registration import AgentRegistration
 
     started = start_engines(engines, log_dir)
     ports = SupervisorPorts(2, "cacheroute_bench")
     env = {**ports.supervisor_env("least_load"), "PROXY_PREDICTOR_PROFILE": profile}
     supervisor = ChildProcess(["-m", "cacheroute_proxy", "run"], env, log_dir / "supervisor.log")
-    registrations: list[HandRegistration] = []
+    registrations: list[AgentRegistration] = []
     try:
         # The sidecar, then every worker and the shared data-plane port: a request sent before
         # a worker listens would be refused and counted as failed.
         for url in (ports.cp_url, *(ports.worker_url(i) for i in range(ports.workers)), ports.dp_url):
             _wait_until_up(f"{url}/healthz", 30)
-        registrations = [HandRegistration(ports.cp_url, engine, f"vllm-{i}").start()
+        registrations = [AgentRegistration(ports.cp_url, engine, f"vllm-{i}", log_dir / f"agent-{i}.log")
                          for i, engine in enumerate(started)]
         _wait_ready(f"{ports.cp_url}/debug/instance_loads", engines, 30)
         with urllib.request.urlopen(f"{started[0].url}/version", timeout=5) as response:
@@ -160,7 +160,7 @@ def vllm_proxy(engines: int, profile: str, log_dir: Path, info: dict[str, Any]) 
         yield ports.dp_url
     finally:
         for registration in registrations:
-            registration.stop(unregister=False)
+            registration.stop()
         supervisor.stop(signal.SIGINT, 60)
         stop_engines(started)
 

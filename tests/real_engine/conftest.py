@@ -15,7 +15,7 @@ import pytest
 
 from tests.harness import Cluster
 from tests.real_engine.engines import VllmEngine, missing_setup, start_engines, stop_engines
-from tests.real_engine.registration import HandRegistration, register_engine
+from tests.real_engine.registration import AgentRegistration, register_engine
 
 ENGINES = 2
 
@@ -44,8 +44,9 @@ def healthy_engines(engines: list[VllmEngine]) -> list[VllmEngine]:
 def proxy(make_cluster: Callable[..., Cluster], healthy_engines: list[VllmEngine],
           ) -> Iterator[Callable[..., Cluster]]:
     """proxy(engines=1, workers=2, strategy=...) -> a running Cluster with that many of the
-    shared engines registered; the registrations end before the cluster stops."""
-    registrations: list[HandRegistration] = []
+    shared engines registered, each by its agent; the agents stop (and unregister) before the
+    cluster stops."""
+    registrations: list[AgentRegistration] = []
 
     def make(engines: int = 1, workers: int = 2, strategy: str = "least_load",
              env: dict[str, str] | None = None) -> Cluster:

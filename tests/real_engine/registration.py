@@ -1,72 +1,52 @@
-"""How a real engine gets into a proxy's instance directory in these tests: registered by hand on
-the control plane (docs/protocol.md §3.2) and kept alive with heartbeats (§3.3) from a thread,
-which is what the instance agent (`cacheroute-proxy instance-agent`) will do beside a real
-deployment's engine. Everything that registers an engine goes through `register_engine`, so
-the agent can take its place in one spot."""
+"""How a real engine gets into a proxy's instance directory in these tests: as in a deployment,
+the instance agent (`cacheroute-proxy instance-agent`) runs beside it, reads what the engine says
+of itself, registers it and heartbeats its health. Every test registers engines through
+`register_engine`."""
 
 from __future__ import annotations
 
-import threading
+import signal
+from pathlib import Path
 from typing import Any
 
-from tests.harness import http, post, wait_until
+from tests.harness import Process, wait_until
 from tests.real_engine.engines import VllmEngine
 
 
-class HandRegistration:
-    """One engine registered on one control plane, heartbeating until stop()."""
+class AgentRegistration:
+    """One engine's agent, registered on one control plane until stop()."""
 
-    def __init__(self, cp_url: str, engine: VllmEngine, instance_id: str) -> None:
-        self.cp_url = cp_url
+    def __init__(self, cp_url: str, engine: VllmEngine, instance_id: str, log_path: Path) -> None:
         self.engine = engine
         self.instance_id = instance_id
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.process = Process(["-m", "cacheroute_proxy", "instance-agent",
+                                "--instance-url", f"http://127.0.0.1:{engine.port}",
+                                "--proxy-cp-url", cp_url, "--instance-id", instance_id,
+                                # vLLM does not say its --max-num-seqs: the operator tells the agent.
+                                "--max-num-seqs", str(engine.max_num_seqs),
+                                "--heartbeat-interval", "1", "--resource-interval", "2"],
+                               {}, log_path)
 
-    def body(self) -> dict[str, Any]:
-        return {"instance_id": self.instance_id, "host": "127.0.0.1", "port": self.engine.port,
-                "endpoints": ["chat/completions", "completions"], "tags": ["vllm-cpu"],
-                # max_num_seqs: the sidecar's timeline models the engine's real slot count.
-                "meta": {"version": "vllm-hand-registered", "max_num_seqs": self.engine.max_num_seqs}}
+    def log(self) -> str:
+        return self.process.log()
 
-    def start(self) -> HandRegistration:
-        reply = post(f"{self.cp_url}/v1/instance/register", self.body())
-        interval = float(reply["heartbeat_interval_s"])
-        self._thread = threading.Thread(target=self._heartbeat, args=(interval,), daemon=True,
-                                        name=f"heartbeat-{self.instance_id}")
-        self._thread.start()
-        return self
-
-    def _heartbeat(self, interval: float) -> None:
-        while not self._stopped.wait(interval):
-            try:
-                status, reply, _ = http("POST", f"{self.cp_url}/v1/instance/heartbeat",
-                                        {"instance_id": self.instance_id}, timeout=5)
-                if status == 200 and reply.get("ok") is False:  # purged: register again
-                    http("POST", f"{self.cp_url}/v1/instance/register", self.body(), timeout=5)
-            except OSError:
-                pass  # the cluster is stopping; the next beat (or stop()) settles it
-
-    def stop(self, unregister: bool = True) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        if unregister:
-            try:
-                http("POST", f"{self.cp_url}/v1/instance/unregister",
-                     {"instance_id": self.instance_id}, timeout=5)
-            except OSError:
-                pass  # the control plane is gone already
+    def stop(self) -> int | None:
+        """SIGTERM: the agent unregisters the engine, then exits 0."""
+        return self.process.stop(signal.SIGTERM, timeout=15)
 
 
-def register_engine(cluster: Any, engine: VllmEngine, instance_id: str | None = None) -> HandRegistration:
-    """Register `engine` with `cluster` (tests.harness.Cluster) and wait until every worker
-    sees it alive."""
-    registration = HandRegistration(cluster.cp_url, engine, instance_id or f"vllm-{engine.port}").start()
+def seen_alive_by_every_worker(cluster: Any, instance_id: str) -> bool:
+    return all(any(row["instance_id"] == instance_id and row["is_alive"]
+                   for row in cluster.loads(worker)["instances"])
+               for worker in range(cluster.workers))
 
-    def seen_by_every_worker() -> bool:
-        return all(any(row["instance_id"] == registration.instance_id and row["is_alive"]
-                       for row in cluster.loads(worker)["instances"])
-                   for worker in range(cluster.workers))
-    wait_until(seen_by_every_worker, 20, message=f"{registration.instance_id} registered")
+
+def register_engine(cluster: Any, engine: VllmEngine, instance_id: str | None = None) -> AgentRegistration:
+    """Start the agent beside `engine` for `cluster` (tests.harness.Cluster) and wait until every
+    worker sees the engine alive."""
+    instance_id = instance_id or f"vllm-{engine.port}"
+    registration = AgentRegistration(cluster.cp_url, engine, instance_id,
+                                     cluster.tmp_path / f"agent-{instance_id}.log")
+    wait_until(lambda: seen_alive_by_every_worker(cluster, registration.instance_id), 30,
+               message=f"{registration.instance_id} registered by its agent\n{registration.log()[-2000:]}")
     return registration
