@@ -169,6 +169,7 @@ class _Response:
     def __init__(self, chunks: list[bytes]) -> None:
         self.status = 200
         self.content_type = "application/json"
+        self.headers = [(b"content-type", b"application/json")]
         self.chunks = chunks
 
     def at_eof(self) -> bool:
@@ -189,8 +190,10 @@ class _Upstream:
         self.session = _Session()
         self.opened: list[int] = []
 
-    async def open(self, host: str, port: int, path: str, body: bytes,
-                   headers: dict[str, str] | None) -> _Response:
+    def forwarded(self, client_headers: list[tuple[bytes, bytes]]) -> bytes:
+        return b""
+
+    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes) -> _Response:
         self.opened.append(port)
         if len(self.opened) == 1:
             raise HTTPError(502, "upstream_unavailable", "connection refused")
