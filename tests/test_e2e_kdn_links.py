@@ -37,7 +37,9 @@ def _ask(base_url: str, kdn_addr: str) -> dict:
     status, text, _ = http("POST", f"{base_url}/v1/chat/completions", body, timeout=30)
     assert status == 200, text
     trace = meta_of(text.encode())["trace"]
-    return {key: trace.get(key) for key in ("injection_mode", "iws_reason", "kdn_link_source")}
+    # Which kvcache (or text) reason depends on the instance's predicted wait, not on the link.
+    assert trace["iws_reason"].startswith(trace["injection_mode"]), trace
+    return {key: trace.get(key) for key in ("injection_mode", "kdn_link_source")}
 
 
 def _env(kdn_port: int) -> dict[str, str]:
@@ -49,11 +51,9 @@ def _env(kdn_port: int) -> dict[str, str]:
 def test_a_static_link_changes_the_iws_decision_and_the_trace(make_cluster, kdn):
     cluster = make_cluster(workers=2, env=_env(kdn))
     cluster.add_instance()
-    assert _ask(cluster.dp_url, f"127.0.0.1:{kdn}") == {
-        "injection_mode": "text", "iws_reason": "text_score_better", "kdn_link_source": "static"}
+    assert _ask(cluster.dp_url, f"127.0.0.1:{kdn}") == {"injection_mode": "text", "kdn_link_source": "static"}
     # The same KDN under an address no link names: the default bandwidth (1000 Mbps).
-    assert _ask(cluster.dp_url, f"localhost:{kdn}") == {
-        "injection_mode": "kvcache", "iws_reason": "kvcache_score_better", "kdn_link_source": "default"}
+    assert _ask(cluster.dp_url, f"localhost:{kdn}") == {"injection_mode": "kvcache", "kdn_link_source": "default"}
     refresh_warnings = cluster.launcher_log().count("KDN links: cannot read")
     assert refresh_warnings <= cluster.workers  # at most once per worker, however many tries
 
@@ -72,6 +72,4 @@ def test_a_measured_link_overrides_the_static_one(make_cluster, kdn):
         url = cluster.worker_url(worker)
         wait_until(lambda: _ask(url, f"127.0.0.1:{kdn}")["kdn_link_source"] == "measured", 10,
                    interval=0.2, message=f"the measured link in worker {worker}")
-        assert _ask(url, f"127.0.0.1:{kdn}") == {
-            "injection_mode": "kvcache", "iws_reason": "kvcache_score_better",
-            "kdn_link_source": "measured"}
+        assert _ask(url, f"127.0.0.1:{kdn}") == {"injection_mode": "kvcache", "kdn_link_source": "measured"}
