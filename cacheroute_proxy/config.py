@@ -8,6 +8,7 @@ A bad value fails at start with a message naming the variable, never later on a 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from typing import Any, Mapping
@@ -242,6 +243,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             except OSError as exc:
                 raise ValueError(f"PROXY_CP_TOKEN_FILE: cannot read {self.cp_token_file}: {exc.strerror}") from None
             _check(readable, "cp_token_file", f"{self.cp_token_file} is empty")
+        _check(is_loopback(self.cp_host) or bool(self.cp_token or self.cp_token_file), "cp_host",
+               f"{self.cp_host} is not a loopback address: anyone who reaches it could register an "
+               f"instance or remove one, so a control plane bound beyond loopback needs a token "
+               f"(PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
         self._check_scheduler_link()
 
     def _check_kdn_links(self) -> None:
@@ -349,6 +354,16 @@ def _name_the_variable(message: str) -> str:
         if f"`$.{field}`" in message or f"`$.{field}[" in message:
             return f"{var}: {message}"
     return message
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or the name localhost."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check(ok: bool, field: str, message: str) -> None:

@@ -23,6 +23,11 @@ InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=112)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
+# The cache feature an instance lists (capabilities.runtime.supported_cache_features) when its
+# control plane can pull knowledge KV from a KDN: without it, knowledge goes in as text.
+KV_INJECT_FEATURE = "kv_inject"
+
+
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     pass
 
@@ -63,6 +68,13 @@ class Capabilities(_Strict):
     parallelism: ParallelismCapability | None = None
     runtime: RuntimeCapability | None = None
 
+    def pulls_kv(self) -> bool | None:
+        """Can the instance pull knowledge KV on `POST /v1/kv/inject_ready`? True if it lists
+        the KV_INJECT_FEATURE, False if it lists its cache features without it, None if it
+        lists none (an instance that says nothing is tried, as the original did)."""
+        features = self.runtime.supported_cache_features if self.runtime else None
+        return None if features is None else KV_INJECT_FEATURE in features
+
 
 class RegisterRequest(msgspec.Struct):
     host: Host
@@ -94,6 +106,10 @@ class HeartbeatRequest(msgspec.Struct):
     gpu_util: NonNegative | None = None
     capabilities: Capabilities | None = None
     capability_fingerprint: str | None = None
+    # An extension of the original's heartbeat (absent: as before): the agent beside an engine
+    # says whether the engine answers. False takes the instance out of the candidate set at
+    # once, without forgetting it; the next heartbeat without it, or with true, brings it back.
+    healthy: bool | None = None
 
 
 class UnregisterRequest(msgspec.Struct):

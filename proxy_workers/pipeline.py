@@ -243,7 +243,11 @@ class Pipeline:
         """IWS picks text or kvcache by predicted cost; the choice sets the release class."""
         request, trace = job.request, job.trace
         spec = request.knowledge
-        if spec is not None and spec.wanted and self._settings.injection_strategy == "iws":
+        if spec is not None and spec.wanted and lease.instance.kv_inject == layout.KV_INJECT_NO:
+            # The instance says it cannot pull KV: an ack would never come, so text it is.
+            spec.injection_type = "text"
+            trace.iws_reason = "instance_cannot_pull_kv"
+        elif spec is not None and spec.wanted and self._settings.injection_strategy == "iws":
             ready_wait = self._pressure_of(lease.instance) or 0.0
             instance_id = lease.instance.instance_id
             timeline = self._preparer.link(instance_id, spec.kdn_addr)

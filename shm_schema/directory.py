@@ -35,6 +35,7 @@ class InstanceSlot(NamedTuple):
     qps_1m: float | None
     cp_port: int = 0
     max_num_seqs: int = 0  # 0 = unknown
+    kv_inject: int = layout.KV_INJECT_UNKNOWN
 
 
 class DirectorySnapshot(NamedTuple):
@@ -61,6 +62,7 @@ def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
         qps_1m=OptionalFloatWord.unpack(record.qps_1m),
         cp_port=record.cp_port,
         max_num_seqs=record.max_num_seqs,
+        kv_inject=record.kv_inject,
     )
 
 
@@ -138,7 +140,8 @@ class DirectoryWriter:
         return None
 
     def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None,
-                 cp_port: int = 0, max_num_seqs: int = 0) -> InstanceSlot:
+                 cp_port: int = 0, max_num_seqs: int = 0,
+                 kv_inject: int = layout.KV_INJECT_UNKNOWN) -> InstanceSlot:
         """Put a new instance in a free slot under a new generation."""
         id_bytes, host_bytes = encode_identity(instance_id, host)
         slot = self.free_slot_index()
@@ -161,7 +164,7 @@ class DirectoryWriter:
                                   (layout.S_QPS_1M, OptionalFloatWord.pack(None)),
                                   (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
                                   (layout.S_CP_PORT, cp_port), (layout.S_MAX_NUM_SEQS, max_num_seqs),
-                                  (layout.S_ALIVE, 1)):
+                                  (layout.S_KV_INJECT, kv_inject), (layout.S_ALIVE, 1)):
                 seg.store(base + offset, value)
             seg.store(base + layout.S_STATE, layout.SLOT_ACTIVE)
         finally:
@@ -171,7 +174,7 @@ class DirectoryWriter:
         return decoded
 
     def update_registration(self, slot: int, host: str, port: int, cp_port: int = 0,
-                       max_num_seqs: int = 0) -> None:
+                            max_num_seqs: int = 0, kv_inject: int = layout.KV_INJECT_UNKNOWN) -> None:
         _, host_bytes = encode_identity("x", host)
         seg = self._seg
         base = seg.geometry.slot_offset(slot)
@@ -182,6 +185,7 @@ class DirectoryWriter:
             seg.store(base + layout.S_PORT, port)
             seg.store(base + layout.S_CP_PORT, cp_port)
             seg.store(base + layout.S_MAX_NUM_SEQS, max_num_seqs)
+            seg.store(base + layout.S_KV_INJECT, kv_inject)
         finally:
             self._end()
 

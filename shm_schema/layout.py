@@ -62,7 +62,10 @@ Instance slot (SlotRecord; the directory, written only by the sidecar, SLOT_SIZE
     256 max_num_seqs  how many sequences the instance runs at once (its registration's
                       meta.max_num_seqs), 0 = unknown; the sidecar's timeline models that many
                       slots. Survives a sidecar restart with the rest of the slot.
-    264..319 reserved
+    264 kv_inject     whether the instance can pull knowledge KV (its capabilities name the
+                      "kv_inject" cache feature): KV_INJECT_UNKNOWN 0 (it said nothing: tried,
+                      as before), KV_INJECT_YES 1, KV_INJECT_NO 2 (knowledge goes in as text)
+    272..319 reserved
 
 Pressure snapshot record (SnapshotRecord; written only by the sidecar, double-buffered)::
 
@@ -177,10 +180,14 @@ S_CP_PORT = SLOT.offset.cp_port
 S_INSTANCE_ID = SLOT.offset.instance_id
 S_HOST = SLOT.offset.host
 S_MAX_NUM_SEQS = SLOT.offset.max_num_seqs
+S_KV_INJECT = SLOT.offset.kv_inject
 MAX_ID_BYTES = SLOT.text["instance_id"]
 MAX_HOST_BYTES = SLOT.text["host"]
 SLOT_FREE = 0
 SLOT_ACTIVE = 1
+KV_INJECT_UNKNOWN = 0
+KV_INJECT_YES = 1
+KV_INJECT_NO = 2
 
 # --- pressure snapshot ---------------------------------------------------------------------
 SNAPSHOT_RECORD_SIZE = SNAPSHOT.size

@@ -135,6 +135,7 @@ class SlotRecord(NamedTuple):
     instance_id: bytes     # UTF-8, id_len bytes used
     host: bytes            # UTF-8, host_len bytes used
     max_num_seqs: int      # registered sequence limit, 0 = unknown
+    kv_inject: int         # can the instance pull knowledge KV: layout.KV_INJECT_* (0 = unknown)
 
 
 SLOT = Record(SlotRecord, size=320, text={"instance_id": 112, "host": 64})

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from shm_schema import DirectoryWriter, InstanceSlot, Segment, read_all
+from shm_schema import DirectoryWriter, InstanceSlot, Segment, layout, read_all
 
 from cacheroute_proxy import instance_wire as wire
 
@@ -44,6 +44,7 @@ class InstanceRecord:
     alive: bool = True
     cp_port: int = 0
     max_num_seqs: int = 0  # 0 = unknown
+    kv_inject: int = layout.KV_INJECT_UNKNOWN
 
 
 class InstanceRegistry:
@@ -65,7 +66,8 @@ class InstanceRegistry:
                 instance_id=slot.instance_id, slot=slot.slot, generation=slot.generation,
                 host=slot.host, port=slot.port, registered_at=slot.registered_at_ms / 1000,
                 last_seen_at=slot.last_seen_ms / 1000, qps_1m=slot.qps_1m, alive=slot.alive,
-                cp_port=slot.cp_port, max_num_seqs=slot.max_num_seqs, meta=_stored_meta(slot))
+                cp_port=slot.cp_port, max_num_seqs=slot.max_num_seqs, kv_inject=slot.kv_inject,
+                meta=_stored_meta(slot))
         return len(self._records)
 
     # --- control-plane operations --------------------------------------------------------------
@@ -77,21 +79,24 @@ class InstanceRegistry:
         record = self._records.get(instance_id)
         meta = {**(record.meta if record else {}), **req.meta}  # merged, as the original did
         cp_port, max_num_seqs = (_meta_int(meta, key) for key in SLOT_META_LIMITS)
+        kv_inject = _kv_inject(req.capabilities)
         if record is None:
             slot = self._writer.allocate(instance_id, req.host, req.port, int(now * 1000), cp_port,
-                                         max_num_seqs)
+                                         max_num_seqs, kv_inject)
             record = InstanceRecord(instance_id=instance_id, slot=slot.slot,
                                     generation=slot.generation, host=req.host, port=req.port,
                                     registered_at=now, last_seen_at=now)
             self._records[instance_id] = record
             log.info("registered %s at %s:%s (slot %d, generation %d)", instance_id, req.host,
                      req.port, record.slot, record.generation)
-        elif (record.host, record.port, record.cp_port, record.max_num_seqs) \
-                != (req.host, req.port, cp_port, max_num_seqs):
-            self._writer.update_registration(record.slot, req.host, req.port, cp_port, max_num_seqs)
+        elif (record.host, record.port, record.cp_port, record.max_num_seqs, record.kv_inject) \
+                != (req.host, req.port, cp_port, max_num_seqs, kv_inject):
+            self._writer.update_registration(record.slot, req.host, req.port, cp_port, max_num_seqs,
+                                             kv_inject)
             record.host, record.port = req.host, req.port
         record.cp_port = cp_port
         record.max_num_seqs = max_num_seqs
+        record.kv_inject = kv_inject
         record.weight = req.weight
         if req.endpoints:
             record.endpoints = list(req.endpoints)
@@ -117,12 +122,19 @@ class InstanceRegistry:
         if req.capabilities is not None:
             record.capabilities = req.capabilities
             record.capability_fingerprint = wire.fingerprint(req.capabilities)
+            self._set_kv_inject(record, _kv_inject(req.capabilities))
         if req.qps_1m is not None:
             record.qps_1m = req.qps_1m
         if req.gpu_util is not None:
             record.gpu_util = req.gpu_util
         self._seen(record, self._clock())
         return {"ok": True}
+
+    def _set_kv_inject(self, record: InstanceRecord, kv_inject: int) -> None:
+        if kv_inject != record.kv_inject:
+            record.kv_inject = kv_inject
+            self._writer.update_registration(record.slot, record.host, record.port, record.cp_port,
+                                             record.max_num_seqs, kv_inject)
 
     def unregister(self, instance_id: str) -> bool:
         record = self._records.pop(instance_id, None)
@@ -174,6 +186,14 @@ class InstanceRegistry:
             "load": {"inflight": inflight, "qps_1m": record.qps_1m, "gpu_util": record.gpu_util},
             "slot": record.slot, "slot_generation": record.generation, "is_alive": record.alive,
         }
+
+
+def _kv_inject(capabilities: wire.Capabilities | None) -> int:
+    """What the slot says of the instance's KV pull (layout.KV_INJECT_*), from its capabilities."""
+    pulls = None if capabilities is None else capabilities.pulls_kv()
+    if pulls is None:
+        return layout.KV_INJECT_UNKNOWN
+    return layout.KV_INJECT_YES if pulls else layout.KV_INJECT_NO
 
 
 def _stored_meta(slot: InstanceSlot) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from cacheroute_proxy import logs, serving
+from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
@@ -21,6 +22,7 @@ from cacheroute_proxy.uvicorn_seam import has_started
 from shm_schema import Segment, SegmentError, header
 
 from .app import SidecarState, build_app
+from .host_check import HostCheck
 from . import pool_resource
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
@@ -153,7 +155,10 @@ def run(settings: Settings) -> int:
         state = build_state(settings, seg)
         app = build_app(state)
         app.router.lifespan_context = _lifespan(state)
-        config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_config=None,
+        # Without a token, only requests naming this control plane as Host (DNS rebinding).
+        served = app if load_token(settings.cp_token, settings.cp_token_file) else \
+            HostCheck(app, settings.cp_host, settings.cp_port)
+        config = uvicorn.Config(served, loop="uvloop", http="httptools", lifespan="on", log_config=None,
                                 log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
         logs.keep_control_after_signals()

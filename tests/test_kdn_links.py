@@ -205,7 +205,7 @@ class _Sidecar:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = sidecar_links_url(Settings(cp_host="0.0.0.0", cp_port=port))
+        self.url = sidecar_links_url(Settings(cp_host="0.0.0.0", cp_port=port, cp_token="t"))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -274,5 +274,5 @@ def test_the_settings_refresh_interval_and_static_links_are_checked_at_start():
         with pytest.raises((ConfigError, ValueError)) as refused:
             Settings.from_env(bad)
         assert next(iter(bad)) in str(refused.value)
-    assert sidecar_links_url(Settings(cp_host="::", cp_port=8002)) == \
+    assert sidecar_links_url(Settings(cp_host="::", cp_port=8002, cp_token="t")) == \
         "http://[::1]:8002/v1/topology/kdn_links?per_instance=true"

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PRODUCT = ("shm_schema", "cacheroute_proxy", "sidecar", "proxy_workers")
+PRODUCT = ("shm_schema", "cacheroute_proxy", "sidecar", "proxy_workers", "instance_agent")
 DOUBLES = "cacheroute_sim"
 TOP_LEVEL = {*PRODUCT, DOUBLES, "bench", "tests"}
 
@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "cacheroute_proxy": {"shm_schema"},
     "sidecar": {"shm_schema", "cacheroute_proxy"},
     "proxy_workers": {"shm_schema", "cacheroute_proxy"},
+    "instance_agent": {"cacheroute_proxy"},
     DOUBLES: {"shm_schema", "cacheroute_proxy"},
     "bench": {*PRODUCT, DOUBLES, "tests"},
     "tests": {*PRODUCT, DOUBLES},

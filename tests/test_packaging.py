@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server as stdlib_http
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,14 +21,18 @@ import pytest
 
 from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
 
-PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers"}
+PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers", "instance_agent"}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools leaves build/ and *.egg-info in the tree it builds.
+    source = tmp_path_factory.mktemp("source") / "tree"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".cache", "build", "*.egg-info", "__pycache__", "results"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out),
-                           str(ROOT)], capture_output=True, text=True, timeout=300)
+                           str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     (built,) = out.glob("cacheroute_proxy-*.whl")
     return built

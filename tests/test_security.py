@@ -87,3 +87,38 @@ def test_segment_is_private_to_the_service_user(make_cluster):
     cluster = make_cluster(workers=1)
     mode = stat.S_IMODE(os.stat(f"/dev/shm{cluster.shm_name}").st_mode)
     assert mode == 0o600
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.10", "::", "proxy.example"])
+def test_a_control_plane_beyond_loopback_needs_a_token(host, tmp_path):
+    with pytest.raises(ValueError, match="PROXY_CP_HOST.*needs a token"):
+        Settings.from_env({"PROXY_CP_HOST": host})
+    token_file = tmp_path / "cp.token"
+    token_file.write_text(TOKEN)
+    assert Settings.from_env({"PROXY_CP_HOST": host, "PROXY_CP_TOKEN_FILE": str(token_file)}).cp_host == host
+    for loopback in ("127.0.0.1", "127.1.2.3", "::1", "localhost"):
+        assert Settings.from_env({"PROXY_CP_HOST": loopback}).cp_host == loopback
+
+
+def test_without_a_token_the_control_plane_answers_only_its_own_names(make_cluster):
+    """DNS rebinding: a page under an attacker's name that resolves to 127.0.0.1 sends that
+    name as Host; the control plane refuses it, and nothing is registered."""
+    cluster = make_cluster(workers=1)
+    body = {"host": "127.0.0.1", "port": 9999, "instance_id": "rebound"}
+    port = cluster.cp_port
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}"):
+        status, reply, _ = http("POST", f"{cluster.cp_url}/v1/instance/register", body,
+                                headers={"Host": host})
+        assert status == 421 and reply["error"] == "misdirected_request", (host, reply)
+        assert http("GET", f"{cluster.cp_url}/debug/status", headers={"Host": host})[0] == 421
+    assert all(r["instance_id"] != "rebound" for r in cluster.loads()["instances"])
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
+        assert http("GET", f"{cluster.cp_url}/healthz", headers={"Host": host})[0] == 200, host
+
+
+def test_with_a_token_any_host_may_reach_the_control_plane(make_cluster, tmp_path):
+    token_file = tmp_path / "cp.token"
+    token_file.write_text(TOKEN)
+    cluster = make_cluster(workers=1, env={"PROXY_CP_TOKEN_FILE": str(token_file)})
+    status, _, _ = http("GET", f"{cluster.cp_url}/debug/status", headers={"Host": "proxy.example"})
+    assert status == 200

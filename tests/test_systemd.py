@@ -34,7 +34,8 @@ from cacheroute_sim.processes import SupervisorPorts
 
 UNITS_DIR = ROOT / "deploy" / "systemd"
 UNIT_FILES = ("cacheroute-proxy.target", "cacheroute-proxy-runtime.service",
-              "cacheroute-proxy-sidecar.service", "cacheroute-proxy-worker@.service")
+              "cacheroute-proxy-sidecar.service", "cacheroute-proxy-worker@.service",
+              "cacheroute-instance-agent@.service")
 INSTALLED_BIN = "/opt/cacheroute-proxy/venv/bin/"
 VENV_BIN = Path(sys.executable).parent
 ENTRY_POINT = VENV_BIN / "cacheroute-proxy"
@@ -52,13 +53,14 @@ def _copy_units(target: Path) -> Path:
         text = (UNITS_DIR / name).read_text().replace(INSTALLED_BIN, f"{VENV_BIN}/")
         (target / name).write_text(text)
     shutil.copy(target / "cacheroute-proxy-worker@.service", target / "cacheroute-proxy-worker@0.service")
+    shutil.copy(target / "cacheroute-instance-agent@.service", target / "cacheroute-instance-agent@vllm-a.service")
     return target
 
 
 def _verify(units: Path) -> list[str]:
     """Problems `systemd-analyze verify` reports for our units (it exits 0 for unknown keys
     and bad values and only prints them, so the output counts, not just the return code)."""
-    names = [*UNIT_FILES, "cacheroute-proxy-worker@0.service"]
+    names = [*UNIT_FILES, "cacheroute-proxy-worker@0.service", "cacheroute-instance-agent@vllm-a.service"]
     done = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", *(str(units / n) for n in names)],
                           capture_output=True, text=True, timeout=60, cwd=units)
     problems = [line for line in (done.stdout + done.stderr).splitlines()

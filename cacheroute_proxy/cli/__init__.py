@@ -25,6 +25,8 @@ ROLES: dict[str, tuple[str, str]] = {
     "sidecar": ("sidecar", "run the sidecar alone (control plane, segment owner): "
                                     "sidecar [--cp-host H] [--cp-port P] [--ttl S]"),
     "worker": ("proxy_workers", "run one worker: worker --index N [--strategy S] [--port P]"),
+    "instance-agent": ("instance_agent", "run beside one engine and register it with the proxy: "
+                                         "instance-agent --instance-url http://HOST:PORT [...]"),
 }
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # systemd variables meant for the process systemd started, not for the children of `run`.

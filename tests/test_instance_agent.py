@@ -1,0 +1,184 @@
+"""The instance agent (`cacheroute-proxy instance-agent`) beside an engine that registers nothing
+itself: a simulated instance started with --no-register stands in for a plain `vllm serve` (the
+same against a real vLLM is in tests/real_engine/)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cacheroute_proxy.config import ConfigError
+from cacheroute_sim.processes import free_port
+from cacheroute_sim.scheduler.requests import scheduler_body
+from instance_agent.agent import register_request
+from instance_agent.config import parse
+from instance_agent.engine import EngineInfo
+from tests.harness import Cluster, Process, chat_body, get, http, post, wait_until
+
+
+# --- options -------------------------------------------------------------------------------------
+def test_options_come_from_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    monkeypatch.setenv("PROXY_CP_URL", "http://10.0.0.5:8002")
+    monkeypatch.setenv("PROXY_CP_TOKEN_FILE", str(token))
+    monkeypatch.setenv("INSTANCE_KDN_TARGETS", "127.0.0.1:9101, kdn-b:9102")
+    config = parse(["--instance-url", "http://127.0.0.1:8000", "--max-num-seqs", "4"])
+    assert config.proxy_cp_url == "http://10.0.0.5:8002" and config.cp_token == "s3cret"
+    assert config.kdn_targets == ("127.0.0.1:9101", "kdn-b:9102") and config.max_num_seqs == 4
+    assert config.resolved_instance_id == "hp_127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("argv, named", [
+    ([], "--instance-url"),
+    (["--instance-url", "127.0.0.1:8000"], "INSTANCE_URL"),
+    (["--instance-url", "http://h:1", "--max-num-seqs", "many"], "INSTANCE_MAX_NUM_SEQS"),
+    (["--instance-url", "http://h:1", "--kdn-targets", "nohost"], "INSTANCE_KDN_TARGETS"),
+    (["--instance-url", "http://h:1", "--health-interval", "0"], "INSTANCE_HEALTH_INTERVAL_S"),
+])
+def test_a_bad_option_is_refused_naming_it(argv: list[str], named: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INSTANCE_URL", raising=False)
+    with pytest.raises(ConfigError, match=named):
+        parse(argv)
+
+
+def test_what_the_proxy_is_told_of_an_engine() -> None:
+    config = parse(["--instance-url", "http://127.0.0.1:8000", "--max-num-seqs", "4"])
+    request = register_request(config, EngineInfo(model_id="tiny", max_model_len=1024, version="0.32.0"))
+    assert (request.host, request.port, request.instance_id) == ("127.0.0.1", 8000, "hp_127.0.0.1:8000")
+    assert request.meta["max_num_seqs"] == 4 and request.meta["max_model_len"] == 1024
+    assert request.capabilities is not None and request.capabilities.model.identifier == "tiny"
+    assert request.capabilities.runtime.vllm_version == "0.32.0"
+    assert request.capabilities.pulls_kv() is False  # no KV inject served: text only
+
+
+# --- against a real cluster ------------------------------------------------------------------------
+class Engine:
+    """A simulated instance that does not register itself: what a plain engine is to the proxy."""
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log_dir / f"engine-{self.port}.log"
+        self.process: Process | None = None
+
+    def start(self) -> "Engine":
+        self.process = Process(["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port",
+                                str(self.port), "--no-register", "--cp-port", "0", "--time-scale", "0.05"],
+                               {}, self._log, append_log=True)
+        return self
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.process is not None:
+            self.process.stop(signum)
+
+
+class Agent:
+    def __init__(self, cluster: Cluster, engine: Engine, *args: str) -> None:
+        self.instance_id = f"hp_127.0.0.1:{engine.port}"
+        self.process = Process(["-m", "cacheroute_proxy", "instance-agent", "--instance-url", engine.url,
+                                "--proxy-cp-url", cluster.cp_url, "--heartbeat-interval", "0.5", *args],
+                               {}, cluster.tmp_path / f"agent-{engine.port}.log")
+
+    def log(self) -> str:
+        return self.process.log()
+
+
+def listed(cluster: Cluster, instance_id: str) -> dict[str, Any] | None:
+    rows = get(f"{cluster.cp_url}/v1/instance/list?include_dead=true")
+    return next((row for row in rows if row["instance_id"] == instance_id), None)
+
+
+def alive(cluster: Cluster, instance_id: str) -> bool:
+    rows = get(f"{cluster.cp_url}/debug/instance_loads")["instances"]
+    return any(row["instance_id"] == instance_id and row["is_alive"] for row in rows)
+
+
+def test_the_agent_registers_a_plain_engine_and_leaves_on_sigterm(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(workers=2)
+    engine = Engine(tmp_path)
+    agent = Agent(cluster, engine, "--max-num-seqs", "3")
+    try:
+        wait_until(lambda: "waiting for the engine" in agent.log(), 10, message="the agent waits")
+        assert listed(cluster, agent.instance_id) is None  # nothing registered before /health answers
+        engine.start()
+        wait_until(lambda: alive(cluster, agent.instance_id), 20, message=f"registered\n{agent.log()}")
+        row = listed(cluster, agent.instance_id)
+        assert row is not None
+        assert row["capabilities"]["model"]["identifier"] == "sim-model"
+        assert row["meta"]["max_num_seqs"] == 3 and row["meta"]["agent"] == "cacheroute-instance-agent"
+        status, answer, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions", chat_body(stream=False))
+        assert status == 200 and headers["x-cacheroute-instance"] == agent.instance_id, answer
+    finally:
+        code = agent.process.stop(signal.SIGTERM)
+        engine.stop()
+    assert code == 0, agent.log()
+    assert listed(cluster, agent.instance_id) is None, "unregistered on SIGTERM"
+
+
+def test_knowledge_goes_in_as_text_to_an_instance_that_cannot_pull_kv(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(workers=1, env={"PROXY_INJECTION_STRATEGY": "iws"})
+    engine = Engine(tmp_path).start()
+    kdn_port = free_port()
+    kdn = Process(["-m", "cacheroute_sim.kdn", "--host", "127.0.0.1", "--port", str(kdn_port)], {},
+                  tmp_path / "kdn.log")
+    agent = Agent(cluster, engine)
+    try:
+        wait_until(lambda: alive(cluster, agent.instance_id), 20, message=f"registered\n{agent.log()}")
+        wait_until(lambda: get(f"http://127.0.0.1:{kdn_port}/healthz")["ok"], 20, message="kdn up")
+        body = scheduler_body(3, stream=False)
+        body["Service"].update({"Enable_know_injection": True, "Injection_type": "kvcache",
+                                "Knowledge_List": ["k0001", "k0002"], "Knowledge_length": 4000})
+        body["Task"]["KDN_server_addr"] = f"127.0.0.1:{kdn_port}"
+        status, answer, _ = http("POST", f"{cluster.dp_url}/v1/chat/completions", body)
+        assert status == 200, answer
+        trace = answer["_cacheroute_meta"]["trace"]
+        assert trace["injection_mode"] == "text" and trace["iws_reason"] == "instance_cannot_pull_kv"
+        assert "kv_ack_start_ms" not in trace  # no KV inject was asked of it
+    finally:
+        agent.process.stop(signal.SIGTERM)
+        kdn.stop()
+        engine.stop()
+
+
+def test_the_agent_registers_again_when_the_proxy_forgot_it(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(workers=1)
+    engine = Engine(tmp_path).start()
+    agent = Agent(cluster, engine)
+    try:
+        wait_until(lambda: alive(cluster, agent.instance_id), 20, message=f"registered\n{agent.log()}")
+        first = listed(cluster, agent.instance_id)
+        post(f"{cluster.cp_url}/v1/instance/unregister", {"instance_id": agent.instance_id})  # a purge
+        wait_until(lambda: alive(cluster, agent.instance_id), 5, message="registered again")
+        again = listed(cluster, agent.instance_id)
+        assert again is not None and first is not None
+        assert again["slot_generation"] != first["slot_generation"]  # a new registration
+        assert "registering again" in agent.log()
+    finally:
+        agent.process.stop(signal.SIGTERM)
+        engine.stop()
+
+
+def test_the_agent_resends_capabilities_to_a_restarted_sidecar(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(workers=1)
+    engine = Engine(tmp_path).start()
+    agent = Agent(cluster, engine)
+    try:
+        wait_until(lambda: alive(cluster, agent.instance_id), 20, message=f"registered\n{agent.log()}")
+        sidecar = cluster.status()["sidecar"]["pid"]
+        os.kill(sidecar, signal.SIGKILL)
+        wait_until(lambda: cluster.status()["sidecar"]["pid"] != sidecar, 15, message="sidecar restarted")
+        # The new sidecar adopts the slot from the segment, without the capabilities; the
+        # agent's next heartbeat is asked for them and sends them.
+        wait_until(lambda: (listed(cluster, agent.instance_id) or {}).get("capabilities"), 10,
+                   message=f"capabilities again\n{agent.log()}")
+        assert listed(cluster, agent.instance_id)["capabilities"]["model"]["identifier"] == "sim-model"
+        assert "resending them" in agent.log()
+    finally:
+        agent.process.stop(signal.SIGTERM)
+        engine.stop()
