@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from . import static_instances
+
 # (field name, environment variable); docs/configuration.md §1 lists every one by topic.
 ENV_NAMES: dict[str, str] = {
     "dp_host": "PROXY_DP_HOST",
@@ -86,6 +88,9 @@ ENV_NAMES: dict[str, str] = {
     "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
     "kdn_links": "PROXY_KDN_LINKS_JSON",
     "kdn_links_refresh_s": "PROXY_KDN_LINKS_REFRESH_S",
+    # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
+    "static_instances": "PROXY_STATIC_INSTANCES",
+    "static_probe_s": "PROXY_STATIC_PROBE_S",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -200,6 +205,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kdn_links: dict[str, dict[str, Any]] = {}
     # How often each worker copies the links instances measured from the sidecar.
     kdn_links_refresh_s: float = 5.0
+    # Engines the sidecar registers itself: "url[=id],..." (cacheroute_proxy/static_instances.py).
+    static_instances: str = ""
+    # How often the sidecar probes each one's GET /health.
+    static_probe_s: float = 2.0
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -248,6 +257,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                f"instance or remove one, so a control plane bound beyond loopback needs a token "
                f"(PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
         self._check_scheduler_link()
+        static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
+        _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
+
+    @property
+    def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
+        return static_instances.parse(self.static_instances)
 
     def _check_kdn_links(self) -> None:
         """The numbers IWS reads from a static link: a bandwidth > 0 and an RTT >= 0, when given."""

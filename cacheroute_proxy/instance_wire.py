@@ -99,21 +99,135 @@ class RegisterReply(msgspec.Struct):
     capability_fingerprint: str | None
 
 
-class HeartbeatRequest(msgspec.Struct):
+class HeartbeatRequest(msgspec.Struct, omit_defaults=True):
     instance_id: InstanceId
     inflight: int | None = None  # accepted for compatibility, ignored: the proxy owns inflight
     qps_1m: NonNegative | None = None
     gpu_util: NonNegative | None = None
     capabilities: Capabilities | None = None
     capability_fingerprint: str | None = None
-    # An extension of the original's heartbeat (absent: as before): the agent beside an engine
-    # says whether the engine answers. False takes the instance out of the candidate set at
-    # once, without forgetting it; the next heartbeat without it, or with true, brings it back.
+    # An extension of the original's heartbeat (absent: as before; docs/protocol.md §3.3): the
+    # agent beside an engine says whether the engine answers. False takes the instance out of
+    # the candidate set at once, without forgetting it; the next heartbeat without it, or with
+    # true, brings it back.
     healthy: bool | None = None
 
 
 class UnregisterRequest(msgspec.Struct):
     instance_id: InstanceId
+
+
+# --- resource snapshots (docs/protocol.md §3.7) -----------------------------------------------------
+class ReportMetadata(msgspec.Struct, omit_defaults=True):
+    """About the report rather than the machine. Unknown keys are ignored, as the original did."""
+
+    reported_instance_id: str | None = None
+    report_monotonic_ms: float | None = None
+    report_wall_time_ms: float | None = None
+    agent_snapshot_timestamp_ms: float | None = None
+
+
+class ResourceSnapshotRequest(msgspec.Struct, omit_defaults=True):
+    """`POST /v1/instance/resource_snapshot`. The snapshot's inner shape is the agent's
+    (`resource_snapshot_v1` below is what ours sends): any JSON object is accepted and read
+    leniently, so the proxy keeps taking reports from agents it does not know."""
+
+    instance_id: InstanceId
+    snapshot: dict[str, Any]
+    metadata: ReportMetadata = msgspec.field(default_factory=ReportMetadata)
+
+
+# What an agent measures: a number, or None for "not measured" (never 0 for unknown).
+Reading = float | None
+
+
+class _Lenient(msgspec.Struct, omit_defaults=True):
+    """An agent-defined shape: readers ignore keys they do not know."""
+
+
+class CpuReading(_Lenient):
+    utilization_pct: Reading = None
+    load1: Reading = None
+    load5: Reading = None
+    load15: Reading = None
+
+
+class MemoryReading(_Lenient):
+    used_mb: Reading = None
+    total_mb: Reading = None
+    free_mb: Reading = None
+
+
+class GpuReading(_Lenient):
+    """One GPU. The utilization is a windowed average (`utilization_pct_avg`) with the latest
+    and the highest sample of the window; `utilization_sample_ok: false` or a failed quality
+    makes the proxy skip this GPU's utilization."""
+
+    index: int | None = None
+    uuid: str | None = None
+    name: str | None = None
+    utilization_pct: Reading = None
+    utilization_pct_avg: Reading = None
+    utilization_pct_current: Reading = None
+    utilization_pct_max: Reading = None
+    utilization_sample_count: int | None = None
+    utilization_window_ms: int | None = None
+    utilization_sample_ok: bool | None = None
+    utilization_sample_quality: str | None = None
+    utilization_source: str | None = None
+    utilization_sample_timestamp_ms: int | None = None
+    memory_used_mb: Reading = None
+    memory_total_mb: Reading = None
+    memory_free_mb: Reading = None
+
+
+class NetworkReading(_Lenient):
+    iface: str | None = None
+    rx_mbps: Reading = None
+    tx_mbps: Reading = None
+    speed_mbps: Reading = None
+
+
+class Devices(_Lenient):
+    cpu: CpuReading | None = None
+    memory: MemoryReading | None = None
+    gpu: list[GpuReading] = []
+    network: list[NetworkReading] = []  # the first one is the instance's link
+
+
+class CapacityHint(_Lenient):
+    memory_free_ratio: Reading = None
+    admission_state: str | None = None  # "accepting" | "degraded" | "rejecting"
+
+
+class ResourceSnapshotV1(msgspec.Struct):
+    """`resource_snapshot_v1`, the shape the original's agent sent and ours sends (every
+    top-level key on the wire, `schema_version` included)."""
+
+    timestamp_ms: int | None = None
+    schema_version: str = "resource_snapshot_v1"
+    agent_version: str | None = None
+    instance_id: str | None = None
+    devices: Devices = msgspec.field(default_factory=Devices)
+    capacity_hint: CapacityHint | None = None
+    runtime: dict[str, Any] | None = None
+
+
+def resource_snapshot_request(instance_id: str, snapshot: ResourceSnapshotV1,
+                              metadata: ReportMetadata | None = None) -> ResourceSnapshotRequest:
+    """The body an agent sends for `snapshot` (the request keeps the snapshot as a plain object)."""
+    return ResourceSnapshotRequest(instance_id=instance_id, snapshot=msgspec.to_builtins(snapshot),
+                                   metadata=metadata or ReportMetadata())
+
+
+# --- topology (docs/protocol.md §3.8) ---------------------------------------------------------------
+class TopologyReportRequest(msgspec.Struct):
+    """`POST /v1/topology/report`: this instance's links, keyed by KDN key (the KDN's `kdn_id`
+    and `kdn://host:port`), each an object of metrics (`bandwidth_mbps`, `latency_ms`,
+    `iface`, `measured_by`, ...). An entry that is not an object is dropped, as the original did."""
+
+    instance_id: InstanceId
+    links: dict[str, Any]
 
 
 def fingerprint(capabilities: Capabilities | None) -> str | None:

@@ -38,6 +38,7 @@ from .exchange import ProxyExchange, Responder
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
+from .sidecar_reads import SIDECAR_READS, sidecar_read
 from .trace import Trace
 from .upstream import Upstream
 
@@ -97,6 +98,8 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
         Route("/debug/instance_loads", debug_instance_loads, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        # What the sidecar alone keeps, asked of it: the same answer from every worker.
+        *(Route(path, sidecar_read(settings, debug_guard), methods=["GET"]) for path in SIDECAR_READS),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
     return DataPlane(ctx, ResponseObserver(app, ctx.name))

@@ -36,6 +36,7 @@ class InstanceSlot(NamedTuple):
     cp_port: int = 0
     max_num_seqs: int = 0  # 0 = unknown
     kv_inject: int = layout.KV_INJECT_UNKNOWN
+    unhealthy: bool = False  # out because it (or its probe) said so, not for its TTL
 
 
 class DirectorySnapshot(NamedTuple):
@@ -63,6 +64,7 @@ def _decode_slot(seg: Segment, slot: int) -> InstanceSlot | None:
         cp_port=record.cp_port,
         max_num_seqs=record.max_num_seqs,
         kv_inject=record.kv_inject,
+        unhealthy=bool(record.unhealthy),
     )
 
 
@@ -141,8 +143,9 @@ class DirectoryWriter:
 
     def allocate(self, instance_id: str, host: str, port: int, now_ms: int | None = None,
                  cp_port: int = 0, max_num_seqs: int = 0,
-                 kv_inject: int = layout.KV_INJECT_UNKNOWN) -> InstanceSlot:
-        """Put a new instance in a free slot under a new generation."""
+                 kv_inject: int = layout.KV_INJECT_UNKNOWN, unhealthy: bool = False) -> InstanceSlot:
+        """Put a new instance in a free slot under a new generation: a candidate at once, or
+        (`unhealthy`) registered but out of the candidate set until `set_alive`."""
         id_bytes, host_bytes = encode_identity(instance_id, host)
         slot = self.free_slot_index()
         if slot is None:
@@ -164,7 +167,8 @@ class DirectoryWriter:
                                   (layout.S_QPS_1M, OptionalFloatWord.pack(None)),
                                   (layout.S_ID_LEN, len(id_bytes)), (layout.S_HOST_LEN, len(host_bytes)),
                                   (layout.S_CP_PORT, cp_port), (layout.S_MAX_NUM_SEQS, max_num_seqs),
-                                  (layout.S_KV_INJECT, kv_inject), (layout.S_ALIVE, 1)):
+                                  (layout.S_KV_INJECT, kv_inject), (layout.S_UNHEALTHY, int(unhealthy)),
+                                  (layout.S_ALIVE, int(not unhealthy))):
                 seg.store(base + offset, value)
             seg.store(base + layout.S_STATE, layout.SLOT_ACTIVE)
         finally:
@@ -189,13 +193,19 @@ class DirectoryWriter:
         finally:
             self._end()
 
-    def set_alive(self, slot: int, alive: bool) -> None:
-        base = self._seg.geometry.slot_offset(slot)
-        if bool(self._seg.load(base + layout.S_ALIVE)) == alive:
+    def set_alive(self, slot: int, alive: bool, unhealthy: bool = False) -> None:
+        """In or out of the candidate set; out with `unhealthy` says why (the instance or its
+        probe said so) rather than its TTL. A healthy instance is never `unhealthy`."""
+        unhealthy = unhealthy and not alive
+        seg = self._seg
+        base = seg.geometry.slot_offset(slot)
+        if (bool(seg.load(base + layout.S_ALIVE)), bool(seg.load(base + layout.S_UNHEALTHY))) \
+                == (alive, unhealthy):
             return
         self._begin()
         try:
-            self._seg.store(base + layout.S_ALIVE, int(alive))
+            seg.store(base + layout.S_UNHEALTHY, int(unhealthy))
+            seg.store(base + layout.S_ALIVE, int(alive))
         finally:
             self._end()
 
@@ -215,6 +225,7 @@ class DirectoryWriter:
         try:
             seg.store(base + layout.S_STATE, layout.SLOT_FREE)
             seg.store(base + layout.S_ALIVE, 0)
+            seg.store(base + layout.S_UNHEALTHY, 0)
             seg.store(base + layout.S_GENERATION, generation)
             _reset_counters(seg, slot, generation)
         finally:

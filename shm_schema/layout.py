@@ -49,7 +49,7 @@ Instance slot (SlotRecord; the directory, written only by the sidecar, SLOT_SIZE
 
     0   generation    changes whenever the slot changes identity (allocate and free)
     8   state         SLOT_FREE or SLOT_ACTIVE
-    16  alive         1 if the instance's heartbeat is within its TTL
+    16  alive         1 if the instance is a candidate: seen within its TTL and not unhealthy
     24  port
     32  registered_at_ms
     40  last_seen_ms  (written without the directory seqlock: not used for selection)
@@ -65,7 +65,11 @@ Instance slot (SlotRecord; the directory, written only by the sidecar, SLOT_SIZE
     264 kv_inject     whether the instance can pull knowledge KV (its capabilities name the
                       "kv_inject" cache feature): KV_INJECT_UNKNOWN 0 (it said nothing: tried,
                       as before), KV_INJECT_YES 1, KV_INJECT_NO 2 (knowledge goes in as text)
-    272..319 reserved
+    272 unhealthy     1 when the instance is out of the candidate set because it (its
+                      heartbeat's `healthy: false`) or the sidecar's probe of it said so,
+                      0 otherwise; alive is 0 whenever this is 1. Written with alive, under
+                      the directory seqlock. An older segment has 0 here (reserved bytes).
+    280..319 reserved
 
 Pressure snapshot record (SnapshotRecord; written only by the sidecar, double-buffered)::
 
@@ -181,6 +185,7 @@ S_INSTANCE_ID = SLOT.offset.instance_id
 S_HOST = SLOT.offset.host
 S_MAX_NUM_SEQS = SLOT.offset.max_num_seqs
 S_KV_INJECT = SLOT.offset.kv_inject
+S_UNHEALTHY = SLOT.offset.unhealthy
 MAX_ID_BYTES = SLOT.text["instance_id"]
 MAX_HOST_BYTES = SLOT.text["host"]
 SLOT_FREE = 0

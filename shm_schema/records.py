@@ -136,6 +136,7 @@ class SlotRecord(NamedTuple):
     host: bytes            # UTF-8, host_len bytes used
     max_num_seqs: int      # registered sequence limit, 0 = unknown
     kv_inject: int         # can the instance pull knowledge KV: layout.KV_INJECT_* (0 = unknown)
+    unhealthy: int         # 1: out because the instance (or its probe) said unhealthy
 
 
 SLOT = Record(SlotRecord, size=320, text={"instance_id": 112, "host": 64})

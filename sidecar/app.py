@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,11 +24,15 @@ from shm_schema import DirectoryFull, Segment, header
 from cacheroute_proxy import instance_wire as wire
 
 from . import pool_resource
+from .scheduler_wire import PoolResource
 from .dashboard_routes import dashboard_routes
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
+from .resource_snapshot import RAW_RESOURCE_LIMIT
 from .scheduler_link import DisabledLink, Identity, SchedulerLink
+from .static_prober import StaticProber
+from .topology import Topology
 
 CONTROL_BODY_LIMIT = 1024 * 1024
 Handler = Callable[[Request], Awaitable[Response]]
@@ -43,8 +48,21 @@ class SidecarState:
     view: LoadView
     scorer: LeastLoadStrategy
     epoch: int
+    topology: Topology
     # Registration with the Scheduler (sidecar/scheduler_link.py); set by build_state.
     scheduler: SchedulerLink | DisabledLink | None = None
+    # PROXY_STATIC_INSTANCES (sidecar/static_prober.py); None when there are none.
+    static: StaticProber | None = None
+
+    def kdn_links(self) -> dict[str, Any]:
+        """What the Scheduler is told: PROXY_KDN_LINKS_JSON overlaid by the measured topology."""
+        return {**self.settings.kdn_links, **self.topology.merged()}
+
+    def pool_resource(self) -> PoolResource:
+        # What the next Scheduler heartbeat would carry (docs/protocol.md §6.5), even with it off.
+        proxy_id = (self.scheduler.status.proxy_id if self.scheduler and self.scheduler.status.proxy_id
+                    else Identity.from_settings(self.settings).proxy_id)
+        return pool_resource.snapshot_of(self.registry, self.view, self.settings, proxy_id)
 
 
 def build_app(state: SidecarState) -> Starlette:
@@ -76,6 +94,32 @@ def build_app(state: SidecarState) -> Starlette:
         req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.HeartbeatRequest)
         return JSONResponse(registry.heartbeat(req))
 
+    async def resource_snapshot(request: Request) -> Response:
+        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.ResourceSnapshotRequest)
+        size = len(msgspec.json.encode(req.snapshot))
+        if size > RAW_RESOURCE_LIMIT:
+            raise HTTPError(413, "payload_too_large",
+                            f"snapshot: {size} bytes of JSON, the proxy keeps at most {RAW_RESOURCE_LIMIT}")
+        if not registry.report_resource(req):
+            return JSONResponse({"ok": False, "error": "unknown_instance"})
+        return JSONResponse({"ok": True})
+
+    async def topology_report(request: Request) -> Response:
+        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.TopologyReportRequest)
+        if registry.get(req.instance_id) is None:  # docs/protocol.md §7.3: the original took any id
+            return JSONResponse({"ok": False, "error": "unknown_instance"})
+        return JSONResponse({"ok": True, "merged_links": state.topology.report(req.instance_id, req.links)})
+
+    async def kdn_links(request: Request) -> Response:
+        body: dict[str, Any] = {"kdn_links": state.topology.merged()}
+        if _flag(request, "per_instance", False):
+            body["per_instance"] = state.topology.per_instance()
+        return JSONResponse(body)
+
+    async def instance_resources(request: Request) -> Response:
+        records = registry.records(_flag(request, "include_dead", True))
+        return JSONResponse({"instances": [registry.resource_row(r) for r in records]})
+
     async def unregister(request: Request) -> Response:
         req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.UnregisterRequest)
         return JSONResponse({"ok": registry.unregister(req.instance_id)})
@@ -93,7 +137,8 @@ def build_app(state: SidecarState) -> Starlette:
             "ok": True, "ttl_s": state.settings.instance_ttl_s,
             "alive_instances": len(alive), "total_instances": len(records),
             "expired_instances": len(records) - len(alive),
-            "sample_ids": [r.instance_id for r in alive[:10]], "topology_kdn_links": 0,
+            "sample_ids": [r.instance_id for r in alive[:10]],
+            "topology_kdn_links": len(state.topology.merged()),
             "sidecar": {"pid": os.getpid(), "epoch": state.epoch},
             "segment": header.describe(state.seg),
             "workers": state.reaper.workers(),
@@ -102,14 +147,17 @@ def build_app(state: SidecarState) -> Starlette:
                        "corrections": state.reaper.stats.corrections,
                        "last_reaped": state.reaper.stats.last_reaped},
             "scheduler": state.scheduler.status.describe() if state.scheduler else {"enabled": False},
+            "static_instances": state.static.describe() if state.static else None,
         })
 
     async def debug_pool_resource(request: Request) -> Response:
-        # What the next Scheduler heartbeat would carry (docs/protocol.md §6.5), even with it off.
-        proxy_id = (state.scheduler.status.proxy_id if state.scheduler and state.scheduler.status.proxy_id
-                    else Identity.from_settings(settings).proxy_id)
-        return JSONResponse({"ok": True, "pool_resource": pool_resource.snapshot_of(
-            registry, state.view, settings, proxy_id)})
+        return JSONResponse({"ok": True, "pool_resource": state.pool_resource()})
+
+    async def debug_pool_resource_sources(request: Request) -> Response:
+        pool = state.pool_resource()
+        return JSONResponse({"ok": True, "metric_source": pool.metric_source,
+                             "metric_quality": pool.metric_quality,
+                             "null_semantics": pool_resource.NULL_SEMANTICS})
 
     async def debug_instance_loads(request: Request) -> Response:
         return JSONResponse(instance_loads(
@@ -122,10 +170,15 @@ def build_app(state: SidecarState) -> Starlette:
         Route("/debug/status", reads(status), methods=["GET"]),
         Route("/debug/instance_loads", reads(debug_instance_loads), methods=["GET"]),
         Route("/debug/pool_resource", reads(debug_pool_resource), methods=["GET"]),
+        Route("/debug/pool_resource_sources", reads(debug_pool_resource_sources), methods=["GET"]),
+        Route("/debug/instance_resources", reads(instance_resources), methods=["GET"]),
         Route("/v1/instance/register", writes(register), methods=["POST"]),
         Route("/v1/instance/heartbeat", writes(heartbeat), methods=["POST"]),
+        Route("/v1/instance/resource_snapshot", writes(resource_snapshot), methods=["POST"]),
         Route("/v1/instance/unregister", writes(unregister), methods=["POST"]),
         Route("/v1/instance/list", reads(list_instances), methods=["GET"]),
+        Route("/v1/topology/report", writes(topology_report), methods=["POST"]),
+        Route("/v1/topology/kdn_links", reads(kdn_links), methods=["GET"]),
         *dashboard_routes(state.seg, reads),  # the browser dashboard (sidecar/dashboard/)
     ]
     return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS)

@@ -1,6 +1,6 @@
 """The `pool_resource` snapshot the proxy reports to the Scheduler (docs/protocol.md §6.5).
 
-Computed by the sidecar from its registry (who is alive, resource reports) and the shared
+Computed by the sidecar from its registry (who is alive, the instances' resource snapshots) and the shared
 table (inflight and queue depths as every worker sees them), so one snapshot speaks for all
 workers. Over alive instances only; a sum is null when no instance reports the metric.
 """
@@ -25,11 +25,12 @@ from .scheduler_wire import (
 )
 
 ADMISSION_STATES = ("accepting", "degraded", "rejecting")
+NULL_SEMANTICS = "0 means measured zero; null means unavailable, not wired, or unknown"
 
 
 class ResourceReport(Protocol):
-    """An instance's normalised resource snapshot, if the registry keeps one (it does not yet:
-    docs/protocol.md §7.3)."""
+    """What the snapshot reads of an instance's normalised resource snapshot
+    (sidecar/resource_snapshot.py's InstanceResource)."""
 
     cpu_util: float | None
     memory_used_mb: float | None
@@ -45,9 +46,8 @@ class ResourceReport(Protocol):
 
 
 def resource_of(record: InstanceRecord) -> ResourceReport | None:
-    # The registry does not take resource snapshots today (docs/protocol.md §7.3); when it keeps
-    # one on the record as `resource`, the utilization block fills in without a change here.
-    return getattr(record, "resource", None)
+    """The instance's last accepted resource snapshot (docs/protocol.md §3.7), None before one."""
+    return record.resource
 
 
 @dataclass(frozen=True)

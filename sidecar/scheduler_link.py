@@ -122,7 +122,8 @@ class FailureLog:
 
 class SchedulerLink:
     def __init__(self, settings: Settings, snapshot: Callable[[str], PoolResource],
-                 instance_count: Callable[[], int], serving: Callable[[], bool]) -> None:
+                 instance_count: Callable[[], int], serving: Callable[[], bool],
+                 kdn_links: Callable[[], dict[str, Any]] | None = None) -> None:
         assert settings.scheduler_cp_url is not None
         self._base = settings.scheduler_cp_url.rstrip("/")
         self._settings = settings
@@ -132,7 +133,11 @@ class SchedulerLink:
         self.identity = Identity.from_settings(settings)
         self._proxy_id = self.identity.proxy_id  # the Scheduler may rename us in its reply
         self._interval_s = settings.scheduler_heartbeat_s
-        self._kdn_links = dict(settings.kdn_links)
+        # PROXY_KDN_LINKS_JSON overlaid by the instances' topology reports (the sidecar's
+        # state.kdn_links); sent in the register meta, and in a heartbeat's meta_patch whenever
+        # it differs from what the Scheduler last accepted.
+        self._kdn_links = kdn_links or (lambda: dict(settings.kdn_links))
+        self._links_sent: dict[str, Any] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
@@ -195,10 +200,11 @@ class SchedulerLink:
                 await asyncio.sleep(self._interval_s)
 
     async def _register(self) -> None:
+        links = self._kdn_links()
         body = RegisterBody(
             proxy_id=self._proxy_id, host=self.identity.host, port=self.identity.port,
             endpoints=list(ENDPOINTS), tags=[], weight=1.0,
-            meta=ProxyMeta(PROXY_VERSION, kdn_links=self._kdn_links or None),
+            meta=ProxyMeta(PROXY_VERSION, kdn_links=links or None),
             max_capacity=self._settings.max_capacity, instance_count=self._instance_count(),
             kv_mem_per_instance_gb=self._settings.kv_mem_per_instance_gb,
             kv_cache_update_policy=self._settings.kv_cache_update_policy,
@@ -210,6 +216,7 @@ class SchedulerLink:
             reply = msgspec.json.decode(payload, type=RegisterReply)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise CallFailed(f"register reply not understood: {exc}") from None
+        self._links_sent = links
         self._registered(reply)
 
     def _registered(self, reply: RegisterReply) -> None:
@@ -228,8 +235,10 @@ class SchedulerLink:
                  self._interval_s)
 
     async def _heartbeat(self) -> None:
+        links = self._kdn_links()
+        changed = links != self._links_sent  # to {} too: the Scheduler must forget gone links
         body = HeartbeatBody(proxy_id=self._proxy_id, pool_resource=self._snapshot(self._proxy_id),
-                             meta_patch=MetaPatch(self._kdn_links) if self._kdn_links else None)
+                             meta_patch=MetaPatch(links) if changed else None)
         status, payload = await self._post("/v1/proxy/heartbeat", body)
         if status == 404:  # the Scheduler forgot us (restarted, or expired us): register again
             log.warning("the Scheduler does not know %s (heartbeat 404): registering again", self._proxy_id)
@@ -237,6 +246,7 @@ class SchedulerLink:
             return
         if status != 200:
             raise CallFailed(f"heartbeat answered HTTP {status}: {_excerpt(payload)}")
+        self._links_sent = links
         self.status.heartbeats_ok += 1
         self._succeeded("heartbeat")
 
@@ -303,10 +313,11 @@ class DisabledLink:
 
 
 def make_link(settings: Settings, snapshot: Callable[[str], PoolResource],
-              instance_count: Callable[[], int], serving: Callable[[], bool]) -> SchedulerLink | DisabledLink:
+              instance_count: Callable[[], int], serving: Callable[[], bool],
+              kdn_links: Callable[[], dict[str, Any]] | None = None) -> SchedulerLink | DisabledLink:
     if settings.scheduler_cp_url is None:
         return DisabledLink()
-    return SchedulerLink(settings, snapshot, instance_count, serving)
+    return SchedulerLink(settings, snapshot, instance_count, serving, kdn_links)
 
 
 def _safe_url(url: str) -> str:

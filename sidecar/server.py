@@ -28,6 +28,8 @@ from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
 from .scheduler_link import make_link
+from .static_prober import StaticProber
+from .topology import Topology
 
 log = logging.getLogger("cacheroute.sidecar")
 
@@ -52,14 +54,21 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     reaper = WorkerReaper(seg)
     pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step)
     reaper.before_reap.append(pressure.drain_dead_row)
+    topology = Topology()
+    registry.on_removed.append(topology.forget)  # an instance's links leave with it
     state = SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
                          pressure=pressure, view=LoadView(seg),
-                         scorer=LeastLoadStrategy(settings.least_load_weights), epoch=epoch)
+                         scorer=LeastLoadStrategy(settings.least_load_weights), epoch=epoch,
+                         topology=topology)
     state.scheduler = make_link(
         settings, lambda proxy_id: pool_resource.snapshot_of(registry, state.view, settings, proxy_id),
         lambda: settings.instance_count if settings.instance_count is not None
         else len(registry.records(include_dead=False)),
-        lambda: any(worker["alive"] for worker in reaper.workers()))
+        lambda: any(worker["alive"] for worker in reaper.workers()),
+        kdn_links=state.kdn_links)
+    if settings.static_targets:
+        state.static = StaticProber(registry, settings.static_targets, settings.static_probe_s)
+        state.static.adopt()
     return state
 
 
@@ -82,6 +91,8 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
             _every(settings.event_poll_ms / 1000, state.pressure.tick, "event channel"),
             _every(1.0, lambda: header.sidecar_heartbeat(state.seg), "sidecar heartbeat"),
         ]
+        if state.static is not None:
+            loops.append(state.static.run())
         tasks = [asyncio.create_task(loop) for loop in loops]
         if state.scheduler is not None:  # background: a slow or absent Scheduler delays nothing
             state.scheduler.start()

@@ -135,6 +135,7 @@ def test_dashboard_shows_loads_workers_liveness_and_chart(make_cluster, browser)
             browser.screenshot(cluster.tmp_path / "dashboard.png")  # for a look after a failure
             assert browser.evaluate(FIRST_SERIES_PIXELS) > 10, "the first instance's line is on the canvas"
             _check_escaping_and_liveness(cluster, browser)
+            _check_unhealthy_is_shown(cluster, browser)
             for inst in (first, second):
                 inst.release()
             for stream in streams:
@@ -183,6 +184,16 @@ def _check_escaping_and_liveness(cluster, browser: Chromium) -> None:
     assert _rows(page)[NASTY_ID]["shown"] == NASTY_ID
     assert NASTY_ID in page["legend"]
     assert page["injected"] == 0 and not page["pwned"]
+
+
+def _check_unhealthy_is_shown(cluster, browser: Chromium) -> None:
+    """An instance out because its heartbeat said so is shown unhealthy, not dead, and alive
+    again when it says it is healthy."""
+    post(f"{cluster.cp_url}/v1/instance/register", {"host": "127.0.0.1", "port": free_port(), "instance_id": "sick"})
+    post(f"{cluster.cp_url}/v1/instance/heartbeat", {"instance_id": "sick", "healthy": False})
+    _wait_page(browser, lambda p: _rows(p).get("sick", {}).get("liveness") == "unhealthy", "sick shown unhealthy")
+    post(f"{cluster.cp_url}/v1/instance/heartbeat", {"instance_id": "sick", "healthy": True})
+    _wait_page(browser, lambda p: _rows(p).get("sick", {}).get("liveness") == "alive", "sick shown alive again")
 
 
 def test_dashboard_asks_for_the_token_when_debug_reads_require_it(make_cluster, browser, tmp_path):

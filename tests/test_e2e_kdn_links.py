@@ -1,7 +1,7 @@
 """IWS over the KDN link through a real cluster (docs/protocol.md §5.5): a static link
 (PROXY_KDN_LINKS_JSON) changes its decision and its trace, a measured one (reported to the
-sidecar) overrides the static one once the workers' refresh has copied it, and a failing
-refresh is logged once per worker, not once per try."""
+sidecar) overrides the static one once every worker's refresh has copied it; the workers read
+the sidecar's links without a failure."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def test_a_static_link_changes_the_iws_decision_and_the_trace(make_cluster, kdn)
     assert _ask(cluster.dp_url, f"127.0.0.1:{kdn}") == {"injection_mode": "text", "kdn_link_source": "static"}
     # The same KDN under an address no link names: the default bandwidth (1000 Mbps).
     assert _ask(cluster.dp_url, f"localhost:{kdn}") == {"injection_mode": "kvcache", "kdn_link_source": "default"}
-    refresh_warnings = cluster.launcher_log().count("KDN links: cannot read")
-    assert refresh_warnings <= cluster.workers  # at most once per worker, however many tries
+    # Every worker has read the sidecar's (empty) links since it started: none failed once.
+    assert "KDN links: cannot read" not in cluster.launcher_log()
 
 
 def test_a_measured_link_overrides_the_static_one(make_cluster, kdn):
@@ -65,9 +65,7 @@ def test_a_measured_link_overrides_the_static_one(make_cluster, kdn):
               "links": {f"kdn://127.0.0.1:{kdn}": {"bandwidth_mbps": FAST_MBPS, "latency_ms": 0.2,
                                                   "iface": "lo", "measured_by": "test"}}}
     status, answer, _ = http("POST", f"{cluster.cp_url}/v1/topology/report", report)
-    if status == 404:
-        pytest.skip("the sidecar has no POST /v1/topology/report yet (the resource-plane branch)")
-    assert status == 200 and answer["ok"] is True, answer
+    assert status == 200 and answer == {"ok": True, "merged_links": 1}, answer
     for worker in range(cluster.workers):  # each copies it within a few refreshes
         url = cluster.worker_url(worker)
         wait_until(lambda: _ask(url, f"127.0.0.1:{kdn}")["kdn_link_source"] == "measured", 10,

@@ -13,22 +13,15 @@ import json
 import os
 import signal
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
-import msgspec
 import pytest
 
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy import instance_wire as wire
-from sidecar import pool_resource
-from sidecar.registry import InstanceRegistry
 from sidecar.scheduler_link import DisabledLink, make_link
 from tests.aio import OpenStream
 from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
-from tests.shm_helpers import fresh_segment
 
 PROXY_ID = "px-under-test"
 HEARTBEAT_S = 0.2
@@ -285,6 +278,39 @@ def test_hanging_scheduler_delays_neither_startup_nor_the_control_plane(make_clu
     assert "Scheduler unregister failed" in cluster.launcher_log()
 
 
+# --- KDN links: PROXY_KDN_LINKS_JSON overlaid by the instances' topology reports ----------------------
+def test_kdn_links_are_overlaid_by_topology_and_patched_only_when_they_change(make_cluster, schedulers):
+    sched = schedulers()
+    static = {"kdn://a:1": {"bandwidth_mbps": 100}, "kdn://b:2": {"bandwidth_mbps": 10}}
+    cluster = make_cluster(workers=1, env=link_env(sched.url, PROXY_KDN_LINKS_JSON=json.dumps(static)))
+    heartbeats_after(sched, 3)
+    assert sched.proxy()["registration"]["meta"]["kdn_links"] == static
+    assert sched.proxy()["meta_patches"] == 0  # the register carried them; nothing changed since
+
+    post(f"{cluster.cp_url}/v1/instance/register", {"host": "127.0.0.1", "port": 9500, "instance_id": "i1"})
+    measured = {"kdn://b:2": {"bandwidth_mbps": 1000, "latency_ms": 1.0}, "kdn://c:3": {"bandwidth_mbps": 5}}
+    assert post(f"{cluster.cp_url}/v1/topology/report", {"instance_id": "i1", "links": measured}) == \
+        {"ok": True, "merged_links": 2}
+    overlaid = {**static, **{key: {**link, "reported_by": "i1"} for key, link in measured.items()}}
+    wait_until(lambda: sched.proxy()["meta"]["kdn_links"] == overlaid, 20, message="links patched")
+    heartbeats_after(sched, 3)
+    assert sched.proxy()["meta_patches"] == 1
+
+    # The instance leaves: its links go, and the Scheduler hears the static ones again.
+    assert post(f"{cluster.cp_url}/v1/instance/unregister", {"instance_id": "i1"}) == {"ok": True}
+    wait_until(lambda: sched.proxy()["meta"]["kdn_links"] == static, 20, message="links withdrawn")
+    heartbeats_after(sched, 3)
+    assert sched.proxy()["meta_patches"] == 2
+
+    # Registering again (the Scheduler forgot us) carries what is current.
+    post(f"{cluster.cp_url}/v1/instance/register", {"host": "127.0.0.1", "port": 9500, "instance_id": "i1"})
+    post(f"{cluster.cp_url}/v1/topology/report", {"instance_id": "i1", "links": measured})
+    wait_until(lambda: sched.proxy()["meta"]["kdn_links"] == overlaid, 20, message="links patched again")
+    post(f"{sched.url}/sim/restart", {})
+    wait_until(lambda: sched.proxy() is not None, 20, message="registered again")
+    assert sched.proxy()["registration"]["meta"]["kdn_links"] == overlaid
+
+
 # --- the simulated Scheduler itself, and the switch ---------------------------------------------------
 def test_sim_scheduler_validates_and_expires(schedulers):
     sched = schedulers("--ttl", "0.5")
@@ -310,55 +336,3 @@ def test_sim_scheduler_validates_and_expires(schedulers):
 def test_registration_is_off_without_scheduler_url():
     link = make_link(Settings(), lambda proxy_id: None, lambda: 0, lambda: True)  # type: ignore[arg-type,return-value]
     assert isinstance(link, DisabledLink) and link.status.describe()["enabled"] is False
-
-
-# --- pool_resource aggregation over resource reports (docs/protocol.md §6.5), on a real segment ---
-def _report(admission: str, cpu: float, mem_used: float, mem_total: float, at: float) -> SimpleNamespace:
-    # The registry keeps no resource snapshots yet; a record's `resource` is what it would keep.
-    return SimpleNamespace(cpu_util=cpu, memory_used_mb=mem_used, memory_total_mb=mem_total,
-                           memory_free_ratio=1 - mem_used / mem_total, gpu_util_avg=None,
-                           gpu_mem_used_mb=None, gpu_mem_total_mb=None, network_rx_mbps=10.0,
-                           network_tx_mbps=None, admission_state=admission, resource_reported_at=at)
-
-
-def test_pool_resource_admission_and_utilization():
-    now = [1000.0]
-    with fresh_segment() as seg:
-        registry = InstanceRegistry(seg, ttl_s=30, purge_grace_s=60, clock=lambda: now[0])
-        records = [registry.register(wire.RegisterRequest(host="127.0.0.1", port=9000 + i))
-                   for i in range(3)]
-        inputs = pool_resource.PoolInputs("p", capacity=4, ttl_s=30)
-
-        def snapshot() -> Any:
-            pool = pool_resource.build(inputs, registry.records(), LoadView(seg), now=now[0])
-            return msgspec.to_builtins(pool)
-
-        records[0].resource = _report("accepting", 10.0, 100.0, 1000.0, at=now[0] - 2)
-        records[1].resource = _report("degraded", 30.0, 300.0, 1000.0, at=now[0] - 4)
-        pool = snapshot()
-        assert pool["instances"] == {"total": 3, "alive": 3, "stale": 0, "with_resource": 2,
-                                     "missing_resource": 1, "accepting": 1, "degraded": 1, "rejecting": 0}
-        assert pool["pool_admission_state"] == "degraded"
-        assert pool["pool_admission_reason"] == "1 accepting, 1 degraded, 0 rejecting, 3 alive"
-        assert pool["metric_quality"]["resource"] == "partial"
-        util = pool["utilization"]
-        assert (util["cpu_avg"], util["cpu_max"], util["memory_used_mb"]) == (20.0, 30.0, 400.0)
-        assert util["memory_used_ratio"] == 0.2 and util["network_rx_mbps_total"] == 20.0
-        assert util["gpu_util_avg"] is None and util["network_tx_mbps_total"] is None  # unknown, not 0
-        assert pool["resource_freshness_s"] == {"min": 2.0, "avg": 3.0, "max": 4.0}
-        assert pool["load"]["inflight_total"] == 0 and pool["load"]["queue_pressure"] == 0.0
-
-        for record in records:
-            record.resource = _report("accepting", 10.0, 100.0, 1000.0, at=now[0])
-        assert snapshot()["pool_admission_state"] == "accepting"
-        for record in records:
-            record.resource = _report("rejecting", 10.0, 100.0, 1000.0, at=now[0])
-        assert snapshot()["pool_admission_state"] == "rejecting"
-
-        now[0] += 31  # every instance silent past the TTL
-        registry.sweep()
-        pool = snapshot()
-        assert (pool["instances"]["alive"], pool["instances"]["stale"]) == (0, 3)
-        assert pool["pool_admission_state"] == "rejecting"
-        assert pool["pool_admission_reason"] == "0 accepting, 0 degraded, 0 rejecting, 0 alive"
-        assert pool["load"]["inflight_total"] is None and pool["metric_quality"]["load"] == "missing"

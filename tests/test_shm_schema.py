@@ -207,6 +207,30 @@ def test_alive_flag_controls_the_candidate_set(seg):
     assert b.generation == reader.snapshot().alive[1].generation
 
 
+def test_unhealthy_says_why_an_instance_is_out_and_never_outlives_its_slot(seg):
+    writer = DirectoryWriter(seg)
+    reader = DirectoryReader(seg)
+    a = writer.allocate("inst-a", "h", 1)
+    assert not a.unhealthy and a.alive
+    seq = seg.load(layout.H_DIRECTORY_SEQ)
+    writer.set_alive(a.slot, False, unhealthy=True)
+    assert seg.load(layout.H_DIRECTORY_SEQ) == seq + 2  # one bracket for both words
+    (out,) = reader.snapshot().instances
+    assert (out.alive, out.unhealthy) == (False, True) and reader.snapshot().alive == ()
+    writer.set_alive(a.slot, False)  # out for its TTL now: the reason changes, so does the seq
+    assert seg.load(layout.H_DIRECTORY_SEQ) == seq + 4
+    assert reader.snapshot().instances[0].unhealthy is False
+    writer.set_alive(a.slot, True, unhealthy=True)  # a candidate is never unhealthy
+    assert (reader.snapshot().instances[0].alive, reader.snapshot().instances[0].unhealthy) == (True, False)
+    writer.set_alive(a.slot, False, unhealthy=True)
+    writer.free(a.slot)
+    again = writer.allocate("inst-b", "h", 2)
+    assert again.slot == a.slot and (again.alive, again.unhealthy) == (True, False)
+    held = writer.allocate("inst-c", "h", 3, unhealthy=True)  # registered, not yet a candidate
+    assert (held.alive, held.unhealthy) == (False, True)
+    assert [s.instance_id for s in reader.snapshot().alive] == ["inst-b"]
+
+
 def test_encode_identity_rejects_what_does_not_fit(seg):
     assert encode_identity("a" * layout.MAX_ID_BYTES, "h" * layout.MAX_HOST_BYTES)
     with pytest.raises(ValueError, match="^instance_id:"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from cacheroute_proxy.clock import now_ms
+from cacheroute_proxy.health import slot_health
 from shm_schema import read_all
 
 from .load_view import LoadView
@@ -36,6 +37,7 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
             "slot": inst.slot,
             "slot_generation": inst.generation,
             "is_alive": inst.alive,
+            "health": slot_health(inst),
             "inflight": components["inflight"][index],
             "qps_1m": inst.qps_1m,
             "last_seen_ms": inst.last_seen_ms,

@@ -4,7 +4,7 @@ Run: ``python -m cacheroute_sim.instance --port 9001 [--no-register] [--time-sca
 (``--help`` lists every flag).
 
 Data plane: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not),
-``GET /v1/models``, ``GET /healthz``. Every response carries ``x-sim-instance: <id>``.
+``GET /v1/models`` (with ``max_model_len``), ``GET /version``, ``GET /healthz`` and ``GET /health``. Every response carries ``x-sim-instance: <id>``.
 Timing follows the fitted curves of the original benchmark tables (timing.py;
 docs/predictors.md §3.1, §3.2): serialized prefill, batched decode whose inter-token latency
 grows with the batch, ``--max-concurrency`` slots.

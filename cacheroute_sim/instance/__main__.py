@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.new_parser("python -m cacheroute_sim.instance", "Simulated OpenAI-compatible vLLM Instance.",
                        port=9001, id_flag="--instance-id", id_help="default hp_{host}:{port}")
     p.add_argument("--model", default="sim-model")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="the context length GET /v1/models reports (default 4096)")
     reg = p.add_argument_group("registration with the Proxy control plane")
     reg.add_argument("--proxy-cp-url", default=os.environ.get("PROXY_CP_URL") or
                      "http://127.0.0.1:8002", help="env PROXY_CP_URL")

@@ -35,6 +35,7 @@ from cacheroute_sim.instance.request_model import (
 INSTANCE_HEADER = b"x-sim-instance"
 REQUEST_ID_HEADER = b"x-request-id"
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+SIM_VERSION = "sim-0.1"
 
 # Starlette only calls ``response(scope, receive, send)``, so a handler may return any ASGI
 # callable; GenerationResponse is one without being a Response subclass.
@@ -135,6 +136,7 @@ def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
         Route("/v1/chat/completions", _generation_route(state, "chat"), methods=["POST"]),
         Route("/v1/completions", _generation_route(state, "text"), methods=["POST"]),
         Route("/v1/models", _models_route(state), methods=["GET"]),
+        Route("/version", _version, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         # vLLM's own probe path; LLM routers (vllm-router) wait for it before routing.
         Route("/health", _healthz, methods=["GET"]),
@@ -169,10 +171,16 @@ def _generation_route(state: SimState, kind: Kind) -> Handler:
 def _models_route(state: SimState) -> Handler:
     async def handle(request: Request) -> Response:
         # OpenAI clients probe this before the first call; one model, like a vLLM server.
-        model = {"id": state.config.model, "object": "model", "owned_by": "sim_instance"}
+        model = {"id": state.config.model, "object": "model", "owned_by": "sim_instance",
+                 "max_model_len": state.config.max_model_len}
         return json_response({"object": "list", "data": [model]})
 
     return handle
+
+
+async def _version(request: Request) -> Response:
+    # vLLM's GET /version; the proxy reads it into runtime.vllm_version.
+    return json_response({"version": SIM_VERSION})
 
 
 async def _healthz(request: Request) -> Response:

@@ -83,6 +83,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     time_scale: float = 1.0
     max_concurrency: int = 8
     model: str = "sim-model"
+    # What GET /v1/models says the model's context length is, as vLLM does.
+    max_model_len: int = 4096
     # Seed for fail_rate draws, so a flaky-instance scenario can be replayed.
     seed: int | None = None
     # How long in-flight (held, hung) requests may delay shutdown before they are cancelled.
@@ -111,6 +113,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         require(self.kdn_timeout_s > 0, "kdn_timeout must be > 0")
         require(self.time_scale >= 0, "time_scale must be >= 0")
         require(1 <= self.max_concurrency <= 4096, "max_concurrency must be within 1..4096")
+        require(self.max_model_len >= 1, "max_model_len must be >= 1")
         require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
                 "heartbeat_interval must be > 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")

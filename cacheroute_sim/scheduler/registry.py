@@ -24,6 +24,7 @@ class ProxyRecord:
     last_seen_at: float
     registrations: int = 1
     heartbeats: int = 0
+    meta_patches: int = 0  # heartbeats that carried a meta_patch
     meta: dict[str, Any] = field(default_factory=dict)
     last_pool_resource: dict[str, Any] | None = None
 
@@ -34,7 +35,8 @@ class ProxyRecord:
                 "meta": self.meta, "registration": self.registration,
                 "registered_at": self.registered_at, "last_seen_at": self.last_seen_at,
                 "is_alive": now - self.last_seen_at <= ttl_s, "registrations": self.registrations,
-                "heartbeats": self.heartbeats, "last_pool_resource": self.last_pool_resource}
+                "heartbeats": self.heartbeats, "meta_patches": self.meta_patches,
+                "last_pool_resource": self.last_pool_resource}
 
 
 class ProxyRegistry:
@@ -69,6 +71,7 @@ class ProxyRegistry:
         record.last_seen_at = self._clock()
         record.heartbeats += 1
         if req.meta_patch:
+            record.meta_patches += 1
             record.meta.update(req.meta_patch)
         if req.pool_resource is not None:
             record.last_pool_resource = msgspec.to_builtins(req.pool_resource)

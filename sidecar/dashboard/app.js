@@ -121,7 +121,8 @@
 
   // --- rendering -------------------------------------------------------------------------------
   function liveness(row, generatedAt, ttlS) {
-    if (!row.is_alive) return "dead";
+    // Out of the candidate set: because it said so (or its probe failed), or past the TTL.
+    if (!row.is_alive) return row.health === "unhealthy" ? "unhealthy" : "dead";
     // Still in the candidate set, but heartbeats are being missed: it expires at the TTL.
     return generatedAt - row.last_seen_ms > ttlS * 500 ? "stale" : "alive";
   }
