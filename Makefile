@@ -9,7 +9,7 @@ SIM    ?= 2
 STRATEGY ?= round_robin
 PYTEST_ARGS ?=
 
-.PHONY: install run-workers test bench bench-pressure bench-stack bench-routing bench-report bench-peers soak clean-shm clean
+.PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,12 +28,54 @@ run-workers: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The real-engine suite (tests/real_engine, pytest marker real_engine, left out of `make test`):
+# a CPU build of vLLM in its own venv (.venv-vllm, ~3.4 GB, ~8 min the first time; every package
+# pinned in tests/real_engine/vllm-requirements.txt and installed with --no-deps, see there why),
+# a tiny random-weight Llama built locally (nothing comes from a model hub), and the tests run
+# with .venv's pytest; the engines run on .venv-vllm's python. Every cache stays in .cache/.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQS  := tests/real_engine/vllm-requirements.txt
+TINY_MODEL := .cache/tiny-llama
+TINY_STAMP := $(TINY_MODEL)/.built
+ENGINE_STAMP := $(VENV)/.installed-real-engine
+CACHE_ENV  := HF_HOME=$(CURDIR)/.cache/hf HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+              XDG_CACHE_HOME=$(CURDIR)/.cache PIP_CACHE_DIR=$(CURDIR)/.cache/pip \
+              VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/torchinductor
+
+$(VLLM_STAMP): $(VLLM_REQS)
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(CACHE_ENV) $(VLLM_PY) -m pip install --quiet --no-cache-dir pip==26.3
+	$(CACHE_ENV) $(VLLM_PY) -m pip install --quiet --no-cache-dir --no-deps -r $(VLLM_REQS)
+	$(CACHE_ENV) $(VLLM_PY) -c 'import vllm.entrypoints.openai.api_server, transformers, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	@touch $(VLLM_STAMP)
+
+$(TINY_STAMP): tests/real_engine/build_tiny_model.py $(VLLM_STAMP)
+	$(CACHE_ENV) $(VLLM_PY) tests/real_engine/build_tiny_model.py $(TINY_MODEL)
+	@touch $(TINY_STAMP)
+
+# What .venv needs to drive the engines (the official openai client): the real-engine extra.
+$(ENGINE_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,real-engine]'
+	@touch $(ENGINE_STAMP)
+
+install-vllm: $(VLLM_STAMP) $(TINY_STAMP) $(ENGINE_STAMP)
+
+test-vllm: install-vllm
+	$(CACHE_ENV) $(PY) -m pytest -m real_engine tests/real_engine $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	$(PY) -m bench.bench_select --out bench/results/select.json
 
 # TTFT prediction error and snapshot age against simulated instances at real time (~1 min).
 bench-pressure: $(STAMP)
 	$(PY) -m bench.bench_pressure --out bench/results/pressure.json
+
+# The same against real vLLM engines (two CPU engines from .venv-vllm serving the tiny model,
+# predictor profile vllm-cpu-tiny; ~1.5 min after install-vllm: engines start, 60 s of load).
+bench-pressure-vllm: install-vllm
+	$(CACHE_ENV) $(PY) -m bench.bench_pressure --vllm --out bench/results/pressure_vllm.json
 
 # Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
 bench-stack: $(STAMP)
@@ -73,4 +115,4 @@ clean-shm: $(STAMP)
 	$(PY) -m cacheroute_proxy shm unlink
 
 clean:
-	rm -rf $(VENV) *.egg-info build .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache *.egg-info build .pytest_cache

@@ -25,23 +25,25 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from cacheroute_proxy.engine_probe import EngineInfo, probe_health, read_engine
 from cacheroute_proxy.instance_wire import (
-    Capabilities,
     HeartbeatRequest,
-    ModelCapability,
     RegisterRequest,
-    RuntimeCapability,
+    ReportMetadata,
+    TopologyReportRequest,
+    resource_snapshot_request,
 )
 
 from .config import AgentConfig
-from .engine import Engine, EngineInfo
 from .proxy_client import Heartbeat, ProxyClient, Refused, Unreachable
-from .resources import ResourceReport, Sampler, SnapshotMetadata
-from .topology import LinkProbe, TopologyReport
+from .resources import Sampler
+from .topology import LinkProbe
 
 log = logging.getLogger("cacheroute.agent")
 
 HEARTBEAT_FALLBACK_S = 10.0
+HEALTH_TIMEOUT_S = 1.0    # an engine slower than this to answer /health is not answering
+DESCRIBE_TIMEOUT_S = 5.0  # /v1/models, /version
 BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 5.0
 ENDPOINTS = ["chat/completions", "completions"]
@@ -50,17 +52,12 @@ ENDPOINTS = ["chat/completions", "completions"]
 def register_request(config: AgentConfig, info: EngineInfo) -> RegisterRequest:
     """What the proxy is told about the engine. No KV cache feature: this agent serves no KV
     inject, so the proxy injects knowledge into such an instance as text."""
-    meta: dict[str, object] = {"version": "instance_v1", "agent": "cacheroute-instance-agent"}
-    if info.max_model_len is not None:
-        meta["max_model_len"] = info.max_model_len
+    meta: dict[str, object] = {"version": "instance_v1", "agent": "cacheroute-instance-agent", **info.meta()}
     if config.max_num_seqs is not None:
         meta["max_num_seqs"] = config.max_num_seqs
-    capabilities = Capabilities(
-        model=ModelCapability(identifier=info.model_id) if info.model_id else None,
-        runtime=RuntimeCapability(vllm_version=info.version, supported_cache_features=[]))
     return RegisterRequest(host=config.engine_host, port=config.engine_port,
                            instance_id=config.resolved_instance_id, endpoints=ENDPOINTS,
-                           meta=meta, capabilities=capabilities)
+                           meta=meta, capabilities=info.capabilities(cache_features=[]))
 
 
 class Agent:
@@ -75,10 +72,11 @@ class Agent:
         self._wake = asyncio.Event()  # a heartbeat is due now (health changed, forgotten)
         self._state = ""
         self._sampler = Sampler()
+        self._engine_url = config.instance_url.rstrip("/")
 
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
-            self._engine = Engine(self.config.instance_url, session)
+            self._session = session
             self._proxy = ProxyClient(self.config.proxy_cp_url, session, self.config.cp_token)
             self._links = LinkProbe(session, self.config.default_link_mbps)
             if not await self._wait_for_engine(stop):
@@ -100,7 +98,7 @@ class Agent:
     async def _wait_for_engine(self, stop: asyncio.Event) -> bool:
         self._set_state("waiting", f"waiting for the engine at {self.config.instance_url}/health")
         while not stop.is_set():
-            if await self._engine.healthy():
+            if await self._engine_healthy():
                 self.healthy = True
                 await self._describe()
                 return True
@@ -108,8 +106,11 @@ class Agent:
                 await asyncio.wait_for(stop.wait(), self.config.health_interval_s)
         return False
 
+    async def _engine_healthy(self) -> bool:
+        return (await probe_health(self._session, self._engine_url, HEALTH_TIMEOUT_S)).ok
+
     async def _describe(self) -> None:
-        info = await self._engine.describe()
+        info = await read_engine(self._session, self._engine_url, DESCRIBE_TIMEOUT_S)
         self._request = register_request(self.config, info)
         log.info("engine %s: model %s, max_model_len %s, version %s", self.config.instance_url,
                  info.model_id, info.max_model_len, info.version)
@@ -117,7 +118,7 @@ class Agent:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
-            healthy = await self._engine.healthy()
+            healthy = await self._engine_healthy()
             if healthy == self.healthy:
                 continue
             self.healthy = healthy
@@ -183,18 +184,17 @@ class Agent:
     async def _report_resources(self) -> None:
         if not self.registered:
             return
-        snapshot = self._sampler.snapshot()
-        now_ms = int(time.time() * 1000)
-        await self._proxy.report("/v1/instance/resource_snapshot", ResourceReport(
-            self.instance_id, snapshot, SnapshotMetadata(
+        snapshot = self._sampler.snapshot(self.instance_id)
+        await self._proxy.report("/v1/instance/resource_snapshot", resource_snapshot_request(
+            self.instance_id, snapshot, ReportMetadata(
                 reported_instance_id=self.instance_id, report_monotonic_ms=int(time.monotonic() * 1000),
-                report_wall_time_ms=now_ms, agent_snapshot_timestamp_ms=snapshot.timestamp_ms)))
+                report_wall_time_ms=int(time.time() * 1000), agent_snapshot_timestamp_ms=snapshot.timestamp_ms)))
 
     async def _report_topology(self) -> None:
         if not self.registered:
             return
         links = await self._links.links(self.config.kdn_targets, self.instance_id)
-        await self._proxy.report("/v1/topology/report", TopologyReport(self.instance_id, links))
+        await self._proxy.report("/v1/topology/report", TopologyReportRequest(self.instance_id, links))
 
     async def _every(self, interval_s: float, report: Callable[[], Awaitable[None]]) -> None:
         """A report on its interval; a failure is logged (by state) and the next one tried."""

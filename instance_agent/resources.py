@@ -14,78 +14,24 @@ import os
 import time
 from typing import Any
 
-import msgspec
 import psutil
+
+from cacheroute_proxy.instance_wire import (
+    CapacityHint,
+    CpuReading,
+    Devices,
+    GpuReading,
+    MemoryReading,
+    NetworkReading,
+    ResourceSnapshotV1,
+)
 
 log = logging.getLogger("cacheroute.agent.resources")
 
+AGENT_VERSION = "cacheroute-instance-agent/1"
+
 REJECTING_BELOW_FREE_RATIO = 0.05   # the original agent's capacity hints
 DEGRADED_ABOVE_CPU_PCT = 95.0
-
-
-class Cpu(msgspec.Struct):
-    utilization_pct: float
-    load1: float
-    load5: float
-    load15: float
-
-
-class Memory(msgspec.Struct):
-    used_mb: float
-    total_mb: float
-    free_mb: float
-
-
-class Gpu(msgspec.Struct, omit_defaults=True):
-    index: int
-    name: str | None = None
-    utilization_pct: float | None = None
-    memory_used_mb: float | None = None
-    memory_total_mb: float | None = None
-    utilization_sample_ok: bool = True
-
-
-class Network(msgspec.Struct):
-    iface: str
-    rx_mbps: float | None
-    tx_mbps: float | None
-    speed_mbps: float | None
-
-
-class Devices(msgspec.Struct):
-    cpu: Cpu
-    memory: Memory
-    gpu: list[Gpu]
-    network: list[Network]
-
-
-class CapacityHint(msgspec.Struct):
-    memory_free_ratio: float | None
-    admission_state: str   # accepting / degraded / rejecting
-
-
-class ResourceSnapshot(msgspec.Struct):
-    """`resource_snapshot_v1`, what the agent measures."""
-
-    timestamp_ms: int
-    devices: Devices
-    capacity_hint: CapacityHint
-    schema: str = "resource_snapshot_v1"
-
-
-class SnapshotMetadata(msgspec.Struct):
-    reported_instance_id: str
-    report_monotonic_ms: int
-    report_wall_time_ms: int
-    agent_snapshot_timestamp_ms: int
-
-
-class ResourceReport(msgspec.Struct):
-    """The body of `POST /v1/instance/resource_snapshot`."""
-
-    instance_id: str
-    snapshot: ResourceSnapshot
-    metadata: SnapshotMetadata
 
 
 class Sampler:
@@ -96,18 +42,23 @@ class Sampler:
         self._last_net: tuple[float, dict[str, Any]] | None = None
         self._nvml = _Nvml()
 
-    def snapshot(self) -> ResourceSnapshot:
-        now_ms = int(time.time() * 1000)
-        cpu = Cpu(psutil.cpu_percent(interval=None), *(round(x, 2) for x in os.getloadavg()))
+    def snapshot(self, instance_id: str) -> ResourceSnapshotV1:
+        load1, load5, load15 = (round(x, 2) for x in os.getloadavg())
+        cpu_pct = psutil.cpu_percent(interval=None)
         vm = psutil.virtual_memory()
-        memory = Memory(used_mb=_mb(vm.total - vm.available), total_mb=_mb(vm.total), free_mb=_mb(vm.available))
         free_ratio = vm.available / vm.total if vm.total else None
-        devices = Devices(cpu=cpu, memory=memory, gpu=self._nvml.sample(), network=self._network())
-        return ResourceSnapshot(now_ms, devices, CapacityHint(
-            memory_free_ratio=None if free_ratio is None else round(free_ratio, 4),
-            admission_state=admission_state(free_ratio, cpu.utilization_pct)))
+        devices = Devices(
+            cpu=CpuReading(utilization_pct=cpu_pct, load1=load1, load5=load5, load15=load15),
+            memory=MemoryReading(used_mb=_mb(vm.total - vm.available), total_mb=_mb(vm.total),
+                                 free_mb=_mb(vm.available)),
+            gpu=self._nvml.sample(), network=self._network())
+        return ResourceSnapshotV1(
+            timestamp_ms=int(time.time() * 1000), agent_version=AGENT_VERSION, instance_id=instance_id,
+            devices=devices, capacity_hint=CapacityHint(
+                memory_free_ratio=None if free_ratio is None else round(free_ratio, 4),
+                admission_state=admission_state(free_ratio, cpu_pct)))
 
-    def _network(self) -> list[Network]:
+    def _network(self) -> list[NetworkReading]:
         now = time.monotonic()
         counters = psutil.net_io_counters(pernic=True)
         stats = psutil.net_if_stats()
@@ -122,7 +73,8 @@ class Sampler:
                 rx = round(max(0, io.bytes_recv - last[1][iface].bytes_recv) * 8 / 1e6 / seconds, 3)
                 tx = round(max(0, io.bytes_sent - last[1][iface].bytes_sent) * 8 / 1e6 / seconds, 3)
             speed = stats[iface].speed if iface in stats and stats[iface].speed > 0 else None
-            rows.append((io.bytes_recv + io.bytes_sent, Network(iface, rx, tx, speed)))
+            rows.append((io.bytes_recv + io.bytes_sent,
+                         NetworkReading(iface=iface, rx_mbps=rx, tx_mbps=tx, speed_mbps=speed)))
         return [row for _, row in sorted(rows, key=lambda pair: -pair[0])]
 
 
@@ -151,7 +103,7 @@ class _Nvml:
         except Exception as exc:  # no package, no driver, no GPU: all mean "no GPUs to report"
             log.debug("no NVML (%s): reporting no GPUs", type(exc).__name__)
 
-    def sample(self) -> list[Gpu]:
+    def sample(self) -> list[GpuReading]:
         if self._lib is None:
             return []
         nvml, gpus = self._lib, []
@@ -165,8 +117,10 @@ class _Nvml:
                 name = nvml.nvmlDeviceGetName(handle)
                 util = nvml.nvmlDeviceGetUtilizationRates(handle)
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-                gpus.append(Gpu(index, name.decode() if isinstance(name, bytes) else str(name),
-                                float(util.gpu), _mb(mem.used), _mb(mem.total)))
+                gpus.append(GpuReading(index=index, name=name.decode() if isinstance(name, bytes) else str(name),
+                                       utilization_pct=float(util.gpu), utilization_sample_ok=True,
+                                       utilization_source="nvml", memory_used_mb=_mb(mem.used),
+                                       memory_total_mb=_mb(mem.total)))
             except Exception:  # one GPU that cannot be read is reported as such
-                gpus.append(Gpu(index, utilization_sample_ok=False))
+                gpus.append(GpuReading(index=index, utilization_sample_ok=False, utilization_source="nvml"))
         return gpus

@@ -32,13 +32,6 @@ class LinkMetrics(msgspec.Struct):
     measured_by: str = "cacheroute-instance-agent"
 
 
-class TopologyReport(msgspec.Struct):
-    """The body of `POST /v1/topology/report`: this instance's links, replacing its last ones."""
-
-    instance_id: str
-    links: dict[str, LinkMetrics]
-
-
 class _Hello(msgspec.Struct):
     ok: bool = False
     kdn_id: str | None = None

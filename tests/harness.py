@@ -16,8 +16,8 @@ from typing import Any
 from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_range
 from cacheroute_sim.processes import ChildProcess as Process
 
-__all__ = ["ROOT", "Cluster", "Process", "SimInstance", "chat_body", "free_port", "free_port_range",
-           "get", "http", "post", "wait_until"]
+__all__ = ["ROOT", "Agent", "Cluster", "Engine", "Process", "SimInstance", "alive", "chat_body",
+           "free_port", "free_port_range", "get", "http", "listed", "post", "wait_until"]
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 10.0,
@@ -153,3 +153,48 @@ class Cluster(SupervisorPorts):
 def chat_body(content: str = "hello there", stream: bool = True, max_tokens: int = 8) -> dict[str, Any]:
     return {"model": "sim", "messages": [{"role": "user", "content": content}],
             "stream": stream, "max_tokens": max_tokens}
+
+
+# --- an engine that registers nothing, and the agent beside it -------------------------------------
+class Engine:
+    """A simulated instance that does not register itself: what a plain engine (a bare
+    `vllm serve`) is to the proxy. Started and stopped as often as a test likes, on one port."""
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log_dir / f"engine-{self.port}.log"
+        self.process: Process | None = None
+
+    def start(self) -> "Engine":
+        self.process = Process(["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port",
+                                str(self.port), "--no-register", "--cp-port", "0", "--time-scale", "0.05"],
+                               {}, self._log, append_log=True)
+        return self
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.process is not None:
+            self.process.stop(signum)
+
+
+class Agent:
+    """`cacheroute-proxy instance-agent` beside an Engine, heartbeating every 0.5 s."""
+
+    def __init__(self, cluster: Cluster, engine: Engine, *args: str) -> None:
+        self.instance_id = f"hp_127.0.0.1:{engine.port}"
+        self.process = Process(["-m", "cacheroute_proxy", "instance-agent", "--instance-url", engine.url,
+                                "--proxy-cp-url", cluster.cp_url, "--heartbeat-interval", "0.5", *args],
+                               {}, cluster.tmp_path / f"agent-{engine.port}.log")
+
+    def log(self) -> str:
+        return self.process.log()
+
+
+def listed(cluster: Cluster, instance_id: str) -> dict[str, Any] | None:
+    rows = get(f"{cluster.cp_url}/v1/instance/list?include_dead=true")
+    return next((row for row in rows if row["instance_id"] == instance_id), None)
+
+
+def alive(cluster: Cluster, instance_id: str) -> bool:
+    rows = get(f"{cluster.cp_url}/debug/instance_loads")["instances"]
+    return any(row["instance_id"] == instance_id and row["is_alive"] for row in rows)

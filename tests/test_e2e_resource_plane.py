@@ -21,7 +21,7 @@ from proxy_workers.sidecar_reads import sidecar_read
 from starlette.applications import Starlette
 from starlette.routing import Route
 from tests.aio import OpenStream
-from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
+from tests.harness import Agent, Engine, Process, chat_body, free_port, get, http, listed, post, wait_until
 
 TOKEN = "resource-plane-token"
 # What `/v1/instance/list` rows had before this plane: a client of them must keep finding these.
@@ -267,8 +267,6 @@ def test_healthy_false_takes_an_instance_out_at_once_and_true_brings_it_back(mak
 
 # --- the instance agent as this plane's client ------------------------------------------------------------
 def test_the_agents_reports_and_health_land_in_the_plane(make_cluster, tmp_path):
-    from tests.test_instance_agent import Agent, Engine, listed  # the agent's own test doubles
-
     cluster = make_cluster(workers=2)
     kdn_port = free_port()
     kdn = Process(["-m", "cacheroute_sim.kdn", "--host", "127.0.0.1", "--port", str(kdn_port)], {},

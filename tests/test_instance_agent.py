@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from cacheroute_proxy.config import ConfigError
+from cacheroute_proxy.engine_probe import EngineInfo
 from cacheroute_sim.processes import free_port
 from cacheroute_sim.scheduler.requests import scheduler_body
 from instance_agent.agent import register_request
 from instance_agent.config import parse
-from instance_agent.engine import EngineInfo
-from tests.harness import Cluster, Process, chat_body, get, http, post, wait_until
+from tests.harness import Agent, Engine, Process, alive, chat_body, get, http, listed, post, wait_until
 
 
 # --- options -------------------------------------------------------------------------------------
@@ -58,47 +58,6 @@ def test_what_the_proxy_is_told_of_an_engine() -> None:
 
 
 # --- against a real cluster ------------------------------------------------------------------------
-class Engine:
-    """A simulated instance that does not register itself: what a plain engine is to the proxy."""
-
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = log_dir / f"engine-{self.port}.log"
-        self.process: Process | None = None
-
-    def start(self) -> "Engine":
-        self.process = Process(["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port",
-                                str(self.port), "--no-register", "--cp-port", "0", "--time-scale", "0.05"],
-                               {}, self._log, append_log=True)
-        return self
-
-    def stop(self, signum: int = signal.SIGTERM) -> None:
-        if self.process is not None:
-            self.process.stop(signum)
-
-
-class Agent:
-    def __init__(self, cluster: Cluster, engine: Engine, *args: str) -> None:
-        self.instance_id = f"hp_127.0.0.1:{engine.port}"
-        self.process = Process(["-m", "cacheroute_proxy", "instance-agent", "--instance-url", engine.url,
-                                "--proxy-cp-url", cluster.cp_url, "--heartbeat-interval", "0.5", *args],
-                               {}, cluster.tmp_path / f"agent-{engine.port}.log")
-
-    def log(self) -> str:
-        return self.process.log()
-
-
-def listed(cluster: Cluster, instance_id: str) -> dict[str, Any] | None:
-    rows = get(f"{cluster.cp_url}/v1/instance/list?include_dead=true")
-    return next((row for row in rows if row["instance_id"] == instance_id), None)
-
-
-def alive(cluster: Cluster, instance_id: str) -> bool:
-    rows = get(f"{cluster.cp_url}/debug/instance_loads")["instances"]
-    return any(row["instance_id"] == instance_id and row["is_alive"] for row in rows)
-
-
 def test_the_agent_registers_a_plain_engine_and_leaves_on_sigterm(make_cluster, tmp_path: Path) -> None:
     cluster = make_cluster(workers=2)
     engine = Engine(tmp_path)
@@ -182,3 +141,41 @@ def test_the_agent_resends_capabilities_to_a_restarted_sidecar(make_cluster, tmp
     finally:
         agent.process.stop(signal.SIGTERM)
         engine.stop()
+
+
+def test_an_engine_that_stops_answering_is_out_within_two_seconds_and_back_when_it_answers(
+        make_cluster, tmp_path: Path) -> None:
+    """SIGKILL (connections refused) and SIGSTOP (a hung engine: the /health probe times out):
+    both leave the candidate set of every worker within ~2 s, far inside the 30 s TTL, and no
+    request fails meanwhile (a refused forward is retried on the other engine)."""
+    cluster = make_cluster(workers=2, strategy="least_load")
+    engines = [Engine(tmp_path).start() for _ in range(2)]
+    agents = [Agent(cluster, engine) for engine in engines]
+    victim, other = agents[0].instance_id, agents[1].instance_id
+
+    def out_everywhere() -> bool:
+        return all(not any(r["instance_id"] == victim and r["is_alive"]
+                           for r in cluster.loads(w)["instances"]) for w in range(cluster.workers))
+
+    try:
+        wait_until(lambda: alive(cluster, victim) and alive(cluster, other), 20,
+                   message=f"both registered\n{agents[0].log()}")
+        for stop, resume in ((signal.SIGKILL, None), (signal.SIGSTOP, signal.SIGCONT)):
+            assert engines[0].process is not None
+            os.kill(engines[0].process.pid, stop)
+            wait_until(out_everywhere, 2.5, interval=0.02, message=f"out after {stop.name}\n{agents[0].log()}")
+            for _ in range(6):
+                status, answer, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions",
+                                               chat_body(stream=False))
+                assert status == 200 and headers["x-cacheroute-instance"] == other, answer
+            assert listed(cluster, victim) is not None  # out of the candidate set, still registered
+            if resume is None:
+                engines[0].start()  # the same port: the agent sees it answer again
+            else:
+                os.kill(engines[0].process.pid, resume)
+            wait_until(lambda: alive(cluster, victim), 10, message=f"back after {stop.name}\n{agents[0].log()}")
+    finally:
+        for agent in agents:
+            agent.process.stop(signal.SIGTERM)
+        for engine in engines:
+            engine.stop()

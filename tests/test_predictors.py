@@ -45,6 +45,8 @@ PROFILE_70B = PKG / "profiles" / "llama3-70b-8x5090.json"
 TTFT_70B_BS1 = PKG / "data" / "llama3-70b-8x5090" / "ttft_bs1.json"
 SIM_TTFT = PKG / "data" / "sim" / "ttft.json"
 SIM_TPOT = PKG / "data" / "sim" / "tpot.json"
+VLLM_TTFT = PKG / "data" / "vllm-cpu-tiny" / "ttft.json"
+VLLM_TPOT = PKG / "data" / "vllm-cpu-tiny" / "tpot.json"
 
 
 @pytest.fixture(autouse=True)
@@ -429,6 +431,39 @@ def test_refit_reproduces_the_shipped_sim_profile(tmp_path: Path) -> None:
         "--ttft", str(SIM_TTFT), "--tpot", str(SIM_TPOT)]) == 0
 
 
+def test_the_vllm_cpu_tiny_profile_is_its_tables_fitted_without_anchors(tmp_path: Path) -> None:
+    """The shipped profile is what refit makes of the committed tables (measured against the
+    real-engine suite's vLLM), and the fitted line, not another engine's anchors, applies to
+    short prompts."""
+    out = tmp_path / "p.json"
+    shipped = load_profile("vllm-cpu-tiny")
+    assert shipped.ttft.anchors_ms == () and shipped.ttft.anchor_only_max_tokens == 0
+    assert "--no-anchors" in shipped.provenance and "calibrate.py" in shipped.ttft.source
+    assert refit_predictors.main([
+        "--base", "sim", "--name", "vllm-cpu-tiny", "--no-anchors", "--aggregate", "median",
+        "--ttft", str(VLLM_TTFT), "--tpot", str(VLLM_TPOT), "--out", str(out)]) == 0
+    refitted = load_profile(str(out))
+    assert refitted.ttft == msgspec.structs.replace(shipped.ttft, source=refitted.ttft.source)
+    assert refitted.tpot.per_bs == shipped.tpot.per_bs
+    p = Predictors(shipped)
+    line = lambda tokens: 1000 * ((shipped.ttft.a_s + shipped.ttft.b_s) * tokens + shipped.ttft.d_s)
+    for tokens in (1, 50, 115, 345, 1000):
+        assert p.prefill_ms(tokens) == pytest.approx(line(tokens))
+    assert {line.bs for line in shipped.tpot.per_bs} == {1, 2, 4}  # max_num_seqs 4
+    assert all(0 < p.tpot_ms(tokens, bs) < 50 for tokens in (1, 1024) for bs in (1, 2, 4, 8))
+
+
+def test_refit_keeps_the_base_anchors_unless_told_not_to() -> None:
+    tables = refit_predictors.read_tables(ttft=[SIM_TTFT])
+    kept = refit_predictors.refit(load_profile("sim"), tables).profile
+    assert kept.ttft.anchors_ms == load_profile("sim").ttft.anchors_ms
+    assert "Anchors and anchor_only_max_tokens from base profile 'sim'" in kept.ttft.source
+    dropped = refit_predictors.refit(load_profile("sim"), tables, no_anchors=True).profile
+    assert dropped.ttft.anchors_ms == () and dropped.ttft.anchor_only_max_tokens == 0
+    assert "No anchors" in dropped.ttft.source
+    assert (dropped.ttft.a_s, dropped.ttft.d_s) == (kept.ttft.a_s, kept.ttft.d_s)
+
+
 def test_sim_profile_matches_the_simulated_instance_model() -> None:
     sim = get_predictors("sim")
     # Prefill: the sim runs 1.48604 ms·L − 64.205 ms beyond its anchors.
@@ -511,6 +546,19 @@ def test_calibrate_refuses_non_loopback_targets() -> None:
     calibrate_instance.require_loopback("http://[::1]:9001")
     with pytest.raises(calibrate_instance.CalibrationError, match="only loopback"):
         calibrate_instance.require_loopback("http://10.1.2.3:8000")
+
+
+def test_calibrate_counts_a_chunk_per_token_even_with_empty_text() -> None:
+    """vLLM's chunks as they come: the role-only opening, a token whose text is still empty (it
+    ends inside a UTF-8 character), a token with text, the usage chunk; the sim's too."""
+    token = calibrate_instance.carries_a_token
+    assert not token({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert token({"choices": [{"delta": {"content": ""}, "finish_reason": "length"}]})
+    assert token({"choices": [{"delta": {"content": "ab"}}]})
+    assert token({"choices": [{"text": ""}]})  # completions
+    assert not token({"choices": [], "usage": {"prompt_tokens": 9}})
+    assert not token({"choices": [{"delta": {"role": "assistant"}}]})  # the sim's opening
+    assert not token({"choices": [{"delta": {}, "finish_reason": "stop"}]})
 
 
 def test_calibrate_window_takes_only_gaps_while_all_streams_decode() -> None:

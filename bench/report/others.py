@@ -1,6 +1,7 @@
 """Sections for the older results files, in their own shapes: the selection path
 (bench/results/select.json, bench/bench_select.py) and predicted pressure
-(bench/results/pressure.json, bench/bench_pressure.py)."""
+(bench/results/pressure.json and pressure_vllm.json, bench/bench_pressure.py: simulated
+instances, and real vLLM engines)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,21 @@ def select_section(data: dict[str, Any]) -> str:
 
 
 def pressure_section(data: dict[str, Any]) -> str:
-    parts = ["## Predicted pressure against reality", *blocks.header_blocks(data, "pressure.json")]
+    return _pressure("Predicted pressure against reality", "pressure.json", data)
+
+
+def pressure_vllm_section(data: dict[str, Any]) -> str:
+    return _pressure("Predicted pressure against real vLLM engines", "pressure_vllm.json", data)
+
+
+def _pressure(title: str, file_name: str, data: dict[str, Any]) -> str:
+    parts = [f"## {title}", *blocks.header_blocks(data, file_name)]
     workload = data.get("workload") or {}
     if workload:
         parts.append("Workload: " + "; ".join(f"{k} {num(v)}" for k, v in workload.items()))
+    engine = data.get("engine") or {}
+    if engine:
+        parts.append("Engines: " + "; ".join(f"{k} {num(v)}" for k, v in engine.items()))
     rows = []
     for group in ("ttft_prediction_error_ms", "actual_ttft_ms", "snapshot_age_ms"):
         for key, value in (data.get(group) or {}).items():
@@ -43,6 +55,12 @@ def pressure_section(data: dict[str, Any]) -> str:
             rows.append([label(key), "", num(data[key])])
     if rows:
         parts.append(table(["figure", "statistic", "value"], rows))
+    failures = data.get("failures") or {}
+    if failures:
+        parts.append("Failures (most common):\n\n" +
+                     "\n".join(f"- {num(count)} × `{reason}`" for reason, count in failures.items()))
+    if data.get("loadavg_at_start"):
+        parts.append(f"Load average at the start: {num(data['loadavg_at_start'])}")
     if data.get("loadavg"):
         parts.append(f"Load average at the end: {num(data['loadavg'])}")
     return "\n\n".join(p for p in parts if p)

@@ -152,3 +152,36 @@ def test_the_command_line_writes_the_report(results_dir: Path, tmp_path: Path) -
     out = tmp_path / "B.md"
     assert main(["--results", str(results_dir), "--out", str(out), "--charts", str(tmp_path / "c")]) == 0
     assert out.read_text().startswith("# Benchmarks")
+
+
+def _pressure(**extra: Any) -> dict[str, Any]:
+    return {"command": "python -m bench.bench_pressure --synthetic",
+            "workload": {"duration_s": 45.0, "rate_per_s": 1.0, "strategy": "least_load"},
+            "requests_ok": 48, "requests_failed": 0,
+            "ttft_prediction_error_ms": {"median_abs": 57.0, "p90_abs": 112, "median_signed": -57.0, "samples": 48},
+            "actual_ttft_ms": {"p50": 1424.0, "p90": 3707},
+            "snapshot_age_ms": {"p50": 45.65, "p99": 100.1, "max": 100.1, "samples": 48},
+            "loadavg": [0.2, 0.4, 0.6], **extra}
+
+
+def test_the_real_engine_pressure_run_sits_next_to_the_simulated_one(tmp_path: Path) -> None:
+    (tmp_path / "pressure.json").write_text(json.dumps(_pressure()))
+    (tmp_path / "pressure_vllm.json").write_text(json.dumps(_pressure(
+        command="python -m bench.bench_pressure --vllm --synthetic",
+        workload={"rate_per_s": 4.0, "engine": "vLLM CPU, tiny model", "profile": "vllm-cpu-tiny"},
+        engine={"vllm_version": "0.32.0", "max_num_seqs": 4},
+        ttft_prediction_error_ms={"median_abs": 23.5, "p90_abs": 345, "median_signed": 12.25, "samples": 230},
+        requests_ok=230, requests_failed=2, failures={"RequestFailed: 400 too long": 2},
+        loadavg_at_start=[1.5, 1.0, 0.5])))
+    text, used = build(tmp_path, tmp_path / "BENCHMARKS.md", None)
+    assert used == ["pressure.json", "pressure_vllm.json"]
+    simulated, real = text.split("## Predicted pressure against real vLLM engines")
+    assert "## Predicted pressure against reality" in simulated
+    assert "| TTFT prediction error (ms) | median_abs | 57 |" in simulated
+    assert "--vllm --synthetic" in real and "profile vllm-cpu-tiny" in real
+    assert "| TTFT prediction error (ms) | median_abs | 23.5 |" in real
+    assert "| TTFT prediction error (ms) | p90_abs | 345 |" in real
+    assert "Engines: vllm_version 0.32.0; max_num_seqs 4" in real
+    assert "| requests failed |  | 2 |" in real and "- 2 × `RequestFailed: 400 too long`" in real
+    assert "Load average at the start: 1.50, 1, 0.50" in real
+    assert "23.5" not in simulated and "| median_abs | 57 |" not in real

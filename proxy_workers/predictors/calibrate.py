@@ -9,7 +9,8 @@
 What is measured (all over loopback only; the whole run is bounded by ``--max-seconds``):
 
 - TTFT at bs=1: one streaming chat request at a time per prompt length; time from sending the
-  request to the first chunk with non-empty ``delta.content``. ``max_tokens=1``. Prompts are
+  request to the first chunk that carries a token (``carries_a_token``: ``delta.content``, even
+  empty, in a chunk that is not the role-only opening one). ``max_tokens=1``. Prompts are
   ``4·L`` characters (≈ L tokens; the simulated instance counts exactly ceil(chars/4)), and
   each starts with a unique nonce so a prefix cache cannot serve a repeat. If the server
   reports ``usage.prompt_tokens`` (``stream_options.include_usage``) that count is recorded
@@ -137,10 +138,21 @@ async def _read_events(resp: aiohttp.ClientResponse, trace: StreamTrace) -> None
         usage = event.get("usage")
         if usage and usage.get("prompt_tokens"):
             trace.usage_prompt_tokens = int(usage["prompt_tokens"])
-        for choice in event.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content") or choice.get("text"):
-                trace.chunk_times.append(now)
+        if carries_a_token(event):
+            trace.chunk_times.append(now)
+
+
+def carries_a_token(event: dict) -> bool:
+    """Whether a stream chunk is one generated token's: a choice with `delta.content` or `text`,
+    even empty. vLLM sends a chunk per token, and a token that ends inside a UTF-8 character
+    has empty text until the next one completes it (a random-weight model emits such tokens
+    often, max_tokens=1 can give only that). The opening chunk that only names the role
+    (`delta.role`) is not a token."""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") is not None or (delta.get("content") is not None and "role" not in delta):
+            return True
+    return False
 
 
 def window_gaps(traces: Sequence[StreamTrace], window_end: float) -> tuple[list[float], float]:
@@ -371,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ttft_rows:
         write_table(out / "ttft.json", TtftTable(
             kind="ttft", rows=ttft_rows,
-            source=source + ". Streaming chat, max_tokens=1, time to first content chunk, "
+            source=source + ". Streaming chat, max_tokens=1, time to the first chunk carrying a token, "
                             "bs=1, requests one at a time."))
         written.append(out / "ttft.json")
     if tpot_rows:

@@ -66,7 +66,7 @@ from proxy_workers.predictors.tables import (
     load_table,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: proxy_workers/predictors/refit.py
 
 Row = TypeVar("Row", bound=tuple)  # type: ignore[type-arg]
 
@@ -134,13 +134,20 @@ def _display_path(path: Path) -> str:
 
 
 def refit(base: PredictorProfile, tables: Tables, *, name: str | None = None,
-          description: str | None = None, provenance: str | None = None) -> Refit:
-    """A new profile: ``base`` with every kind that has rows replaced by its least-squares fit."""
+          description: str | None = None, provenance: str | None = None,
+          no_anchors: bool = False) -> Refit:
+    """A new profile: ``base`` with every kind that has rows replaced by its least-squares fit.
+
+    no_anchors: drop the base's short-prompt anchors, so the fitted TTFT model applies from the
+    first token. The anchors are another engine's measured short-prompt times; kept, they would
+    override the fit up to their last token count (docs/predictors.md §3.1)."""
     ttft_fit = fit_ttft(tables.ttft) if tables.ttft else None
     tpot_fit = fit_tpot(tables.tpot) if tables.tpot else None
     redis_fit = fit_redis(tables.redis) if tables.redis else None
 
     ttft = base.ttft
+    if no_anchors:
+        ttft = msgspec.structs.replace(ttft, anchors_ms=(), anchor_only_max_tokens=0)
     if ttft_fit is not None:
         ttft = msgspec.structs.replace(
             ttft, a_s=ttft_fit.a_s, b_s=ttft_fit.b_s, c_s=ttft_fit.c_s, d_s=ttft_fit.d_s,
@@ -148,7 +155,9 @@ def refit(base: PredictorProfile, tables: Tables, *, name: str | None = None,
                     f"{'; '.join(tables.ttft_sources)}; residual RMSE "
                     f"{ttft_fit.residuals_ms.rmse:.2f} ms, "
                     f"max {ttft_fit.residuals_ms.max_abs:.2f} ms. "
-                    f"Anchors and anchor_only_max_tokens from base profile {base.name!r}."))
+                    + ("No anchors: the fitted model applies from the first token."
+                       if no_anchors else
+                       f"Anchors and anchor_only_max_tokens from base profile {base.name!r}.")))
     tpot = base.tpot
     if tpot_fit is not None:
         tpot = msgspec.structs.replace(
@@ -289,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="profile name to write (default: the base's)")
     p.add_argument("--description", help="profile description (default: the base's)")
     p.add_argument("--provenance", help="text appended to the generated provenance")
+    p.add_argument("--no-anchors", action="store_true",
+                   help="drop the base's short-prompt TTFT anchors: the fitted model applies "
+                        "from the first token (for an engine unlike the base's)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--out", type=Path, help="write the new profile here")
     mode.add_argument("--check", action="store_true",
@@ -311,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _relative_args(list(sys.argv[1:] if argv is None else argv)))
         provenance = f"Command: {command}." + (f" {args.provenance}" if args.provenance else "")
         result = refit(base, tables, name=args.name, description=args.description,
-                       provenance=provenance)
+                       provenance=provenance, no_anchors=args.no_anchors)
     except (ProfileError, TableError, FitError) as exc:
         print(f"refit_predictors: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,218 @@
+"""Real vLLM engines on 127.0.0.1 for the real-engine tests and the pressure benchmark: the CPU
+build in .venv-vllm serving the tiny model in .cache/tiny-llama (both made by `make
+install-vllm`), started on free ports, waited for with a bound, and stopped by process group.
+
+Why a process group: vLLM's API server forks an engine-core process, which starts a worker; a
+SIGKILL of the API server's pid alone would leave those two running. Each engine starts in its
+own session, so its group id is its pid and `os.killpg` reaches the three processes and nothing
+else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from cacheroute_sim.processes import ROOT, free_port
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+TINY_MODEL = ROOT / ".cache" / "tiny-llama"
+CACHE = ROOT / ".cache"
+SERVED_MODEL = "tiny"
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 4
+# One engine alone answers /health ~70 s after it starts on 2 cores (most of it torch.compile's
+# warm-up, ~40 s, shorter once .cache/vllm holds the compiled graph); two starting together
+# share the cores. The bound leaves room for both and a loaded machine.
+HEALTH_TIMEOUT_S = 420.0
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+def missing_setup() -> str | None:
+    """What `make install-vllm` has not made yet, or None when the engines can start."""
+    if not VLLM_PYTHON.exists():
+        return f"{VLLM_PYTHON} is missing: run `make install-vllm` (or `make test-vllm`)"
+    if not (TINY_MODEL / "config.json").exists():
+        return f"{TINY_MODEL} is missing: run `make install-vllm` (or `make test-vllm`)"
+    return None
+
+
+def engine_env(cpu: int | None) -> dict[str, str]:
+    """Offline, every cache inside the checkout, no usage report; `cpu` pins the engine's
+    OpenMP threads (vLLM's default binds every engine to the same first core)."""
+    env = {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(CACHE / "hf"), "XDG_CACHE_HOME": str(CACHE),
+        "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "torchinductor"),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: plenty for 4 sequences of 1024 tokens
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind" if cpu is None else str(cpu),
+        "PYTHONUNBUFFERED": "1",
+    }
+    return env
+
+
+class VllmEngine:
+    """One `vllm.entrypoints.openai.api_server` process group serving the tiny model.
+
+    start() returns at once (engines start in parallel); wait_healthy() blocks until /health
+    answers 200. kill() is a crash (SIGKILL to the group); restart() starts it again on the
+    same port, appending to the same log."""
+
+    def __init__(self, log_path: Path, port: int | None = None, cpu: int | None = None,
+                 max_num_seqs: int = MAX_NUM_SEQS, extra_args: Sequence[str] = ()) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.cpu = cpu
+        self.max_num_seqs = max_num_seqs
+        self.extra_args = list(extra_args)
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def argv(self) -> list[str]:
+        return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(TINY_MODEL), "--served-model-name", SERVED_MODEL,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(self.max_num_seqs),
+                *self.extra_args]
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> VllmEngine:
+        problem = missing_setup()
+        if problem:
+            raise EngineError(problem)
+        with open(self.log_path, "ab" if self.starts else "wb") as log:
+            log.write(f"=== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(self.argv(), cwd=ROOT, env={**os.environ, **engine_env(self.cpu)},
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        self.starts += 1
+        return self
+
+    def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> VllmEngine:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise EngineError(f"vLLM on :{self.port} exited with {self.popen.returncode} "
+                                  f"before it was healthy; its log ends:\n{self.tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        raise EngineError(f"vLLM on :{self.port} not healthy after {timeout:.0f} s; "
+                          f"its log ends:\n{self.tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the API server (it shuts its engine core down), then SIGKILL to the group
+        after `timeout`, and to whatever of the group is left either way."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_group()
+
+    def kill(self) -> None:
+        """A crash: SIGKILL to every process of the engine at once."""
+        if self.popen is not None:
+            self._kill_group()
+
+    def restart(self) -> VllmEngine:
+        self.kill()
+        return self.start()
+
+    def _kill_group(self, timeout: float = 15.0) -> None:
+        """SIGKILL the group and wait until none of it is left: the leader is reaped here, its
+        engine core and worker by init once orphaned, a moment later."""
+        assert self.popen is not None
+        pgid = self.popen.pid
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # the whole group is gone already
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + timeout
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if group_alive(pgid):
+            raise EngineError(f"processes of vLLM group {pgid} outlived SIGKILL by {timeout:.0f} s")
+
+
+    # --- observations --------------------------------------------------------------------------
+    def tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of one metric of the engine's /metrics over the label sets that carry
+        `labels` (e.g. `metric("vllm:request_success_total", finished_reason="abort")`)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")
+                  and all(w in line for w in wanted)]
+        if not values:
+            raise EngineError(f"{name} {labels or ''} not in {self.url}/metrics")
+        return sum(values)
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def start_engines(count: int, log_dir: Path, timeout: float = HEALTH_TIMEOUT_S) -> list[VllmEngine]:
+    """`count` engines started together (each ~70 s alone), each on its own core when there
+    are enough; all healthy, or all stopped and an EngineError with the failing one's log."""
+    cpus = sorted(os.sched_getaffinity(0))
+    engines = [VllmEngine(log_dir / f"vllm-{i}.log", cpu=cpus[i] if count <= len(cpus) else None)
+               for i in range(count)]
+    try:
+        for engine in engines:
+            engine.start()
+        deadline = time.monotonic() + timeout
+        for engine in engines:
+            engine.wait_healthy(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        stop_engines(engines)
+        raise
+    return engines
+
+
+def stop_engines(engines: Sequence[VllmEngine]) -> None:
+    for engine in engines:
+        if engine.running():
+            engine.popen.send_signal(signal.SIGTERM)  # all at once: they shut down in parallel
+    for engine in engines:
+        engine.stop()
