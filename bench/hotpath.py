@@ -68,13 +68,27 @@ HIGH_CONCURRENCY = 32
 PROXY_ENV = {"READY_CONCURRENCY": "64"}
 
 
+# What the OpenAI Python SDK sends besides Host, Content-Type and Content-Length (--sdk-headers):
+# the headers a real client makes the worker filter and forward to the instance.
+SDK_HEADERS = {
+    "Accept": "application/json", "Accept-Encoding": "gzip, deflate", "Connection": "keep-alive",
+    "User-Agent": "OpenAI/Python 1.40.0", "X-Stainless-Lang": "python",
+    "X-Stainless-Package-Version": "1.40.0", "X-Stainless-OS": "Linux", "X-Stainless-Arch": "x64",
+    "X-Stainless-Runtime": "CPython", "X-Stainless-Runtime-Version": "3.12.3",
+    "Authorization": "Bearer sk-hotpath-0000000000000000", "X-Stainless-Async": "false",
+    "X-Stainless-Retry-Count": "0",
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+}
+
+
 # --- wrk ---------------------------------------------------------------------------------------
-def lua_script(directory: Path, stream: bool) -> Path:
+def lua_script(directory: Path, stream: bool, sdk_headers: bool = False) -> Path:
     path = directory / ("post_stream.lua" if stream else "post.lua")
     body = CHAT_BODY % (',"stream":true' if stream else "")
+    headers = {"Content-Type": "application/json", **(SDK_HEADERS if sdk_headers else {})}
     path.write_text('wrk.method = "POST"\n'
                     f"wrk.body = '{body}'\n"
-                    'wrk.headers["Content-Type"] = "application/json"\n')
+                    + "".join(f'wrk.headers["{name}"] = "{value}"\n' for name, value in headers.items()))
     return path
 
 
@@ -266,7 +280,7 @@ def versions() -> dict[str, str]:
 def measure(contenders: list[Contender], args: argparse.Namespace, lua_dir: Path,
             deadline: float) -> dict[str, list[dict[str, Any]]]:
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
-    luas = {False: lua_script(lua_dir, False), True: lua_script(lua_dir, True)}
+    luas = {stream: lua_script(lua_dir, stream, args.sdk_headers) for stream in (False, True)}
     for contender in contenders:  # warm up: connections, pools, code paths
         for stream in {False, args.stream}:
             run_wrk(contender, luas[stream], HIGH_CONCURRENCY, 1)
@@ -344,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="per measured point")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--stream", action="store_true", help="also a streaming request")
+    p.add_argument("--sdk-headers", action="store_true",
+                   help="send the headers the OpenAI Python SDK sends (user agent, x-stainless-*, "
+                        "authorization, traceparent), which the proxy forwards")
     p.add_argument("--floor", action="store_true", help="also the trivial uvicorn+aiohttp proxy")
     p.add_argument("--nginx", action="store_true", help="also nginx with 2 workers")
     p.add_argument("--baseline", metavar="GIT_REF", default=None,
@@ -407,6 +424,7 @@ def report(args: argparse.Namespace, started_at: str, contenders: list[Contender
                    "order": "per repeat: each scenario, each contender, order rotated each repeat",
                    "warmup": f"1 s at c{HIGH_CONCURRENCY} per contender", "repeats": args.repeats,
                    "seconds_per_point": args.seconds, "pinning": None,
+                   "client_headers": "openai_sdk" if args.sdk_headers else "wrk",
                    "instance": f"one sim_instance, time scale {args.time_scale:g}, max_tokens 8",
                    "proxy_env": {**PROXY_ENV, **dict(kv.split("=", 1) for kv in args.proxy_env)},
                    "cpu": "user+sys delta of the contender's process tree over the wrk run",

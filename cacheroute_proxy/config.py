@@ -9,6 +9,7 @@ A bad value fails at start with a message naming the variable, never later on a 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -86,6 +87,7 @@ ENV_NAMES: dict[str, str] = {
     "kv_mem_per_instance_gb": "PROXY_KV_MEM_PER_INSTANCE_GB",
     "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
     "kdn_links": "PROXY_KDN_LINKS_JSON",
+    "kdn_links_refresh_s": "PROXY_KDN_LINKS_REFRESH_S",
     # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
     "static_instances": "PROXY_STATIC_INSTANCES",
     "static_probe_s": "PROXY_STATIC_PROBE_S",
@@ -198,8 +200,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     instance_count: int | None = None
     kv_mem_per_instance_gb: float = 128.0
     kv_cache_update_policy: str = "lru"
-    # Static KDN links {kdn_key: {metrics}}, sent in the register meta as `kdn_links`.
+    # Static KDN links {kdn_key: {metrics}}, sent in the register meta as `kdn_links`, and what
+    # IWS estimates a KV transfer over when no instance measured that link.
     kdn_links: dict[str, dict[str, Any]] = {}
+    # How often each worker copies the links instances measured from the sidecar.
+    kdn_links_refresh_s: float = 5.0
     # Engines the sidecar registers itself: "url[=id],..." (cacheroute_proxy/static_instances.py).
     static_instances: str = ""
     # How often the sidecar probes each one's GET /health.
@@ -234,6 +239,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("queue_timeout_s", "kdn_timeout_s", "kv_inject_timeout_s", "event_poll_ms",
                      "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
             _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.kdn_links_refresh_s > 0, "kdn_links_refresh_s", "must be > 0")
+        self._check_kdn_links()
         _check(0 <= self.pace_step <= 1, "pace_step", "must be 0..1")
         _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
         _check(0 <= self.eject_after_failures <= 1000, "eject_after_failures", "must be 0..1000")
@@ -256,6 +263,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
         return static_instances.parse(self.static_instances)
+
+    def _check_kdn_links(self) -> None:
+        """The numbers IWS reads from a static link: a bandwidth > 0 and an RTT >= 0, when given."""
+        for key, metrics in self.kdn_links.items():
+            for name, low in (("bandwidth_mbps", 0.0), ("latency_ms", None), ("rtt_ms", None)):
+                value = metrics.get(name)
+                if value is None:
+                    continue
+                number = isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value)
+                _check(number and (value > low if low is not None else value >= 0), "kdn_links",
+                       f"{key}: {name} must be a number {'> 0' if low is not None else '>= 0'}, "
+                       f"got {value!r}")
 
     def _check_scheduler_link(self) -> None:
         if self.scheduler_cp_url is not None:

@@ -151,7 +151,7 @@ class DataPlane:
             return
         trace.request_id = proxy_request.request_id
         exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
-                                 retries=self._retries)
+                                 retries=self._retries, client_headers=scope["headers"])
         await exchange.run(receive, responder)
 
 

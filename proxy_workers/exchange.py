@@ -5,6 +5,10 @@ way out: success, upstream error, timeout, client disconnect (watched while the 
 read, so a silent stall is noticed too) and cancellation. A client that goes away also closes
 the upstream connection, so the instance stops generating for nobody.
 
+Headers pass through both ways except the hop-by-hop ones and the proxy's own
+(proxy_workers/headers.py, docs/protocol.md §2.4 and §2.6), errors relayed from the instance
+included.
+
 Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's
 bytes (only a `[DONE]` line is looked for); a JSON answer gets `_cacheroute_meta` spliced in
 after a validating decode that builds no values, and leaves in one write; a disconnect is a
@@ -23,6 +27,7 @@ from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.uvicorn_seam import client_gone, send_whole, unwatch_disconnect, watch_disconnect
 
 from . import metrics
+from .headers import KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
@@ -65,17 +70,15 @@ class Responder:
         headers.append(self._tail)
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def whole(self, status: int, content_type: tuple[bytes, bytes], body: bytes,
-                    lease: Lease | None = None, headers: dict[str, str] | None = None) -> None:
-        """The whole answer in one go. A `lease` names the instance in a header and ends before
+    async def whole(self, status: int, raw: list[Header], body: bytes,
+                    lease: Lease | None = None) -> None:
+        """The whole answer in one go, with the headers `raw` (lower-case names, a content-type
+        among them, no content-length). A `lease` names the instance in a header and ends before
         the answer leaves: whoever reads the shared table after seeing the answer sees the
         request gone (the exchange's `finally` releases it too; the second call is a no-op)."""
-        raw = [content_type]
         if lease is not None:
             raw.append(_instance_header(lease))
             lease.release()
-        if headers:
-            raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         if send_whole(self.send, status, [*raw, self._tail], body):
             self.status = status
             self.started = True
@@ -86,7 +89,10 @@ class Responder:
 
     async def json(self, status: int, content: Any, lease: Lease | None = None,
                    headers: dict[str, str] | None = None) -> None:
-        await self.whole(status, _JSON, _encoder.encode(content), lease, headers)
+        raw = [_JSON]
+        if headers:
+            raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        await self.whole(status, raw, _encoder.encode(content), lease)
 
     async def error(self, exc: HTTPError, lease: Lease | None = None) -> None:
         await self.json(exc.status, {"error": exc.code, "detail": exc.detail}, lease, exc.headers)
@@ -94,17 +100,25 @@ class Responder:
 
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
-                 request: ProxyRequest, trace: Trace, retries: int = 0) -> None:
+                 request: ProxyRequest, trace: Trace, retries: int = 0,
+                 client_headers: list[Header] | None = None) -> None:
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
         self._job = Job(request, trace)
         self._retries = retries
+        self._client_headers = client_headers or []
+        self._forwarded = b""  # the client's headers for the instance, as lines
         self._attempt = 0
         self._tried: frozenset[tuple[int, int]] = frozenset()
 
     async def run(self, receive: Receive, out: Responder) -> None:
         trace = self._job.trace
+        try:
+            self._forwarded = self._upstream.forwarded(self._client_headers)
+        except HTTPError as exc:  # a header no instance may see: refused before any selection
+            await out.error(exc)
+            return
         for attempt in range(1 + self._retries):
             self._attempt = attempt
             trace.route_select_start_ms = now_ms()
@@ -148,9 +162,9 @@ class ProxyExchange:
         key = (lease.instance.slot, lease.instance.generation)
         outliers = self._router.outliers
         trace.forward_start_ms = now_ms()
-        headers = None
+        headers = self._forwarded
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
-            headers = {"x-cacheroute-kv-prefix-tokens": str(job.knowledge.prefix_tokens)}
+            headers += b"%s: %d\r\n" % (KV_PREFIX_TOKENS, job.knowledge.prefix_tokens)
         try:
             instance = lease.instance
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
@@ -182,20 +196,21 @@ class ProxyExchange:
         return False
 
     async def _relay_error(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
-        """Upstream 4xx/5xx keep their status and body."""
+        """Upstream 4xx/5xx keep their status, headers and body."""
         try:
             body = await self._upstream.read_all(response)
         except UpstreamFailure as exc:
             await out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
-        content_type = (response.content_type or "application/json").encode("latin-1")
-        await out.whole(response.status, (b"content-type", content_type), body, lease)
+        await out.whole(response.status, with_defaults(relayed(response.headers), _JSON), body, lease)
 
     async def _relay_stream(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
         job = self._job
         trace = job.trace
         send = out.send
-        await out.start(200, [_SSE, _NO_CACHE, _instance_header(lease)])
+        headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
+        headers.append(_instance_header(lease))
+        await out.start(200, headers)
         stripper = DoneStripper()
         error: str | None = None
         first = True
@@ -231,8 +246,12 @@ class ProxyExchange:
             return
         self._account(lease, True)
         trace.forward_end_ms = now_ms()
-        meta = encode_meta(trace, job.knowledge.error, job.knowledge)
-        await out.whole(200, _JSON, with_meta(body, meta), lease)
+        body, kept = meta_spliced(body, encode_meta(trace, job.knowledge.error, job.knowledge))
+        headers = relayed(response.headers)
+        # The instance's content type describes its JSON object, still there; a wrapped answer
+        # is the proxy's JSON.
+        headers = with_defaults(headers, _JSON) if kept else replaced(headers, _JSON)
+        await out.whole(200, headers, body, lease)
 
     def _account(self, lease: Lease, ok: bool) -> None:
         key = (lease.instance.slot, lease.instance.generation)
@@ -257,16 +276,21 @@ def with_meta(body: bytes, meta: bytes) -> bytes:
     `_cacheroute_meta`. The instance's own bytes are kept (validated, not decoded into values
     and encoded again), and so are the meta's; an answer that is not one JSON object is
     wrapped as `{"raw": <text>, "_cacheroute_meta": ...}`."""
+    return meta_spliced(body, meta)[0]
+
+
+def meta_spliced(body: bytes, meta: bytes) -> tuple[bytes, bool]:
+    """`with_meta`, and whether the instance's object was kept (False: it was wrapped)."""
     try:
         fields = _object_of_raw.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: msgspec.Raw(meta)})
+        return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: msgspec.Raw(meta)}), False
     if _META_KEY in fields:  # the instance sent one itself: ours replaces it, as before
         fields[_META_KEY] = msgspec.Raw(meta)
-        return _encoder.encode(fields)
+        return _encoder.encode(fields), True
     if not fields:
-        return b'{"_cacheroute_meta":' + meta + b"}"
-    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}"
+        return b'{"_cacheroute_meta":' + meta + b"}", True
+    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}", True
 
 
 async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,

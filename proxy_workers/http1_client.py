@@ -37,13 +37,14 @@ class IdleTimeout(Exception):
 class UpstreamResponse:
     """Status and head of one answer, and its body as it arrives (`readany`, `read_nowait`)."""
 
-    __slots__ = ("status", "content_type", "keep_alive", "_conn", "_head", "_chunks", "_size",
+    __slots__ = ("status", "content_type", "headers", "keep_alive", "_conn", "_head", "_chunks", "_size",
                  "_eof", "_error", "_waiter", "_paused", "_idle_s", "_idle_timer",
                  "_waiting_since")
 
     def __init__(self, conn: Http1Connection, head: asyncio.Future[None]) -> None:
         self.status = 0
         self.content_type: str | None = None
+        self.headers: list[tuple[bytes, bytes]] = []  # every header, names lower-case, in order
         self.keep_alive = False
         self._conn = conn
         self._head = head
@@ -189,6 +190,7 @@ class Http1Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response: UpstreamResponse | None = None
         self._content_type: bytes | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
         self._framed = False  # Content-Length or chunked: else the body ends when the connection does
         self._until_close = False
 
@@ -197,6 +199,7 @@ class Http1Connection(asyncio.Protocol):
         response = UpstreamResponse(self, self.loop.create_future())
         self._response = response
         self._content_type = None
+        self._headers = []
         self._framed = self._until_close = self.received_any = False
         assert self.transport is not None
         self.transport.write(data)
@@ -258,6 +261,7 @@ class Http1Connection(asyncio.Protocol):
     # --- httptools callbacks ---------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         lowered = name.lower()
+        self._headers.append((lowered, value))
         if lowered == b"content-type":
             self._content_type = value
         elif lowered == b"content-length":
@@ -270,6 +274,7 @@ class Http1Connection(asyncio.Protocol):
         assert response is not None
         response.status = self._parser.get_status_code()
         response.keep_alive = self._parser.should_keep_alive()
+        response.headers = self._headers
         status = response.status
         self._until_close = not self._framed and status >= 200 and status not in (204, 304)
         if self._content_type is not None:
@@ -340,10 +345,13 @@ class Http1Pool:
                 conn.close()
 
 
-def request_prefix(path: str, host: str, port: int, headers: dict[str, str]) -> bytes:
-    """The request line and headers of a POST, up to the Content-Length header's value."""
+def request_line(path: str, host: str, port: int) -> bytes:
+    """The request line of a POST and its Host header."""
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    return ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
+    return f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n".encode("latin-1")
+
+
+def header_lines(headers: dict[str, str]) -> bytes:
+    """`name: value\r\n` for each header, in order."""
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")

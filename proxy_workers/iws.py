@@ -1,8 +1,9 @@
 """IWS: choose text or kvcache injection per request by predicted cost (docs/architecture.md §5.4).
 
 Pure arithmetic over the predictors, the chosen instance's predicted ready wait (from the
-sidecar's snapshot) and this worker's KV link timeline; no side effects, unlike the original
-(whose estimate created reservation state).
+sidecar's snapshot), this worker's KV link timeline and the link itself (measured, static or
+default: proxy_workers/kdn_links.py); no side effects, unlike the original (whose estimate
+created reservation state).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, NamedTuple
 
 from cacheroute_proxy.config import Settings
 
+from .kdn_links import KdnLink
 from .request_model import ProxyRequest
 
 KDN_FETCH_FIXED_MS = 3.0  # the original's fixed know-prepare cost on top of the RTT
@@ -23,17 +25,18 @@ class Decision(NamedTuple):
     kvcache_total_ms: float
 
 
-def decide(request: ProxyRequest, ready_wait_ms: float, link_wait_ms: float, predictors: Any,
-           settings: Settings) -> Decision:
+def decide(request: ProxyRequest, ready_wait_ms: float, link_wait_ms: float, link: KdnLink,
+           predictors: Any, settings: Settings) -> Decision:
+    """`link_wait_ms`: until the (instance, KDN) link is free; `link`: its bandwidth and RTT."""
     spec = request.knowledge
     prompt, knowledge = request.prompt_tokens, spec.knowledge_tokens if spec else 0
     text_service = predictors.text_service_ms(prompt, max(0, knowledge))
     if spec is None or not spec.wanted or knowledge <= 0:
         return Decision("text", "no_rag_or_empty_knowledge", text_service, float("nan"))
     kv = predictors.kvcache_service(prompt, knowledge)
-    bandwidth = settings.kdn_default_bandwidth_mbps
-    kv_transfer = predictors.kv_transfer_ms(kv.effective_knowledge_tokens, bandwidth)
-    text_prepare_wait = (link_wait_ms + KDN_FETCH_FIXED_MS) if spec.kdn_addr else 0.0
+    kv_transfer = link.transfer_ms(predictors, kv.effective_knowledge_tokens)
+    rtt = link.latency_ms or 0.0  # the text path fetches from the KDN too: one round trip
+    text_prepare_wait = (link_wait_ms + rtt + KDN_FETCH_FIXED_MS) if spec.kdn_addr else 0.0
     kvcache_prepare = link_wait_ms + kv_transfer
     text_total = max(text_prepare_wait, ready_wait_ms) + text_service
     kvcache_total = max(ready_wait_ms, kvcache_prepare) + kv.total_ms

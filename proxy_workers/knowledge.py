@@ -20,6 +20,7 @@ from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot
 
+from .kdn_links import LinkTable
 from .request_model import Endpoint, ProxyRequest
 from .trace import Knowledge, Trace
 from .upstream import base_url
@@ -55,11 +56,14 @@ class LinkTimeline:
 
 
 class KnowledgePreparer:
-    def __init__(self, settings: Settings, upstream: Any, predictors: Any) -> None:
+    def __init__(self, settings: Settings, upstream: Any, predictors: Any,
+                 links: LinkTable | None = None) -> None:
         self._settings = settings
         self._upstream = upstream  # its pooled session exists once the worker has started
         self._predictors = predictors
-        self._links: dict[tuple[str, str], LinkTimeline] = {}
+        self._timelines: dict[tuple[str, str], LinkTimeline] = {}
+        # Bandwidth and RTT per (instance, KDN): what transfers are estimated over.
+        self.kdn_links = links if links is not None else LinkTable.from_settings(settings)
 
     @property
     def _session(self) -> aiohttp.ClientSession:
@@ -67,10 +71,10 @@ class KnowledgePreparer:
 
     def link(self, instance_id: str, kdn_addr: str) -> LinkTimeline:
         key = (instance_id, kdn_addr or "unknown")
-        link = self._links.get(key)
-        if link is None:
-            link = self._links[key] = LinkTimeline()
-        return link
+        timeline = self._timelines.get(key)
+        if timeline is None:
+            timeline = self._timelines[key] = LinkTimeline()
+        return timeline
 
     async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace) -> Knowledge:
         spec = request.knowledge
@@ -137,7 +141,9 @@ class KnowledgePreparer:
             return
         predictors = self._predictors
         effective = predictors.effective_knowledge_tokens(spec.knowledge_tokens)
-        transfer_s = predictors.kv_transfer_ms(effective, self._settings.kdn_default_bandwidth_mbps) / 1000
+        kdn_link = self.kdn_links.link_for(instance.instance_id, spec.kdn_addr)
+        trace.kdn_link_source = kdn_link.source
+        transfer_s = kdn_link.transfer_ms(predictors, effective) / 1000  # the same estimate as IWS's
         link = self.link(instance.instance_id, spec.kdn_addr)
         queued_at = time.time()
         predicted_end = link.reserve(queued_at, transfer_s)

@@ -249,11 +249,14 @@ class Pipeline:
             trace.iws_reason = "instance_cannot_pull_kv"
         elif spec is not None and spec.wanted and self._settings.injection_strategy == "iws":
             ready_wait = self._pressure_of(lease.instance) or 0.0
-            link = self._preparer.link(lease.instance.instance_id, spec.kdn_addr)
-            decision = decide(request, ready_wait, link.wait_s(time.time()) * 1000,
+            instance_id = lease.instance.instance_id
+            timeline = self._preparer.link(instance_id, spec.kdn_addr)
+            kdn_link = self._preparer.kdn_links.link_for(instance_id, spec.kdn_addr)
+            decision = decide(request, ready_wait, timeline.wait_s(time.time()) * 1000, kdn_link,
                               self._predictors, self._settings)
             spec.injection_type = decision.mode
             trace.iws_reason = decision.reason
+            trace.kdn_link_source = kdn_link.source
         if spec is not None:
             ticket.injection_type = spec.injection_type
             trace.injection_mode = spec.injection_type

@@ -17,6 +17,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from cacheroute_proxy import logs, serving
+from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.uvicorn_seam import DrainingServer, draining_protocol, has_started, requests_in_flight
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
@@ -25,6 +26,7 @@ from proxy_workers.predictors import get_predictors
 
 from .app import WorkerContext, build_app
 from .drain import Drain, DrainGate, uvicorn_graceful_timeout, warn_if_queued_connections_may_reset
+from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router
@@ -71,16 +73,19 @@ def bind_private(host: str, port: int, wait_s: float = PRIVATE_PORT_WAIT_S) -> s
 
 
 class _Lifespan:
-    """Starts and stops what lives as long as the server: upstream pool, row heartbeat."""
+    """Starts and stops what lives as long as the server: upstream pool, row heartbeat, event
+    ticks, the KDN links' refresh."""
 
-    def __init__(self, ctx: WorkerContext, tracker: RequestTracker) -> None:
+    def __init__(self, ctx: WorkerContext, tracker: RequestTracker, links: LinkRefresher) -> None:
         self._ctx = ctx
         self._tracker = tracker
+        self._links = links
 
     @contextlib.asynccontextmanager
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
-        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events())]
+        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events()),
+                 asyncio.create_task(self._links.run())]
         # Everything built so far lives as long as the worker: out of the collector's sight, a
         # full collection scans only what requests allocate (it took ~40 ms otherwise).
         gc.freeze()
@@ -128,11 +133,15 @@ def run(settings: Settings, index: int) -> int:
         upstream = Upstream(settings)
         tracker = RequestTracker(seg, row)
         predictors = get_predictors(settings.predictor_profile)
-        pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors),
+        links = LinkTable.from_settings(settings)
+        refresher = LinkRefresher(links, lambda: upstream.session, sidecar_links_url(settings),
+                                  load_token(settings.cp_token, settings.cp_token_file),
+                                  settings.kdn_links_refresh_s)
+        pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
                             predictors, router.view.ready_wait_ms)
         ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                             pipeline=pipeline)
-        app = build_app(ctx, lifespan=_Lifespan(ctx, tracker))
+        app = build_app(ctx, lifespan=_Lifespan(ctx, tracker, refresher))
         log.info("worker %d serving %s:%d (shared) and %s:%d (private), row %d, strategy %s, view %s",
                  index, settings.dp_host, settings.dp_port, settings.worker_private_host,
                  settings.worker_private_port(index), row.row, ctx.router.strategy.name,

@@ -39,6 +39,9 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     prepare_seq: int | None = None  # place in this worker's prepare order for the instance
     proxy_enqueue_ms: int | None = None  # entered the instance's pipeline
     iws_reason: str | None = None  # why text or kvcache was chosen (IWS, or an instance without KV pull)
+    # The KDN link IWS or the KV reservation estimated the transfer over: "measured" (reported
+    # by instances), "static" (PROXY_KDN_LINKS_JSON) or "default" (KDN_DEFAULT_BANDWIDTH_MBPS).
+    kdn_link_source: str | None = None
     injection_mode: str | None = None  # a request with knowledge: "text" or "kvcache"
     prepare_start_ms: int | None = None  # a prepare slot was held (or nothing was to prepare)
     # --- knowledge (knowledge.KnowledgePreparer, inside the prepare stage) ---

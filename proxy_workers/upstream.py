@@ -19,12 +19,14 @@ import aiohttp
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 
-from .http1_client import HeadTimeout, Http1Connection, Http1Pool, IdleTimeout, UpstreamResponse, request_prefix
+from .headers import Header, forwarded_block, request_dropped
+from .http1_client import (HeadTimeout, Http1Connection, Http1Pool, IdleTimeout, UpstreamResponse,
+                           header_lines, request_line)
 
 # Idle connections are closed after 4 s, before uvicorn's (so vLLM's) 5 s keep-alive closes
 # them under a request being sent.
 KEEPALIVE_S = 4.0
-_PREFIX_CACHE_SIZE = 1024
+_LINE_CACHE_SIZE = 1024
 
 
 def base_url(host: str, port: int) -> str:
@@ -45,13 +47,16 @@ class UpstreamFailure(Exception):
 class Upstream:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._headers = {"Content-Type": "application/json"}
+        own = {"Content-Type": "application/json"}
         if settings.openai_api_key:  # never "Bearer None"
-            self._headers["Authorization"] = f"Bearer {settings.openai_api_key}"
+            own["Authorization"] = f"Bearer {settings.openai_api_key}"
+        # The proxy's own headers, last, up to the Content-Length header's value.
+        self._own = header_lines(own) + b"Content-Length: "
+        self._dropped = request_dropped(replace_authorization=bool(settings.openai_api_key))
         self._session: aiohttp.ClientSession | None = None
         self._pool = Http1Pool(settings.upstream_pool_size, KEEPALIVE_S)
-        # Request line and headers per (path, host, port): built once, not per request.
-        self._prefixes: dict[tuple[str, str, int], bytes] = {}
+        # Request line and Host per (path, host, port): built once, not per request.
+        self._lines: dict[tuple[str, str, int], bytes] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=self._settings.upstream_pool_size,
@@ -71,16 +76,24 @@ class Upstream:
         assert self._session is not None, "Upstream.start() not called"
         return self._session
 
+    def forwarded(self, client_headers: list[Header]) -> bytes:
+        """The client's headers that go to the instance (proxy_workers/headers.py), as lines
+        for `open`: computed once per request, whatever the attempts."""
+        return forwarded_block(client_headers, self._dropped)
+
     async def open(self, host: str, port: int, path: str, body: bytes,
-                   extra_headers: dict[str, str] | None = None) -> UpstreamResponse:
+                   headers: bytes = b"") -> UpstreamResponse:
         """POST and wait for the response head; HTTPError 502/504 if that does not happen.
+        `headers`: complete `name: value\r\n` lines (`forwarded`, and the request's own),
+        written between the Host line and the proxy's own headers.
 
         The first-byte bound is a plain timer that fails the head (no asyncio.timeout, which
         costs several times more per request); only a new connection's connect has its own."""
         settings = self._settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.upstream_first_byte_timeout_s
-        request = b"%s%d\r\n\r\n%s" % (self._prefix(path, host, port, extra_headers), len(body), body)
+        request = b"%s%s%s%d\r\n\r\n%s" % (self._line(path, host, port), headers, self._own,
+                                             len(body), body)
         conn = await self._connect(host, port, path)
         while True:
             response = conn.request(request)
@@ -122,15 +135,13 @@ class Upstream:
             raise HTTPError(502, "upstream_unavailable",
                             f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
 
-    def _prefix(self, path: str, host: str, port: int, extra_headers: dict[str, str] | None) -> bytes:
-        if extra_headers:
-            return request_prefix(path, host, port, {**self._headers, **extra_headers})
-        prefix = self._prefixes.get((path, host, port))
-        if prefix is None:
-            if len(self._prefixes) >= _PREFIX_CACHE_SIZE:  # instances come and go: start afresh
-                self._prefixes.clear()
-            prefix = self._prefixes[(path, host, port)] = request_prefix(path, host, port, self._headers)
-        return prefix
+    def _line(self, path: str, host: str, port: int) -> bytes:
+        line = self._lines.get((path, host, port))
+        if line is None:
+            if len(self._lines) >= _LINE_CACHE_SIZE:  # instances come and go: start afresh
+                self._lines.clear()
+            line = self._lines[(path, host, port)] = request_line(path, host, port)
+        return line
 
     async def chunks(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
         """The body as it arrives; UpstreamFailure on a stall, reset or truncation."""

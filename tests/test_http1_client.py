@@ -13,7 +13,7 @@ import uvloop
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.http1_client import HIGH_WATER, ConnectionClosed, Http1Pool, request_prefix
+from proxy_workers.http1_client import HIGH_WATER, ConnectionClosed, Http1Pool, header_lines, request_line
 from proxy_workers.upstream import Upstream, UpstreamFailure
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -264,10 +264,11 @@ def test_reset_before_the_head_is_upstream_unavailable():
     run(main())
 
 
-def test_request_prefix_brackets_ipv6_and_keeps_header_order():
-    prefix = request_prefix("/v1/completions", "::1", 9001, {"Content-Type": "application/json"})
-    assert prefix == (b"POST /v1/completions HTTP/1.1\r\nHost: [::1]:9001\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: ")
+def test_request_line_brackets_ipv6_and_header_lines_keep_their_order():
+    assert request_line("/v1/completions", "::1", 9001) == (
+        b"POST /v1/completions HTTP/1.1\r\nHost: [::1]:9001\r\n")
+    assert header_lines({"Content-Type": "application/json", "Authorization": "Bearer k"}) == (
+        b"Content-Type: application/json\r\nAuthorization: Bearer k\r\n")
 
 
 def test_connection_closed_is_an_oserror():

@@ -10,6 +10,7 @@ from cacheroute_proxy.config import Settings
 from proxy_workers.predictors import get_predictors
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy, RoundRobinStrategy
 from proxy_workers.iws import decide
+from proxy_workers.kdn_links import KdnLink
 from proxy_workers.pipeline import InstanceStages, Pipeline, _Ticket
 from proxy_workers.request_model import Endpoint, recover
 
@@ -80,26 +81,27 @@ def _scheduler_request(knowledge_tokens: int, kids: list[str], enabled: bool = T
 
 PREDICTORS = get_predictors("llama3-70b-8x5090")
 SETTINGS = Settings()
+LINK = KdnLink(SETTINGS.kdn_default_bandwidth_mbps, 0.0, "default")
 
 
 def test_iws_picks_kvcache_when_the_transfer_hides_a_long_prefill():
-    decision = decide(_scheduler_request(4000, ["k1"]), 0.0, 0.0, PREDICTORS, SETTINGS)
+    decision = decide(_scheduler_request(4000, ["k1"]), 0.0, 0.0, LINK, PREDICTORS, SETTINGS)
     assert decision.mode == "kvcache" and decision.kvcache_total_ms + 100 < decision.text_total_ms
 
 
 def test_iws_picks_text_when_the_kdn_link_is_congested():
-    decision = decide(_scheduler_request(4000, ["k1"]), 0.0, 5000.0, PREDICTORS, SETTINGS)
+    decision = decide(_scheduler_request(4000, ["k1"]), 0.0, 5000.0, LINK, PREDICTORS, SETTINGS)
     assert (decision.mode, decision.reason) == ("text", "text_due_to_kdn_congestion")
 
 
 def test_iws_hides_the_transfer_behind_a_long_ready_wait():
-    decision = decide(_scheduler_request(4000, ["k1"]), 10_000.0, 0.0, PREDICTORS, SETTINGS)
+    decision = decide(_scheduler_request(4000, ["k1"]), 10_000.0, 0.0, LINK, PREDICTORS, SETTINGS)
     assert (decision.mode, decision.reason) == ("kvcache", "kvcache_hidden_and_score_better")
 
 
 @pytest.mark.parametrize("tokens, kids, enabled", [(0, ["k1"], True), (500, [], True), (500, ["k1"], False)])
 def test_iws_without_rag_is_text(tokens, kids, enabled):
-    decision = decide(_scheduler_request(tokens, kids, enabled), 0.0, 0.0, PREDICTORS, SETTINGS)
+    decision = decide(_scheduler_request(tokens, kids, enabled), 0.0, 0.0, LINK, PREDICTORS, SETTINGS)
     assert (decision.mode, decision.reason) == ("text", "no_rag_or_empty_knowledge")
 
 

@@ -192,6 +192,61 @@ def test_sim_config_api(sim: SimProcess) -> None:
     assert http("GET", sim.url + "/healthz")[2] == {"ok": True}
 
 
+def _post_with_headers(url: str, body: Any, headers: dict[str, str]) -> tuple[int, Any, bytes]:
+    """(status, the answer's headers as an email.Message, body) of a POST with these headers."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def test_header_knobs_and_the_recorded_request_headers(sim: SimProcess) -> None:
+    url = sim.url + "/v1/chat/completions"
+    assert http("POST", sim.url + "/sim/config", {"response_headers": {"X-Extra": "1"},
+                                                  "request_id_headers": True})[0] == 200
+    sent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "X-Request-Id": "req-17"}
+    for body in (chat_body(stream=True, max_tokens=2), chat_body(max_tokens=2)):
+        status, headers, _ = _post_with_headers(url, body, sent)
+        assert status == 200 and headers["x-extra"] == "1" and headers["x-request-id"] == "req-17"
+    recorded = http("GET", sim.url + "/sim/stats")[2]["last_request_headers"]
+    assert ["traceparent", sent["traceparent"]] in recorded and ["x-request-id", "req-17"] in recorded
+
+    http("POST", sim.url + "/sim/config", {"fail_status": 503})
+    status, headers, _ = _post_with_headers(url, chat_body(max_tokens=2), {})
+    assert status == 503 and headers["x-extra"] == "1"
+    assert len(headers["x-request-id"]) == 32  # none was sent: a new one, as vLLM makes
+    assert headers.get_all("x-request-id") == [headers["x-request-id"]]
+    # Not on the other routes, and not recorded from them.
+    status, headers, _ = _post_with_headers(sim.url + "/sim/stats/reset", {}, sent)
+    assert "x-extra" not in headers and http("GET", sim.url + "/sim/stats")[2]["last_request_headers"] == []
+
+
+@pytest.mark.parametrize("bad", [{"response_headers": {"bad name": "x"}},
+                                 {"response_headers": {"x-a": "one\r\nx-b: two"}},
+                                 {"response_headers": ["x-a"]}, {"request_id_headers": "yes"}])
+def test_header_knobs_are_validated(sim: SimProcess, bad: dict[str, Any]) -> None:
+    assert http("POST", sim.url + "/sim/config", bad)[0] == 400
+    assert http("GET", sim.url + "/sim/config")[2]["response_headers"] == {}
+
+
+def test_header_knob_flags() -> None:
+    from cacheroute_sim.instance.__main__ import config_from_args
+
+    knobs = config_from_args(["--response-header", "X-A: 1", "--response-header", "x-b:two:2",
+                              "--request-id-headers"]).knobs
+    assert knobs.response_headers == {"X-A": "1", "x-b": "two:2"} and knobs.request_id_headers
+    assert config_from_args([]).knobs.response_headers == {}
+    with pytest.raises(SystemExit):
+        config_from_args(["--response-header", "novalue"])
+
+
 # --------------------------------------------------------------------------- timing (live)
 
 def test_stream_timing_matches_the_model(sim: SimProcess) -> None:

@@ -34,7 +34,7 @@ META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", 
 TRACE_KEYS = [
     "proxy_recv_ms", "worker", "request_id",
     "route_select_start_ms", "route_select_end_ms", "snapshot_age_ms", "instance_id",
-    "prepare_seq", "proxy_enqueue_ms", "iws_reason", "injection_mode", "prepare_start_ms",
+    "prepare_seq", "proxy_enqueue_ms", "iws_reason", "kdn_link_source", "injection_mode", "prepare_start_ms",
     "kdn_fetch_start_ms", "kdn_fetch_end_ms", "kdn_link_wait_ms", "kv_ack_start_ms",
     "kvcache_actual_path", "kv_ack_end_ms", "prepare_self_done_ms",
     "ready_enqueue_ms", "predict_service_ms", "predict_decode_ms", "predict_queue_wait_ms",
@@ -169,6 +169,7 @@ class _Response:
     def __init__(self, chunks: list[bytes]) -> None:
         self.status = 200
         self.content_type = "application/json"
+        self.headers = [(b"content-type", b"application/json")]
         self.chunks = chunks
 
     def at_eof(self) -> bool:
@@ -189,8 +190,10 @@ class _Upstream:
         self.session = _Session()
         self.opened: list[int] = []
 
-    async def open(self, host: str, port: int, path: str, body: bytes,
-                   headers: dict[str, str] | None) -> _Response:
+    def forwarded(self, client_headers: list[tuple[bytes, bytes]]) -> bytes:
+        return b""
+
+    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes) -> _Response:
         self.opened.append(port)
         if len(self.opened) == 1:
             raise HTTPError(502, "upstream_unavailable", "connection refused")
@@ -266,6 +269,7 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     assert (trace["injection_mode"], trace["kvcache_actual_path"]) == ("kvcache", "kv_injected")
     assert trace["instance_id"] == {9001: "inst-a", 9002: "inst-b"}[upstream.opened[1]]
     assert trace["predict_queue_wait_ms"] == 40.0 and trace["kdn_link_wait_ms"] >= 0
+    assert trace["kdn_link_source"] == "default"  # no link measured, none configured
     assert meta["kv_ready_kids"] == ["K1", "K2"] and meta["kv_ack"]["ok"] is True
     if stream:
         assert body.endswith(b"data: [DONE]\n\n")

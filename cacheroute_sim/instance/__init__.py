@@ -30,7 +30,11 @@ Control routes for tests:
   / ``POST /sim/config/reset`` (back to the start-time knobs);
 - ``POST /sim/release``: let every currently hung, held or stalled request go on;
 - ``GET /sim/stats`` / ``POST /sim/stats/reset`` (includes ``kv_injects``,
-  ``kv_inject_failed``, ``kv_prefix_hits``, ``kv_prefix_tokens_total``).
+  ``kv_inject_failed``, ``kv_prefix_hits``, ``kv_prefix_tokens_total``, and
+  ``last_request_headers``: the last generation request's headers as received, ``[name,
+  value]`` pairs in order, names lower-case).
 Knobs (config.Knobs): slow_factor, hang, fail_status + fail_rate, drop_after_chunks,
-stall_after_chunks, hold_streams, default_max_tokens.
+stall_after_chunks, hold_streams, default_max_tokens, response_headers (added to every
+generation answer), request_id_headers (answer with ``x-request-id``, the request's or a new
+one, as vLLM's ``--enable-request-id-headers``).
 """

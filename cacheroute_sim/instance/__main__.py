@@ -52,7 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.add_argument("--stall-after-chunks", type=int, default=None)
     knobs.add_argument("--hold-streams", action="store_true")
     knobs.add_argument("--default-max-tokens", type=int, default=16)
+    knobs.add_argument("--response-header", dest="response_headers", metavar="NAME:VALUE",
+                       action=_HeaderAction, default={},
+                       help="add this header to every generation answer (repeatable)")
+    knobs.add_argument("--request-id-headers", action="store_true",
+                       help="answer with X-Request-Id, the request's or a new one (as vLLM's "
+                            "--enable-request-id-headers)")
     return p
+
+
+class _HeaderAction(argparse.Action):
+    """``--response-header NAME:VALUE``, repeatable, into one dict (validated with the knobs)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        name, sep, value = str(values).partition(":")
+        if not sep:
+            parser.error(f"{option_string}: expected NAME:VALUE, got {values!r}")
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), name.strip(): value.strip()})
 
 
 def _engine_flags(sim: cli.ArgGroup) -> None:

@@ -7,6 +7,7 @@ in-process by a test without any control-plane traffic.
 from __future__ import annotations
 
 import random
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +33,8 @@ from cacheroute_sim.instance.request_model import (
 )
 
 INSTANCE_HEADER = b"x-sim-instance"
+REQUEST_ID_HEADER = b"x-request-id"
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 SIM_VERSION = "sim-0.1"
 
 # Starlette only calls ``response(scope, receive, send)``, so a handler may return any ASGI
@@ -49,16 +52,21 @@ class SimState:
         self.engine = Engine(time_scale=config.time_scale,
                              max_concurrency=config.max_concurrency, knobs=self.knobs)
         self.rng = random.Random(config.seed)
+        # The last generation request's headers as received (the raw ASGI list), for tests.
+        self.last_request_headers: list[tuple[bytes, bytes]] = []
 
     # What the /sim control routes (cacheroute_sim.common.control_routes) call.
     def release_held(self) -> int:
         return self.engine.release_held()
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return self.engine.stats.snapshot(self.instance_id)
+        headers = [[name.decode("latin-1"), value.decode("latin-1")]
+                   for name, value in self.last_request_headers]
+        return {**self.engine.stats.snapshot(self.instance_id), "last_request_headers": headers}
 
     def reset_stats(self) -> None:
         self.engine.stats.reset()
+        self.last_request_headers = []
 
 
 class InstanceHeaderMiddleware:
@@ -84,6 +92,43 @@ class InstanceHeaderMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
+class GenerationHeadersMiddleware:
+    """On the generation routes: remembers each request's headers (``GET /sim/stats``
+    ``last_request_headers``) and adds the knobs' headers to its answer, whatever it is
+    (stream, JSON, error): ``response_headers`` and, with ``request_id_headers``,
+    ``x-request-id``. The knobs are read once, at arrival, like GenerationResponse's."""
+
+    def __init__(self, app: ASGIApp, state: SimState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.last_request_headers = scope["headers"]
+        extra = self._extra_headers(scope, self.state.knobs.current)
+        if not extra:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+    @staticmethod
+    def _extra_headers(scope: Scope, knobs: Knobs) -> list[tuple[bytes, bytes]]:
+        extra = [(name.lower().encode("latin-1"), value.encode("latin-1"))
+                 for name, value in knobs.response_headers.items()]
+        if knobs.request_id_headers:
+            given = next((v for n, v in scope["headers"] if n == REQUEST_ID_HEADER), None)
+            extra.append((REQUEST_ID_HEADER, given or uuid.uuid4().hex.encode()))
+        return extra
+
+
 def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
     """The data-plane app; pass ``state`` to share it with the control plane (server.py)."""
     state = state or SimState(config)
@@ -98,7 +143,8 @@ def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
         *control_routes(state, read_json_object),
     ]
     app = Starlette(routes=routes, middleware=[
-        Middleware(InstanceHeaderMiddleware, instance_id=state.instance_id)])
+        Middleware(InstanceHeaderMiddleware, instance_id=state.instance_id),
+        Middleware(GenerationHeadersMiddleware, state=state)])
     app.state.sim = state
     return app
 

@@ -9,6 +9,7 @@ A bad value fails at once with a message naming the field, never later on a requ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,9 @@ __all__ = ["MAX_TOKENS_LIMIT", "ConfigError", "Knobs", "SimConfig",
            "sim_config_from_mapping"]
 
 MAX_TOKENS_LIMIT = 8192
+# RFC 9110 token characters for a header name; a value must not hold CR, LF or NUL.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(r"[\r\n\x00]")
 
 
 class Knobs(KnobsBase, frozen=True):
@@ -40,6 +44,12 @@ class Knobs(KnobsBase, frozen=True):
     hold_streams: bool = False
     # Tokens generated when the request gives no max_tokens.
     default_max_tokens: int = 16
+    # Added to every answer of the generation routes (stream, JSON, fail_status): what a test
+    # needs to see an instance's headers reach the client, hop-by-hop ones included.
+    response_headers: dict[str, str] = {}
+    # Like vLLM's --enable-request-id-headers: every generation answer carries X-Request-Id,
+    # the request's own, else a new one.
+    request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         # Raised inside msgspec.convert, these become ValidationErrors naming the struct.
@@ -53,6 +63,9 @@ class Knobs(KnobsBase, frozen=True):
                 "stall_after_chunks must be >= 0 or null")
         require(1 <= self.default_max_tokens <= MAX_TOKENS_LIMIT,
                 f"default_max_tokens must be within 1..{MAX_TOKENS_LIMIT}")
+        for name, value in self.response_headers.items():
+            require(bool(_HEADER_NAME.fullmatch(name)), f"response_headers: {name!r} is not a header name")
+            require(not _BAD_VALUE.search(value), f"response_headers: the value of {name} holds CR, LF or NUL")
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
