@@ -84,7 +84,8 @@ class VllmEngine:
                 "--model", str(TINY_MODEL), "--served-model-name", SERVED_MODEL,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(self.max_num_seqs),
-                *self.extra_args]
+                # X-Request-Id on every answer: the client's own, or one vLLM makes up.
+                "--enable-request-id-headers", *self.extra_args]
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> VllmEngine:
