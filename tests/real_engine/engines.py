@@ -5,7 +5,13 @@ install-vllm`), started on free ports, waited for with a bound, and stopped by p
 Why a process group: vLLM's API server forks an engine-core process, which starts a worker; a
 SIGKILL of the API server's pid alone would leave those two running. Each engine starts in its
 own session, so its group id is its pid and `os.killpg` reaches the three processes and nothing
-else."""
+else.
+
+Why the shared-memory sweep: vLLM's processes talk over POSIX shared memory (`psm_*`, ~170 and
+~250 MB each, and `sem.mp-*`) that they unlink only on a clean exit; an engine SIGKILLed, or
+stopped while its core is still shutting down, leaves them in /dev/shm for good. Before each
+signal the engine notes which of those its group has mapped, and unlinks them once the whole
+group is gone."""
 
 from __future__ import annotations
 
@@ -78,6 +84,7 @@ class VllmEngine:
         self.extra_args = list(extra_args)
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.shm_files: set[Path] = set()
 
     def argv(self) -> list[str]:
         return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
@@ -128,6 +135,7 @@ class VllmEngine:
         after `timeout`, and to whatever of the group is left either way."""
         if self.popen is None:
             return
+        self.note_shared_memory()
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -139,6 +147,7 @@ class VllmEngine:
     def kill(self) -> None:
         """A crash: SIGKILL to every process of the engine at once."""
         if self.popen is not None:
+            self.note_shared_memory()
             self._kill_group()
 
     def restart(self) -> VllmEngine:
@@ -153,6 +162,7 @@ class VllmEngine:
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
+            self._unlink_shared_memory()
             return  # the whole group is gone already
         try:
             self.popen.wait(timeout)
@@ -163,6 +173,17 @@ class VllmEngine:
             time.sleep(0.05)
         if group_alive(pgid):
             raise EngineError(f"processes of vLLM group {pgid} outlived SIGKILL by {timeout:.0f} s")
+        self._unlink_shared_memory()
+
+    def note_shared_memory(self) -> None:
+        """Remember the /dev/shm files the engine's processes have mapped (see the module doc)."""
+        if self.popen is not None:
+            self.shm_files |= group_shared_memory(self.popen.pid)
+
+    def _unlink_shared_memory(self) -> None:
+        for path in self.shm_files:
+            path.unlink(missing_ok=True)
+        self.shm_files.clear()
 
 
     # --- observations --------------------------------------------------------------------------
@@ -184,6 +205,26 @@ class VllmEngine:
         if not values:
             raise EngineError(f"{name} {labels or ''} not in {self.url}/metrics")
         return sum(values)
+
+def group_shared_memory(pgid: int) -> set[Path]:
+    """vLLM's own /dev/shm files (psm_*, sem.mp-*) mapped by a process of group `pgid`."""
+    found: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # /proc/<pid>/stat is "pid (comm) state ppid pgrp ...", and comm may hold spaces.
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            maps = (proc / "maps").read_text()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(("/dev/shm/psm_", "/dev/shm/sem.mp-")):
+                found.add(Path(fields[5].removesuffix(" (deleted)")))
+    return found
+
 
 def group_alive(pgid: int) -> bool:
     try:
@@ -213,6 +254,7 @@ def start_engines(count: int, log_dir: Path, timeout: float = HEALTH_TIMEOUT_S) 
 
 def stop_engines(engines: Sequence[VllmEngine]) -> None:
     for engine in engines:
+        engine.note_shared_memory()
         if engine.running():
             engine.popen.send_signal(signal.SIGTERM)  # all at once: they shut down in parallel
     for engine in engines:
