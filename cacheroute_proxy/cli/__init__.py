@@ -1,6 +1,8 @@
 """`cacheroute-proxy run` (or `python -m cacheroute_proxy run`): the whole proxy on one host;
 `cacheroute-proxy sidecar` / `worker --index N`: one role alone (one systemd unit each);
-`cacheroute-proxy status` / `loads [--watch S]`: what it is doing;
+`cacheroute-proxy status` / `instances [--all] [--limit N]` / `scheduler` / `loads [--watch S]` /
+`watch`: what it is doing (`--json` for scripts; exit 0 ok, 1 control plane unreachable or
+HTTP error, 2 usage error); `cacheroute-proxy console`: the same commands at a prompt;
 `cacheroute-proxy shm show|unlink`: the shared-memory segment by hand.
 
 `run` starts the sidecar, then N workers on the shared service port; Ctrl-C stops everything.
@@ -13,10 +15,12 @@ import argparse
 import os
 import sys
 
-from .. import logs, probe
-from ..auth import load_token
+from .. import logs
 from ..config import ConfigError, Settings
-from . import shm, status_view
+from . import shm
+from .commands import COMMANDS, execute
+from .console import run_console
+from .control_client import ControlPlane
 
 # `cacheroute-proxy <role> ...` becomes the role's own program (exec: same pid, as systemd's
 # Type=notify expects), so its options are parsed in one place and this package never imports
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_role(argv[0], argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command in ("status", "loads"):
+    if args.command in COMMANDS or args.command == "console":
         return _inspect(args)
     if args.command == "shm":
         return shm.run(args)
@@ -69,11 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
     for name, (_, helptext) in ROLES.items():  # listed for --help; main() dispatches them first
         sub.add_parser(name, help=helptext, add_help=False)
-    for name, helptext in (("status", "sidecar, segment, event channel, reaper and workers"),
-                           ("loads", "per-instance loads and least_load scores as a table")):
-        command = sub.add_parser(name, help=helptext)
-        command.add_argument("--url", default=None, help="control plane (default: PROXY_CP_HOST/PORT)")
-        command.add_argument("--watch", type=float, default=None, metavar="S", help="refresh every S seconds")
+    for name, command in COMMANDS.items():  # the console parses the same options (cli/commands.py)
+        command.add_options(_url_option(sub.add_parser(name, help=command.summary)))
+    _url_option(sub.add_parser("console", help="interactive prompt: :status, :instances, :watch, "
+                                               ":scheduler, :loads, :help, :exit"))
     shm.add_parser(sub)
     return parser
 
@@ -109,22 +112,22 @@ def _share_metrics_dir() -> str | None:
     return None
 
 
+def _url_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--url", default=None, help="control plane (default: PROXY_CP_HOST/PORT)")
+    return parser
+
+
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        settings = Settings.from_env()
+        plane = ControlPlane.configured(args.url)
     except (ConfigError, ValueError) as exc:
         print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
-    base = (args.url or settings.cp_url).rstrip("/")
-    token = load_token(settings.cp_token, settings.cp_token_file)
-    path, formatter = (("/debug/status", status_view.format_status) if args.command == "status"
-                       else ("/debug/instance_loads", status_view.format_loads))
-
-    def render() -> str:
-        return formatter(probe.fetch(base + path, token))
+    if args.command == "console":
+        return run_console(plane, sys.stdout, sys.stderr)
     try:
-        return status_view.show(render, sys.stdout, args.watch)
-    except KeyboardInterrupt:
+        return execute(COMMANDS[args.command], plane, args, sys.stdout, sys.stderr)
+    except KeyboardInterrupt:  # the end of a watch
         return 0
 
 
