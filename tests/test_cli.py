@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from cacheroute_proxy.cli import status_view
+from cacheroute_proxy.cli.control_client import local_url
 from cacheroute_proxy.cli.line_editing import candidates, history_path
 from tests.harness import ROOT, chat_body, free_port, get, http, post, wait_until
 from tests.test_scheduler_link import PROXY_ID, SimScheduler, link_env
@@ -134,6 +135,8 @@ def test_unreachable_is_exit_1_and_the_url_comes_from_the_environment():
     done = run_cli("instances", env={"PROXY_CP_HOST": "127.0.0.1", "PROXY_CP_PORT": str(port)})
     assert done.returncode == 1 and f"unreachable at http://127.0.0.1:{port}" in done.stderr
     assert run_cli("status", env={"PROXY_CP_PORT": "0"}).returncode == 2  # a configuration error
+    assert local_url("0.0.0.0", 8002) == "http://127.0.0.1:8002" and local_url("::", 1) == "http://[::1]:1"
+    assert local_url("fd00::5", 8002) == "http://[fd00::5]:8002" and local_url("cp.lan", 1) == "http://cp.lan:1"
 
 
 def test_a_watch_keeps_refreshing_while_the_proxy_is_down_and_ctrl_c_ends_it_with_0(tmp_path):

@@ -54,6 +54,9 @@ def test_an_operator_session_in_a_real_terminal(make_cluster, scheduler, termina
         term.wait_for(f"control plane {cluster.cp_url}, reachable")
         term.wait_for("cacheroute>")
 
+        _enter(term, ":help")
+        term.wait_for(":watch [--all] [--interval S] [--limit N]")
+
         _enter(term, ":status")
         screen = term.wait_for(f"scheduler   registered with {scheduler.url} as {PROXY_ID}")
         assert "2 alive / 3 registered" in screen

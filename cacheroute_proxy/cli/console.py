@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from typing import NoReturn, TextIO
 
 from .commands import COMMANDS, Command, execute
@@ -17,8 +18,10 @@ from .control_client import ControlPlane, ControlPlaneError
 from .line_editing import LineEditing
 
 PROMPT = "cacheroute> "
-BUILTINS = {"help": "[command]   the commands, or one command's options",
-            "exit": "            leave (also :quit, Ctrl-D)", "quit": ""}
+# The console's own commands: name -> (usage, summary); an empty summary is not listed by :help.
+BUILTINS = {"help": ("[command]", "the commands, or one command's options"),
+            "exit": ("", "leave (also :quit, Ctrl-D)"), "quit": ("", "")}
+HELP_COLUMN = 46
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -47,8 +50,9 @@ def option_words(parser: argparse.ArgumentParser) -> list[str]:
 
 
 class Console:
-    def __init__(self, plane: ControlPlane, out: TextIO, err: TextIO, editing: LineEditing | None = None) -> None:
-        self.plane, self.out, self.err = plane, out, err
+    def __init__(self, plane: ControlPlane, out: TextIO, err: TextIO, editing: LineEditing | None = None,
+                 prompt: str = PROMPT) -> None:
+        self.plane, self.out, self.err, self.prompt = plane, out, err, prompt
         self.parsers: dict[str, ConsoleParser] = {name: self._parser(c) for name, c in COMMANDS.items()}
         self.editing = editing
 
@@ -66,9 +70,10 @@ class Console:
         try:
             while True:
                 try:
-                    line = input(PROMPT)
-                except EOFError:  # Ctrl-D
-                    self._say("")
+                    line = input(self.prompt)
+                except EOFError:  # Ctrl-D, or the end of piped input
+                    if self.prompt:
+                        self._say("")  # leave the shell's prompt on a line of its own
                     return 0
                 except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, as a shell does
                     self._say("")
@@ -120,8 +125,9 @@ class Console:
                 print(f"unknown command: {topics[0]} (:help lists the commands)", file=self.err, flush=True)
             return
         lines = ["commands (the leading colon is optional; Tab completes names and options):"]
-        lines += [f"  :{c.name} {c.usage}".ljust(44) + c.summary for c in COMMANDS.values()]
-        lines += [f"  :{name} {usage}" for name, usage in BUILTINS.items() if usage]
+        listed = [(c.name, c.usage, c.summary) for c in COMMANDS.values()]
+        listed += [(name, usage, summary) for name, (usage, summary) in BUILTINS.items() if summary]
+        lines += [f"  :{name} {usage}".ljust(HELP_COLUMN) + summary for name, usage, summary in listed]
         lines.append("add --json to status, instances, scheduler or loads for the raw JSON; "
                      ":help <command> for its options")
         self._say("\n".join(lines))
@@ -141,6 +147,7 @@ class Console:
 
 
 def run_console(plane: ControlPlane, out: TextIO, err: TextIO) -> int:
-    console = Console(plane, out, err)
+    # Commands from a pipe: no prompt between the outputs (nobody is there to read it).
+    console = Console(plane, out, err, prompt=PROMPT if sys.stdin.isatty() else "")
     console.editing = LineEditing(console.completion_words(), list(BUILTINS))
     return console.run()

@@ -31,7 +31,8 @@ class ControlPlane:
         """`--url` if given, else PROXY_CP_HOST/PROXY_CP_PORT; the token from
         PROXY_CP_TOKEN_FILE/PROXY_CP_TOKEN. Raises ConfigError/ValueError (a usage error)."""
         settings = Settings.from_env()
-        return cls((url or settings.cp_url).rstrip("/"), load_token(settings.cp_token, settings.cp_token_file))
+        base = url or local_url(settings.cp_host, settings.cp_port)
+        return cls(base.rstrip("/"), load_token(settings.cp_token, settings.cp_token_file))
 
     def get(self, path: str) -> Any:
         url = self.base_url + path
@@ -45,6 +46,15 @@ class ControlPlane:
             raise ControlPlaneError(f"control plane unreachable at {self.base_url}: {exc}") from None
         except ValueError:
             raise ControlPlaneError(f"{url} did not answer JSON (is this a cacheroute control plane?)") from None
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL of a control plane on this host: one that listens on every address
+    (PROXY_CP_HOST=0.0.0.0 or ::) is asked on the loopback; an IPv6 address gets its brackets."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def _detail(exc: urllib.error.HTTPError) -> str:
