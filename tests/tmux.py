@@ -1,6 +1,7 @@
 """A real terminal for tests: one tmux server on its own socket (`tmux -L <unique name>`, no
 user configuration), one pane running the program under test; keys go in with send-keys, the
-screen comes out with capture-pane. `close` kills that server only, never anyone else's."""
+screen comes out with capture-pane. `close` kills that server only, never anyone else's, and
+removes its socket file."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Tmux:
         # Keep the pane when the program ends, to read its exit status and last screen.
         self._run("set-option", "-t", "t", "remain-on-exit", "on")
         self.server_pid = int(self._run("display-message", "-p", "#{pid}"))
+        self.socket_path = Path(self._run("display-message", "-p", "#{socket_path}").strip())
 
     def _run(self, *args: str) -> str:
         done = subprocess.run(["tmux", "-L", self.socket, *args], env=self._env, capture_output=True,
@@ -72,3 +74,4 @@ class Tmux:
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], env=self._env, capture_output=True, timeout=10)
+        self.socket_path.unlink(missing_ok=True)  # the server leaves its socket file behind

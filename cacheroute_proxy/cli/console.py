@@ -46,6 +46,7 @@ class ConsoleParser(argparse.ArgumentParser):
 
 
 def option_words(parser: argparse.ArgumentParser) -> list[str]:
+    """The long options a parser takes, for Tab (argparse lists them only in `_actions`)."""
     return sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
 
 
