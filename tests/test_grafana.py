@@ -260,6 +260,7 @@ def test_the_dashboard_is_an_importable_grafana_dashboard():
         cells |= area
     for panel in queried_panels(dashboard):
         title = panel["title"]
+        assert panel["type"] in {"timeseries", "stat", "gauge", "bargauge", "table"}, title
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, title
         assert panel["targets"] and panel.get("description"), title
         refs = [t["refId"] for t in panel["targets"]]
@@ -314,7 +315,7 @@ def test_every_series_the_dashboard_queries_is_in_a_live_metrics(make_cluster, c
                                            "PROXY_EJECT_AFTER_FAILURES": "1", "PROXY_EJECT_S": "120",
                                            "PROXY_RETRY_ATTEMPTS": "1"})
     good = cluster.add_instance("--hold-streams")
-    cluster.add_instance("--fail-status", "503")
+    bad = cluster.add_instance("--fail-status", "503")
     proxy = cluster.worker_url(0)
     url = f"{proxy}/v1/chat/completions"
     # Round robin over two: within two requests one goes to the failing instance, is retried
@@ -348,6 +349,7 @@ def test_every_series_the_dashboard_queries_is_in_a_live_metrics(make_cluster, c
     with capsys.disabled():
         print("\n" + "\n".join(report))
     assert not problems, "\n".join(problems)
+    _assert_counted_once(live, good.instance_id, bad.instance_id)
 
     # The check can fail: a panel querying an unknown name, or a label the series lack.
     broken = load_dashboard()
@@ -359,6 +361,22 @@ def test_every_series_the_dashboard_queries_is_in_a_live_metrics(make_cluster, c
     assert problems == ["bogus [A]: cacheroute_no_such_thing_total is not in /metrics",
                         "bogus [B]: cacheroute_instance_inflight has no label ['instance_name']",
                         "bogus [C]: rate/increase over the gauge cacheroute_instance_inflight"], problems
+
+
+def _assert_counted_once(live: Scrape, good: str, bad: str) -> None:
+    """What the traffic above did, each thing counted once, under the instance it concerns."""
+    values = {(name, tuple(sorted(labels.items()))): value for name, labels, value in live.samples}
+    route = ("route", "chat/completions")
+    assert values[("cacheroute_retries_total", (("instance_id", bad), route))] == 1
+    assert values[("cacheroute_outlier_ejections_total", (("instance_id", bad),))] == 1
+    assert values[("cacheroute_admission_rejections_total", (("instance_id", good), ("reason", "queue_full")))] == 1
+    assert values[("cacheroute_requests_total", (("instance_id", good), route, ("status", "429")))] == 1
+    assert values[("cacheroute_requests_total", (("instance_id", ""), route, ("status", "400")))] == 1
+    assert values[("cacheroute_requests_total", (("instance_id", good), route, ("status", "200")))] == 4
+    assert values[("cacheroute_time_to_first_token_seconds_count", (("instance_id", good), route))] == 2
+    assert values[("cacheroute_event_channel_dropped_events_total", ())] == 0
+    assert not any(name == "cacheroute_requests_total" and dict(labels)["instance_id"] == bad
+                   for name, labels in values), "the retried request is counted under the instance that answered"
 
 
 def test_the_conventions_check_refuses_what_it_should():
