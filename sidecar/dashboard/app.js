@@ -16,7 +16,7 @@
   const palette = new Palette();
   const history = { inflight: new History(), backlog: new History(), queue: new History(), pool: new History(), cpu: new History(),
                     memory: new History(), gpu: new History(), network: new History() };
-  const ms = (v) => (v >= 1000 ? `${(v / 1000).toFixed(1)}s` : `${Math.round(v)}ms`);
+  const ms = (v) => (v >= 1000 ? `${+(v / 1000).toFixed(2)}s` : `${+v.toFixed(2)}ms`);
   const charts = {
     inflight: new TrendChart($("chart"), { format: (v) => String(v) }),
     backlog: new TrendChart($("chart-backlog"), { format: ms }),
@@ -66,7 +66,8 @@
   const fmtMbps = (v) => known(v) ? `${Number(v).toFixed(v < 10 ? 2 : 0)} Mbit/s` : "—";
   function fmtMs(v) {
     if (!known(v)) return "—";
-    return v >= 1000 ? `${(v / 1000).toFixed(1)} s` : `${Math.round(v)} ms`;
+    if (v >= 1000) return `${(v / 1000).toFixed(1)} s`;
+    return v < 10 && !Number.isInteger(v) ? `${v.toFixed(1)} ms` : `${Math.round(v)} ms`;
   }
   function fmtAgo(v) {
     if (!known(v)) return "—";
@@ -544,8 +545,9 @@
   }
 
   function definitions(id, items) {
+    const shown = (v) => !known(v) ? "—" : typeof v === "number" && !Number.isInteger(v) ? v.toFixed(2) : String(v);
     $(id).replaceChildren(...items.flatMap(([label, value, key]) => [
-      el("dt", {}, label), el("dd", { data: { field: key } }, known(value) ? String(value) : "—")]));
+      el("dt", {}, label), el("dd", { data: { field: key, value: known(value) ? String(value) : "" } }, shown(value))]));
   }
 
   function renderChannel(status, workers) {
@@ -584,7 +586,8 @@
     ]);
     const items = [];
     for (const [key, value] of Object.entries(pool || {})) {
-      if (key === "metric_source" || key === "metric_quality") continue;
+      if (key === "metric_source" || key === "metric_quality") continue;  // in the raw JSON
+      if (key === "generated_at") { items.push([key, new Date(value * 1000).toLocaleTimeString(), key]); continue; }
       if (value && typeof value === "object") {
         for (const [sub, v] of Object.entries(value)) {
           items.push([`${key}.${sub}`, v && typeof v === "object" ? JSON.stringify(v) : v, `${key}.${sub}`]);
