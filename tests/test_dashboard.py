@@ -12,6 +12,9 @@ import collections
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +25,10 @@ import psutil
 import pytest
 
 from cacheroute_proxy.config import Settings
+from cacheroute_sim.processes import SupervisorPorts
 from tests.aio import OpenStream
 from tests.chromium import Chromium, find_chromium
-from tests.harness import chat_body, free_port, get, http, post, wait_until
+from tests.harness import ROOT, chat_body, free_port, get, http, post, wait_until
 from tests.test_e2e_resource_plane import agent_snapshot
 from tests.test_scheduler_link import PROXY_ID, SimScheduler
 
@@ -309,6 +313,8 @@ def test_dashboard_asks_for_the_token_when_debug_reads_require_it(make_cluster, 
     assert status == 200 and 'id="token-form"' in body
     assert "script-src 'self'" in headers["content-security-policy"]
     assert http("GET", f"{cluster.cp_url}/debug/workers")[0] == 401
+    assert http("GET", f"{cluster.cp_url}/debug/dashboard")[0] == 401
+    assert get(f"{cluster.cp_url}/debug/dashboard", headers=auth)["ok"]
     assert len(get(f"{cluster.cp_url}/debug/workers", headers=auth)["workers"]) == 2
     for path in ("/dashboard/missing.js", "/dashboard/..%2fapp.py", "/dashboard/%2e%2e%2fdashboard_routes.py"):
         assert http("GET", f"{cluster.cp_url}{path}")[0] == 404, path
@@ -511,9 +517,30 @@ def test_proxy_ui_listen_serves_the_dashboard_and_only_it(make_cluster, browser)
     assert http("GET", f"{ui}/dashboard", headers={"Host": "evil.example"})[0] == 421
     assert http("GET", f"{ui}/dashboard", headers={"Host": f"dash.localtest:{port}"})[0] == 200
     cluster.add_instance()
+    # A system in dark mode gets the dark theme until the user picks one (nothing stored).
+    browser.page("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": "dark"}])
     browser.navigate(f"{ui}/dashboard")
     page = _wait_page(browser, lambda p: p["state"] == "live" and len(p["instances"]) == 1, "the page on PROXY_UI_LISTEN")
     assert page["instances"][0]["id"] == cluster.instances[0].instance_id
+    assert browser.evaluate("document.documentElement.dataset.theme") == "dark"
+    assert browser.evaluate("localStorage.length") == 0
+
+
+def test_a_busy_proxy_ui_listen_port_fails_the_start_naming_it(tmp_path):
+    busy = socket.socket()
+    try:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        ports = SupervisorPorts(1, "cacheroute_test")
+        done = subprocess.run([sys.executable, "-m", "cacheroute_proxy", "run"], cwd=ROOT,
+                              env={**os.environ, **ports.supervisor_env("round_robin"), "PROXY_UI_LISTEN": address},
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        busy.close()
+    assert done.returncode != 0
+    assert f"cannot bind the dashboard (PROXY_UI_LISTEN) on {address}: Address already in use" in done.stderr, done.stderr
+    assert not os.path.exists(f"/dev/shm{ports.shm_name}")
 
 
 def test_proxy_ui_settings_are_checked_and_name_the_dashboard_url():

@@ -12,7 +12,9 @@
   const $ = (id) => document.getElementById(id);
   const { Palette, History, TrendChart } = window.Trends;
 
-  const prefs = Object.assign({ intervalMs: 1000, historyS: 300, theme: "light", sort: {} }, loadPrefs());
+  // Until the user picks a theme, the system's preference decides.
+  const systemTheme = window.matchMedia && window.matchMedia("(prefers-color-scheme: dark)").matches ? "dark" : "light";
+  const prefs = Object.assign({ intervalMs: 1000, historyS: 300, theme: systemTheme, sort: {} }, loadPrefs());
   const palette = new Palette();
   const history = { inflight: new History(), backlog: new History(), queue: new History(), pool: new History(), cpu: new History(),
                     memory: new History(), gpu: new History(), network: new History() };
