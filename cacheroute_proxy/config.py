@@ -91,6 +91,9 @@ ENV_NAMES: dict[str, str] = {
     # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
     "static_instances": "PROXY_STATIC_INSTANCES",
     "static_probe_s": "PROXY_STATIC_PROBE_S",
+    # --- the browser dashboard (docs/operations.md, dashboard section) ---
+    "ui_listen": "PROXY_UI_LISTEN",
+    "ui_url": "PROXY_UI_URL",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -209,6 +212,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     static_instances: str = ""
     # How often the sidecar probes each one's GET /health.
     static_probe_s: float = 2.0
+    # A second listener of the sidecar for the dashboard alone, "host:port" (the original's
+    # 127.0.0.1:8202); "": only http://<control plane>/dashboard.
+    ui_listen: str = ""
+    # The dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in
+    # the ready line; "": the listener's own URL.
+    ui_url: str = ""
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -259,6 +268,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         self._check_scheduler_link()
         static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
         _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
+        self._check_ui()
 
     @property
     def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
@@ -293,6 +303,38 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.max_capacity >= 0, "max_capacity", "must be >= 0")
         _check(self.instance_count is None or self.instance_count >= 0, "instance_count", "must be >= 0")
         _check(self.kv_mem_per_instance_gb >= 0, "kv_mem_per_instance_gb", "must be >= 0")
+
+    def _check_ui(self) -> None:
+        if self.ui_listen:
+            address = _host_port(self.ui_listen)
+            _check(address is not None, "ui_listen",
+                   f"must be HOST:PORT such as 127.0.0.1:8202, got {self.ui_listen!r}")
+            assert address is not None
+            _check(address[1] not in (self.cp_port, self.dp_port), "ui_listen",
+                   f"port {address[1]} is already the control plane's or the data plane's")
+            _check(is_loopback(address[0]) or bool(self.cp_token or self.cp_token_file), "ui_listen",
+                   f"{address[0]} is not a loopback address: like the control plane, a dashboard "
+                   f"bound beyond loopback needs a token (PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
+        if self.ui_url:
+            url = urlsplit(self.ui_url)
+            _check(url.scheme in ("http", "https") and bool(url.hostname), "ui_url",
+                   f"must be an http(s) URL such as http://127.0.0.1:8202/, got {self.ui_url!r}")
+
+    @property
+    def ui_address(self) -> tuple[str, int] | None:
+        """(host, port) of the dashboard's own listener, None when there is none."""
+        return _host_port(self.ui_listen) if self.ui_listen else None
+
+    @property
+    def dashboard_url(self) -> str:
+        """Where a browser finds the dashboard: PROXY_UI_URL, else the UI listener, else the
+        control plane's /dashboard."""
+        if self.ui_url:
+            return self.ui_url
+        if self.ui_address is not None:
+            host, port = self.ui_address
+            return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+        return f"{self.cp_url}/dashboard"
 
     def __repr__(self) -> str:  # never print the token
         shown = {k: ("***" if k == "cp_token" and v else v)
@@ -384,3 +426,12 @@ def is_loopback(host: str) -> bool:
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{ENV_NAMES.get(field, field)}: {message}")
+
+
+def _host_port(value: str) -> tuple[str, int] | None:
+    """"host:port" or "[v6]:port" -> (host, port); None if it is not one."""
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)

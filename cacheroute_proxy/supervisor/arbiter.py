@@ -178,8 +178,8 @@ class Arbiter:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping:
             if all(get_json(url) is not None for url in urls):
-                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s",
-                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url)
+                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s, dashboard %s",
+                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url, s.dashboard_url)
                 return
             time.sleep(0.2)
         log.warning("not every worker answered /healthz within %.0fs", READY_TIMEOUT_S)
