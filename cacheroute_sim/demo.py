@@ -23,6 +23,7 @@ import sys
 import time
 
 from cacheroute_proxy import logs
+from cacheroute_proxy.cli import run_flags
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.probe import get_json
 from cacheroute_proxy.supervisor.children import Child, describe_exit
@@ -50,10 +51,7 @@ def _env_int(name: str, default: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cacheroute_sim.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", "-n", type=int, default=None, help="proxy workers (PROXY_WORKERS)")
-    parser.add_argument("--strategy", default=None, help="round_robin|least_load (PROXY_INSTANCE_STRATEGY)")
-    parser.add_argument("--port", type=int, default=None, help="service port (PROXY_DP_PORT)")
-    parser.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    run_flags.add_run_flags(parser)  # `cacheroute-proxy run`'s own, passed on to it
     parser.add_argument("--sim-instances", type=int, default=_env_int(SIM_INSTANCES_ENV, 2),
                         help=f"simulated instances to start ({SIM_INSTANCES_ENV}, default 2; 0 = none)")
     parser.add_argument("--sim-port-base", type=int, default=_env_int(SIM_PORT_BASE_ENV, 9001),
@@ -67,12 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def proxy_argv(args: argparse.Namespace) -> list[str]:
     """`cacheroute-proxy run` with the flags the demo was given (the rest comes from the
     environment, which the child inherits)."""
-    argv = ["-m", "cacheroute_proxy", "run"]
-    for flag, value in (("--workers", args.workers), ("--strategy", args.strategy),
-                        ("--port", args.port), ("--load-view", args.load_view)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return ["-m", "cacheroute_proxy", "run", *run_flags.run_argv(args)]
 
 
 def simulated_children(args: argparse.Namespace, cp_url: str) -> list[Child]:
@@ -173,8 +166,7 @@ class Demo:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        settings = Settings.from_env().with_overrides(workers=args.workers, instance_strategy=args.strategy,
-                                                      dp_port=args.port, load_view=args.load_view)
+        settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:
         print(f"demo: configuration error: {exc}", file=sys.stderr)
         return 2

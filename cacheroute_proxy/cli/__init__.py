@@ -16,7 +16,7 @@ import sys
 from .. import logs, probe
 from ..auth import load_token
 from ..config import ConfigError, Settings
-from . import shm, status_view
+from . import run_flags, shm, status_view
 
 # `cacheroute-proxy <role> ...` becomes the role's own program (exec: same pid, as systemd's
 # Type=notify expects), so its options are parsed in one place and this package never imports
@@ -44,9 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "shm":
         return shm.run(args)
     try:
-        settings = Settings.from_env().with_overrides(
-            workers=args.workers, instance_strategy=args.instance_strategy,
-            dp_port=args.dp_port, load_view=args.load_view)
+        settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:
         print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -62,11 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the sidecar and N workers")
-    run.add_argument("--workers", "-n", type=int, default=None, help="number of workers (PROXY_WORKERS)")
-    run.add_argument("--strategy", dest="instance_strategy", default=None,
-                     help="round_robin|rr|least_load|ll (PROXY_INSTANCE_STRATEGY)")
-    run.add_argument("--port", dest="dp_port", type=int, default=None, help="service port (PROXY_DP_PORT)")
-    run.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    run_flags.add_run_flags(run)
     for name, (_, helptext) in ROLES.items():  # listed for --help; main() dispatches them first
         sub.add_parser(name, help=helptext, add_help=False)
     for name, helptext in (("status", "sidecar, segment, event channel, reaper and workers"),
