@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"demo: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("demo", settings.log_level)
+    logs.configure("demo", settings.log_level, settings.log_format)
     return Demo(args, settings).run()
 
 

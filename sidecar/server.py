@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -13,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import uvicorn
 from starlette.applications import Starlette
 
-from cacheroute_proxy import logs, serving
+from cacheroute_proxy import exits, host_checks, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
@@ -134,7 +135,7 @@ def status_line(state: SidecarState) -> str:
 
 
 def bind_control_plane(settings: Settings) -> socket.socket:
-    """Bound before anything else: a taken port is then exit 2 (cannot start, not restarted by
+    """Bound before anything else: a taken port is then exit 6 (cannot start, not restarted by
     the supervisor or systemd) with the reason, instead of uvicorn's exit 3 after the segment."""
     sock = socket.socket(socket.AF_INET6 if ":" in settings.cp_host else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -153,15 +154,16 @@ def run(settings: Settings) -> int:
     try:
         control = bind_control_plane(settings)
     except OSError as exc:
-        log.error("cannot bind the control plane on %s:%d: %s", settings.cp_host, settings.cp_port,
-                  exc.strerror or exc)
-        return 2
+        log.error("%s", exits.in_use_message(settings.cp_host, settings.cp_port,
+                                             "control plane (PROXY_CP_HOST/PORT)", exc))
+        return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
+    host_checks.warn_about_host()
     try:
         seg = open_segment(settings)
     except SegmentError as exc:
         log.error("%s", exc)
         control.close()
-        return 2
+        return exits.CANNOT_START
     try:
         state = build_state(settings, seg)
         app = build_app(state)
@@ -176,7 +178,7 @@ def run(settings: Settings) -> int:
         server = uvicorn.Server(config)
         # plain server.run() outside systemd
         serving.serve(server, lambda _server: status_line(state), [control])
-        return 0 if has_started(server) else 3
+        return 0 if has_started(server) else exits.SERVER_FAILED
     finally:
         header.release_sidecar(seg)
         seg.close()

@@ -10,10 +10,12 @@ Instances register themselves (the demo's simulated ones: `make run-workers`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from .. import logs, probe
+from ..supervisor import preflight
 from ..auth import load_token
 from ..config import ConfigError, Settings
 from . import run_flags, shm, status_view
@@ -48,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("supervisor", settings.log_level)
+    logs.configure("supervisor", settings.log_level, settings.log_format)
+    taken = preflight.taken_address(settings)
+    if taken:
+        logging.getLogger("cacheroute.supervisor").error("%s; stopping (nothing was started)", taken)
+        return 1
     for name in SYSTEMD_ENV:  # else every child would report READY/WATCHDOG as if it were us
         os.environ.pop(name, None)
     from ..supervisor.arbiter import Arbiter  # imports prometheus_client: only now (see _share_metrics_dir)
