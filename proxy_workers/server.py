@@ -38,7 +38,7 @@ log = logging.getLogger("cacheroute.worker")
 SEGMENT_WAIT_S = 15.0
 EVENT_TICK_S = 0.02
 # After a rolling restart's SIGTERM the predecessor closes its listeners within moments, but the
-# replacement may be quicker: it waits this long for the private port instead of exiting 2
+# replacement may be quicker: it waits this long for the private port instead of exiting 5
 # (which would stop the whole supervisor).
 PRIVATE_PORT_WAIT_S = 10.0
 BACKLOG = 2048
