@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -156,6 +157,34 @@ def test_a_taken_service_port_stops_the_launch_within_2s_naming_it(tmp_path: Pat
     assert f"cannot bind the service address (PROXY_DP_HOST/PORT) on 127.0.0.1:{port}: another process " \
            "listens there; stopping (nothing was started)" in log, log
     assert " serving " not in log and "started sidecar" not in log and "Traceback" not in log, log
+    assert not os.path.exists(f"/dev/shm{ports.shm_name}")
+    assert not _processes_of(ports.shm_name)
+
+
+def test_a_service_port_taken_after_the_check_stops_the_launch_when_the_workers_fail(tmp_path: Path) -> None:
+    """The port is free when `run` checks it and taken before the workers bind it (they start
+    only once the sidecar answers, which takes far longer than this test's bind): the workers
+    exit 4, and the supervisor stops everything at once, naming the address -- without waiting
+    out its readiness deadline (20 s)."""
+    ports = SupervisorPorts(workers=2, shm_prefix="cacheroute_test")
+    launcher = Process(["-m", "cacheroute_proxy", "run"], ports.supervisor_env("round_robin"),
+                       tmp_path / "launcher.log")
+    taken = socket.socket()
+    try:
+        wait_until(lambda: "started sidecar" in launcher.log(), 20, interval=0.005, message="sidecar started")
+        taken.bind(("127.0.0.1", ports.dp_port))  # before any worker exists: the sidecar is not up yet
+        taken.listen()
+        assert "started worker" not in launcher.log()
+        code = launcher.popen.wait(timeout=15)  # the workers' start, their exit and the stop: seconds
+    finally:
+        launcher.stop()
+        taken.close()
+    log = launcher.log()
+    assert code == 1, log
+    assert f"cannot bind the service address (PROXY_DP_HOST/PORT) on 127.0.0.1:{ports.dp_port}" in log, log
+    assert re.search(rf"worker\d cannot start \(exit 4, the service address 127\.0\.0\.1:{ports.dp_port} "
+                     r"is taken\); stopping", log), log
+    assert " serving " not in log and "Traceback" not in log and "all stopped" in log, log
     assert not os.path.exists(f"/dev/shm{ports.shm_name}")
     assert not _processes_of(ports.shm_name)
 
