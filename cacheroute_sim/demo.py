@@ -139,16 +139,23 @@ class Demo:
                 child.start()
 
     def _announce(self) -> None:
-        """Once every simulated instance is in the proxy's directory: the line to try."""
+        """Once every simulated instance is in the proxy's directory and every worker answers
+        (the instances may register before the workers listen): the line to try."""
         s = self.settings
         wanted = sum(1 for c in self.sims if c.name.startswith("sim-instance"))
         deadline = time.monotonic() + CONTROL_PLANE_WAIT_S
-        while time.monotonic() < deadline and not self._stopping and self._alive_instances() < wanted:
+        while time.monotonic() < deadline and not self._stopping and \
+                (self._alive_instances() < wanted or not self._workers_answer()):
             time.sleep(0.2)
         log.info("demo: %d simulated instances registered with %s; try\n  curl -s http://%s:%d/v1/chat/completions "
                  "-H 'content-type: application/json' -d '{\"model\": \"sim-model\", \"messages\": "
                  "[{\"role\": \"user\", \"content\": \"hello\"}]}'", self._alive_instances(), s.cp_url,
                  s.dp_host, s.dp_port)
+
+    def _workers_answer(self) -> bool:
+        s = self.settings
+        return all(get_json(f"http://{s.worker_private_host}:{s.worker_private_port(i)}/healthz") is not None
+                   for i in range(s.workers))
 
     def _alive_instances(self) -> int:
         loads = get_json(f"{self.settings.cp_url}/debug/instance_loads")
