@@ -46,6 +46,8 @@ ENV_NAMES: dict[str, str] = {
     "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
     "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
     "log_level": "PROXY_LOG_LEVEL",
+    "log_format": "PROXY_LOG_FORMAT",
+    "log_each_request": "PROXY_ACCESS_LOG",
     # --- the prepare/ready pipeline and predicted pressure (docs/architecture.md §5, §6) ---
     "prepare_concurrency": "PREPARE_CONCURRENCY",
     "ready_concurrency": "READY_CONCURRENCY",
@@ -106,6 +108,7 @@ STRATEGY_ALIASES: dict[str, str] = {
 }
 
 LOAD_VIEWS = ("shared", "per_worker")
+LOG_FORMATS = ("text", "json")
 RELEASE_POLICIES = ("ordered", "text_bypass")
 INJECTION_STRATEGIES = ("default", "iws")
 
@@ -147,6 +150,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # timeout, or they may send on a connection the worker is closing).
     keepalive_timeout_s: float = 5.0
     log_level: str = "info"
+    # "text": time role[pid] level logger: message; "json": one object per line (cacheroute_proxy/logs.py).
+    log_format: str = "text"
+    # One line per proxied request from the worker that served it, at its end (off: nothing per request).
+    log_each_request: bool = False
     prepare_concurrency: int = 8
     # Host-wide: N workers together never forward more than this to one instance at once.
     ready_concurrency: int = 8
@@ -223,6 +230,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
                f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
         _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
+        _check(self.log_format in LOG_FORMATS, "log_format", f"must be one of {LOG_FORMATS}")
         for name in ("dp_port", "cp_port", "worker_private_port_base"):
             _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
         _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")

@@ -18,6 +18,7 @@ callback from the protocol that cancels the request's own task (cacheroute_proxy
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import msgspec
@@ -39,6 +40,7 @@ from .upstream import Upstream, UpstreamFailure
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 T = TypeVar("T")
+log = logging.getLogger("cacheroute.worker")
 
 _encoder = msgspec.json.Encoder()
 # Checks that the instance's answer is one JSON object without building its values.
@@ -171,13 +173,13 @@ class ProxyExchange:
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
                                                  request.encoded_body(), headers)
         except HTTPError as exc:
-            self._account(lease, False)
+            self._failed(lease)
             if exc.code == "upstream_unavailable" and self._can_retry():
                 return True
             await out.error(exc, lease)
             return False
         if response.status >= 500:
-            self._account(lease, False)
+            self._failed(lease)
             if response.status in _RETRY_STATUSES and self._can_retry():
                 response.close()
                 return True
@@ -255,11 +257,20 @@ class ProxyExchange:
         await out.whole(200, headers, body, lease)
 
     def _account(self, lease: Lease, ok: bool) -> None:
-        key = (lease.instance.slot, lease.instance.generation)
         if ok:
-            self._router.outliers.succeeded(key)
-        elif self._router.outliers.failed(key):
-            metrics.ejected(lease.instance.instance_id)
+            self._router.outliers.succeeded((lease.instance.slot, lease.instance.generation))
+        else:
+            self._failed(lease)
+
+    def _failed(self, lease: Lease) -> None:
+        """A failure the client did not cause; the line when it ejects the instance (rare, so
+        logged: with JSON logs it carries the id of the request that tipped it)."""
+        instance = lease.instance
+        outliers = self._router.outliers
+        if outliers.failed((instance.slot, instance.generation)):
+            metrics.ejected(instance.instance_id)
+            log.warning("instance %s ejected from this worker's candidates for %.0fs after %d "
+                        "failures in a row", instance.instance_id, outliers.eject_s, outliers.threshold)
 
     def _first_token(self, job: Job) -> None:
         trace = job.trace

@@ -148,6 +148,7 @@ def build_app(state: SidecarState) -> Starlette:
                        "last_reaped": state.reaper.stats.last_reaped},
             "scheduler": state.scheduler.status.describe() if state.scheduler else {"enabled": False},
             "static_instances": state.static.describe() if state.static else None,
+            "settings": running_with(state.settings),
         }
 
     async def status(request: Request) -> Response:
@@ -202,6 +203,16 @@ def build_app(state: SidecarState) -> Starlette:
     app = Starlette(routes=[*routes, *dashboard], exception_handlers=ERROR_HANDLERS)
     app.state.dashboard_routes = dashboard  # what the UI listener serves (sidecar/ui_listener.py)
     return app
+
+
+def running_with(settings: Settings) -> dict[str, Any]:
+    """The settings an operator asks about first (what a flag or the environment chose), never
+    a secret: the whole proxy runs with the sidecar's, which the launcher passes to every role."""
+    return {"dp": f"{settings.dp_host}:{settings.dp_port}", "workers": settings.workers,
+            "strategy": settings.strategy_name, "load_view": settings.load_view,
+            "injection_strategy": settings.injection_strategy,
+            "ready_release_policy": settings.ready_release_policy,
+            "static_kdn_links": sorted(settings.kdn_links)}
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:

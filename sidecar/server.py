@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -13,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import uvicorn
 from starlette.applications import Starlette
 
-from cacheroute_proxy import logs, serving
+from cacheroute_proxy import exits, host_checks, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
@@ -135,7 +136,7 @@ def status_line(state: SidecarState) -> str:
 
 
 def bind_control_plane(settings: Settings) -> socket.socket:
-    """Bound before anything else: a taken port is then exit 2 (cannot start, not restarted by
+    """Bound before anything else: a taken port is then exit 6 (cannot start, not restarted by
     the supervisor or systemd) with the reason, instead of uvicorn's exit 3 after the segment."""
     return bind_listener(settings.cp_host, settings.cp_port)
 
@@ -158,19 +159,19 @@ def run(settings: Settings) -> int:
     try:
         control = bind_control_plane(settings)
     except OSError as exc:
-        log.error("cannot bind the control plane on %s:%d: %s", settings.cp_host, settings.cp_port,
-                  exc.strerror or exc)
-        return 2
+        log.error("%s", exits.in_use_message(settings.cp_host, settings.cp_port,
+                                             "control plane (PROXY_CP_HOST/PORT)", exc))
+        return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
     ui_socket = None
     if settings.ui_address is not None:
         try:
             ui_socket = bind_listener(*settings.ui_address)
         except OSError as exc:
-            log.error("cannot bind the dashboard (PROXY_UI_LISTEN) on %s: %s", settings.ui_listen,
-                      exc.strerror or exc)
+            log.error("%s", exits.in_use_message(*settings.ui_address, "dashboard (PROXY_UI_LISTEN)", exc))
             control.close()
-            return 2
+            return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
         log.info("dashboard on %s (PROXY_UI_LISTEN %s)", settings.dashboard_url, settings.ui_listen)
+    host_checks.warn_about_host()
     try:
         seg = open_segment(settings)
     except SegmentError as exc:
@@ -178,7 +179,7 @@ def run(settings: Settings) -> int:
         control.close()
         if ui_socket is not None:
             ui_socket.close()
-        return 2
+        return exits.CANNOT_START
     try:
         state = build_state(settings, seg)
         app = build_app(state)
@@ -197,7 +198,7 @@ def run(settings: Settings) -> int:
         # plain server.run() outside systemd
         serving.serve(server, lambda _server: status_line(state),
                       [control] if ui_socket is None else [control, ui_socket])
-        return 0 if has_started(server) else 3
+        return 0 if has_started(server) else exits.SERVER_FAILED
     finally:
         header.release_sidecar(seg)
         seg.close()

@@ -539,7 +539,8 @@ def test_a_busy_proxy_ui_listen_port_fails_the_start_naming_it(tmp_path):
     finally:
         busy.close()
     assert done.returncode != 0
-    assert f"cannot bind the dashboard (PROXY_UI_LISTEN) on {address}: Address already in use" in done.stderr, done.stderr
+    assert f"cannot bind the dashboard (PROXY_UI_LISTEN) on {address}: another process listens there" \
+        in done.stderr, done.stderr
     assert not os.path.exists(f"/dev/shm{ports.shm_name}")
 
 

@@ -12,12 +12,14 @@ Instances register themselves (the demo's simulated ones: `make run-workers`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from .. import logs
 from ..config import ConfigError, Settings
-from . import shm
+from ..supervisor import preflight
+from . import run_flags, shm
 from .commands import COMMANDS, execute
 from .console import run_console
 from .control_client import ControlPlane
@@ -48,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "shm":
         return shm.run(args)
     try:
-        settings = Settings.from_env().with_overrides(
-            workers=args.workers, instance_strategy=args.instance_strategy,
-            dp_port=args.dp_port, load_view=args.load_view)
+        settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:
         print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("supervisor", settings.log_level)
+    logs.configure("supervisor", settings.log_level, settings.log_format)
+    taken = preflight.taken_address(settings)
+    if taken:
+        logging.getLogger("cacheroute.supervisor").error("%s; stopping (nothing was started)", taken)
+        return 1
     for name in SYSTEMD_ENV:  # else every child would report READY/WATCHDOG as if it were us
         os.environ.pop(name, None)
     from ..supervisor.arbiter import Arbiter  # imports prometheus_client: only now (see _share_metrics_dir)
@@ -66,11 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the sidecar and N workers")
-    run.add_argument("--workers", "-n", type=int, default=None, help="number of workers (PROXY_WORKERS)")
-    run.add_argument("--strategy", dest="instance_strategy", default=None,
-                     help="round_robin|rr|least_load|ll (PROXY_INSTANCE_STRATEGY)")
-    run.add_argument("--port", dest="dp_port", type=int, default=None, help="service port (PROXY_DP_PORT)")
-    run.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    run_flags.add_run_flags(run)
     for name, (_, helptext) in ROLES.items():  # listed for --help; main() dispatches them first
         sub.add_parser(name, help=helptext, add_help=False)
     for name, command in COMMANDS.items():  # the console parses the same options (cli/commands.py)
