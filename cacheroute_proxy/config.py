@@ -91,6 +91,11 @@ ENV_NAMES: dict[str, str] = {
     # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
     "static_instances": "PROXY_STATIC_INSTANCES",
     "static_probe_s": "PROXY_STATIC_PROBE_S",
+    # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
+    # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
+    "otel_exporter_otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "otel_exporter_otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "otel_sdk_disabled": "OTEL_SDK_DISABLED",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -209,6 +214,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     static_instances: str = ""
     # How often the sidecar probes each one's GET /health.
     static_probe_s: float = 2.0
+    # Spans are exported over OTLP/HTTP when one of the endpoints is set, unless disabled;
+    # the traceparent header passes through untouched either way.
+    otel_exporter_otlp_endpoint: str | None = None
+    otel_exporter_otlp_traces_endpoint: str | None = None
+    otel_sdk_disabled: bool = False
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -259,6 +269,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         self._check_scheduler_link()
         static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
         _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
+        for name in ("otel_exporter_otlp_endpoint", "otel_exporter_otlp_traces_endpoint"):
+            _check(_is_http_url(getattr(self, name)), name,
+                   f"must be an http(s) URL such as http://127.0.0.1:4318, got {getattr(self, name)!r}")
+
+    @property
+    def otel_traces_on(self) -> bool:
+        """Spans are built and exported: an OTLP endpoint is set and the SDK is not disabled."""
+        return bool(self.otel_exporter_otlp_endpoint or self.otel_exporter_otlp_traces_endpoint) \
+            and not self.otel_sdk_disabled
 
     @property
     def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
@@ -369,6 +388,18 @@ def _name_the_variable(message: str) -> str:
         if f"`$.{field}`" in message or f"`$.{field}[" in message:
             return f"{var}: {message}"
     return message
+
+
+def _is_http_url(value: str | None) -> bool:
+    """None (not set) or an http(s) URL with a host and, if any, a numeric port."""
+    if value is None:
+        return True
+    url = urlsplit(value)
+    try:
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
 
 
 def is_loopback(host: str) -> bool:

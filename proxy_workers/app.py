@@ -52,15 +52,21 @@ class WorkerContext:
     router: Router
     upstream: Upstream
     pipeline: Pipeline
+    tracing: Any = None  # proxy_workers/spans.Tracing when spans are on (proxy_workers/tracing.py)
     # Computed once: it goes on every response.
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = f"w{self.index}-pid{os.getpid()}"
+        self.name = worker_name(self.index)
 
     def identity(self) -> dict[str, Any]:
         return {"role": "worker", "worker_index": self.index, "pid": os.getpid(),
                 "row": self.router.row.row, "name": self.name}
+
+
+def worker_name(index: int) -> str:
+    """How a worker is named on its answers, in traces and in spans: w<index>-pid<pid>."""
+    return f"w{index}-pid{os.getpid()}"
 
 
 def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
@@ -119,6 +125,7 @@ class DataPlane:
         self._limit = ctx.settings.max_body_bytes
         self._retries = ctx.settings.retry_attempts
         self._worker_header = (b"x-cacheroute-worker", ctx.name.encode())
+        self._tracing = ctx.tracing  # None: no spans, and the off path is this one check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _DATA_PATHS.get(scope["path"]) if scope["type"] == "http" else None
@@ -137,11 +144,15 @@ class DataPlane:
                                        "detail": f"{type(exc).__name__} (details in the log)"})
         finally:
             metrics.observe_request(endpoint.value, responder.status, time.perf_counter() - started)
+            if responder.spans is not None:
+                self._tracing.finish(responder.spans, responder.status)
 
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive,
                      responder: Responder) -> None:
         ctx = self._ctx
         trace = Trace(proxy_recv_ms=now_ms(), worker=ctx.name)
+        if self._tracing is not None:
+            responder.spans = self._tracing.begin(scope["path"], scope["headers"], trace)
         try:
             proxy_request = recover(endpoint, await read_body(scope, receive, self._limit))
         except HTTPError as exc:
@@ -151,7 +162,8 @@ class DataPlane:
             return
         trace.request_id = proxy_request.request_id
         exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
-                                 retries=self._retries, client_headers=scope["headers"])
+                                 retries=self._retries, client_headers=scope["headers"],
+                                 spans=responder.spans)
         await exchange.run(receive, responder)
 
 

@@ -56,12 +56,13 @@ class Responder:
     """The one response to the client: the worker header goes on it, and its status is
     remembered for the metrics (499 while no head was sent: the client left first)."""
 
-    __slots__ = ("send", "status", "started", "_tail")
+    __slots__ = ("send", "status", "started", "spans", "_tail")
 
     def __init__(self, send: Send, worker_header: tuple[bytes, bytes]) -> None:
         self.send = send
         self.status = 499
         self.started = False
+        self.spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
         self._tail = worker_header
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -101,11 +102,11 @@ class Responder:
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
                  request: ProxyRequest, trace: Trace, retries: int = 0,
-                 client_headers: list[Header] | None = None) -> None:
+                 client_headers: list[Header] | None = None, spans: Any = None) -> None:
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
-        self._job = Job(request, trace)
+        self._job = Job(request, trace, spans=spans, client_headers=client_headers or ())
         self._retries = retries
         self._client_headers = client_headers or []
         self._forwarded = b""  # the client's headers for the instance, as lines
@@ -141,6 +142,8 @@ class ProxyExchange:
                 return
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
             trace.retries = attempt + 1
+            if self._job.spans is not None:
+                self._job.spans.attempt_failed("retried on another instance")
 
     def _can_retry(self) -> bool:
         """Asked only once an attempt failed: another is allowed, and there is an instance to
@@ -163,6 +166,9 @@ class ProxyExchange:
         outliers = self._router.outliers
         trace.forward_start_ms = now_ms()
         headers = self._forwarded
+        spans = job.spans
+        if spans is not None:  # the instance's parent is this attempt's forward span
+            headers += spans.forward_headers(lease.instance)
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
             headers += b"%s: %d\r\n" % (KV_PREFIX_TOKENS, job.knowledge.prefix_tokens)
         try:
@@ -175,6 +181,8 @@ class ProxyExchange:
                 return True
             await out.error(exc, lease)
             return False
+        if spans is not None:
+            spans.answer_head(response.status)
         if response.status >= 500:
             outliers.failed(key)
             if response.status in _RETRY_STATUSES and self._can_retry():
@@ -227,6 +235,8 @@ class ProxyExchange:
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
         except UpstreamFailure as exc:
             error = exc.reason
+            if job.spans is not None:
+                job.spans.error = error
         self._account(lease, error is None)
         trace.forward_end_ms = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
