@@ -144,7 +144,8 @@ class KnowledgePreparer:
         return "\n".join(t for t in kv_texts + text_texts if t)
 
     async def _kv_inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                         trace: Trace, trace_headers: Callable[[], dict[str, str] | None]) -> None:
+                         trace: Trace,
+                         trace_headers: Callable[[], dict[str, str] | None] = lambda: None) -> None:
         spec = request.knowledge
         assert spec is not None
         if not result.kv_ready_kids:

@@ -98,7 +98,7 @@ class _Lifespan:
                 task.cancel()
             await self._ctx.upstream.close()
             if tracing is not None:  # the spans still batched go out before the worker does
-                await asyncio.to_thread(tracing.shutdown)
+                tracing.shutdown()
 
     async def _heartbeat(self) -> None:
         while True:

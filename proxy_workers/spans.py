@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,7 @@ from .traceparent import format_traceparent, from_headers
 log = logging.getLogger("cacheroute.worker")
 
 SERVICE_NAME = "cacheroute-proxy"
+SHUTDOWN_WAIT_S = 2.0
 _MS = 1_000_000  # ns per ms: the trace's times are wall-clock milliseconds
 
 
@@ -84,9 +86,13 @@ class Tracing:
         except Exception as exc:
             log.error("could not end the request's spans: %s", exc, exc_info=exc)
 
-    def shutdown(self) -> None:
-        """Export what is still batched (bounded by the exporter's timeout)."""
-        self._provider.shutdown()
+    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Export what is still batched, waiting `wait_s` at most: the export blocks for as
+        long as the exporter's timeout, and a collector that does not answer must not hold up
+        the worker's exit (the thread is a daemon: it dies with the process)."""
+        flush = threading.Thread(target=self._provider.shutdown, name="otel-shutdown", daemon=True)
+        flush.start()
+        flush.join(wait_s)
 
 
 class RequestSpans:
