@@ -292,3 +292,24 @@ def test_a_worker_that_stops_exports_what_is_still_batched(tmp_path, receiver):
     assert code == 0, cluster.launcher_log()[-3000:]
     assert {s.name for s in receiver.of_trace(trace_id)} >= set(STAGES)
     assert "tracing on: spans exported over OTLP/HTTP to " + receiver.endpoint in cluster.launcher_log()
+
+
+def test_a_cluster_without_the_sdk_serves_passes_the_context_on_and_says_so_once(tmp_path, receiver):
+    # A package that shadows the SDK and cannot be imported: the [otel] extra is not installed.
+    stub = tmp_path / "no-sdk" / "opentelemetry"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text('raise ImportError("no OpenTelemetry here")\n')
+    cluster = Cluster(tmp_path / "cluster", workers=2, env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "PYTHONPATH": str(stub.parent)})
+    (tmp_path / "cluster").mkdir()
+    cluster.start()
+    try:
+        cluster.add_instance()
+        ask(cluster, chat_body(stream=True, max_tokens=2), {"traceparent": client_traceparent("9" * 32)})
+        assert instance_trace_context(cluster)["traceparent"] == [client_traceparent("9" * 32)]
+    finally:
+        cluster.stop()
+    log = cluster.launcher_log()
+    assert log.count("tracing is off: OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK "
+                     "is not installed") == 1, log[-3000:]
+    assert receiver.of_trace("9" * 32) == []
