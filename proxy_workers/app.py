@@ -117,7 +117,8 @@ _DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETIONS.path: End
 class DataPlane:
     """POST on a proxied path: read the body (413 past the limit), recover the request (400/422)
     and run the exchange; the worker header on every answer; the request counted by status
-    (499: the client left before any answer) with its duration. Anything else: `rest`."""
+    (499: the client left before any answer) and instance, with its duration. Anything else:
+    `rest`."""
 
     def __init__(self, ctx: WorkerContext, rest: ASGIApp) -> None:
         self._ctx = ctx
@@ -143,7 +144,8 @@ class DataPlane:
             await responder.json(500, {"error": "internal_error",
                                        "detail": f"{type(exc).__name__} (details in the log)"})
         finally:
-            metrics.observe_request(endpoint.value, responder.status, time.perf_counter() - started)
+            metrics.observe_request(endpoint.value, responder.status, time.perf_counter() - started,
+                                    responder.instance_id)
             if responder.spans is not None:
                 self._tracing.finish(responder.spans, responder.status)
 

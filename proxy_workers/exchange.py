@@ -54,14 +54,16 @@ _RETRY_STATUSES = frozenset({502, 503})
 
 class Responder:
     """The one response to the client: the worker header goes on it, and its status is
-    remembered for the metrics (499 while no head was sent: the client left first)."""
+    remembered for the metrics (499 while no head was sent: the client left first), with the
+    instance of the last attempt ("" before one was chosen)."""
 
-    __slots__ = ("send", "status", "started", "spans", "_tail")
+    __slots__ = ("send", "status", "started", "instance_id", "spans", "_tail")
 
     def __init__(self, send: Send, worker_header: tuple[bytes, bytes]) -> None:
         self.send = send
         self.status = 499
         self.started = False
+        self.instance_id = metrics.NO_INSTANCE
         self.spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
         self._tail = worker_header
 
@@ -132,7 +134,7 @@ class ProxyExchange:
             age = lease.snapshot_age_ms
             if age is not None:
                 trace.snapshot_age_ms = round(age, 1)
-            trace.instance_id = lease.instance.instance_id
+            trace.instance_id = out.instance_id = lease.instance.instance_id
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await run_until_disconnect(self._run(lease, out), out.send, receive)
@@ -140,6 +142,7 @@ class ProxyExchange:
                 lease.release()
             if not retry:
                 return
+            metrics.retried(self._job.request.endpoint.value, lease.instance.instance_id)
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
             trace.retries = attempt + 1
             if self._job.spans is not None:
@@ -162,8 +165,6 @@ class ProxyExchange:
     async def _forward(self, lease: Lease, out: Responder) -> bool:
         job = self._job
         request, trace = job.request, job.trace
-        key = (lease.instance.slot, lease.instance.generation)
-        outliers = self._router.outliers
         trace.forward_start_ms = now_ms()
         headers = self._forwarded
         spans = job.spans
@@ -176,7 +177,7 @@ class ProxyExchange:
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
                                                  request.encoded_body(), headers)
         except HTTPError as exc:
-            outliers.failed(key)
+            self._account(lease, False)
             if exc.code == "upstream_unavailable" and self._can_retry():
                 return True
             await out.error(exc, lease)
@@ -184,7 +185,7 @@ class ProxyExchange:
         if spans is not None:
             spans.answer_head(response.status)
         if response.status >= 500:
-            outliers.failed(key)
+            self._account(lease, False)
             if response.status in _RETRY_STATUSES and self._can_retry():
                 response.close()
                 return True
@@ -265,14 +266,17 @@ class ProxyExchange:
 
     def _account(self, lease: Lease, ok: bool) -> None:
         key = (lease.instance.slot, lease.instance.generation)
-        self._router.outliers.succeeded(key) if ok else self._router.outliers.failed(key)
+        if ok:
+            self._router.outliers.succeeded(key)
+        elif self._router.outliers.failed(key):
+            metrics.ejected(lease.instance.instance_id)
 
     def _first_token(self, job: Job) -> None:
         trace = job.trace
         now = now_ms()
         trace.first_token_ms = now
         trace.actual_ttft_ms = ttft = now - trace.proxy_recv_ms
-        metrics.TTFT.observe(ttft / 1000)
+        metrics.observe_ttft(job.request.endpoint.value, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
         # Always known here: forward() runs only once admitted to ready, and both admission
         # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
         trace.actual_vllm_ttft_ms = now - trace.forward_start_ms

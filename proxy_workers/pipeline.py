@@ -29,6 +29,7 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
+from . import metrics
 from .iws import decide
 from .knowledge import KnowledgePreparer
 from .request_model import ProxyRequest
@@ -163,6 +164,7 @@ class Pipeline:
         settings = self._settings
         stages = self._stages_for(lease)
         if stages.queued >= settings.max_queue_per_instance:
+            metrics.admission_rejected(lease.instance.instance_id, "queue_full")
             raise HTTPError(429, "queue_full",
                             f"{stages.queued} requests already wait for {lease.instance.instance_id}",
                             {"Retry-After": "1"})
@@ -187,6 +189,7 @@ class Pipeline:
                             reserved = True
                         await self._admit(lease, stages, job)
             except TimeoutError:
+                metrics.admission_rejected(lease.instance.instance_id, "queue_timeout")
                 raise HTTPError(503, "queue_timeout",
                                 f"not admitted to {lease.instance.instance_id} within "
                                 f"{settings.queue_timeout_s:g}s", {"Retry-After": "2"}) from None

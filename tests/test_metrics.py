@@ -23,7 +23,7 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
 def test_any_worker_reports_the_same_host_wide_numbers(make_cluster):
     cluster = make_cluster(workers=2)
     inst = cluster.add_instance("--hold-streams")
-    label = (("instance", inst.instance_id),)
+    label = (("instance_id", inst.instance_id),)
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
@@ -41,12 +41,15 @@ def test_any_worker_reports_the_same_host_wide_numbers(make_cluster):
         assert http("POST", f"{cluster.worker_url(n % 2)}/v1/chat/completions", chat_body(stream=False))[0] == 200
     assert http("POST", f"{cluster.worker_url(0)}/v1/chat/completions", raw=b"nope")[0] == 400
     first, second = (_scrape(cluster.worker_url(w)) for w in (0, 1))
-    ok = ("cacheroute_requests_total", (("endpoint", "chat/completions"), ("status", "200")))
-    bad = ("cacheroute_requests_total", (("endpoint", "chat/completions"), ("status", "400")))
+    ok = ("cacheroute_requests_total", (("instance_id", inst.instance_id), ("route", "chat/completions"),
+                                        ("status", "200")))
+    bad = ("cacheroute_requests_total", (("instance_id", ""), ("route", "chat/completions"), ("status", "400")))
     assert first[ok] == second[ok] == 7  # 3 streams + 4 requests, over both workers
     assert first[bad] == second[bad] == 1
-    assert first[("cacheroute_ttft_seconds_count", ())] == second[("cacheroute_ttft_seconds_count", ())] == 3
-    assert first[("cacheroute_instance_inflight", (("instance", inst.instance_id),))] == 0
+    ttft = ("cacheroute_time_to_first_token_seconds_count", (("instance_id", inst.instance_id),
+                                                             ("route", "chat/completions")))
+    assert first[ttft] == second[ttft] == 3
+    assert first[("cacheroute_instance_inflight", label)] == 0
     metrics_dir = f"/tmp/cacheroute-metrics-{cluster.shm_name.strip('/')}"
     assert os.path.isdir(metrics_dir) and oct(os.stat(metrics_dir).st_mode & 0o777) == "0o700"
     cluster.stop()
