@@ -142,7 +142,7 @@ class RequestSpans:
             if span.is_recording() and getattr(span, "end_time", None) is None:
                 span.set_status(Status(StatusCode.ERROR, reason))
                 span.set_attribute("error.type", reason)
-                span.end()
+                span.end(now_ms() * _MS)  # milliseconds: the next attempt's times are
         self._attempt += 1
 
     def kdn_headers(self) -> dict[str, str]:

@@ -313,3 +313,33 @@ def test_a_cluster_without_the_sdk_serves_passes_the_context_on_and_says_so_once
     assert log.count("tracing is off: OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK "
                      "is not installed") == 1, log[-3000:]
     assert receiver.of_trace("9" * 32) == []
+
+
+def test_a_retried_request_has_one_forward_span_per_attempt(make_cluster, receiver):
+    cluster = make_cluster(workers=1, env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                                           "OTEL_BSP_SCHEDULE_DELAY": "50"})
+    bad, good = cluster.add_instance(), cluster.add_instance()
+    bad.configure(fail_status=503, fail_rate=1.0)
+    retried = None
+    for n in range(4):  # round robin: one of the first two goes to the bad instance first
+        trace_id = f"{n + 1:x}" * 32
+        text = ask(cluster, chat_body(stream=True, max_tokens=2), {"traceparent": client_traceparent(trace_id)})
+        if meta_of(text.encode())["trace"].get("retries") == 1:
+            retried = trace_id
+            break
+    assert retried is not None, "no request was retried"
+
+    def both_forwards() -> list[ReceivedSpan] | None:
+        spans = receiver.of_trace(retried)
+        forwards = sorted((s for s in spans if s.name == "forward"), key=lambda s: s.start_ns)
+        return forwards if len(forwards) == 2 and any(s.name == "receive" for s in spans) else None
+    failed, served = wait_until(both_forwards, 10, message="two forward spans")
+    receive = next(s for s in receiver.of_trace(retried) if s.name == "receive")
+    assert receive.attributes["cacheroute.retries"] == 1 and receive.status_code != 2
+    assert failed.attributes["cacheroute.instance_id"] == bad.instance_id and failed.status_code == 2
+    assert failed.attributes["http.response.status_code"] == 503
+    assert served.attributes["cacheroute.instance_id"] == good.instance_id and served.status_code != 2
+    assert (failed.attributes["cacheroute.attempt"], served.attributes["cacheroute.attempt"]) == (0, 1)
+    assert failed.end_ns <= served.start_ns and failed.parent_span_id == served.parent_span_id == receive.span_id
+    headers = dict(good.stats()["last_request_headers"])
+    assert headers["traceparent"] == f"00-{retried}-{served.span_id}-01"
