@@ -33,7 +33,6 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from opentelemetry.trace.span import TraceState
 
 from cacheroute_proxy.clock import now_ms
 from shm_schema import InstanceSlot
@@ -68,9 +67,10 @@ class Tracing:
         parent, state = from_headers(headers)
         context = None
         if parent is not None:
+            # The tracestate is passed on as bytes by this module, not parsed into the SDK's
+            # (which would log a warning for every request with a member it does not accept).
             context = otel.set_span_in_context(NonRecordingSpan(SpanContext(
-                parent.trace_id, parent.span_id, is_remote=True, trace_flags=TraceFlags(parent.flags),
-                trace_state=TraceState.from_header([state.decode("latin-1")]) if state else None)))
+                parent.trace_id, parent.span_id, is_remote=True, trace_flags=TraceFlags(parent.flags))))
         root = self._tracer.start_span(
             "receive", context, SpanKind.SERVER, start_time=_ns(trace.proxy_recv_ms),
             attributes={"http.request.method": "POST", "url.path": path, "http.route": path,
