@@ -96,6 +96,11 @@ ENV_NAMES: dict[str, str] = {
     # --- the browser dashboard (docs/operations.md, dashboard section) ---
     "ui_listen": "PROXY_UI_LISTEN",
     "ui_url": "PROXY_UI_URL",
+    # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
+    # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
+    "otel_exporter_otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "otel_exporter_otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "otel_sdk_disabled": "OTEL_SDK_DISABLED",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -225,6 +230,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # The dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in
     # the ready line; "": the listener's own URL.
     ui_url: str = ""
+    # Spans are exported over OTLP/HTTP when one of the endpoints is set, unless disabled;
+    # the traceparent header passes through untouched either way.
+    otel_exporter_otlp_endpoint: str | None = None
+    otel_exporter_otlp_traces_endpoint: str | None = None
+    otel_sdk_disabled: bool = False
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
@@ -277,6 +287,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
         _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
         self._check_ui()
+        for name in ("otel_exporter_otlp_endpoint", "otel_exporter_otlp_traces_endpoint"):
+            _check(_is_http_url(getattr(self, name)), name,
+                   f"must be an http(s) URL such as http://127.0.0.1:4318, got {getattr(self, name)!r}")
+
+    @property
+    def otel_traces_on(self) -> bool:
+        """Spans are built and exported: an OTLP endpoint is set and the SDK is not disabled."""
+        return bool(self.otel_exporter_otlp_endpoint or self.otel_exporter_otlp_traces_endpoint) \
+            and not self.otel_sdk_disabled
 
     @property
     def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
@@ -419,6 +438,18 @@ def _name_the_variable(message: str) -> str:
         if f"`$.{field}`" in message or f"`$.{field}[" in message:
             return f"{var}: {message}"
     return message
+
+
+def _is_http_url(value: str | None) -> bool:
+    """None (not set) or an http(s) URL with a host and, if any, a numeric port."""
+    if value is None:
+        return True
+    url = urlsplit(value)
+    try:
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
 
 
 def is_loopback(host: str) -> bool:

@@ -53,15 +53,21 @@ class WorkerContext:
     router: Router
     upstream: Upstream
     pipeline: Pipeline
+    tracing: Any = None  # proxy_workers/spans.Tracing when spans are on (proxy_workers/tracing.py)
     # Computed once: it goes on every response.
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = f"w{self.index}-pid{os.getpid()}"
+        self.name = worker_name(self.index)
 
     def identity(self) -> dict[str, Any]:
         return {"role": "worker", "worker_index": self.index, "pid": os.getpid(),
                 "row": self.router.row.row, "name": self.name}
+
+
+def worker_name(index: int) -> str:
+    """How a worker is named on its answers, in traces and in spans: w<index>-pid<pid>."""
+    return f"w{index}-pid{os.getpid()}"
 
 
 def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
@@ -124,6 +130,7 @@ class DataPlane:
         # Decided once: with text logs and no access log, nothing below runs per request.
         self._access_log = ctx.settings.log_each_request
         self._tag_requests = ctx.settings.log_each_request or ctx.settings.log_format == "json"
+        self._tracing = ctx.tracing  # None: no spans, and the off path is this one check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _DATA_PATHS.get(scope["path"]) if scope["type"] == "http" else None
@@ -148,10 +155,14 @@ class DataPlane:
             metrics.observe_request(endpoint.value, responder.status, elapsed, responder.instance_id)
             if self._access_log:
                 access_log.write(scope, responder.status, elapsed, trace)
+            if responder.spans is not None:
+                self._tracing.finish(responder.spans, responder.status)
 
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive,
                      responder: Responder, trace: Trace) -> None:
         ctx = self._ctx
+        if self._tracing is not None:
+            responder.spans = self._tracing.begin(scope["path"], scope["headers"], trace)
         try:
             proxy_request = recover(endpoint, await read_body(scope, receive, self._limit))
         except HTTPError as exc:
@@ -163,7 +174,8 @@ class DataPlane:
         if self._tag_requests:
             access_log.tag_from_body(trace)
         exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
-                                 retries=self._retries, client_headers=scope["headers"])
+                                 retries=self._retries, client_headers=scope["headers"],
+                                 spans=responder.spans)
         await exchange.run(receive, responder)
 
 

@@ -59,13 +59,14 @@ class Responder:
     remembered for the metrics (499 while no head was sent: the client left first), with the
     instance of the last attempt ("" before one was chosen)."""
 
-    __slots__ = ("send", "status", "started", "instance_id", "_tail")
+    __slots__ = ("send", "status", "started", "instance_id", "spans", "_tail")
 
     def __init__(self, send: Send, worker_header: tuple[bytes, bytes]) -> None:
         self.send = send
         self.status = 499
         self.started = False
         self.instance_id = metrics.NO_INSTANCE
+        self.spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
         self._tail = worker_header
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -105,11 +106,11 @@ class Responder:
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
                  request: ProxyRequest, trace: Trace, retries: int = 0,
-                 client_headers: list[Header] | None = None) -> None:
+                 client_headers: list[Header] | None = None, spans: Any = None) -> None:
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
-        self._job = Job(request, trace)
+        self._job = Job(request, trace, spans=spans, client_headers=client_headers or ())
         self._retries = retries
         self._client_headers = client_headers or []
         self._forwarded = b""  # the client's headers for the instance, as lines
@@ -146,6 +147,8 @@ class ProxyExchange:
             metrics.retried(self._job.request.endpoint.value, lease.instance.instance_id)
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
             trace.retries = attempt + 1
+            if self._job.spans is not None:
+                self._job.spans.attempt_failed("retried on another instance")
 
     def _can_retry(self) -> bool:
         """Asked only once an attempt failed: another is allowed, and there is an instance to
@@ -166,6 +169,9 @@ class ProxyExchange:
         request, trace = job.request, job.trace
         trace.forward_start_ms = now_ms()
         headers = self._forwarded
+        spans = job.spans
+        if spans is not None:  # the instance's parent is this attempt's forward span
+            headers += spans.forward_headers(lease.instance)
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
             headers += b"%s: %d\r\n" % (KV_PREFIX_TOKENS, job.knowledge.prefix_tokens)
         try:
@@ -178,6 +184,8 @@ class ProxyExchange:
                 return True
             await out.error(exc, lease)
             return False
+        if spans is not None:
+            spans.answer_head(response.status)
         if response.status >= 500:
             self._failed(lease)
             if response.status in _RETRY_STATUSES and self._can_retry():
@@ -230,6 +238,8 @@ class ProxyExchange:
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
         except UpstreamFailure as exc:
             error = exc.reason
+            if job.spans is not None:
+                job.spans.error = error
         self._account(lease, error is None)
         trace.forward_end_ms = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.

@@ -134,6 +134,8 @@ class Job(msgspec.Struct):
     knowledge: Knowledge = msgspec.field(default_factory=Knowledge)
     prepared: bool = False  # a retry on another instance does not fetch and inject again
     predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
+    spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
+    client_headers: Any = ()  # the client's, as ASGI gave them: the KDN's traceparent without spans
 
 
 class Pipeline:
@@ -274,7 +276,8 @@ class Pipeline:
         lease.enter(layout.LANE_PREPARE_ACTIVE)
         try:
             trace.prepare_start_ms = now_ms()
-            job.knowledge = await self._preparer.prepare(request, lease.instance, trace)
+            job.knowledge = await self._preparer.prepare(request, lease.instance, trace, job.spans,
+                                                         job.client_headers)
             trace.prepare_self_done_ms = now_ms()
         finally:
             stages.prepare_slots.release()

@@ -24,12 +24,13 @@ from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from proxy_workers.predictors import get_predictors
 
-from .app import WorkerContext, build_app
+from .app import WorkerContext, build_app, worker_name
 from .drain import Drain, DrainGate, uvicorn_graceful_timeout
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router
+from .tracing import start_tracing
 from .tracker import RequestTracker
 from .upstream import Upstream
 
@@ -92,6 +93,7 @@ class _Lifespan:
     @contextlib.asynccontextmanager
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
+        tracing = self._ctx.tracing
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events()),
                  asyncio.create_task(self._links.run())]
         # Everything built so far lives as long as the worker: out of the collector's sight, a
@@ -103,6 +105,8 @@ class _Lifespan:
             for task in tasks:
                 task.cancel()
             await self._ctx.upstream.close()
+            if tracing is not None:  # the spans still batched go out before the worker does
+                tracing.shutdown()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -156,7 +160,8 @@ def run(settings: Settings, index: int) -> int:
         return exits.CANNOT_START
     try:
         router = Router(settings, seg, row)
-        upstream = Upstream(settings)
+        tracing = start_tracing(settings, worker_name(index), index)
+        upstream = Upstream(settings, replace_trace_context=tracing is not None)
         tracker = RequestTracker(seg, row)
         predictors = get_predictors(settings.predictor_profile)
         links = LinkTable.from_settings(settings)
@@ -166,7 +171,7 @@ def run(settings: Settings, index: int) -> int:
         pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
                             predictors, router.view.ready_wait_ms)
         ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
-                            pipeline=pipeline)
+                            pipeline=pipeline, tracing=tracing)
         app = build_app(ctx, lifespan=_Lifespan(ctx, tracker, refresher))
         shared.listen(BACKLOG)
         log.info("worker %d serving %s (shared) and %s (private), row %d, strategy %s, view %s",

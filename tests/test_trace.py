@@ -157,7 +157,7 @@ class _Answer:
 class _Session:
     """The KDN's search (every id kv-ready) and the instances' KV inject (accepted)."""
 
-    def post(self, url: str, json: dict[str, Any], timeout: Any) -> _Answer:
+    def post(self, url: str, json: dict[str, Any], timeout: Any, headers: Any = None) -> _Answer:
         if url.endswith("/knowledge/search/text"):
             return _Answer(200, {"items": [{"knowledge_id": kid, "content": f"about {kid}",
                                             "kv_ready": True} for kid in json["knowledge_ids"]]})

@@ -32,7 +32,8 @@ Control routes for tests:
 - ``GET /sim/stats`` / ``POST /sim/stats/reset`` (includes ``kv_injects``,
   ``kv_inject_failed``, ``kv_prefix_hits``, ``kv_prefix_tokens_total``, and
   ``last_request_headers``: the last generation request's headers as received, ``[name,
-  value]`` pairs in order, names lower-case).
+  value]`` pairs in order, names lower-case; ``last_inject_trace_context``: the last
+  ``/v1/kv/inject_ready``'s traceparent and tracestate).
 Knobs (config.Knobs): slow_factor, hang, fail_status + fail_rate, drop_after_chunks,
 stall_after_chunks, hold_streams, default_max_tokens, response_headers (added to every
 generation answer), request_id_headers (answer with ``x-request-id``, the request's or a new
