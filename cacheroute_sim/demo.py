@@ -36,6 +36,9 @@ SIM_KDN_PORT_ENV = "PROXY_SIM_KDN_PORT"
 CONTROL_PLANE_WAIT_S = 30.0
 RESTART_DELAY_S = 1.0
 STOP_TIMEOUT_S = 10.0
+# The dashboard where the original demo served its UI, unless PROXY_UI_LISTEN or a flag says
+# otherwise (--no-proxy-ui: only the control plane's /dashboard).
+DEMO_UI_LISTEN = "127.0.0.1:8202"
 # The proxy's own stop may take its whole drain; the demo waits that long, plus this margin.
 PROXY_STOP_MARGIN_S = 15.0
 
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cacheroute_sim.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     run_flags.add_run_flags(parser)  # `cacheroute-proxy run`'s own, passed on to it
+    parser.add_argument("--no-proxy-ui", action="store_true",
+                        help=f"no dashboard listener of its own (default: {DEMO_UI_LISTEN}, "
+                             f"unless PROXY_UI_LISTEN is set); :8002/dashboard stays")
     parser.add_argument("--sim-instances", type=int, default=_env_int(SIM_INSTANCES_ENV, 2),
                         help=f"simulated instances to start ({SIM_INSTANCES_ENV}, default 2; 0 = none)")
     parser.add_argument("--sim-port-base", type=int, default=_env_int(SIM_PORT_BASE_ENV, 9001),
@@ -170,8 +176,17 @@ class Demo:
         self.proxy.stop(self.settings.drain_timeout_s + PROXY_STOP_MARGIN_S)
 
 
+def with_demo_dashboard(args: argparse.Namespace) -> argparse.Namespace:
+    """The original demo's UI address when neither the environment nor a flag chose one."""
+    if args.no_proxy_ui:
+        args.ui_listen = ""
+    elif args.ui_listen is None and "PROXY_UI_LISTEN" not in os.environ:
+        args.ui_listen = DEMO_UI_LISTEN
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = with_demo_dashboard(build_parser().parse_args(argv))
     try:
         settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -102,8 +103,10 @@ def test_the_demo_honours_the_environment_and_its_flags_override_it(tmp_path: Pa
         _stop_demo(demo, ports)
 
     links = {"kdn://10.0.0.9:9100": {"bandwidth_mbps": 400, "rtt_ms": 2}}
+    ui = f"127.0.0.1:{free_port_range(1)}"
     flags = ["--strategy", "rr", "--workers", "1", "--host", "127.0.0.1", "--injection-strategy", "default",
-             "--ready-release-policy", "text_bypass", "--kdn-links-json", json.dumps(links)]
+             "--ready-release-policy", "text_bypass", "--kdn-links-json", json.dumps(links),
+             "--proxy-ui-listen", ui]
     demo = _start_demo(tmp_path, "flags", env, *flags)  # the same environment, overridden
     try:
         wait_until(lambda: get(f"{ports.worker_url(0)}/healthz", timeout=1)["ok"], 40,
@@ -115,8 +118,27 @@ def test_the_demo_honours_the_environment_and_its_flags_override_it(tmp_path: Pa
                           "ready_release_policy": "text_bypass",
                           "static_kdn_links": ["kdn://10.0.0.9:9100"]}, chosen
         assert len(get(f"{ports.cp_url}/debug/workers")["workers"]) == 1
+        with urllib.request.urlopen(f"http://{ui}/dashboard", timeout=10) as page:  # the flag's listener
+            assert page.status == 200 and b"<html" in page.read()
     finally:
         _stop_demo(demo, ports)
+
+
+@pytest.mark.parametrize(("argv", "env", "listen"), [
+    ([], {}, "127.0.0.1:8202"),                                  # the original demo's UI address
+    ([], {"PROXY_UI_LISTEN": ""}, None),                         # the environment decides: none
+    ([], {"PROXY_UI_LISTEN": "127.0.0.1:9999"}, None),           # ... or its own (read by Settings)
+    (["--proxy-ui-listen", "127.0.0.1:9998"], {}, "127.0.0.1:9998"),
+    (["--no-proxy-ui"], {}, ""),
+])
+def test_the_demo_serves_its_dashboard_where_the_original_did_unless_told(
+        argv: list[str], env: dict[str, str], listen: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cacheroute_sim import demo
+
+    monkeypatch.delenv("PROXY_UI_LISTEN", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert demo.with_demo_dashboard(demo.build_parser().parse_args(argv)).ui_listen == listen
 
 
 # --- a taken address --------------------------------------------------------------------------

@@ -40,6 +40,8 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("--injection-strategy", "injection_strategy", "|".join(INJECTION_STRATEGIES)),
     RunFlag("--ready-release-policy", "ready_release_policy", "|".join(RELEASE_POLICIES)),
     RunFlag("--kdn-links-json", "kdn_links", "static KDN links, a JSON object {kdn_key: {metrics}}"),
+    RunFlag("--proxy-ui-listen", "ui_listen", "the dashboard's own listener, HOST:PORT; \"\" for none"),
+    RunFlag("--proxy-ui-url", "ui_url", "the dashboard's URL as a browser opens it, printed when ready"),
 )
 _KINDS: dict[str, dict[str, Any]] = {
     "workers": {"type": int}, "dp_port": {"type": int}, "kdn_links": {"type": _json_object},
