@@ -316,9 +316,7 @@ def test_sidecar_and_worker_notify_systemd(tmp_path):
         wait_until(lambda: len(work_sd.values("WATCHDOG")) >= 4 and len(side_sd.values("WATCHDOG")) >= 4, 30,
                    message="watchdog pings")
         assert side_sd.senders() == {sidecar.pid} and work_sd.senders() == {worker.pid}
-        # The worker's shared metrics went where PROXY_METRICS_DIR says (the systemd layout).
         assert get(f"{ports.worker_url(0)}/metrics", timeout=10)
-        assert list((tmp_path / "metrics").glob("*.db")), "no prometheus multiprocess files"
 
         conn, response = _open_stream(ports.private_base)  # held by the instance: in flight
         wait_until(lambda: "worker 0: 1 requests in flight" in work_sd.values("STATUS"), 30,
@@ -334,6 +332,9 @@ def test_sidecar_and_worker_notify_systemd(tmp_path):
         conn.close()
         assert b"data: [DONE]" in body  # the stream that was in flight finished during the drain
         assert worker.popen.wait(60) == 0, worker.tail()
+        # The stream's counters went where PROXY_METRICS_DIR says (the systemd layout). Every
+        # series is labelled by instance, so the files appear with the first request.
+        assert list((tmp_path / "metrics").glob("*.db")), "no prometheus multiprocess files"
 
         sidecar.popen.send_signal(signal.SIGTERM)
         wait_until(lambda: side_sd.values("STOPPING"), 30, message="sidecar STOPPING=1")
