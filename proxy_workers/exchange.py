@@ -162,7 +162,9 @@ class ProxyExchange:
     async def _forward(self, lease: Lease, out: Responder) -> bool:
         job = self._job
         request, trace = job.request, job.trace
-        trace.forward_start_ms = now_ms()
+        trace.forward_start_ms = start = now_ms()
+        if trace.ready_enqueue_ms is not None:
+            trace.actual_ready_queue_ms = start - trace.ready_enqueue_ms
         headers = self._forwarded
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
             headers += b"%s: %d\r\n" % (KV_PREFIX_TOKENS, job.knowledge.prefix_tokens)
@@ -269,10 +271,13 @@ class ProxyExchange:
         metrics.observe_ttft(job.request.endpoint.value, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
         # Always known here: forward() runs only once admitted to ready, and both admission
         # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
-        trace.actual_vllm_ttft_ms = now - trace.forward_start_ms
+        trace.actual_vllm_ttft_ms = trace.actual_vllm_internal_ms = now - trace.forward_start_ms
+        if trace.proxy_enqueue_ms is not None:
+            trace.actual_total_ms = now - trace.proxy_enqueue_ms
         if job.predicted_first_token_ms is not None:
             trace.predict_error_ms = int(now - job.predicted_first_token_ms)
         self._pipeline.first_token(job)
+        trace.decode_start_ms = now_ms()
 
 
 def with_meta(body: bytes, meta: bytes) -> bytes:
