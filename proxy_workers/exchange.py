@@ -27,7 +27,7 @@ from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.uvicorn_seam import client_gone, send_whole, unwatch_disconnect, watch_disconnect
 
 from . import metrics
-from .headers import KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
+from .headers import KV_KNOWLEDGE_IDS, KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
@@ -167,7 +167,9 @@ class ProxyExchange:
             trace.actual_ready_queue_ms = start - trace.ready_enqueue_ms
         headers = self._forwarded
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
-            headers += b"%s: %d\r\n" % (KV_PREFIX_TOKENS, job.knowledge.prefix_tokens)
+            headers += b"%s: %d\r\n%s: %s\r\n" % (
+                KV_PREFIX_TOKENS, job.knowledge.prefix_tokens, KV_KNOWLEDGE_IDS,
+                ",".join(job.knowledge.kv_ready_kids).encode("latin-1", "replace"))
         try:
             instance = lease.instance
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
