@@ -82,7 +82,13 @@ def test_a_kvcache_retry_reports_the_kv_of_the_instance_that_served(make_cluster
         assert retried, [m["trace"] for m in metas]
         # Each request had the instance that served pull the KV, a retried one the bad one first.
         assert (bad.stats()["kv_injects"], good.stats()["kv_injects"]) == (len(retried), 2)
-        assert good.stats()["kv_prefix_hits"] == 2  # both forwards to it carried the prefix
+        stats = good.stats()
+        assert stats["kv_prefix_hits"] == 2  # both forwards to it carried the prefix...
+        # ...and the ids it is the KV of: the KV it pulled was resident at both prefills, and
+        # the second pull of the same id was acknowledged at once.
+        assert [kid] == [v for k, v in stats["last_request_headers"]
+                         if k == "x-cacheroute-kv-knowledge-ids"]
+        assert (stats["kv_resident_hits"], stats["kv_inject_fast_acks"]) == (2, 1)
         meta = retried[0]
         trace = meta["trace"]
         assert trace["instance_id"] == good.instance_id and meta["error"] is None
