@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -11,10 +12,10 @@ from proxy_workers.predictors import get_predictors
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy, RoundRobinStrategy
 from proxy_workers.iws import decide
 from proxy_workers.kdn_links import KdnLink
-from proxy_workers.knowledge import LinkTimeline
+from proxy_workers.knowledge import KnowledgePreparer, LinkTimeline
 from proxy_workers.pipeline import InstanceStages, Job, Pipeline, _Ticket
 from proxy_workers.request_model import Endpoint, recover
-from proxy_workers.trace import Trace
+from proxy_workers.trace import Knowledge, Trace
 from types import SimpleNamespace
 
 import json
@@ -205,3 +206,40 @@ def test_round_robin_ignores_hints():
     rr = RoundRobinStrategy()
     hints = _comps(inflight=[0, 100], pending_prefill_count=[0, 9])
     assert [rr.select(["a", "b"], hints) for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls():
+    """The KV pull marks the link as carrying a transfer (what a text fetch would meet) from
+    its real start to its end, and the link reads idle again after."""
+    class _Ack:
+        def __init__(self, gate: asyncio.Event) -> None:
+            self.status, self._gate = 200, gate
+
+        async def __aenter__(self) -> "_Ack":
+            await self._gate.wait()
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+        async def read(self) -> bytes:
+            return b'{"ok": true}'
+
+    async def run() -> tuple[float, float, float, str]:
+        gate = asyncio.Event()
+        session = SimpleNamespace(post=lambda url, json, timeout: _Ack(gate))
+        preparer = KnowledgePreparer(SETTINGS, SimpleNamespace(session=session), PREDICTORS)
+        request = _scheduler_request(4000, ["k1"])
+        instance = SimpleNamespace(instance_id="i", host="127.0.0.1", port=9001, cp_port=9002,
+                                   kv_inject=0)
+        knowledge, trace = Knowledge(kv_ready_kids=["k1"]), Trace()
+        pull = asyncio.create_task(preparer._kv_inject(request, instance, knowledge, trace))  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)
+        link = preparer.link("i", "127.0.0.1:9101")
+        during = link.net_wait_s(time.time())
+        gate.set()
+        await pull
+        return during, link.net_wait_s(time.time()), link.on_wire_until, trace.kvcache_actual_path
+
+    during, after, on_wire, path = asyncio.run(run())
+    assert during > 0 and (after, on_wire, path) == (0.0, 0.0, "kv_injected")
