@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -20,9 +21,11 @@ from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot, layout
 
+from .headers import Header
 from .kdn_links import LinkTable
 from .request_model import Endpoint, ProxyRequest
 from .trace import Knowledge, Trace
+from .traceparent import passed_on
 from .upstream import base_url
 
 NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
@@ -88,30 +91,38 @@ class KnowledgePreparer:
             timeline = self._timelines[key] = LinkTimeline()
         return timeline
 
-    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace) -> Knowledge:
+    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
+                      spans: Any = None, client_headers: Sequence[Header] = ()) -> Knowledge:
+        """The KDN and the instance's control plane get a traceparent: with spans on
+        (`spans`, a RequestSpans) their own span's, else the client's as it came."""
         spec = request.knowledge
         result = Knowledge()
         if spec is None or not spec.wanted or request.body is None:
             return result
         try:
             trace.kdn_fetch_start_ms = now_ms()
-            items, result.miss_kids = await self._fetch(spec.kdn_addr, spec.knowledge_ids)
+            items, result.miss_kids = await self._fetch(
+                spec.kdn_addr, spec.knowledge_ids,
+                spans.kdn_headers() if spans is not None else passed_on(client_headers))
             trace.kdn_fetch_end_ms = now_ms()
             context = self._classify(spec.knowledge_ids, items, result)
             if context:
                 _inject(request, context, spec.injection_type)
             if spec.injection_type == "kvcache":
-                await self._kv_inject(request, instance, result, trace)
+                await self._kv_inject(request, instance, result, trace,
+                                      spans.kv_inject_headers if spans is not None
+                                      else lambda: passed_on(client_headers))
         except Exception as exc:  # knowledge is best effort: the request goes on without it
             result.error = f"prepare_failed: {type(exc).__name__}: {exc}"
         return result
 
-    async def _fetch(self, kdn_addr: str, kids: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    async def _fetch(self, kdn_addr: str, kids: list[str],
+                     headers: dict[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
         if not kdn_addr:
             return {}, list(kids)
         url = f"http://{kdn_addr}/knowledge/search/text"
         async with self._session.post(url, json={"knowledge_ids": [str(k) for k in kids],
-                                                 "need_fields": NEED_FIELDS},
+                                                 "need_fields": NEED_FIELDS}, headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=self._settings.kdn_timeout_s)) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"KDN search answered {resp.status}")
@@ -145,7 +156,8 @@ class KnowledgePreparer:
         return "\n".join(t for t in kv_texts + text_texts if t)
 
     async def _kv_inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                         trace: Trace) -> None:
+                         trace: Trace,
+                         trace_headers: Callable[[], dict[str, str] | None] = lambda: None) -> None:
         spec = request.knowledge
         assert spec is not None
         if not result.kv_ready_kids:
@@ -164,13 +176,14 @@ class KnowledgePreparer:
             trace.kdn_link_wait_ms = int((started - queued_at) * 1000)
             link.on_wire_until = started + transfer_s
             try:
-                await self._inject(request, instance, result, trace, effective)
+                await self._inject(request, instance, result, trace, effective, trace_headers)
             finally:
                 link.on_wire_until = 0.0
                 link.done(predicted_end, time.time())
 
     async def reinject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                       trace: Trace) -> None:
+                       trace: Trace, spans: Any = None,
+                       client_headers: Sequence[Header] = ()) -> None:
         """A retry on another instance: the body already holds the context (no KDN fetch
         again), but the KV went to the instance that failed; have this one pull it, so the
         ack, the prefix and the trace's KV fields describe the instance that serves."""
@@ -183,22 +196,26 @@ class KnowledgePreparer:
             trace.kvcache_actual_path = "recompute"
             return
         try:
-            await self._kv_inject(request, instance, result, trace)
+            await self._kv_inject(request, instance, result, trace,
+                                  spans.kv_inject_headers if spans is not None
+                                  else lambda: passed_on(client_headers))
         except Exception as exc:  # as in prepare: the request goes on, the instance recomputes
             result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
             trace.kvcache_actual_path = "recompute"
 
     async def _inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                      trace: Trace, effective: int) -> None:
+                      trace: Trace, effective: int,
+                      trace_headers: Callable[[], dict[str, str] | None]) -> None:
         spec = request.knowledge
         assert spec is not None
         trace.kv_ack_start_ms = now_ms()
+        headers = trace_headers()  # after the start is known: a span starts from it
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
         url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
         body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
                 "model": request.model, "knowledge_ids": result.kv_ready_kids}
         try:
-            async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
+            async with self._session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self._settings.kv_inject_timeout_s)) as resp:
                 ack = msgspec.json.decode(await resp.read())
                 if resp.status >= 400 or not isinstance(ack, dict) or not ack.get("ok"):
