@@ -159,6 +159,9 @@ class RequestSpans:
             prepare = self._live["prepare"] = self._tracer.start_span(
                 "prepare", otel.set_span_in_context(self._root),
                 start_time=_ns(self._trace.prepare_start_ms or start_ms))
+        earlier = self._live.get(name)
+        if earlier is not None:  # a retry's KV pull on another instance: the first one is over
+            earlier.end(_ns(start_ms))
         span = self._live[name] = self._tracer.start_span(
             name, otel.set_span_in_context(prepare), SpanKind.CLIENT, start_time=_ns(start_ms))
         headers = {"traceparent": _traceparent(span)}
