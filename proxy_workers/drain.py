@@ -22,8 +22,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cacheroute_proxy.uvicorn_seam import response_progress
 
+from .response_hooks import response_progress
 from .sse import cut_meta_event
 from .trace import Trace
 

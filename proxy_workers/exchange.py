@@ -12,7 +12,7 @@ included.
 Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's
 bytes (only a `[DONE]` line is looked for); a JSON answer gets `_cacheroute_meta` spliced in
 after a validating decode that builds no values, and leaves in one write; a disconnect is a
-callback from the protocol that cancels the request's own task (cacheroute_proxy/uvicorn_seam.py).
+callback from the protocol that cancels the request's own task (proxy_workers/response_hooks.py).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.http import HTTPError
-from cacheroute_proxy.uvicorn_seam import client_gone, send_whole, unwatch_disconnect, watch_disconnect
 
 from . import metrics
 from .headers import KV_KNOWLEDGE_IDS, KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
+from .response_hooks import send_whole, watch_disconnect
 from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
 from .trace import Trace, encode_meta
@@ -330,8 +330,8 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
     """Await `work` in this task; if the client disconnects first, cancel it and return None.
 
     The CancelledError this causes is recognised here and absorbed; any other cancellation
-    (server shutdown, drain) goes on up. Under uvicorn the protocol calls back on disconnect
-    (uvicorn_seam.watch_disconnect); elsewhere one watcher task reads `receive()`."""
+    (server shutdown, drain) goes on up. The protocol calls back on disconnect
+    (response_hooks.watch_disconnect); elsewhere one watcher task reads `receive()`."""
     task = asyncio.current_task()
     assert task is not None
     state = {"done": False, "gone": False}
@@ -341,13 +341,13 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
             state["gone"] = True
             task.cancel()
 
-    cycle = watch_disconnect(send, on_client_gone)
-    if cycle is not None and client_gone(cycle):  # gone before we started watching
-        unwatch_disconnect(cycle)
+    hook = watch_disconnect(send, on_client_gone)
+    if hook is not None and hook.client_gone():  # gone before we started watching
+        hook.unwatch()
         work.close()
         return None
     watcher = None
-    if cycle is None:
+    if hook is None:
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -363,8 +363,8 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
         return None
     finally:
         state["done"] = True
-        if cycle is not None:
-            unwatch_disconnect(cycle)
+        if hook is not None:
+            hook.unwatch()
         if watcher is not None:
             watcher.cancel()
     return result

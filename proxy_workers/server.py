@@ -14,6 +14,7 @@ import time
 from typing import AsyncIterator
 
 import uvicorn
+import uvloop
 from starlette.types import ASGIApp
 
 from cacheroute_proxy import exits, logs, serving
@@ -26,6 +27,7 @@ from proxy_workers.predictors import get_predictors
 
 from .app import WorkerContext, build_app, worker_name
 from .drain import Drain, DrainGate, uvicorn_graceful_timeout
+from .http1_server import Http1Server
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
@@ -179,6 +181,9 @@ def run(settings: Settings, index: int) -> int:
                  exits.host_port(settings.worker_private_host, settings.worker_private_port(index)),
                  row.row, ctx.router.strategy.name, settings.load_view)
 
+        if settings.dp_server == "native":
+            return _serve_native(app, settings, [shared, private], index)
+
         def describe(server: uvicorn.Server) -> str:  # systemd's STATUS= line, every few seconds
             return f"worker {index}: {requests_in_flight(server)} requests in flight"
         return _serve(app, settings, [shared, private], describe=describe)
@@ -202,3 +207,14 @@ def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket], *,
     server = DrainingServer(config, drain)
     serving.serve(server, describe, sockets)  # READY once listening (segment and row are ours by now)
     return 0 if has_started(server) else exits.SERVER_FAILED
+
+
+def _serve_native(app: ASGIApp, settings: Settings, sockets: list[socket.socket], index: int) -> int:
+    """The same lifecycle on the worker's own HTTP/1.1 server (PROXY_DP_SERVER=native)."""
+    drain = Drain(settings.drain_timeout_s)
+    server = Http1Server(DrainGate(app, drain), drain, settings.keepalive_timeout_s)
+
+    def describe(server: Http1Server) -> str:
+        return f"worker {index}: {server.requests_in_flight()} requests in flight"
+    serving.serve_native(server, lambda: server.serve(sockets), describe, uvloop.new_event_loop)
+    return 0 if server.has_started() else exits.SERVER_FAILED

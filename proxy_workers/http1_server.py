@@ -1,0 +1,591 @@
+"""The worker's own HTTP/1.1 server (PROXY_DP_SERVER=native): one asyncio Protocol per
+connection, requests parsed by httptools, the worker's ASGI app called through a minimal
+scope/receive/send of its own.
+
+Why: uvicorn's protocol callbacks and the private attributes the worker reached into
+(cacheroute_proxy/uvicorn_seam.py) were a large share of a request's CPU (issue 15). Here the
+fast paths those attributes gave are plain methods of :class:`Cycle`: a whole answer in one
+write (`send_whole`), a callback when the client leaves (`watch_disconnect`), whether a
+response has started or ended (`progress`). proxy_workers/response_hooks.py finds them from
+the `send` an app is given.
+
+What it keeps from uvicorn's behaviour, on purpose, because clients and tests depend on it:
+HTTP/1.1 keep-alive by default, `Connection: close` and HTTP/1.0 honoured, pipelined requests
+answered in order (reading pauses while one is answered), the idle keep-alive timeout,
+`transfer-encoding: chunked` for a response without a length, `date` and `server` headers, 400
+and close on a request that does not parse, 500 when the app fails before answering, and the
+drain of proxy_workers/drain.py (stop accepting, never close a connection under a request that
+may be on its way, cut at the deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import logging
+import signal
+import socket
+import time
+from collections import deque
+from http import HTTPStatus
+from typing import Any, Callable, Protocol
+
+import httptools
+
+log = logging.getLogger("cacheroute.worker")
+
+ASGIApp = Callable[..., Any]
+Header = tuple[bytes, bytes]
+
+SERVER_HEADER = (b"server", b"cacheroute-proxy")
+# Request body buffered before reading pauses until the app takes it (as uvicorn: 64 KiB).
+BODY_HIGH_WATER = 64 * 1024
+CUT_FLUSH_S = 2.0
+
+_STATUS_LINES = {int(s): b"HTTP/1.1 %d %s\r\n" % (s, s.phrase.encode()) for s in HTTPStatus}
+_NO_BODY_STATUSES = frozenset({204, 304})
+_DISCONNECT = {"type": "http.disconnect"}
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d \r\n" % status
+
+
+class _DateHeader:
+    """The `date` header, formatted once a second, not once a response."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self.value = b""
+
+    def current(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self.value = b"date: " + email.utils.formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self.value
+
+
+_DATE = _DateHeader()
+
+
+def _plain(status: int, text: bytes) -> bytes:
+    return (status_line(status) + _DATE.current() + b"server: cacheroute-proxy\r\n"
+            b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n" % len(text) + text)
+
+
+class Draining(Protocol):
+    """What the server asks of the worker's drain (proxy_workers/drain.py: Drain)."""
+
+    timeout_s: float
+
+    @property
+    def draining(self) -> bool: ...
+
+    def begin(self, connections: int) -> None: ...
+
+    def cut_remaining(self) -> None: ...
+
+    def report(self) -> None: ...
+
+
+class Cycle:
+    """One request and its response: what ASGI calls `receive` and `send`, and the fast paths."""
+
+    __slots__ = ("conn", "scope", "keep_alive", "body", "body_size", "more_body", "disconnected",
+                 "started", "complete", "chunked", "head_only", "on_disconnect", "_body_event")
+
+    def __init__(self, conn: Connection, scope: dict[str, Any], keep_alive: bool) -> None:
+        self.conn = conn
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.more_body = True
+        self.disconnected = False
+        self.started = False
+        self.complete = False
+        self.chunked = False
+        self.head_only = scope["method"] == "HEAD"
+        self.on_disconnect: Callable[[], None] | None = None
+        self._body_event: asyncio.Event | None = None
+
+    # --- request body ------------------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        if self.complete:  # answered already (a 413, say): the rest of the body is dropped
+            return
+        self.body.append(data)
+        self.body_size += len(data)
+        if self.body_size >= BODY_HIGH_WATER:
+            self.conn.pause_reading()
+        self._wake()
+
+    def end_of_body(self) -> None:
+        self.more_body = False
+        self._wake()
+
+    def lost(self) -> None:
+        self.disconnected = True
+        self._wake()
+        callback = self.on_disconnect
+        if callback is not None and not self.complete:
+            self.on_disconnect = None
+            callback()
+
+    def _wake(self) -> None:
+        if self._body_event is not None:
+            self._body_event.set()
+
+    async def receive(self) -> dict[str, Any]:
+        if self.disconnected or self.complete:
+            return _DISCONNECT
+        if self.more_body and not self.body:
+            self._body_event = event = asyncio.Event()
+            self.conn.resume_reading()
+            await event.wait()
+            self._body_event = None
+            if self.disconnected:
+                return _DISCONNECT
+        body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
+        self.body.clear()
+        self.body_size = 0
+        if self.more_body:
+            self.conn.resume_reading()
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    # --- response ------------------------------------------------------------------------------
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.disconnected:
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("response already started")
+            self._write_head(message["status"], message.get("headers", ()))
+        elif kind == "http.response.body":
+            if not self.started or self.complete:
+                raise RuntimeError("response body without a head, or after its end")
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            conn = self.conn
+            if self.head_only:
+                pass
+            elif self.chunked:
+                if body:
+                    conn.write(b"%x\r\n%b\r\n" % (len(body), body) if more
+                               else b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+                elif not more:
+                    conn.write(b"0\r\n\r\n")
+            elif body:
+                conn.write(body)
+            if not more:
+                self._completed()
+            elif conn.write_paused:
+                await conn.writable()
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def _write_head(self, status: int, headers: Any) -> None:
+        parts = [status_line(status), _DATE.current(), b"server: cacheroute-proxy\r\n"]
+        length_known = False
+        for name, value in headers:
+            if name == b"content-length":
+                length_known = True
+            elif name == b"transfer-encoding":
+                length_known = True  # the app frames its own body
+            elif name == b"connection" and value.lower() == b"close":
+                self.keep_alive = False
+                continue
+            parts += (name, b": ", value, b"\r\n")
+        if not length_known and not self.head_only and status not in _NO_BODY_STATUSES:
+            self.chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        self.started = True
+        self.conn.write(b"".join(parts))
+
+    def send_whole(self, status: int, headers: list[Header], body: bytes) -> bool:
+        """The whole answer (headers without content-length) in one write; False when it does
+        not apply (started, gone, HEAD): the caller then uses `send`."""
+        if self.started or self.disconnected or self.head_only:
+            return False
+        parts = [status_line(status), _DATE.current(), b"server: cacheroute-proxy\r\n"]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += (b"content-length: %d\r\n\r\n" % len(body), body)
+        self.started = True
+        self.conn.write(b"".join(parts))
+        self._completed()
+        return True
+
+    def _completed(self) -> None:
+        self.complete = True
+        self.on_disconnect = None
+        self.conn.response_done(self)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs one at a time, keeps the idle timer."""
+
+    def __init__(self, server: Http1Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.cycle: Cycle | None = None  # the request being answered
+        self.queued: deque[Cycle] = deque()  # pipelined requests waiting their turn
+        self.parsing: Cycle | None = None  # the request whose head or body is arriving
+        self.write_paused = False
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._url = b""
+        self._headers: list[Header] = []
+        self.client: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+        self.server.connections.add(self)
+        peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("sockname")
+        self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
+        self.local = (sock[0], sock[1]) if isinstance(sock, tuple) else None
+        self._arm_idle_timer()
+        if self.server.drain.draining:  # accepted after the listeners closed
+            self.shutdown()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, b"Unsupported upgrade request.")
+        except httptools.HttpParserError:
+            self._refuse(400, b"Invalid HTTP request received.")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self._cancel_idle_timer()
+        for cycle in (self.cycle, self.parsing, *self.queued):
+            if cycle is not None:
+                cycle.lost()
+        self.queued.clear()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # --- httptools callbacks ---------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._cancel_idle_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        url = httptools.parse_url(self._url)
+        path = url.path.decode("latin-1")
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": parser.get_http_version(), "method": parser.get_method().decode("ascii"),
+            "scheme": "http", "path": path, "raw_path": url.path,
+            "query_string": url.query or b"", "root_path": "", "headers": self._headers,
+            "client": self.client, "server": self.local,
+        }
+        keep_alive = parser.should_keep_alive() and not self.server.drain.draining
+        cycle = Cycle(self, scope, keep_alive)
+        self.parsing = cycle
+        if self.cycle is None:
+            self._run(cycle)
+        else:  # pipelined: answered after the one before it; read no more meanwhile
+            self.queued.append(cycle)
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        if self.parsing is not None:
+            self.parsing.feed(body)
+
+    def on_message_complete(self) -> None:
+        if self.parsing is not None:
+            self.parsing.end_of_body()
+            self.parsing = None
+
+    # --- running requests -------------------------------------------------------------------------
+    def _run(self, cycle: Cycle) -> None:
+        self.cycle = cycle
+        task = self.loop.create_task(self._call_app(cycle))
+        self.server.tasks.add(task)
+        task.add_done_callback(self.server.tasks.discard)
+
+    async def _call_app(self, cycle: Cycle) -> None:
+        try:
+            await self.server.app(cycle.scope, cycle.receive, cycle.send)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("exception in the worker's app", exc_info=exc)
+            self._app_failed(cycle)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        if not cycle.complete:  # returned without finishing its answer
+            self._app_failed(cycle)
+
+    def _app_failed(self, cycle: Cycle) -> None:
+        if cycle.disconnected or cycle.complete:
+            return
+        if not cycle.started:
+            cycle.keep_alive = False
+            cycle.started = True
+            self.write(_plain(500, b"Internal Server Error"))
+            cycle.complete = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def response_done(self, cycle: Cycle) -> None:
+        """The response of `cycle` is out: close, or go on with the next request."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not cycle.keep_alive:
+            transport.close()
+            return
+        # A body still arriving for an answered request is read and dropped (Cycle.feed), and
+        # the connection stays: the client then reads its answer instead of a reset.
+        self.cycle = None
+        if self.queued:
+            self._run(self.queued.popleft())
+            if not self.queued:
+                self.resume_reading()
+            return
+        self.resume_reading()
+        self._arm_idle_timer()
+
+    def _refuse(self, status: int, text: bytes) -> None:
+        if self.cycle is None or self.cycle.complete:
+            self.write(_plain(status, text))
+        if self.transport is not None:
+            self.transport.close()
+
+    # --- I/O ------------------------------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    async def writable(self) -> None:
+        if not self.write_paused or self.transport is None or self.transport.is_closing():
+            return
+        if self._writable is None:
+            self._writable = self.loop.create_future()
+        await self._writable
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and self.cycle is not None \
+                and self.queued:
+            return  # a pipelined request waits: stay paused
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def _arm_idle_timer(self) -> None:
+        self._cancel_idle_timer()
+        self._idle_timer = self.loop.call_later(self.server.keepalive_timeout_s, self._idle_timeout)
+
+    def _cancel_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_timeout(self) -> None:
+        self._idle_timer = None
+        idle = self.parsing is None or self.parsing.complete
+        if self.cycle is None and idle and self.transport is not None:
+            self.transport.close()
+
+    # --- drain ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """The drain began: an idle connection keeps its keep-alive timer (a request may be on
+        its way); a request not answered yet gets `Connection: close`; a stream under way keeps
+        going and the next request (if any) gets `Connection: close`."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.started:
+            cycle.keep_alive = False
+        for queued in self.queued:
+            queued.keep_alive = False
+
+    def close_at_deadline(self) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.complete:
+            if self.transport is not None:
+                self.transport.close()
+        else:
+            cycle.keep_alive = False
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Http1Server:
+    """Serves an ASGI app on given sockets until SIGTERM/SIGINT, then drains (see module doc).
+
+    Also runs the app's lifespan (startup before listening, shutdown after the drain)."""
+
+    def __init__(self, app: ASGIApp, drain: Draining, keepalive_timeout_s: float, *,
+                 handle_signals: bool = True) -> None:
+        self.app = app
+        self._signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+        self.drain = drain
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.connections: set[Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.started = False
+        self.should_exit = False
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._exit: asyncio.Event | None = None
+
+    # --- what systemd's reporter reads (cacheroute_proxy/serving.py) ---------------------------
+    def requests_in_flight(self) -> int:
+        return len(self.tasks)
+
+    def open_connections(self) -> int:
+        return len(self.connections)
+
+    def exit_requested(self) -> bool:
+        return self.should_exit
+
+    def has_started(self) -> bool:
+        return self.started
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+        if self._exit is not None:
+            self._exit.set()
+
+    # --- running ---------------------------------------------------------------------------------
+    async def serve(self, sockets: list[socket.socket]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._exit = asyncio.Event()
+        if self.should_exit:
+            self._exit.set()
+        lifespan = _Lifespan(self.app)
+        if not await lifespan.startup():
+            return
+        servers = []
+        try:
+            for sock in sockets:
+                servers.append(await self.loop.create_server(lambda: Connection(self), sock=sock,
+                                                             backlog=2048))
+            for signum in self._signals:
+                self.loop.add_signal_handler(signum, self.request_exit)
+            self.started = True
+            await self._exit.wait()
+            for server in servers:
+                server.close()
+            await self._drain()
+        finally:
+            for signum in self._signals:
+                self.loop.remove_signal_handler(signum)
+            for server in servers:
+                server.close()
+            await lifespan.shutdown()
+
+    async def _drain(self) -> None:
+        drain = self.drain
+        drain.begin(len(self.connections))
+        for conn in list(self.connections):
+            conn.shutdown()
+        deadline = self.loop.call_later(drain.timeout_s, self._at_deadline)
+        try:
+            end = self.loop.time() + drain.timeout_s + CUT_FLUSH_S
+            while (self.connections or self.tasks) and self.loop.time() < end:
+                await asyncio.sleep(0.05)
+            for conn in list(self.connections):  # the backstop: nothing waits past it
+                conn.abort()
+            for task in list(self.tasks):
+                task.cancel()
+            if self.tasks:
+                await asyncio.wait(list(self.tasks), timeout=1.0)
+        finally:
+            deadline.cancel()
+            drain.report()
+
+    def _at_deadline(self) -> None:
+        self.drain.cut_remaining()
+        for conn in list(self.connections):
+            conn.close_at_deadline()
+
+
+class _Lifespan:
+    """The ASGI lifespan protocol, just enough for Starlette's lifespan context."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+        self._inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._started = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._failed = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def startup(self) -> bool:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        await self._inbox.put({"type": "lifespan.startup"})
+        await self._started.wait()
+        if self._failed:
+            log.error("the worker's app failed to start")
+        return not self._failed
+
+    async def shutdown(self) -> None:
+        if self._task is None or self._task.done():
+            return
+        await self._inbox.put({"type": "lifespan.shutdown"})
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), timeout=10.0)
+
+    async def _run(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+        try:
+            await self._app(scope, self._inbox.get, self._send)
+        except BaseException as exc:
+            if not self._started.is_set():
+                log.error("lifespan startup failed", exc_info=exc)
+                self._failed = True
+        finally:
+            self._started.set()
+            self._stopped.set()
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "lifespan.startup.failed":
+            self._failed = True
+            log.error("lifespan startup failed: %s", message.get("message", ""))
+        if kind.startswith("lifespan.startup"):
+            self._started.set()
+        elif kind.startswith("lifespan.shutdown"):
+            self._stopped.set()
