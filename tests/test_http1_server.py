@@ -1,0 +1,304 @@
+"""The worker's own HTTP/1.1 server (proxy_workers/http1_server.py) against raw sockets on
+127.0.0.1: framing, keep-alive, pipelining, limits, malformed input, disconnects, drain.
+
+The app under it is a small ASGI app (not the worker's), behind the real DrainGate, so what is
+tested is the server's own behaviour; the worker's routes under it are tested end to end by
+running the e2e files with PROXY_DP_SERVER=native (docs/testing.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from proxy_workers.app import ClientGone, read_body
+from proxy_workers.drain import Drain, DrainGate
+from proxy_workers.exchange import run_until_disconnect
+from proxy_workers.http1_server import Http1Server
+from proxy_workers.response_hooks import response_progress, send_whole
+from tests.harness import wait_until
+
+LIMIT = 1000
+
+
+class App:
+    """/echo: the body back (413 past LIMIT, as the worker's read_body); /stream?n: n chunks;
+    /hang: waits until the client leaves (run_until_disconnect), and records it; /whole: one
+    write through send_whole; /boom: raises."""
+
+    def __init__(self) -> None:
+        self.gone: list[str] = []
+        self.progress: list[tuple[bool, bool]] = []
+        self.release = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if path == "/echo":
+            try:
+                body = await read_body(scope, receive, LIMIT)
+            except ClientGone:
+                self.gone.append("body")
+                return
+            except Exception as exc:  # HTTPError 413
+                await send({"type": "http.response.start", "status": exc.status,
+                            "headers": [(b"content-length", b"0")]})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/plain"),
+                                    (b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+        elif path == "/stream":
+            n = int(scope["query_string"] or b"3")
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            self.progress.append(response_progress(send))
+            for i in range(n):
+                await send({"type": "http.response.body", "body": b"data: %d\n\n" % i,
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.progress.append(response_progress(send))
+        elif path == "/whole":
+            assert send_whole(send, 201, [(b"content-type", b"application/json")], b'{"a":1}')
+        elif path == "/hang":
+            result = await run_until_disconnect(self.release.wait(), send, receive)
+            if result is None:
+                self.gone.append("hang")
+            else:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-length", b"2")]})
+                await send({"type": "http.response.body", "body": b"ok"})
+        else:
+            raise RuntimeError("boom")
+
+
+class Running:
+    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0) -> None:
+        self.app = App()
+        self.drain = Drain(drain_s)
+        self.server = Http1Server(DrainGate(self.app, self.drain), self.drain, keepalive_s,
+                                  handle_signals=False)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete,
+                                       args=(self.server.serve([self.sock]),), daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.has_started(), 5, message="server started")
+
+    def call(self, fn: Any) -> None:
+        self.loop.call_soon_threadsafe(fn)
+
+    def stop(self) -> None:
+        self.call(self.server.request_exit)
+        self.thread.join(timeout=15)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def srv() -> Iterator[Running]:
+    running = Running()
+    yield running
+    running.stop()
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock
+
+
+def read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict[str, str], bytes]:
+    """One response from `sock` (content-length or chunked), leaving what follows in `buf`."""
+    while b"\r\n\r\n" not in buf:
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError(f"closed; got {bytes(buf)!r}")
+        buf += data
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        assert name.lower() not in headers, f"duplicate {name}"
+        headers[name.lower()] = value.strip()
+    buf[:] = rest
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        while len(buf) < n:
+            buf += sock.recv(65536)
+        body = bytes(buf[:n])
+        del buf[:n]
+        return status, headers, body
+    assert headers.get("transfer-encoding") == "chunked", headers
+    body = b""
+    while True:
+        while b"\r\n" not in buf:
+            buf += sock.recv(65536)
+        size_line, _, _ = bytes(buf).partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(buf) < len(size_line) + 2 + size + 2:
+            buf += sock.recv(65536)
+        start = len(size_line) + 2
+        body += bytes(buf[start:start + size])
+        del buf[:start + size + 2]
+        if size == 0:
+            return status, headers, body
+
+
+def closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def post(path: str, body: bytes, extra: str = "", version: str = "1.1") -> bytes:
+    return (f"POST {path} HTTP/{version}\r\nHost: x\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+            .encode() + body)
+
+
+def test_keep_alive_by_default_and_one_of_each_server_header(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    for i in range(3):
+        sock.sendall(post("/echo", b"hello %d" % i))
+        status, headers, body = read_response(sock, buf)
+        assert (status, body) == (200, b"hello %d" % i)
+        assert "connection" not in headers and headers["server"] == "cacheroute-proxy"
+        assert headers["date"].endswith("GMT")
+
+
+def test_pipelined_requests_are_answered_in_order(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/stream?4", b"") + post("/echo", b"second") + post("/whole", b"")
+                 + post("/echo", b"fourth"))
+    assert read_response(sock, buf)[2] == b"".join(b"data: %d\n\n" % i for i in range(4))
+    assert read_response(sock, buf)[2] == b"second"
+    status, headers, body = read_response(sock, buf)
+    assert (status, body, headers["content-type"]) == (201, b'{"a":1}', "application/json")
+    assert read_response(sock, buf)[2] == b"fourth"
+
+
+def test_connection_close_is_honoured(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/echo", b"x", "Connection: close\r\n"))
+    status, headers, _ = read_response(sock, buf)
+    assert status == 200 and headers["connection"] == "close"
+    assert closed(sock)
+
+
+def test_http_1_0_closes_after_its_answer_and_streams_are_chunked(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/stream?2", b"", version="1.0"))
+    status, headers, body = read_response(sock, buf)
+    assert status == 200 and headers["connection"] == "close" and body == b"data: 0\n\ndata: 1\n\n"
+    assert closed(sock)
+    assert srv.app.progress == [(True, False), (True, True)]
+
+
+def test_a_body_over_the_limit_is_413_declared_or_chunked(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/echo", b"x" * (LIMIT + 1)))
+    assert read_response(sock, buf)[0] == 413
+    sock.sendall(post("/echo", b"after"))  # the connection is still usable
+    assert read_response(sock, buf)[2] == b"after"
+    sock2, buf2 = connect(srv.port), bytearray()
+    chunk = b"y" * 600
+    sock2.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                  + b"%x\r\n%b\r\n" % (len(chunk), chunk) * 2 + b"0\r\n\r\n")
+    assert read_response(sock2, buf2)[0] == 413
+
+
+def test_a_malformed_request_gets_400_and_close(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(b"NOT A REQUEST\r\n\r\n")
+    status, headers, _ = read_response(sock, buf)
+    assert status == 400 and headers["connection"] == "close"
+    assert closed(sock)
+
+
+def test_an_app_failure_before_answering_is_500(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/boom", b""))
+    assert read_response(sock, buf)[0] == 500
+    assert closed(sock)
+
+
+def test_a_client_that_leaves_mid_body_is_seen(srv: Running) -> None:
+    sock = connect(srv.port)
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\ncontent-length: 500\r\n\r\n" + b"z" * 100)
+    time.sleep(0.05)  # not a timing assertion: lets the head reach the app before the close
+    sock.close()
+    wait_until(lambda: srv.app.gone == ["body"], 5, message="the app saw the client leave")
+
+
+def test_a_client_that_leaves_while_waiting_cancels_the_work(srv: Running) -> None:
+    sock = connect(srv.port)
+    sock.sendall(post("/hang", b""))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    sock.close()
+    wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_an_idle_connection_is_closed_after_the_keepalive_timeout() -> None:
+    running = Running(keepalive_s=0.3)
+    try:
+        sock, buf = connect(running.port), bytearray()
+        sock.sendall(post("/echo", b"a"))
+        assert read_response(sock, buf)[2] == b"a"
+        assert closed(sock)  # the server closes it (the socket's own timeout is 5 s)
+    finally:
+        running.stop()
+
+
+def test_drain_finishes_the_request_in_flight_with_connection_close() -> None:
+    running = Running(drain_s=5.0)
+    try:
+        sock, buf = connect(running.port), bytearray()
+        sock.sendall(post("/hang", b""))
+        wait_until(lambda: running.server.requests_in_flight() == 1, 5, message="request running")
+        running.call(running.server.request_exit)
+        wait_until(lambda: running.drain.draining, 5, message="drain began")
+        with pytest.raises(ConnectionRefusedError):  # the listener is closed
+            socket.create_connection(("127.0.0.1", running.port), timeout=1)
+        running.call(running.app.release.set)
+        status, headers, body = read_response(sock, buf)
+        assert (status, body, headers["connection"]) == (200, b"ok", "close")
+        running.thread.join(timeout=10)
+        assert not running.thread.is_alive() and running.drain.finished == 1
+    finally:
+        if running.thread.is_alive():
+            running.stop()
+
+
+def test_drain_deadline_cuts_a_request_with_503() -> None:
+    running = Running(drain_s=0.3)
+    try:
+        sock, buf = connect(running.port), bytearray()
+        sock.sendall(post("/hang", b""))
+        wait_until(lambda: running.server.requests_in_flight() == 1, 5, message="request running")
+        running.call(running.server.request_exit)
+        status, headers, body = read_response(sock, buf)
+        assert status == 503 and json.loads(body)["error"] == "worker_draining"
+        running.thread.join(timeout=10)
+        assert running.drain.cut == 1
+    finally:
+        if running.thread.is_alive():
+            running.stop()
