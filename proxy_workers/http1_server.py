@@ -439,7 +439,7 @@ class Connection(asyncio.Protocol):
         for queued in self.queued:
             queued.keep_alive = False
 
-    def close_at_deadline(self) -> None:
+    def end_at_deadline(self) -> None:
         cycle = self.cycle
         if cycle is None or cycle.complete:
             if self.transport is not None:
@@ -466,7 +466,7 @@ class Http1Server:
         self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.started = False
-        self.should_exit = False
+        self._exit_asked = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._exit: asyncio.Event | None = None
 
@@ -478,13 +478,13 @@ class Http1Server:
         return len(self.connections)
 
     def exit_requested(self) -> bool:
-        return self.should_exit
+        return self._exit_asked
 
     def has_started(self) -> bool:
         return self.started
 
     def request_exit(self) -> None:
-        self.should_exit = True
+        self._exit_asked = True
         if self._exit is not None:
             self._exit.set()
 
@@ -492,7 +492,7 @@ class Http1Server:
     async def serve(self, sockets: list[socket.socket]) -> None:
         self.loop = asyncio.get_running_loop()
         self._exit = asyncio.Event()
-        if self.should_exit:
+        if self._exit_asked:
             self._exit.set()
         lifespan = _Lifespan(self.app)
         if not await lifespan.startup():
@@ -539,7 +539,7 @@ class Http1Server:
     def _at_deadline(self) -> None:
         self.drain.cut_remaining()
         for conn in list(self.connections):
-            conn.close_at_deadline()
+            conn.end_at_deadline()
 
 
 class _Lifespan:
