@@ -302,3 +302,28 @@ def test_drain_deadline_cuts_a_request_with_503() -> None:
     finally:
         if running.thread.is_alive():
             running.stop()
+
+
+# --- the setting, and a real cluster on the native server ------------------------------------------
+def test_the_setting_is_validated_and_defaults_to_uvicorn() -> None:
+    from cacheroute_proxy.config import Settings
+
+    assert Settings.from_env({}).dp_server == "uvicorn"
+    assert Settings.from_env({"PROXY_DP_SERVER": "native"}).dp_server == "native"
+    with pytest.raises(ValueError, match="PROXY_DP_SERVER"):
+        Settings.from_env({"PROXY_DP_SERVER": "nginx"})
+
+
+def test_a_cluster_on_the_native_server_answers_on_both_ports(make_cluster: Any) -> None:
+    from tests.harness import http
+
+    cluster = make_cluster(workers=2, env={"PROXY_DP_SERVER": "native"})  # checks the server header
+    inst = cluster.add_instance()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for url in (cluster.dp_url, cluster.worker_url(0), cluster.worker_url(1)):
+        status, answer, headers = http("POST", f"{url}/v1/chat/completions", body)
+        assert status == 200 and headers["x-cacheroute-instance"] == inst.instance_id, answer
+        assert headers["server"] == "cacheroute-proxy" and "_cacheroute_meta" in answer
+        status, answer, headers = http("POST", f"{url}/v1/chat/completions", {**body, "stream": True})
+        assert status == 200 and answer.endswith("data: [DONE]\n\n"), answer
+        assert headers["transfer-encoding"] == "chunked"
