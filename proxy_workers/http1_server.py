@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import email.utils
 import logging
+import re
 import signal
 import socket
 import time
@@ -46,6 +47,17 @@ CUT_FLUSH_S = 2.0
 _STATUS_LINES = {int(s): b"HTTP/1.1 %d %s\r\n" % (s, s.phrase.encode()) for s in HTTPStatus}
 _NO_BODY_STATUSES = frozenset({204, 304})
 _DISCONNECT = {"type": "http.disconnect"}
+# What a header may not carry (response splitting); uvicorn refuses the same.
+_UNSAFE_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")
+_UNSAFE_VALUE = re.compile(rb"[\x00-\x08\x0A-\x1F\x7F]")
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _checked(name: bytes, value: bytes) -> None:
+    if _UNSAFE_NAME.search(name):
+        raise RuntimeError("Invalid HTTP header name.")
+    if _UNSAFE_VALUE.search(value):
+        raise RuntimeError("Invalid HTTP header value.")
 
 
 def status_line(status: int) -> bytes:
@@ -96,7 +108,8 @@ class Cycle:
     """One request and its response: what ASGI calls `receive` and `send`, and the fast paths."""
 
     __slots__ = ("conn", "scope", "keep_alive", "body", "body_size", "more_body", "disconnected",
-                 "started", "complete", "chunked", "head_only", "on_disconnect", "_body_event")
+                 "started", "complete", "chunked", "head_only", "on_disconnect", "expect_continue",
+                 "_body_event")
 
     def __init__(self, conn: Connection, scope: dict[str, Any], keep_alive: bool) -> None:
         self.conn = conn
@@ -111,6 +124,7 @@ class Cycle:
         self.chunked = False
         self.head_only = scope["method"] == "HEAD"
         self.on_disconnect: Callable[[], None] | None = None
+        self.expect_continue = False  # `Expect: 100-continue`: say so when the body is asked for
         self._body_event: asyncio.Event | None = None
 
     # --- request body ------------------------------------------------------------------------
@@ -142,6 +156,10 @@ class Cycle:
     async def receive(self) -> dict[str, Any]:
         if self.disconnected or self.complete:
             return _DISCONNECT
+        if self.expect_continue:
+            self.expect_continue = False
+            if not self.started:
+                self.conn.write(_CONTINUE)
         if self.more_body and not self.body:
             self._body_event = event = asyncio.Event()
             self.conn.resume_reading()
@@ -192,6 +210,7 @@ class Cycle:
         parts = [status_line(status), _DATE.current(), b"server: cacheroute-proxy\r\n"]
         length_known = False
         for name, value in headers:
+            _checked(name, value)
             if name == b"content-length":
                 length_known = True
             elif name == b"transfer-encoding":
@@ -216,6 +235,8 @@ class Cycle:
             return False
         parts = [status_line(status), _DATE.current(), b"server: cacheroute-proxy\r\n"]
         for name, value in headers:
+            if _UNSAFE_VALUE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
             parts += (name, b": ", value, b"\r\n")
         if not self.keep_alive:
             parts.append(b"connection: close\r\n")
@@ -248,6 +269,7 @@ class Connection(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._url = b""
         self._headers: list[Header] = []
+        self._expect_continue = False
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
 
@@ -266,8 +288,8 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, b"Unsupported upgrade request.")
+        except httptools.HttpParserUpgrade:  # as uvicorn without WebSockets: served as plain HTTP
+            log.warning("Unsupported upgrade request.")
         except httptools.HttpParserError:
             self._refuse(400, b"Invalid HTTP request received.")
 
@@ -294,13 +316,17 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self._expect_continue = False
         self._cancel_idle_timer()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        self._headers.append((name, value))
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
 
     def on_headers_complete(self) -> None:
         parser = self.parser
@@ -315,6 +341,7 @@ class Connection(asyncio.Protocol):
         }
         keep_alive = parser.should_keep_alive() and not self.server.drain.draining
         cycle = Cycle(self, scope, keep_alive)
+        cycle.expect_continue = self._expect_continue
         self.parsing = cycle
         if self.cycle is None:
             self._run(cycle)

@@ -327,3 +327,14 @@ def test_a_cluster_on_the_native_server_answers_on_both_ports(make_cluster: Any)
         status, answer, headers = http("POST", f"{url}/v1/chat/completions", {**body, "stream": True})
         assert status == 200 and answer.endswith("data: [DONE]\n\n"), answer
         assert headers["transfer-encoding"] == "chunked"
+
+
+def test_expect_100_continue_is_answered_before_the_body(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\ncontent-length: 5\r\nExpect: 100-continue\r\n\r\n")
+    while b"\r\n\r\n" not in buf:
+        buf += sock.recv(100)
+    assert bytes(buf).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    del buf[:len(b"HTTP/1.1 100 Continue\r\n\r\n")]
+    sock.sendall(b"later")
+    assert read_response(sock, buf)[2] == b"later"
