@@ -338,10 +338,11 @@ def build_contenders(args: argparse.Namespace, instances: SimInstances,
     if args.floor:
         found.append(FloorContender("floor", instances))
     env = {**PROXY_ENV, **dict(kv.split("=", 1) for kv in args.proxy_env)}
+    base_env = {**env, **dict(kv.split("=", 1) for kv in args.base_env)}
     for workers in args.workers:
         if baseline is not None:
             found.append(TreeProxyContender(f"base-{workers}w", instances, workers, args.strategy,
-                                            baseline, extra_env=env))
+                                            baseline, extra_env=base_env))
         found.append(ProxyContender(f"proxy-{workers}w", instances, workers, args.strategy,
                                     extra_env=env))
     if args.nginx:
@@ -368,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=0.0, help="of the simulated instance")
     p.add_argument("--proxy-env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment for the proxy contenders")
+    p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="for the --baseline contenders only, over --proxy-env (e.g. one setting "
+                        "A/B on the same tree: --baseline HEAD --base-env PROXY_DP_SERVER=uvicorn)")
     p.add_argument("--budget", type=float, default=300.0, help="stop measuring after this many s")
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     p.add_argument("--serve-floor", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
@@ -427,6 +431,7 @@ def report(args: argparse.Namespace, started_at: str, contenders: list[Contender
                    "client_headers": "openai_sdk" if args.sdk_headers else "wrk",
                    "instance": f"one sim_instance, time scale {args.time_scale:g}, max_tokens 8",
                    "proxy_env": {**PROXY_ENV, **dict(kv.split("=", 1) for kv in args.proxy_env)},
+                   "base_env": dict(kv.split("=", 1) for kv in args.base_env),
                    "cpu": "user+sys delta of the contender's process tree over the wrk run",
                    "added_p50": "median over repeats of (p50 - direct p50 of the same repeat)"},
         "contenders": rows, "ratios_to_nginx": ratios,

@@ -7,7 +7,9 @@ are in cacheroute_proxy/uvicorn_seam.py; this module decides what they do:
 
 - :class:`Drain` is the worker's state of leaving: whether it drains, the requests in flight,
   what finished and what was cut; the seam's `DrainingServer` calls `begin` when the listeners
-  close, `cut_remaining` at the deadline and `report` at the end.
+  close, `cut_remaining` at the deadline and `report` at the end. Under PROXY_DP_SERVER=native
+  the worker's own server (proxy_workers/http1_server.py: Http1Server) makes the same three
+  calls at the same moments.
 - :class:`DrainGate` (ASGI) knows every request in flight. At the deadline it cancels them (their
   leases end in the exchange's `finally`) and finishes each response itself: a stream gets a
   `cacheroute_meta` event whose `error` is `worker_drain_deadline` and no `[DONE]`, a request

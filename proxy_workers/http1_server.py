@@ -494,6 +494,7 @@ class Http1Server:
         self.tasks: set[asyncio.Task[None]] = set()
         self.started = False
         self._exit_asked = False
+        self._forced = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._exit: asyncio.Event | None = None
 
@@ -511,6 +512,9 @@ class Http1Server:
         return self.started
 
     def request_exit(self) -> None:
+        """SIGTERM/SIGINT: drain; a second one: stop waiting for what is in flight (as uvicorn)."""
+        if self._exit_asked:
+            self._forced = True
         self._exit_asked = True
         if self._exit is not None:
             self._exit.set()
@@ -521,27 +525,31 @@ class Http1Server:
         self._exit = asyncio.Event()
         if self._exit_asked:
             self._exit.set()
+        # Before the app starts: a SIGTERM during its startup is a clean exit, not a kill that
+        # leaves the worker's row and leases behind.
+        for signum in self._signals:
+            self.loop.add_signal_handler(signum, self.request_exit)
+        servers: list[asyncio.AbstractServer] = []
         lifespan = _Lifespan(self.app)
-        if not await lifespan.startup():
-            return
-        servers = []
         try:
+            if not await lifespan.startup():
+                return
+            if self._exit_asked:
+                return
             for sock in sockets:
                 servers.append(await self.loop.create_server(lambda: Connection(self), sock=sock,
                                                              backlog=2048))
-            for signum in self._signals:
-                self.loop.add_signal_handler(signum, self.request_exit)
             self.started = True
             await self._exit.wait()
             for server in servers:
                 server.close()
             await self._drain()
         finally:
-            for signum in self._signals:
-                self.loop.remove_signal_handler(signum)
             for server in servers:
                 server.close()
             await lifespan.shutdown()
+            for signum in self._signals:  # ignored from now on: the caller's cleanup must run
+                self.loop.add_signal_handler(signum, _ignore)
 
     async def _drain(self) -> None:
         drain = self.drain
@@ -551,7 +559,7 @@ class Http1Server:
         deadline = self.loop.call_later(drain.timeout_s, self._at_deadline)
         try:
             end = self.loop.time() + drain.timeout_s + CUT_FLUSH_S
-            while (self.connections or self.tasks) and self.loop.time() < end:
+            while (self.connections or self.tasks) and self.loop.time() < end and not self._forced:
                 await asyncio.sleep(0.05)
             for conn in list(self.connections):  # the backstop: nothing waits past it
                 conn.abort()
@@ -567,6 +575,10 @@ class Http1Server:
         self.drain.cut_remaining()
         for conn in list(self.connections):
             conn.end_at_deadline()
+
+
+def _ignore() -> None:
+    pass
 
 
 class _Lifespan:

@@ -216,5 +216,7 @@ def _serve_native(app: ASGIApp, settings: Settings, sockets: list[socket.socket]
 
     def describe(server: Http1Server) -> str:
         return f"worker {index}: {server.requests_in_flight()} requests in flight"
+    logs.keep_control_after_signals()
     serving.serve_native(server, lambda: server.serve(sockets), describe, uvloop.new_event_loop)
+    logs.keep_control_after_signals()  # the loop gave its handlers back: still no kill before cleanup
     return 0 if server.has_started() else exits.SERVER_FAILED
