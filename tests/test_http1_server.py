@@ -24,6 +24,8 @@ from proxy_workers.response_hooks import response_progress, send_whole
 from tests.harness import wait_until
 
 LIMIT = 1000
+BIG_CHUNK = b"b" * 65536
+BIG_CHUNKS = 200  # 13 MB: far more than the kernel's socket buffers hold on loopback
 
 
 class App:
@@ -33,6 +35,7 @@ class App:
 
     def __init__(self) -> None:
         self.gone: list[str] = []
+        self.sent = 0  # /big: chunks whose send returned
         self.progress: list[tuple[bool, bool]] = []
         self.release = asyncio.Event()
 
@@ -71,6 +74,13 @@ class App:
                             "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.progress.append(response_progress(send))
+        elif path == "/big":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/octet-stream")]})
+            for _ in range(BIG_CHUNKS):
+                await send({"type": "http.response.body", "body": BIG_CHUNK, "more_body": True})
+                self.sent += 1
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         elif path == "/whole":
             assert send_whole(send, 201, [(b"content-type", b"application/json")], b'{"a":1}')
         elif path == "/hang":
@@ -147,19 +157,18 @@ def read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict[str, s
         del buf[:n]
         return status, headers, body
     assert headers.get("transfer-encoding") == "chunked", headers
-    body = b""
+    parts = []
     while True:
-        while b"\r\n" not in buf:
+        while buf.find(b"\r\n") < 0:
             buf += sock.recv(65536)
-        size_line, _, _ = bytes(buf).partition(b"\r\n")
-        size = int(size_line, 16)
-        while len(buf) < len(size_line) + 2 + size + 2:
-            buf += sock.recv(65536)
-        start = len(size_line) + 2
-        body += bytes(buf[start:start + size])
+        start = buf.find(b"\r\n") + 2
+        size = int(buf[:start - 2], 16)
+        while len(buf) < start + size + 2:
+            buf += sock.recv(1 << 20)
+        parts.append(bytes(buf[start:start + size]))
         del buf[:start + size + 2]
         if size == 0:
-            return status, headers, body
+            return status, headers, b"".join(parts)
 
 
 def closed(sock: socket.socket) -> bool:
@@ -338,3 +347,15 @@ def test_expect_100_continue_is_answered_before_the_body(srv: Running) -> None:
     del buf[:len(b"HTTP/1.1 100 Continue\r\n\r\n")]
     sock.sendall(b"later")
     assert read_response(sock, buf)[2] == b"later"
+
+
+def test_a_client_that_does_not_read_holds_back_the_sender(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    sock.sendall(post("/big", b""))
+    wait_until(lambda: any(c.write_paused for c in list(srv.server.connections)), 10,
+               message="the transport paused writing")
+    assert srv.app.sent < BIG_CHUNKS  # waiting in send, not buffering the whole answer
+    status, _, body = read_response(sock, buf)
+    assert status == 200 and len(body) == BIG_CHUNKS * len(BIG_CHUNK)
+    assert srv.app.sent == BIG_CHUNKS
