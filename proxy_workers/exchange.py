@@ -125,7 +125,7 @@ class ProxyExchange:
             self._attempt = attempt
             trace.route_select_start_ms = now_ms()
             try:
-                lease = self._router.acquire(self._tried)
+                lease = self._router.acquire(self._tried, self._job.request)
             except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
                 await out.error(exc)
                 return

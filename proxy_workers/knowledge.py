@@ -76,7 +76,10 @@ class KnowledgePreparer:
             timeline = self._timelines[key] = LinkTimeline()
         return timeline
 
-    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace) -> Knowledge:
+    async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
+                      resident: tuple[str, ...] = ()) -> Knowledge:
+        """`resident`: knowledge ids the affinity index says the instance already holds KV for:
+        their text is still fetched (the prompt carries it), their KV is not pulled again."""
         spec = request.knowledge
         result = Knowledge()
         if spec is None or not spec.wanted or request.body is None:
@@ -89,6 +92,8 @@ class KnowledgePreparer:
             if context:
                 _inject(request, context, spec.injection_type)
             if spec.injection_type == "kvcache":
+                held = {kid.lower() for kid in resident}
+                result.resident_kids = [kid for kid in result.kv_ready_kids if kid.lower() in held]
                 await self._kv_inject(request, instance, result, trace)
         except Exception as exc:  # knowledge is best effort: the request goes on without it
             result.error = f"prepare_failed: {type(exc).__name__}: {exc}"
@@ -141,9 +146,19 @@ class KnowledgePreparer:
             return
         predictors = self._predictors
         effective = predictors.effective_knowledge_tokens(spec.knowledge_tokens)
+        if len(result.resident_kids) == len(result.kv_ready_kids):
+            # Every kv-ready id is resident on the instance: nothing to pull, no KDN transfer.
+            result.kv_ack = {**_ack(True, "resident on the instance", result),
+                             "injected_kids": [], "resident_kids": list(result.resident_kids)}
+            result.prefix_tokens = effective
+            trace.kvcache_actual_path = "kv_resident"
+            return
+        pulled = len(result.kv_ready_kids) - len(result.resident_kids)
+        transfer_tokens = predictors.effective_knowledge_tokens(
+            spec.knowledge_tokens * pulled // max(1, len(spec.knowledge_ids)))
         kdn_link = self.kdn_links.link_for(instance.instance_id, spec.kdn_addr)
         trace.kdn_link_source = kdn_link.source
-        transfer_s = kdn_link.transfer_ms(predictors, effective) / 1000  # the same estimate as IWS's
+        transfer_s = kdn_link.transfer_ms(predictors, transfer_tokens) / 1000  # the same estimate as IWS's
         link = self.link(instance.instance_id, spec.kdn_addr)
         queued_at = time.time()
         predicted_end = link.reserve(queued_at, transfer_s)
@@ -161,8 +176,10 @@ class KnowledgePreparer:
         trace.kv_ack_start_ms = now_ms()
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
         url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
+        resident = set(result.resident_kids)
         body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
-                "model": request.model, "knowledge_ids": result.kv_ready_kids}
+                "model": request.model,
+                "knowledge_ids": [kid for kid in result.kv_ready_kids if kid not in resident]}
         try:
             async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
                     total=self._settings.kv_inject_timeout_s)) as resp:

@@ -30,6 +30,7 @@ from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
 from . import metrics
+from .affinity import AffinityIndex, report_residency
 from .iws import decide
 from .knowledge import KnowledgePreparer
 from .request_model import ProxyRequest
@@ -138,8 +139,9 @@ class Job(msgspec.Struct):
 
 class Pipeline:
     def __init__(self, settings: Settings, tracker: RequestTracker, preparer: KnowledgePreparer,
-                 predictors: Any, pressure_of: Any) -> None:
+                 predictors: Any, pressure_of: Any, affinity: AffinityIndex | None = None) -> None:
         self._settings = settings
+        self._affinity = affinity  # told what each instance now holds (docs/architecture.md §4.3)
         self._tracker = tracker
         self._preparer = preparer
         self._predictors = predictors
@@ -199,6 +201,7 @@ class Pipeline:
             try:
                 result = await forward()
                 failed = False
+                self._forwarded(lease, job)
                 return result
             finally:
                 lease.leave(layout.LANE_READY_ACTIVE)
@@ -208,6 +211,20 @@ class Pipeline:
             if reserved:
                 self._tracker.complete(job.key, True)
             raise
+
+    def _forwarded(self, lease: Lease, job: Job) -> None:
+        """The instance now holds the request's prompt prefix (vLLM's prefix cache)."""
+        request = job.request
+        if self._affinity is not None and request.prefix_keys:
+            report_residency(self._affinity, lease.instance, request, (), request.prefix_keys,
+                             self._settings.affinity_block_tokens)
+
+    def _acknowledged(self, lease: Lease, job: Job) -> None:
+        """The knowledge whose KV the instance acknowledged, or already held, is resident there."""
+        knowledge = job.knowledge
+        if self._affinity is not None and knowledge.prefix_tokens and knowledge.kv_ack.get("ok"):
+            report_residency(self._affinity, lease.instance, job.request, knowledge.kv_ready_kids,
+                             (), self._settings.affinity_block_tokens)
 
     def first_token(self, job: Job) -> None:
         self._tracker.first_token(job.key)
@@ -255,8 +272,10 @@ class Pipeline:
             instance_id = lease.instance.instance_id
             timeline = self._preparer.link(instance_id, spec.kdn_addr)
             kdn_link = self._preparer.kdn_links.link_for(instance_id, spec.kdn_addr)
+            resident = len(lease.affinity.resident_kids)
             decision = decide(request, ready_wait, timeline.wait_s(time.time()) * 1000, kdn_link,
-                              self._predictors, self._settings)
+                              self._predictors, self._settings,
+                              resident_tokens=spec.knowledge_tokens * resident // len(spec.knowledge_ids))
             spec.injection_type = decision.mode
             trace.iws_reason = decision.reason
             trace.kdn_link_source = kdn_link.source
@@ -274,8 +293,10 @@ class Pipeline:
         lease.enter(layout.LANE_PREPARE_ACTIVE)
         try:
             trace.prepare_start_ms = now_ms()
-            job.knowledge = await self._preparer.prepare(request, lease.instance, trace)
+            job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
+                                                         lease.affinity.resident_kids)
             trace.prepare_self_done_ms = now_ms()
+            self._acknowledged(lease, job)
         finally:
             stages.prepare_slots.release()
             lease.leave(layout.LANE_PREPARE_ACTIVE)

@@ -80,6 +80,9 @@ class Knowledge(msgspec.Struct):
     kv_ack: dict[str, Any] = msgspec.field(default_factory=dict)
     prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
     error: str | None = None  # preparation failed; the request went on without its knowledge
+    # kv-ready ids whose KV the affinity index says the chosen instance already held: no KDN
+    # transfer and no inject for them (docs/architecture.md §4.3)
+    resident_kids: list[str] = msgspec.field(default_factory=list)
 
 
 class Meta(msgspec.Struct):
@@ -91,6 +94,7 @@ class Meta(msgspec.Struct):
     text_only_kids: list[str]
     miss_kids: list[str]
     error: str | None  # why knowledge or the answer is missing or cut; null if nothing is
+    resident_kids: list[str] = []  # of kv_ready_kids: already resident on the instance (kv_aware's index)
 
 
 _encoder = msgspec.json.Encoder()
@@ -99,4 +103,5 @@ _encoder = msgspec.json.Encoder()
 def encode_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
     """`cacheroute_meta` as JSON bytes: the trace and what preparation found and did."""
     return _encoder.encode(Meta(trace, knowledge.kv_ack, knowledge.kv_ready_kids,
-                                knowledge.text_only_kids, knowledge.miss_kids, error))
+                                knowledge.text_only_kids, knowledge.miss_kids, error,
+                                knowledge.resident_kids))
