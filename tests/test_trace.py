@@ -29,7 +29,7 @@ from shm_schema import DirectoryWriter, WorkerRow
 from tests.aio import meta_of
 from tests.shm_helpers import fresh_segment
 
-META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error"]
+META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error", "resident_kids"]
 # Every trace key, in the order a request meets them (and the JSON lists them).
 TRACE_KEYS = [
     "proxy_recv_ms", "worker", "request_id",
@@ -74,12 +74,13 @@ def test_a_field_never_set_is_absent_and_a_zero_is_present():
 def test_meta_members_are_always_present_error_as_null():
     assert encode_meta(Trace(), None, Knowledge()) == (
         b'{"trace":{},"kv_ack":{},"kv_ready_kids":[],"text_only_kids":[],"miss_kids":[],'
-        b'"error":null}')
+        b'"error":null,"resident_kids":[]}')
     knowledge = Knowledge(kv_ready_kids=["K1"], text_only_kids=["k2"], miss_kids=["nope"],
                           kv_ack={"ok": True}, prefix_tokens=512, error="prepare_failed: x")
     meta = _decoded(encode_meta(Trace(instance_id="i"), knowledge.error, knowledge))
     assert meta == {"trace": {"instance_id": "i"}, "kv_ack": {"ok": True}, "kv_ready_kids": ["K1"],
-                    "text_only_kids": ["k2"], "miss_kids": ["nope"], "error": "prepare_failed: x"}
+                    "text_only_kids": ["k2"], "miss_kids": ["nope"], "error": "prepare_failed: x",
+                    "resident_kids": []}
 
 
 def test_stream_events_carry_the_same_bytes():
@@ -92,7 +93,7 @@ def test_stream_events_carry_the_same_bytes():
     # The drain's cut of a stream it knows nothing about: an empty record, empty knowledge.
     assert cut_meta_event(Trace(), "worker_drain_deadline") == (
         b'\nevent: cacheroute_meta\ndata: {"trace":{},"kv_ack":{},"kv_ready_kids":[],'
-        b'"text_only_kids":[],"miss_kids":[],"error":"worker_drain_deadline"}\n\n')
+        b'"text_only_kids":[],"miss_kids":[],"error":"worker_drain_deadline","resident_kids":[]}\n\n')
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -111,7 +112,8 @@ def test_json_answer_gets_the_encoded_meta_spliced_in(body, expected):
 # --- routing takes no telemetry -------------------------------------------------------------------
 
 def test_router_acquire_takes_no_trace():
-    assert list(inspect.signature(Router.acquire).parameters) == ["self", "exclude"]
+    # The request (kv_aware weighs what each instance holds of it), never its trace.
+    assert list(inspect.signature(Router.acquire).parameters) == ["self", "exclude", "request"]
 
 
 @pytest.fixture
