@@ -65,7 +65,7 @@ ENV_NAMES: dict[str, str] = {
     "event_poll_ms": "PROXY_EVENT_POLL_MS",
     "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
     "pace_step": "PROXY_PACE_STEP",
-    # --- kv_aware and the affinity index (docs/architecture.md §4.3) ---
+    # --- kv_aware and the affinity index (docs/architecture.md §4.4) ---
     "affinity_view": "PROXY_AFFINITY_VIEW",
     "kv_aware_credit_per_ms": "PROXY_KV_AWARE_CREDIT_PER_MS",
     "kv_aware_max_credit": "PROXY_KV_AWARE_MAX_CREDIT",
@@ -181,7 +181,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
     # sidecar/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
     pace_step: float = 0.2
-    # kv_aware (docs/architecture.md §4.3). "shared": every worker reads the host-wide affinity
+    # kv_aware (docs/architecture.md §4.4). "shared": every worker reads the host-wide affinity
     # index the sidecar keeps; "per_worker": each worker remembers only what it itself sent (an
     # ablation for benchmarks, like N proxies that each keep their own index).
     affinity_view: str = "shared"

@@ -1,4 +1,4 @@
-"""Affinity for kv_aware (docs/architecture.md §4.3): which keys each instance holds KV for, and
+"""Affinity for kv_aware (docs/architecture.md §4.4): which keys each instance holds KV for, and
 what that saves a request.
 
 Keys (cacheroute_proxy/affinity_keys.py) are 64-bit hashes: of a knowledge id, or of a block

@@ -141,7 +141,7 @@ class Pipeline:
     def __init__(self, settings: Settings, tracker: RequestTracker, preparer: KnowledgePreparer,
                  predictors: Any, pressure_of: Any, affinity: AffinityIndex | None = None) -> None:
         self._settings = settings
-        self._affinity = affinity  # told what each instance now holds (docs/architecture.md §4.3)
+        self._affinity = affinity  # told what each instance now holds (docs/architecture.md §4.4)
         self._tracker = tracker
         self._preparer = preparer
         self._predictors = predictors

@@ -145,7 +145,7 @@ class Guard(NamedTuple):
 
 
 class KvAwareStrategy(LeastLoadStrategy):
-    """least_load's score minus an affinity credit per candidate (docs/architecture.md §4.3).
+    """least_load's score minus an affinity credit per candidate (docs/architecture.md §4.4).
 
     The credit (score units, >= 0) is what the caller predicts the candidate saves this request
     (prefill or KV transfer of what it already holds) times `credit_per_ms`, capped at
