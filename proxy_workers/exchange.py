@@ -27,7 +27,7 @@ from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.uvicorn_seam import client_gone, send_whole, unwatch_disconnect, watch_disconnect
 
 from . import metrics
-from .headers import KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
+from .headers import KV_KNOWLEDGE_IDS, KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from .router import Lease, Router
@@ -162,10 +162,14 @@ class ProxyExchange:
     async def _forward(self, lease: Lease, out: Responder) -> bool:
         job = self._job
         request, trace = job.request, job.trace
-        trace.forward_start_ms = now_ms()
+        trace.forward_start_ms = start = now_ms()
+        if trace.ready_enqueue_ms is not None:
+            trace.actual_ready_queue_ms = start - trace.ready_enqueue_ms
         headers = self._forwarded
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
-            headers += b"%s: %d\r\n" % (KV_PREFIX_TOKENS, job.knowledge.prefix_tokens)
+            headers += b"%s: %d\r\n%s: %s\r\n" % (
+                KV_PREFIX_TOKENS, job.knowledge.prefix_tokens, KV_KNOWLEDGE_IDS,
+                ",".join(job.knowledge.kv_ready_kids).encode("latin-1", "replace"))
         try:
             instance = lease.instance
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
@@ -269,10 +273,13 @@ class ProxyExchange:
         metrics.observe_ttft(job.request.endpoint.value, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
         # Always known here: forward() runs only once admitted to ready, and both admission
         # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
-        trace.actual_vllm_ttft_ms = now - trace.forward_start_ms
+        trace.actual_vllm_ttft_ms = trace.actual_vllm_internal_ms = now - trace.forward_start_ms
+        if trace.proxy_enqueue_ms is not None:
+            trace.actual_total_ms = now - trace.proxy_enqueue_ms
         if job.predicted_first_token_ms is not None:
             trace.predict_error_ms = int(now - job.predicted_first_token_ms)
         self._pipeline.first_token(job)
+        trace.decode_start_ms = now_ms()
 
 
 def with_meta(body: bytes, meta: bytes) -> bytes:

@@ -27,6 +27,9 @@ HOP_BY_HOP = frozenset({
 # The proxy's own header on a forward after a KV inject (docs/protocol.md §5.3): a client's is
 # dropped, so no client can tell an instance to skip a prefill it never got the KV for.
 KV_PREFIX_TOKENS = b"x-cacheroute-kv-prefix-tokens"
+# Beside it, the knowledge ids whose KV the context starts with, in order: an instance that
+# keeps KV per id (the simulated one) counts its resident hits by them.
+KV_KNOWLEDGE_IDS = b"x-cacheroute-kv-knowledge-ids"
 
 # Not forwarded from the client, besides the hop-by-hop ones:
 # - host: the instance's own; content-length: recomputed (knowledge injection changes the body);
@@ -36,7 +39,7 @@ KV_PREFIX_TOKENS = b"x-cacheroute-kv-prefix-tokens"
 # - accept-encoding: the proxy edits the answer (the meta key, the [DONE] line), so it must
 #   arrive uncompressed.
 _REQUEST_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"content-type",
-                                 b"accept-encoding", KV_PREFIX_TOKENS}
+                                 b"accept-encoding", KV_PREFIX_TOKENS, KV_KNOWLEDGE_IDS}
 
 # Not relayed from the instance, besides the hop-by-hop ones: content-length (the proxy frames
 # the answer: the meta key changes a JSON body's length, a stream is re-chunked), date and

@@ -18,7 +18,7 @@ import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
-from shm_schema import InstanceSlot
+from shm_schema import InstanceSlot, layout
 
 from .kdn_links import LinkTable
 from .request_model import Endpoint, ProxyRequest
@@ -26,6 +26,9 @@ from .trace import Knowledge, Trace
 from .upstream import base_url
 
 NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
+# What a KV inject writes into the trace: cleared before the retry's inject on another instance.
+_KV_TRACE_FIELDS = ("kdn_link_source", "kdn_link_wait_ms", "kv_ack_start_ms",
+                    "kvcache_actual_path", "kv_ack_end_ms")
 TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below to answer the "
                  "user's question. If the context is irrelevant to the question, ignore it.")
 
@@ -34,14 +37,23 @@ class LinkTimeline:
     """KV transfers over one (instance, KDN) link (docs/protocol.md §5.5): they run one at a
     time (the lock: serialized by real completion, not by a prediction that may be far off),
     and `free_at` predicts when the link frees, for IWS and the trace. Per worker: a host-wide
-    link schedule would need the sidecar; see docs/architecture.md §9."""
+    link schedule would need the sidecar; see docs/architecture.md §9.
+
+    `on_wire_until` predicts the end of the transfer on the wire now (0: none), from when it
+    really started: behind a transfer that ran long it ends after `free_at` said, and a text
+    fetch, which queues behind no KV transfer, still shares the link with it."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
+        self.on_wire_until = 0.0
         self.lock = asyncio.Lock()
 
     def wait_s(self, now: float) -> float:
         return max(0.0, self.free_at - now)
+
+    def net_wait_s(self, now: float) -> float:
+        """Until the transfer on the wire now is predicted to end (what a text fetch meets)."""
+        return max(0.0, self.on_wire_until - now)
 
     def reserve(self, now: float, transfer_s: float) -> float:
         """Predict this transfer behind the ones already queued; returns its predicted end."""
@@ -163,11 +175,36 @@ class KnowledgePreparer:
         queued_at = time.time()
         predicted_end = link.reserve(queued_at, transfer_s)
         async with link.lock:
-            trace.kdn_link_wait_ms = int((time.time() - queued_at) * 1000)
+            started = time.time()
+            trace.kdn_link_wait_ms = int((started - queued_at) * 1000)
+            link.on_wire_until = started + transfer_s
             try:
                 await self._inject(request, instance, result, trace, effective)
             finally:
+                link.on_wire_until = 0.0
                 link.done(predicted_end, time.time())
+
+    async def reinject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
+                       trace: Trace, resident: tuple[str, ...] = ()) -> None:
+        """A retry on another instance: the body already holds the context (no KDN fetch
+        again), but the KV went to the instance that failed; have this one pull it (what it
+        does not hold already: `resident`), so the ack, the prefix and the trace's KV fields
+        describe the instance that serves."""
+        result.prefix_tokens = 0
+        result.kv_ack = {}
+        held = {kid.lower() for kid in resident}
+        result.resident_kids = [kid for kid in result.kv_ready_kids if kid.lower() in held]
+        for name in _KV_TRACE_FIELDS:
+            setattr(trace, name, None)
+        if instance.kv_inject == layout.KV_INJECT_NO:
+            result.kv_ack = _ack(False, "instance_cannot_pull_kv", result)
+            trace.kvcache_actual_path = "recompute"
+            return
+        try:
+            await self._kv_inject(request, instance, result, trace)
+        except Exception as exc:  # as in prepare: the request goes on, the instance recomputes
+            result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
+            trace.kvcache_actual_path = "recompute"
 
     async def _inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
                       trace: Trace, effective: int) -> None:

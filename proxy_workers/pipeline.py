@@ -31,7 +31,7 @@ from shm_schema import Admission, layout
 
 from . import metrics
 from .affinity import AffinityIndex, report_residency
-from .iws import decide
+from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
 from .request_model import ProxyRequest
 from .router import Lease
@@ -48,6 +48,7 @@ class _Ticket:
     seq: int
     injection_type: str
     released: asyncio.Future[None]
+    trace: Trace | None = None  # where the release is recorded (ready_release_seq, ...)
 
 
 class _Waiter:
@@ -122,6 +123,8 @@ class InstanceStages:
     waiting: dict[int, _Ticket] = field(default_factory=dict)  # prepared, not yet released
     done: set[int] = field(default_factory=set)  # released out of order, or abandoned
     admission: AdmissionQueue = field(default_factory=AdmissionQueue)
+    released: int = 0  # tickets released to ready so far (ready_release_seq)
+    ready_places: set[int] = field(default_factory=set)  # ready_worker_idx values held now
 
 
 class Job(msgspec.Struct):
@@ -133,7 +136,10 @@ class Job(msgspec.Struct):
     trace: Trace
     key: int = 0  # the tracker's event key of the current attempt
     knowledge: Knowledge = msgspec.field(default_factory=Knowledge)
-    prepared: bool = False  # a retry on another instance does not fetch and inject again
+    prepared: bool = False  # a retry on another instance does not fetch and inject again...
+    # ...but the KV went to the instance of this key (slot, generation): a retry elsewhere has
+    # the instance that serves pull it (KnowledgePreparer.reinject).
+    kv_instance: tuple[int, int] | None = None
     predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
 
 
@@ -169,7 +175,8 @@ class Pipeline:
                             f"{stages.queued} requests already wait for {lease.instance.instance_id}",
                             {"Retry-After": "1"})
         stages.queued += 1
-        ticket = _Ticket(stages.next_seq, "text", asyncio.get_running_loop().create_future())
+        ticket = _Ticket(stages.next_seq, "text", asyncio.get_running_loop().create_future(),
+                         job.trace)
         stages.next_seq += 1
         job.trace.prepare_seq = ticket.seq
         job.trace.proxy_enqueue_ms = now_ms()
@@ -183,6 +190,8 @@ class Pipeline:
                         if not job.prepared:
                             await self._prepare(lease, stages, job)
                             job.prepared = True
+                        elif _kv_elsewhere(lease, job):
+                            await self._prepare(lease, stages, job, reinject=True)
                         await self._wait_turn(stages, ticket)
                         if not reserved:
                             self._reserve(lease, job)
@@ -204,6 +213,7 @@ class Pipeline:
                 self._forwarded(lease, job)
                 return result
             finally:
+                stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
                 lease.leave(layout.LANE_READY_ACTIVE)
                 stages.admission.wake()
                 self._tracker.complete(job.key, failed)
@@ -245,8 +255,10 @@ class Pipeline:
                 return False, False
             # Nothing to prepare and a free slot: the prepare lanes would be entered and left
             # without a wait in between, invisible to every reader, so they are skipped.
-            trace.prepare_start_ms = trace.prepare_self_done_ms = now_ms()
+            trace.prepare_dequeue_ms = trace.prepare_start_ms = trace.prepare_self_done_ms = now_ms()
             job.prepared = True
+        elif _kv_elsewhere(lease, job):
+            return False, False  # a retry: this instance must pull the KV first
         stages.waiting[ticket.seq] = ticket
         self._flush(stages)
         if not ticket.released.done():
@@ -257,34 +269,46 @@ class Pipeline:
                 is not Admission.ADMITTED:
             return True, False  # full (wait) or stale (_admit says so)
         trace.ready_dequeue_ms = now_ms()
+        _take_ready_place(stages, trace)
         return True, True
 
     def _decide_injection(self, lease: Lease, job: Job, ticket: _Ticket) -> None:
         """IWS picks text or kvcache by predicted cost; the choice sets the release class."""
         request, trace = job.request, job.trace
         spec = request.knowledge
-        if spec is not None and spec.wanted and lease.instance.kv_inject == layout.KV_INJECT_NO:
+        if spec is None:  # a plain OpenAI body: no knowledge, nothing to decide
+            return
+        iws = self._settings.injection_strategy == "iws"
+        if iws and lacks_knowledge(spec):
+            # Injection off, no ids or no knowledge tokens: text, whatever the Scheduler said.
+            spec.injection_type = "text"
+            trace.iws_reason = NO_KNOWLEDGE
+        elif spec.wanted and lease.instance.kv_inject == layout.KV_INJECT_NO:
             # The instance says it cannot pull KV: an ack would never come, so text it is.
             spec.injection_type = "text"
             trace.iws_reason = "instance_cannot_pull_kv"
-        elif spec is not None and spec.wanted and self._settings.injection_strategy == "iws":
+        elif iws:
             ready_wait = self._pressure_of(lease.instance) or 0.0
             instance_id = lease.instance.instance_id
             timeline = self._preparer.link(instance_id, spec.kdn_addr)
             kdn_link = self._preparer.kdn_links.link_for(instance_id, spec.kdn_addr)
+            now = time.time()
             resident = len(lease.affinity.resident_kids)
-            decision = decide(request, ready_wait, timeline.wait_s(time.time()) * 1000, kdn_link,
-                              self._predictors, self._settings,
+            decision = decide(request, ready_wait, timeline.wait_s(now) * 1000, kdn_link,
+                              self._predictors, self._settings, timeline.net_wait_s(now) * 1000,
                               resident_tokens=spec.knowledge_tokens * resident // len(spec.knowledge_ids))
             spec.injection_type = decision.mode
             trace.iws_reason = decision.reason
             trace.kdn_link_source = kdn_link.source
-        if spec is not None:
-            ticket.injection_type = spec.injection_type
-            trace.injection_mode = spec.injection_type
+        ticket.injection_type = spec.injection_type
+        trace.injection_mode = spec.injection_type
 
-    async def _prepare(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
+    async def _prepare(self, lease: Lease, stages: InstanceStages, job: Job,
+                       reinject: bool = False) -> None:
+        """Fetch, inject into the body and (kvcache) have the instance pull the KV; with
+        `reinject` (a retry on another instance), only the pull, by this instance."""
         request, trace = job.request, job.trace
+        trace.prepare_dequeue_ms = now_ms()
         lease.enter(layout.LANE_PREPARE_WAITING)
         try:
             await stages.prepare_slots.acquire()
@@ -293,8 +317,14 @@ class Pipeline:
         lease.enter(layout.LANE_PREPARE_ACTIVE)
         try:
             trace.prepare_start_ms = now_ms()
-            job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
-                                                         lease.affinity.resident_kids)
+            if reinject:
+                await self._preparer.reinject(request, lease.instance, job.knowledge, trace,
+                                              lease.affinity.resident_kids)
+            else:
+                job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
+                                                             lease.affinity.resident_kids)
+            if job.knowledge.kv_ack and job.knowledge.kv_ready_kids:
+                job.kv_instance = (lease.instance.slot, lease.instance.generation)
             trace.prepare_self_done_ms = now_ms()
             self._acknowledged(lease, job)
         finally:
@@ -309,22 +339,23 @@ class Pipeline:
 
     def _flush(self, stages: InstanceStages) -> None:
         """Release in prepare order; with text_bypass, let text requests pass a blocked head."""
+        policy = self._settings.ready_release_policy
         while True:
             seq = stages.next_release
             if seq in stages.done:
                 stages.done.discard(seq)
             elif seq in stages.waiting:
-                _set(stages.waiting.pop(seq).released)
+                _release(stages, stages.waiting.pop(seq), policy, None)
             else:
                 break
             stages.next_release += 1
-        if self._settings.ready_release_policy != "text_bypass" or not stages.waiting:
+        if policy != "text_bypass" or not stages.waiting:
             return
         bypass = [t for s, t in sorted(stages.waiting.items()) if t.injection_type == "text"]
         for ticket in bypass[:self._settings.text_bypass_max_per_flush]:
             del stages.waiting[ticket.seq]
             stages.done.add(ticket.seq)
-            _set(ticket.released)
+            _release(stages, ticket, policy, stages.next_release)
 
     def _abandon(self, stages: InstanceStages, ticket: _Ticket) -> None:
         """A request that leaves before its turn must not wedge the ones behind it."""
@@ -350,8 +381,11 @@ class Pipeline:
         ready_wait = self._pressure_of(lease.instance)
         trace.predict_service_ms = round(service, 1)
         trace.predict_decode_ms = round(decode, 1)
+        know_prepare = trace.ready_enqueue_ms - (trace.proxy_enqueue_ms or trace.ready_enqueue_ms)
+        trace.actual_know_prepare_ms = know_prepare
         if ready_wait is not None:
             trace.predict_queue_wait_ms = round(ready_wait, 1)
+            trace.predict_total_ms = round(know_prepare + ready_wait + service, 1)
             job.predicted_first_token_ms = time.time() * 1000 + ready_wait + service
             trace.pred_first_token_ts_ms = int(job.predicted_first_token_ms)
         self._tracker.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
@@ -373,6 +407,35 @@ class Pipeline:
         if result is Admission.STALE:
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
         job.trace.ready_dequeue_ms = now_ms()
+        _take_ready_place(stages, job.trace)
+
+
+def _release(stages: InstanceStages, ticket: _Ticket, policy: str, blocked_seq: int | None) -> None:
+    """Release `ticket` to ready and record how: `blocked_seq` is the head a bypass passed."""
+    stages.released += 1
+    trace = ticket.trace
+    if trace is not None:
+        trace.ready_release_seq = stages.released
+        trace.ready_release_policy = policy
+        trace.ready_bypass = blocked_seq is not None
+        trace.ready_blocked_seq = blocked_seq
+    _set(ticket.released)
+
+
+def _take_ready_place(stages: InstanceStages, trace: Trace) -> None:
+    """The lowest ready place of this worker's for the instance not held (ready_worker_idx)."""
+    places = stages.ready_places
+    index = 0
+    while index in places:
+        index += 1
+    places.add(index)
+    trace.ready_worker_idx = index
+
+
+def _kv_elsewhere(lease: Lease, job: Job) -> bool:
+    """A retry whose KV was pulled by another instance than this attempt's."""
+    kv_instance = job.kv_instance
+    return kv_instance is not None and kv_instance != (lease.instance.slot, lease.instance.generation)
 
 
 def _set(future: asyncio.Future[None]) -> None:

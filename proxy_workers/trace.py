@@ -43,6 +43,7 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     # by instances), "static" (PROXY_KDN_LINKS_JSON) or "default" (KDN_DEFAULT_BANDWIDTH_MBPS).
     kdn_link_source: str | None = None
     injection_mode: str | None = None  # a request with knowledge: "text" or "kvcache"
+    prepare_dequeue_ms: int | None = None  # began waiting for one of the instance's prepare slots
     prepare_start_ms: int | None = None  # a prepare slot was held (or nothing was to prepare)
     # --- knowledge (knowledge.KnowledgePreparer, inside the prepare stage) ---
     kdn_fetch_start_ms: int | None = None
@@ -53,17 +54,34 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     kv_ack_end_ms: int | None = None
     prepare_self_done_ms: int | None = None  # this request's preparation ended
     # --- ready stage (pipeline) ---
+    # Release from the prepare stage to the ready stage (PROXY_READY_RELEASE_POLICY):
+    ready_release_seq: int | None = None  # place in this worker's release order for the instance
+    ready_release_policy: str | None = None  # "ordered" or "text_bypass", as configured
+    ready_bypass: bool | None = None  # true: a text request released ahead of a blocked head
+    ready_blocked_seq: int | None = None  # a bypass only: the prepare_seq of the head it passed
     ready_enqueue_ms: int | None = None  # released in prepare order, reserved with the sidecar
+    actual_know_prepare_ms: int | None = None  # ready_enqueue_ms - proxy_enqueue_ms
     predict_service_ms: float | None = None  # predicted prefill (or KV pull + residual prefill)
     predict_decode_ms: float | None = None  # predicted decode of all its tokens
     predict_queue_wait_ms: float | None = None  # predicted ready wait (a fresh snapshot only)
+    # Predicted proxy_enqueue_ms -> first token: actual_know_prepare_ms + predicted ready wait +
+    # predicted service (a fresh snapshot only, like predict_queue_wait_ms).
+    predict_total_ms: float | None = None
     pred_first_token_ts_ms: int | None = None  # when the first token is predicted, wall clock
     ready_dequeue_ms: int | None = None  # admitted under the host-wide READY_CONCURRENCY
+    # Which of this worker's ready places for the instance it took: the lowest one free, from 0
+    # (so 0 means no other request of this worker was being forwarded to the instance).
+    ready_worker_idx: int | None = None
     # --- forward (exchange) ---
     forward_start_ms: int | None = None
+    actual_ready_queue_ms: int | None = None  # forward_start_ms - ready_enqueue_ms
     first_token_ms: int | None = None  # a stream's first chunk from the instance
+    decode_start_ms: int | None = None  # the sidecar was told: first token seen, decoding now
     actual_ttft_ms: int | None = None  # first_token_ms - proxy_recv_ms
     actual_vllm_ttft_ms: int | None = None  # first_token_ms - forward_start_ms
+    actual_total_ms: int | None = None  # first_token_ms - proxy_enqueue_ms
+    actual_vllm_internal_ms: int | None = None  # the same as actual_vllm_ttft_ms, named as the
+    # other actual_* intervals are (know_prepare, ready_queue, vllm_internal sum to total)
     predict_error_ms: int | None = None  # first token actual - predicted (> 0: later than predicted)
     forward_end_ms: int | None = None  # the instance's answer was read whole (or failed)
     # --- retries (exchange) ---

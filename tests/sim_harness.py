@@ -211,6 +211,7 @@ def shared_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]
 def sim(shared_sim: SimProcess) -> Iterator[SimProcess]:
     """The shared sim with default knobs, nothing in flight and zeroed counters."""
     with quiet(shared_sim, ("active", "queued", "held"), timeout_s=3):
+        http("POST", shared_sim.url + "/sim/kv/clear")  # no KV kept from an earlier test
         yield shared_sim
 
 

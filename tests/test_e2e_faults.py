@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from tests.aio import meta_of
-from tests.harness import chat_body, get, http, post, wait_until
+from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
 
 
 def test_failing_instance_is_retried_elsewhere_ejected_then_readmitted(make_cluster):
@@ -52,3 +52,50 @@ def test_no_retry_once_the_stream_started(make_cluster):
     meta = meta_of(text.encode())
     assert status == 200 and meta["error"].startswith("upstream_failed") and "retries" not in meta["trace"]
     assert (flaky.stats()["total"] + other.stats()["total"]) == 1
+
+
+def test_a_kvcache_retry_reports_the_kv_of_the_instance_that_served(make_cluster, tmp_path):
+    """The first instance pulls the KV, then fails the request (503): the retry has the
+    second pull it too, and the meta's ack, path and timings are the second one's."""
+    kdn_port = free_port()
+    kdn = Process(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", "0.05"], {},
+                  tmp_path / "kdn.log")
+    try:
+        wait_until(lambda: get(f"http://127.0.0.1:{kdn_port}/healthz", timeout=1), 15, message="kdn up")
+        found = post(f"http://127.0.0.1:{kdn_port}/knowledge/search/text",
+                     {"knowledge_ids": [f"k{i:04d}" for i in range(20)], "need_fields": ["kv_ready"]})
+        kid = next(item["id"] for item in found["items"] if item["kv_ready"])
+        cluster = make_cluster(workers=1)
+        bad, good = cluster.add_instance(), cluster.add_instance()
+        bad.configure(fail_status=503, fail_rate=1.0)
+        body = {"Request_ID": 7, "Prompt": {"model": "m", "user_prompt": "Who?", "token_length": 20,
+                                            "max_tokens": 2, "stream": True},
+                "Service": {"Enable_know_injection": True, "Injection_type": "kvcache",
+                            "Knowledge_List": [kid], "Knowledge_length": 1024},
+                "Task": {"KDN_server_addr": f"127.0.0.1:{kdn_port}"}}
+        metas = []
+        for _ in range(2):  # round robin: one of the two tries the bad instance first
+            status, text, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions", body, timeout=30)
+            assert status == 200 and headers["x-cacheroute-instance"] == good.instance_id, text
+            metas.append(meta_of(text.encode()))
+        retried = [m for m in metas if m["trace"].get("retries") == 1]
+        assert retried, [m["trace"] for m in metas]
+        # Each request had the instance that served pull the KV, a retried one the bad one first.
+        assert (bad.stats()["kv_injects"], good.stats()["kv_injects"]) == (len(retried), 2)
+        stats = good.stats()
+        assert stats["kv_prefix_hits"] == 2  # both forwards to it carried the prefix...
+        # ...and the ids it is the KV of: the KV it pulled was resident at both prefills, and
+        # the second pull of the same id was acknowledged at once.
+        assert [kid] == [v for k, v in stats["last_request_headers"]
+                         if k == "x-cacheroute-kv-knowledge-ids"]
+        assert (stats["kv_resident_hits"], stats["kv_inject_fast_acks"]) == (2, 1)
+        meta = retried[0]
+        trace = meta["trace"]
+        assert trace["instance_id"] == good.instance_id and meta["error"] is None
+        assert meta["kv_ready_kids"] == [kid] and meta["kv_ack"]["ok"] is True
+        assert trace["kvcache_actual_path"] == "kv_injected"
+        # The pull whose timings the trace gives is the one just before the (second) forward.
+        assert trace["prepare_start_ms"] <= trace["kv_ack_start_ms"] <= trace["kv_ack_end_ms"] \
+            <= trace["forward_start_ms"]
+    finally:
+        kdn.stop()

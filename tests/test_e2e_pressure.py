@@ -11,7 +11,7 @@ import time
 import aiohttp
 
 from tests.aio import OpenStream, meta_of
-from tests.harness import Process, chat_body, free_port, get, http, wait_until
+from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
 
 
 def _row(cluster, instance_id: str, worker: int | None = None) -> dict:
@@ -212,3 +212,49 @@ def test_admission_wait_has_a_deadline(make_cluster):
     wait_until(lambda: _row(cluster, inst.instance_id)["inflight"] == 0
                and _row(cluster, inst.instance_id)["ready_queue_depth"] == 0
                and _row(cluster, inst.instance_id)["active_ready"] == 0, 5, message="nothing leaked")
+
+
+def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
+    """A kvcache request whose KV pull hangs at the KDN blocks its instance's release order; a
+    text request behind it passes it (text_bypass), and each meta says how it was released."""
+    kdn_port = free_port()
+    kdn = Process(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", "0.05"], {},
+                  tmp_path / "kdn.log")
+    try:
+        kdn_url = f"http://127.0.0.1:{kdn_port}"
+        wait_until(lambda: get(f"{kdn_url}/healthz", timeout=1), 15, message="kdn up")
+        found = post(f"{kdn_url}/knowledge/search/text",
+                     {"knowledge_ids": [f"k{i:04d}" for i in range(20)], "need_fields": ["kv_ready"]})
+        kid = next(item["id"] for item in found["items"] if item["kv_ready"])
+        post(f"{kdn_url}/sim/config", {"hang": True, "fault_on": "inject"})
+        cluster = make_cluster(workers=1, env={"PROXY_READY_RELEASE_POLICY": "text_bypass"})
+        cluster.add_instance()
+
+        def body(injection: str) -> dict:
+            return {"Request_ID": 9, "Prompt": {"model": "m", "user_prompt": "Who?", "token_length": 3,
+                                                "max_tokens": 2, "stream": True},
+                    "Service": {"Enable_know_injection": True, "Injection_type": injection,
+                                "Knowledge_List": [kid], "Knowledge_length": 600},
+                    "Task": {"KDN_server_addr": f"127.0.0.1:{kdn_port}"}}
+
+        async def scenario() -> tuple[dict, dict]:
+            url = f"{cluster.dp_url}/v1/chat/completions"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                head = asyncio.create_task(session.post(url, json=body("kvcache")))
+                await asyncio.to_thread(wait_until, lambda: get(f"{kdn_url}/sim/stats")["held"] == 1,
+                                        10, message="the KV pull hangs at the KDN")
+                async with session.post(url, json=body("text")) as passing:
+                    text_meta = meta_of(await passing.read())
+                post(f"{kdn_url}/sim/release", {})
+                async with await head as blocked:
+                    return meta_of(await blocked.read()), text_meta
+
+        kv_meta, text_meta = asyncio.run(scenario())
+        kv, text = kv_meta["trace"], text_meta["trace"]
+        assert (kv["prepare_seq"], text["prepare_seq"]) == (1, 2)
+        assert (text["ready_release_seq"], text["ready_release_policy"], text["ready_bypass"],
+                text["ready_blocked_seq"]) == (1, "text_bypass", True, 1)
+        assert (kv["ready_release_seq"], kv["ready_bypass"]) == (2, False) and "ready_blocked_seq" not in kv
+        assert text["forward_end_ms"] < kv["ready_enqueue_ms"]  # it was served while the head waited
+    finally:
+        kdn.stop()

@@ -25,7 +25,8 @@ CLIENT = [
     (b"keep-alive", b"timeout=5"), (b"te", b"trailers"), (b"trailer", b"x-t"),
     (b"transfer-encoding", b"chunked"), (b"upgrade", b"h2c"), (b"proxy-connection", b"keep-alive"),
     (b"proxy-authorization", b"Basic eA=="), (b"proxy-authenticate", b"Basic"),
-    (b"x-cacheroute-kv-prefix-tokens", b"999999"), (b"x-tag", b"one"), (b"x-tag", b"two"),
+    (b"x-cacheroute-kv-prefix-tokens", b"999999"), (b"x-cacheroute-kv-knowledge-ids", b"k1"),
+    (b"x-tag", b"one"), (b"x-tag", b"two"),
 ]
 FORWARDED = (b"user-agent: OpenAI/Python 1.40.0\r\naccept: application/json\r\n"
              b"authorization: Bearer client-key\r\ntraceparent: " + TRACEPARENT + b"\r\n"

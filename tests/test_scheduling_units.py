@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -11,8 +12,11 @@ from proxy_workers.predictors import get_predictors
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy, RoundRobinStrategy
 from proxy_workers.iws import decide
 from proxy_workers.kdn_links import KdnLink
-from proxy_workers.pipeline import InstanceStages, Pipeline, _Ticket
+from proxy_workers.knowledge import KnowledgePreparer, LinkTimeline
+from proxy_workers.pipeline import InstanceStages, Job, Pipeline, _Ticket
 from proxy_workers.request_model import Endpoint, recover
+from proxy_workers.trace import Knowledge, Trace
+from types import SimpleNamespace
 
 import json
 
@@ -24,13 +28,14 @@ def _pipeline(policy: str) -> Pipeline:
                     predictors=None, pressure_of=lambda _: None)
 
 
-def _scenario(policy: str) -> list[int]:
+def _scenario(policy: str, traces: dict[int, Trace] | None = None) -> list[int]:
     """Seq 1 (kvcache) is still preparing; 2 (text) and 3 (kvcache) are ready to go."""
+    traces = traces if traces is not None else {}
     async def run() -> list[int]:
         pipeline = _pipeline(policy)
         stages = InstanceStages(asyncio.Semaphore(8))
         loop = asyncio.get_running_loop()
-        tickets = {seq: _Ticket(seq, kind, loop.create_future())
+        tickets = {seq: _Ticket(seq, kind, loop.create_future(), traces.setdefault(seq, Trace()))
                    for seq, kind in ((1, "kvcache"), (2, "text"), (3, "kvcache"))}
         stages.next_seq = 4
         released: list[int] = []
@@ -46,12 +51,25 @@ def _scenario(policy: str) -> list[int]:
     return asyncio.run(run())
 
 
+def _released_as(traces: dict[int, Trace]) -> dict[int, tuple]:
+    return {seq: (t.ready_release_seq, t.ready_release_policy, t.ready_bypass, t.ready_blocked_seq)
+            for seq, t in traces.items()}
+
+
 def test_ordered_release_waits_for_the_head():
-    assert _scenario("ordered") == [1, 2, 3]
+    traces: dict[int, Trace] = {}
+    assert _scenario("ordered", traces) == [1, 2, 3]
+    assert _released_as(traces) == {1: (1, "ordered", False, None), 2: (2, "ordered", False, None),
+                                    3: (3, "ordered", False, None)}
 
 
 def test_text_bypass_lets_a_text_request_pass_a_blocked_head():
-    assert _scenario("text_bypass") == [2, 1, 3]
+    traces: dict[int, Trace] = {}
+    assert _scenario("text_bypass", traces) == [2, 1, 3]
+    # 2 passed the blocked head (seq 1): released first, and says whom it passed.
+    assert _released_as(traces) == {1: (2, "text_bypass", False, None),
+                                    2: (1, "text_bypass", True, 1),
+                                    3: (3, "text_bypass", False, None)}
 
 
 def test_abandoned_ticket_does_not_wedge_the_ones_behind():
@@ -105,6 +123,42 @@ def test_iws_without_rag_is_text(tokens, kids, enabled):
     assert (decision.mode, decision.reason) == ("text", "no_rag_or_empty_knowledge")
 
 
+@pytest.mark.parametrize("tokens, kids, enabled", [(0, ["k1"], True), (500, [], True), (500, ["k1"], False)])
+def test_iws_forces_text_over_the_schedulers_kvcache_without_knowledge(tokens, kids, enabled):
+    """The pipeline asks IWS even when there is nothing to inject: the Scheduler's kvcache
+    becomes text, with the reason in the trace (and a text request's release class)."""
+    request = _scheduler_request(tokens, kids, enabled)
+    request.knowledge.injection_type = "kvcache"
+    pipeline = Pipeline(Settings(injection_strategy="iws"), tracker=None, preparer=None,  # type: ignore[arg-type]
+                        predictors=PREDICTORS, pressure_of=lambda _: None)
+    job = Job(request, Trace())
+    ticket = _Ticket(1, "kvcache", None)  # type: ignore[arg-type]
+    lease = SimpleNamespace(instance=SimpleNamespace(kv_inject=0, instance_id="i"))
+    pipeline._decide_injection(lease, job, ticket)  # type: ignore[arg-type]
+    assert (job.trace.injection_mode, job.trace.iws_reason, ticket.injection_type) == (
+        "text", "no_rag_or_empty_knowledge", "text")
+
+
+def test_iws_text_despite_a_kv_transfer_still_on_the_wire():
+    """No KV transfer predicted queued (link wait 0), but one still on the wire: a text
+    fetch would wait for it, and text is chosen anyway."""
+    request = _scheduler_request(100, ["k1"])  # under one KV block: kvcache saves nothing
+    assert decide(request, 0.0, 0.0, LINK, PREDICTORS, SETTINGS).reason == "text_score_better"
+    decision = decide(request, 0.0, 0.0, LINK, PREDICTORS, SETTINGS, text_net_wait_ms=50.0)
+    assert (decision.mode, decision.reason) == ("text", "text_despite_active_kv_wait")
+
+
+def test_link_timeline_wire_wait_outlives_a_schedule_that_slipped():
+    link = LinkTimeline()
+    first_end = link.reserve(100.0, 1.0)  # predicted 100 -> 101
+    second_end = link.reserve(100.0, 1.0)  # queued behind it: 101 -> 102
+    assert (link.wait_s(100.0), link.net_wait_s(100.0)) == (2.0, 0.0)
+    link.done(first_end, 101.5)  # the first ran 0.5 s long; the second starts at 101.5
+    link.on_wire_until = 101.5 + 1.0
+    assert second_end == 102.0
+    assert (link.wait_s(102.2), round(link.net_wait_s(102.2), 6)) == (0.0, 0.3)
+
+
 # --- least_load, three layers ---------------------------------------------------------------------
 
 def _comps(**columns):
@@ -152,3 +206,40 @@ def test_round_robin_ignores_hints():
     rr = RoundRobinStrategy()
     hints = _comps(inflight=[0, 100], pending_prefill_count=[0, 9])
     assert [rr.select(["a", "b"], hints) for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls():
+    """The KV pull marks the link as carrying a transfer (what a text fetch would meet) from
+    its real start to its end, and the link reads idle again after."""
+    class _Ack:
+        def __init__(self, gate: asyncio.Event) -> None:
+            self.status, self._gate = 200, gate
+
+        async def __aenter__(self) -> "_Ack":
+            await self._gate.wait()
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+        async def read(self) -> bytes:
+            return b'{"ok": true}'
+
+    async def run() -> tuple[float, float, float, str]:
+        gate = asyncio.Event()
+        session = SimpleNamespace(post=lambda url, json, timeout: _Ack(gate))
+        preparer = KnowledgePreparer(SETTINGS, SimpleNamespace(session=session), PREDICTORS)
+        request = _scheduler_request(4000, ["k1"])
+        instance = SimpleNamespace(instance_id="i", host="127.0.0.1", port=9001, cp_port=9002,
+                                   kv_inject=0)
+        knowledge, trace = Knowledge(kv_ready_kids=["k1"]), Trace()
+        pull = asyncio.create_task(preparer._kv_inject(request, instance, knowledge, trace))  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)
+        link = preparer.link("i", "127.0.0.1:9101")
+        during = link.net_wait_s(time.time())
+        gate.set()
+        await pull
+        return during, link.net_wait_s(time.time()), link.on_wire_until, trace.kvcache_actual_path
+
+    during, after, on_wire, path = asyncio.run(run())
+    assert during > 0 and (after, on_wire, path) == (0.0, 0.0, "kv_injected")

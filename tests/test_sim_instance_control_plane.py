@@ -151,7 +151,7 @@ def test_registration_lifecycle(tmp_path: Path) -> None:
         "instance_id": "sim-reg", "host": "127.0.0.1", "port": sim.port,
         "endpoints": ["chat/completions", "completions"], "tags": [], "weight": 1.0,
         "meta": {"version": "instance_v1", "simulated": True, "max_num_seqs": 8,
-                 "cp_port": sim.port + 1},
+                 "cp_port": sim.port + 1, "kv_mem_gb": 128.0},
         "capabilities": {"schema_version": "1",
                          "model": {"identifier": "sim-model", "revision": None}}}
     plain = {"instance_id": "sim-reg", "capability_fingerprint": "sha256:fake"}
@@ -248,9 +248,10 @@ def test_control_plane_port_and_register_meta() -> None:
         SimConfig(port=9001, cp_port=9001)
     config = SimConfig(port=9001, max_concurrency=3)
     assert register_body(config, 9002)["meta"] == {"version": "instance_v1", "simulated": True,
-                                                   "max_num_seqs": 3, "cp_port": 9002}
+                                                   "max_num_seqs": 3, "cp_port": 9002,
+                                                   "kv_mem_gb": 128.0}
     assert register_body(config, None)["meta"] == {"version": "instance_v1", "simulated": True,
-                                                   "max_num_seqs": 3}
+                                                   "max_num_seqs": 3, "kv_mem_gb": 128.0}
 
 
 # ------------------------------------------------------------ KV path: prefix-hit timing
@@ -377,7 +378,9 @@ def test_cp_inject_goes_through_the_kdn(sim: SimProcess, kdn: SimProcess) -> Non
                                   "redis_host": "10.9.8.7", "redis_port": 6390, "redis_db": 3,
                                   "redis_password_set": True}
     assert kst["links"]["10.9.8.7:6390"]["bytes"] == 1_010_000
-    # A full URL works as kdn_addr too; the answer is the KDN's, byte for byte.
+    # A full URL works as kdn_addr too; the answer is the KDN's, byte for byte (once doc3's
+    # KV is forgotten: resident, it would be acknowledged without the KDN).
+    http("POST", sim.url + "/sim/kv/clear")
     _, status, _, again = cp_inject(sim, f"http://127.0.0.1:{kdn.port}/", ["doc3"])
     assert status == 200 and again["injected_kids"] == ["doc3"]
     direct = http("POST", kdn.url + "/knowledge/inject_ready_kv",
@@ -437,7 +440,8 @@ def test_cp_port_zero_taken_default_and_taken_explicit(tmp_path: Path) -> None:
             running_sim(tmp_path / "zero.log", "--proxy-cp-url", cp.url, "--cp-port", "0",
                         port=port):
         meta = cp.wait_for_calls(1)[0]["body"]["meta"]
-        assert meta == {"version": "instance_v1", "simulated": True, "max_num_seqs": 8}
+        assert meta == {"version": "instance_v1", "simulated": True, "max_num_seqs": 8,
+                        "kv_mem_gb": 128.0}
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/healthz", timeout=1)
     # Default port (data + 1) taken: serve the data plane anyway, register without cp_port.

@@ -34,17 +34,24 @@ META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", 
 TRACE_KEYS = [
     "proxy_recv_ms", "worker", "request_id",
     "route_select_start_ms", "route_select_end_ms", "snapshot_age_ms", "instance_id",
-    "prepare_seq", "proxy_enqueue_ms", "iws_reason", "kdn_link_source", "injection_mode", "prepare_start_ms",
+    "prepare_seq", "proxy_enqueue_ms", "iws_reason", "kdn_link_source", "injection_mode",
+    "prepare_dequeue_ms", "prepare_start_ms",
     "kdn_fetch_start_ms", "kdn_fetch_end_ms", "kdn_link_wait_ms", "kv_ack_start_ms",
     "kvcache_actual_path", "kv_ack_end_ms", "prepare_self_done_ms",
-    "ready_enqueue_ms", "predict_service_ms", "predict_decode_ms", "predict_queue_wait_ms",
-    "pred_first_token_ts_ms", "ready_dequeue_ms",
-    "forward_start_ms", "first_token_ms", "actual_ttft_ms", "actual_vllm_ttft_ms",
+    "ready_release_seq", "ready_release_policy", "ready_bypass", "ready_blocked_seq",
+    "ready_enqueue_ms", "actual_know_prepare_ms",
+    "predict_service_ms", "predict_decode_ms", "predict_queue_wait_ms", "predict_total_ms",
+    "pred_first_token_ts_ms", "ready_dequeue_ms", "ready_worker_idx",
+    "forward_start_ms", "actual_ready_queue_ms", "first_token_ms", "decode_start_ms",
+    "actual_ttft_ms", "actual_vllm_ttft_ms", "actual_total_ms", "actual_vllm_internal_ms",
     "predict_error_ms", "forward_end_ms",
     "retries",
 ]
 # Set only on a stream's first token.
-FIRST_TOKEN_KEYS = {"first_token_ms", "actual_ttft_ms", "actual_vllm_ttft_ms", "predict_error_ms"}
+FIRST_TOKEN_KEYS = {"first_token_ms", "decode_start_ms", "actual_ttft_ms", "actual_vllm_ttft_ms",
+                    "actual_total_ms", "actual_vllm_internal_ms", "predict_error_ms"}
+# Set only when a text request was released ahead of a blocked head (text_bypass).
+BYPASS_KEYS = {"ready_blocked_seq"}
 
 
 def _decoded(meta: bytes) -> dict[str, Any]:
@@ -157,14 +164,19 @@ class _Answer:
 
 
 class _Session:
-    """The KDN's search (every id kv-ready) and the instances' KV inject (accepted)."""
+    """The KDN's search (every id kv-ready) and the instances' KV inject (accepted; the ack
+    names the URL it was asked at)."""
+
+    def __init__(self) -> None:
+        self.injects: list[str] = []
 
     def post(self, url: str, json: dict[str, Any], timeout: Any) -> _Answer:
         if url.endswith("/knowledge/search/text"):
             return _Answer(200, {"items": [{"knowledge_id": kid, "content": f"about {kid}",
                                             "kv_ready": True} for kid in json["knowledge_ids"]]})
         assert url.endswith("/v1/kv/inject_ready"), url
-        return _Answer(200, {"ok": True, "injected_kids": json["knowledge_ids"]})
+        self.injects.append(url)
+        return _Answer(200, {"ok": True, "injected_kids": json["knowledge_ids"], "detail": url})
 
 
 class _Response:
@@ -264,8 +276,8 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     assert status == 200 and upstream.opened[0] != upstream.opened[1]  # retried elsewhere
     meta = meta_of(body) if stream else json.loads(body)["_cacheroute_meta"]
     assert list(meta) == META_KEYS and meta["error"] is None, meta
-    expected = TRACE_KEYS if stream else [k for k in TRACE_KEYS if k not in FIRST_TOKEN_KEYS]
-    assert list(meta["trace"]) == expected
+    absent = BYPASS_KEYS if stream else BYPASS_KEYS | FIRST_TOKEN_KEYS
+    assert list(meta["trace"]) == [k for k in TRACE_KEYS if k not in absent]
     trace = meta["trace"]
     assert (trace["request_id"], trace["retries"], trace["snapshot_age_ms"]) == (0, 1, 3.3)
     assert (trace["injection_mode"], trace["kvcache_actual_path"]) == ("kvcache", "kv_injected")
@@ -273,7 +285,21 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     assert trace["predict_queue_wait_ms"] == 40.0 and trace["kdn_link_wait_ms"] >= 0
     assert trace["kdn_link_source"] == "default"  # no link measured, none configured
     assert meta["kv_ready_kids"] == ["K1", "K2"] and meta["kv_ack"]["ok"] is True
+    # The KV was pulled by the instance that failed, then by the one that served: the ack is
+    # the second one's.
+    injects = upstream.session.injects
+    assert len(injects) == 2 and injects[0] != injects[1] and meta["kv_ack"]["detail"] == injects[1]
+    assert (trace["ready_release_seq"], trace["ready_release_policy"], trace["ready_bypass"],
+            trace["ready_worker_idx"]) == (1, "ordered", False, 0)
+    know_prepare = trace["ready_enqueue_ms"] - trace["proxy_enqueue_ms"]
+    assert trace["actual_know_prepare_ms"] == know_prepare
+    assert trace["predict_total_ms"] == round(know_prepare + 40.0 + trace["predict_service_ms"], 1)
+    assert trace["actual_ready_queue_ms"] == trace["forward_start_ms"] - trace["ready_enqueue_ms"]
+    assert trace["proxy_enqueue_ms"] <= trace["prepare_dequeue_ms"] <= trace["prepare_start_ms"]
     if stream:
         assert body.endswith(b"data: [DONE]\n\n")
         assert trace["actual_ttft_ms"] == trace["first_token_ms"] - trace["proxy_recv_ms"]
         assert trace["actual_vllm_ttft_ms"] == trace["first_token_ms"] - trace["forward_start_ms"]
+        assert trace["actual_vllm_internal_ms"] == trace["actual_vllm_ttft_ms"]
+        assert trace["actual_total_ms"] == trace["first_token_ms"] - trace["proxy_enqueue_ms"]
+        assert trace["decode_start_ms"] >= trace["first_token_ms"]

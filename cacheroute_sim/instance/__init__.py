@@ -25,6 +25,14 @@ prefill computes ``max(1, prompt_tokens - N)`` tokens, after a Redis pull of
 ``2764.34 ms/GB x N x 0.0000381 GB + 12.46 ms`` (N capped at the prompt; scaled like every
 other duration). A malformed value is a 400.
 
+The KV kept (residency.py; docs/testing.md §7.1): injected knowledge KV per id, in an LRU of
+``kv_capacity_tokens`` (default ``--kv-mem-gb``, registered as ``meta.kv_mem_gb``, over 3.81e-5
+GB a token); an inject of ids all resident is answered at once, without the KDN. A request
+with ``x-cacheroute-kv-knowledge-ids: k1,k2`` (sent by the Proxy beside the prefix tokens) has
+its leading resident ids' tokens cached, and with ``prefix_caching`` its leading prompt blocks
+(16 tokens) found in the prefix cache; the cached prefix costs ``cached_prefill_factor`` of its
+prefill. ``--report-resident`` puts ``resident_keys`` in heartbeats.
+
 Control routes for tests:
 - ``GET /sim/config`` / ``POST /sim/config`` (partial JSON update of the knobs, validated)
   / ``POST /sim/config/reset`` (back to the start-time knobs);
@@ -32,9 +40,13 @@ Control routes for tests:
 - ``GET /sim/stats`` / ``POST /sim/stats/reset`` (includes ``kv_injects``,
   ``kv_inject_failed``, ``kv_prefix_hits``, ``kv_prefix_tokens_total``, and
   ``last_request_headers``: the last generation request's headers as received, ``[name,
-  value]`` pairs in order, names lower-case).
+  value]`` pairs in order, names lower-case), the KV kept's counters, ``prefills``,
+  ``prefill_ms_total`` and ``last_prefill`` (the simulated prefill, GPU ms), and
+  ``residency`` (what is held now);
+- ``POST /sim/kv/clear``: forget every KV kept.
 Knobs (config.Knobs): slow_factor, hang, fail_status + fail_rate, drop_after_chunks,
 stall_after_chunks, hold_streams, default_max_tokens, response_headers (added to every
 generation answer), request_id_headers (answer with ``x-request-id``, the request's or a new
-one, as vLLM's ``--enable-request-id-headers``).
+one, as vLLM's ``--enable-request-id-headers``), kv_capacity_tokens, prefix_caching,
+prefix_cache_blocks, cached_prefill_factor.
 """

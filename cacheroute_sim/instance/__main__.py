@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="env INSTANCE_REDIS_PASSWORD")
     cp.add_argument("--kdn-timeout", dest="kdn_timeout_s", type=float, default=60.0,
                     help="seconds allowed for one KDN inject call (default 60)")
+    cp.add_argument("--kv-mem-gb", type=float, default=128.0,
+                    help="KV memory registered (meta.kv_mem_gb); sizes the KV kept unless "
+                         "--kv-capacity-tokens is given (default 128)")
+    cp.add_argument("--kdn-kv-bytes-per-token", type=int, default=96_000,
+                    help="bytes of KV a token in the KDN's payload_bytes, to size each injected "
+                         "id's KV (default 96000, the simulated KDN's)")
+    cp.add_argument("--report-resident", action="store_true",
+                    help="heartbeats carry resident_keys: the knowledge ids whose KV is held")
     cli.add_simulation_group(p, _engine_flags)
     knobs = p.add_argument_group("fault knobs (also settable at run time: POST /sim/config)")
     knobs.add_argument("--slow-factor", type=float, default=1.0)
@@ -58,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.add_argument("--request-id-headers", action="store_true",
                        help="answer with X-Request-Id, the request's or a new one (as vLLM's "
                             "--enable-request-id-headers)")
+    kv = p.add_argument_group("KV kept (also settable at run time: POST /sim/config)")
+    kv.add_argument("--kv-capacity-tokens", type=int, default=None,
+                    help="knowledge KV held at most, in tokens (default: --kv-mem-gb over "
+                         "3.81e-5 GB a token); least recently used ids are evicted")
+    kv.add_argument("--prefix-caching", action="store_true",
+                    help="cache prompt blocks of 16 tokens, as vLLM's automatic prefix caching")
+    kv.add_argument("--prefix-cache-blocks", type=int, default=None,
+                    help="prefix-cache blocks held at most (default: the KV capacity / 16)")
+    kv.add_argument("--cached-prefill-factor", type=float, default=0.1,
+                    help="cost of a cached token's prefill against computing it (default 0.1)")
     return p
 
 

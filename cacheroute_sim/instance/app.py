@@ -25,6 +25,7 @@ from cacheroute_sim.instance.config import Knobs, SimConfig
 from cacheroute_sim.instance.engine import Engine
 from cacheroute_sim.instance.generation import GenerationResponse
 from cacheroute_sim.instance.request_model import (
+    KV_KNOWLEDGE_IDS_HEADER,
     KV_PREFIX_HEADER,
     InvalidJSON,
     InvalidRequest,
@@ -50,7 +51,8 @@ class SimState:
         self.instance_id = config.resolved_instance_id
         self.knobs: KnobStore[Knobs] = KnobStore(config.knobs)
         self.engine = Engine(time_scale=config.time_scale,
-                             max_concurrency=config.max_concurrency, knobs=self.knobs)
+                             max_concurrency=config.max_concurrency, knobs=self.knobs,
+                             kv_mem_gb=config.kv_mem_gb)
         self.rng = random.Random(config.seed)
         # The last generation request's headers as received (the raw ASGI list), for tests.
         self.last_request_headers: list[tuple[bytes, bytes]] = []
@@ -62,7 +64,9 @@ class SimState:
     def stats_snapshot(self) -> dict[str, Any]:
         headers = [[name.decode("latin-1"), value.decode("latin-1")]
                    for name, value in self.last_request_headers]
-        return {**self.engine.stats.snapshot(self.instance_id), "last_request_headers": headers}
+        residency = self.engine.residency.snapshot(self.knobs.current)  # first: it may evict
+        return {**self.engine.stats.snapshot(self.instance_id), "last_request_headers": headers,
+                "residency": residency}
 
     def reset_stats(self) -> None:
         self.engine.stats.reset()
@@ -141,6 +145,7 @@ def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
         # vLLM's own probe path; LLM routers (vllm-router) wait for it before routing.
         Route("/health", _healthz, methods=["GET"]),
         *control_routes(state, read_json_object),
+        Route("/sim/kv/clear", _kv_clear_route(state), methods=["POST"]),
     ]
     app = Starlette(routes=routes, middleware=[
         Middleware(InstanceHeaderMiddleware, instance_id=state.instance_id),
@@ -152,11 +157,14 @@ def create_app(config: SimConfig, state: SimState | None = None) -> Starlette:
 def _generation_route(state: SimState, kind: Kind) -> Handler:
     async def handle(request: Request) -> Response | GenerationResponse:
         body = await request.body()
+        knobs = state.knobs.current
         try:
             parsed = parse_generation_request(
-                body, kind, default_max_tokens=state.knobs.current.default_max_tokens,
+                body, kind, default_max_tokens=knobs.default_max_tokens,
                 default_model=state.config.model,
-                kv_prefix_header=request.headers.get(KV_PREFIX_HEADER))
+                kv_prefix_header=request.headers.get(KV_PREFIX_HEADER),
+                knowledge_ids_header=request.headers.get(KV_KNOWLEDGE_IDS_HEADER),
+                render_prompt=knobs.prefix_caching)
         except InvalidJSON:
             state.engine.stats.invalid += 1
             return json_response({"error": "invalid_json"}, 400)
@@ -164,6 +172,16 @@ def _generation_route(state: SimState, kind: Kind) -> Handler:
             state.engine.stats.invalid += 1
             return json_response({"error": "invalid_request", "detail": str(exc)}, 400)
         return GenerationResponse(parsed, state.engine, state.rng)
+
+    return handle
+
+
+def _kv_clear_route(state: SimState) -> Handler:
+    async def handle(request: Request) -> Response:
+        # Forget every KV kept (knowledge and prefix blocks), e.g. between tests sharing one
+        # instance; not an eviction, so not counted as one.
+        state.engine.residency.clear()
+        return json_response(state.engine.residency.snapshot(state.knobs.current))
 
     return handle
 

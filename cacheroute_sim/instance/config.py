@@ -50,10 +50,25 @@ class Knobs(KnobsBase, frozen=True):
     # Like vLLM's --enable-request-id-headers: every generation answer carries X-Request-Id,
     # the request's own, else a new one.
     request_id_headers: bool = False
+    # The KV kept (residency.py): knowledge tokens held at most; None = the registered
+    # kv_mem_gb over the KV per token (timing.KV_GB_PER_TOKEN).
+    kv_capacity_tokens: int | None = None
+    # Automatic prefix caching of prompt blocks (vLLM's; off unless asked for, so repeated
+    # prompts keep their full prefill cost in the tests that do not measure caching).
+    prefix_caching: bool = False
+    # Blocks the prefix cache holds at most; None = kv capacity / residency.PREFIX_BLOCK_TOKENS.
+    prefix_cache_blocks: int | None = None
+    # Cost of prefilling a cached token (resident knowledge, prefix hit) against computing it.
+    cached_prefill_factor: float = 0.1
 
     def __post_init__(self) -> None:
         # Raised inside msgspec.convert, these become ValidationErrors naming the struct.
         require(self.slow_factor >= 0, "slow_factor must be >= 0")
+        require(self.kv_capacity_tokens is None or self.kv_capacity_tokens >= 0,
+                "kv_capacity_tokens must be >= 0 or null")
+        require(self.prefix_cache_blocks is None or self.prefix_cache_blocks >= 0,
+                "prefix_cache_blocks must be >= 0 or null")
+        require(0.0 <= self.cached_prefill_factor <= 1.0, "cached_prefill_factor must be within 0..1")
         require(0.0 <= self.fail_rate <= 1.0, "fail_rate must be within 0..1")
         require(self.fail_status is None or 400 <= self.fail_status <= 599,
                 "fail_status must be an HTTP error status (400..599) or null")
@@ -101,6 +116,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     redis_password: str | None = None
     # Bound on one KDN inject call (the original uses 60 s).
     kdn_timeout_s: float = 60.0
+    # The KV memory it registers (meta.kv_mem_gb) and, unless the kv_capacity_tokens knob
+    # says otherwise, sizes the KV it keeps by (the proxy's PROXY_KV_MEM_PER_INSTANCE_GB default).
+    kv_mem_gb: float = 128.0
+    # What the KDN's payload_bytes are counted in, to size each injected id's KV (the
+    # simulated KDN's default kv_bytes_per_token).
+    kdn_kv_bytes_per_token: int = 96_000
+    # Heartbeats carry resident_keys: the knowledge ids whose KV it holds, least recent first.
+    report_resident: bool = False
 
     def __post_init__(self) -> None:
         require(0 < self.port < 65536, "port must be a TCP port (1..65535)")
@@ -111,6 +134,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         require(0 < self.redis_port < 65536, "redis_port must be a TCP port (1..65535)")
         require(self.redis_db >= 0, "redis_db must be >= 0")
         require(self.kdn_timeout_s > 0, "kdn_timeout must be > 0")
+        require(self.kv_mem_gb >= 0, "kv_mem_gb must be >= 0")
+        require(self.kdn_kv_bytes_per_token >= 1, "kdn_kv_bytes_per_token must be >= 1")
         require(self.time_scale >= 0, "time_scale must be >= 0")
         require(1 <= self.max_concurrency <= 4096, "max_concurrency must be within 1..4096")
         require(self.max_model_len >= 1, "max_model_len must be >= 1")

@@ -104,7 +104,7 @@ class GenerationResponse:
 
     async def _stream_body(self, send: Send) -> None:
         engine = self.engine
-        await engine.prefill(self.request.prompt_tokens, self.request.kv_prefix_tokens)
+        await engine.prefill(self.request)
         async with engine.decoding():
             for sent in range(self.request.completion_tokens):
                 await self._pause_point(sent)
@@ -130,7 +130,7 @@ class GenerationResponse:
 
     async def _unary(self, send: Send) -> None:
         engine = self.engine
-        await engine.prefill(self.request.prompt_tokens, self.request.kv_prefix_tokens)
+        await engine.prefill(self.request)
         async with engine.decoding():
             for _ in range(self.request.completion_tokens - 1):
                 await engine.decode_step()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -38,20 +39,25 @@ def capabilities(config: SimConfig) -> dict[str, Any]:
     return {"schema_version": "1", "model": {"identifier": config.model, "revision": None}}
 
 
-def register_meta(max_num_seqs: int | None, cp_port: int | None = None) -> dict[str, Any]:
+def register_meta(max_num_seqs: int | None, cp_port: int | None = None,
+                  kv_mem_gb: float | None = None) -> dict[str, Any]:
     """max_num_seqs: vLLM's name for how many sequences run at once; the Proxy's sidecar models
     that many slots for this instance (when below READY_CONCURRENCY). cp_port: where the Proxy
-    reaches POST /v1/kv/inject_ready (the original hard-coded 9002). Each is left out when None."""
+    reaches POST /v1/kv/inject_ready (the original hard-coded 9002). kv_mem_gb: the KV memory
+    it keeps knowledge in (residency.py), for a model of its evictions. Each is left out when
+    None."""
     meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
     if max_num_seqs is not None:
         meta["max_num_seqs"] = max_num_seqs
     if cp_port:
         meta["cp_port"] = cp_port
+    if kv_mem_gb is not None:
+        meta["kv_mem_gb"] = kv_mem_gb
     return meta
 
 
 def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, Any]:
-    meta = register_meta(config.max_concurrency, cp_port)
+    meta = register_meta(config.max_concurrency, cp_port, config.kv_mem_gb)
     return {
         "instance_id": config.resolved_instance_id,
         "host": config.host,
@@ -65,11 +71,14 @@ def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, An
 
 
 def heartbeat_body(instance_id: str, fingerprint: str | None,
-                   caps: dict[str, Any] | None = None) -> dict[str, Any]:
+                   caps: dict[str, Any] | None = None,
+                   resident_keys: list[str] | None = None) -> dict[str, Any]:
     # Like the original Instance: no inflight/qps/gpu_util, the Proxy owns those numbers.
     body: dict[str, Any] = {"instance_id": instance_id, "capability_fingerprint": fingerprint}
     if caps is not None:
         body["capabilities"] = caps
+    if resident_keys is not None:  # --report-resident: the knowledge ids held, least recent first
+        body["resident_keys"] = resident_keys
     return body
 
 
@@ -90,9 +99,11 @@ class Backoff:
 class Registrar:
     """Runs register + heartbeat in a background task; ``close()`` unregisters."""
 
-    def __init__(self, config: SimConfig, cp_port: int | None = None) -> None:
+    def __init__(self, config: SimConfig, cp_port: int | None = None,
+                 resident_keys: Callable[[], list[str]] | None = None) -> None:
         self.config = config
         self.cp_port = cp_port
+        self._resident_keys = resident_keys  # with --report-resident: what heartbeats carry
         self.instance_id = config.resolved_instance_id
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -176,7 +187,8 @@ class Registrar:
         return False
 
     async def _heartbeat_call(self, caps: dict[str, Any] | None) -> dict[str, Any]:
-        body = heartbeat_body(self.instance_id, self._fingerprint, caps)
+        body = heartbeat_body(self.instance_id, self._fingerprint, caps,
+                              self._resident_keys() if self._resident_keys is not None else None)
         status, reply = await self._post("/v1/instance/heartbeat", body)
         if status == 404:
             return {"ok": False}  # an unknown-instance 404 means the same as {"ok": false}

@@ -16,6 +16,7 @@ from cacheroute_sim.instance.timing import prompt_tokens
 Kind = Literal["chat", "text"]
 
 KV_PREFIX_HEADER = "x-cacheroute-kv-prefix-tokens"
+KV_KNOWLEDGE_IDS_HEADER = "x-cacheroute-kv-knowledge-ids"
 
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off", ""})
@@ -42,11 +43,18 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Simulation-only hint (header KV_PREFIX_HEADER): this many leading prompt tokens are
     # already in Redis; None when the header is absent.
     kv_prefix_tokens: int | None = None
+    # Simulation-only hint (header KV_KNOWLEDGE_IDS_HEADER): the knowledge ids whose KV the
+    # prompt's context starts with, in order; the prefill uses those resident (residency.py).
+    knowledge_ids: tuple[str, ...] = ()
+    # The prompt as rendered for the prefix cache (residency.block_hashes); "" when caching
+    # is off (nothing is hashed then).
+    prompt_text: str = ""
 
 
 def parse_generation_request(body: bytes, kind: Kind, *, default_max_tokens: int,
-                             default_model: str, kv_prefix_header: str | None = None
-                             ) -> GenerationRequest:
+                             default_model: str, kv_prefix_header: str | None = None,
+                             knowledge_ids_header: str | None = None,
+                             render_prompt: bool = False) -> GenerationRequest:
     payload = _decode_object(body)
     kv_prefix_tokens = parse_kv_prefix_header(kv_prefix_header)
     chars = _chat_chars(payload) if kind == "chat" else _prompt_chars(payload)
@@ -61,7 +69,32 @@ def parse_generation_request(body: bytes, kind: Kind, *, default_max_tokens: int
         completion_tokens=default_max_tokens if max_tokens is None else _clamp(max_tokens),
         finish_reason="stop" if max_tokens is None else "length",
         kv_prefix_tokens=kv_prefix_tokens,
+        knowledge_ids=parse_knowledge_ids_header(knowledge_ids_header),
+        prompt_text=rendered_prompt(payload, kind) if render_prompt else "",
     )
+
+
+def parse_knowledge_ids_header(value: str | None) -> tuple[str, ...]:
+    """``x-cacheroute-kv-knowledge-ids: k1,k2``: ids, lower-cased like the KDN's; () if absent."""
+    if not value:
+        return ()
+    return tuple(kid.strip().lower() for kid in value.split(",") if kid.strip())
+
+
+def rendered_prompt(payload: dict[str, Any], kind: Kind) -> str:
+    """The text the prefix cache hashes: each message's role and text, or the prompt (already
+    validated by the counting above)."""
+    if kind == "text":
+        prompt = payload["prompt"]
+        return prompt if isinstance(prompt, str) else "".join(prompt)
+    parts = []
+    for message in payload["messages"]:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content
+                              if isinstance(p, dict) and isinstance(p.get("text"), str))
+        parts.append(f"<|{message.get('role')}|>{content or ''}\n")
+    return "".join(parts)
 
 
 def parse_kv_prefix_header(value: str | None) -> int | None:

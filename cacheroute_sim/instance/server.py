@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 import uvloop
@@ -66,7 +66,8 @@ async def serve(config: SimConfig) -> None:
     tasks = [asyncio.create_task(srv.serve(sockets=socks), name=f"sim-uvicorn-{i}")
              for i, (srv, socks) in enumerate(zip(servers, sockets, strict=True))]
     registrar = await _start_registration(
-        config, servers, tasks, cp_sock.getsockname()[1] if cp_sock is not None else None)
+        config, servers, tasks, cp_sock.getsockname()[1] if cp_sock is not None else None,
+        state.engine.residency.resident_ids if config.report_resident else None)
     try:
         await asyncio.wait({*tasks, asyncio.create_task(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
@@ -109,8 +110,9 @@ def _bind_control_plane(config: SimConfig) -> socket.socket | None:
 
 
 async def _start_registration(config: SimConfig, servers: Sequence[uvicorn.Server],
-                              tasks: list[asyncio.Task[None]],
-                              cp_port: int | None) -> Registrar | None:
+                              tasks: list[asyncio.Task[None]], cp_port: int | None,
+                              resident_keys: Callable[[], list[str]] | None = None
+                              ) -> Registrar | None:
     if not config.register:
         return None
     # Register only once every port listens, or the Proxy may route to a closed port.
@@ -118,7 +120,7 @@ async def _start_registration(config: SimConfig, servers: Sequence[uvicorn.Serve
         await asyncio.sleep(0.01)
     if any(t.done() for t in tasks):
         return None
-    registrar = Registrar(config, cp_port)
+    registrar = Registrar(config, cp_port, resident_keys)
     registrar.start()
     return registrar
 

@@ -77,3 +77,13 @@ def kv_hit_prefill_ms(tokens: int, prefix_tokens: int) -> float:
     """
     hit = min(max(prefix_tokens, 0), tokens)
     return redis_pull_ms(hit) + prefill_ms(max(1, tokens - hit))
+
+
+def cached_prefill_ms(tokens: int, cached_tokens: int, factor: float) -> float:
+    """Prefill of a ``tokens`` prompt whose first ``cached_tokens`` have their KV on this
+    Instance already (resident knowledge, prefix cache): those at ``factor`` of their cost
+    (loading them is not free), the rest computed, at least one token."""
+    cached = min(max(cached_tokens, 0), max(0, tokens - 1))
+    if cached == 0:
+        return prefill_ms(tokens)
+    return factor * prefill_ms(cached) + prefill_ms(max(1, tokens - cached))
