@@ -87,7 +87,7 @@ def test_an_acknowledged_inject_is_resident_for_every_worker_and_skips_the_kdn_a
         kids = ["k0001", "k0002"]
         first = ask(cluster.worker_url(0), knowledge_body(kdn, kids))
         assert first["kv_ack"]["ok"] is True and first["trace"]["kvcache_actual_path"] == "kv_injected"
-        assert first["resident_kids"] == [] and kdn.injects() == 1
+        assert first["resident_kids"] == [] and kdn.injects() == 1 and inst.stats()["kv_injects"] == 1
         # Worker 0 told the sidecar; the sidecar published; every worker reads it from the segment.
         wait_until(lambda: resident_everywhere(cluster, inst.instance_id, kids), 10,
                    message="the inject resident in every worker's view")
@@ -95,11 +95,13 @@ def test_an_acknowledged_inject_is_resident_for_every_worker_and_skips_the_kdn_a
             meta = ask(cluster.worker_url(worker), knowledge_body(kdn, kids))
             assert meta["resident_kids"] == kids, meta
             assert meta["trace"]["kvcache_actual_path"] == "kv_resident"
-        assert kdn.injects() == 1  # no KDN transfer for knowledge already resident
-        # One more id: only it is pulled.
+        # No inject asked of the instance, no KDN transfer, for knowledge already resident.
+        assert (kdn.injects(), inst.stats()["kv_injects"]) == (1, 1)
+        # One more id: only it is asked for, and pulled.
         meta = ask(cluster.worker_url(2), knowledge_body(kdn, ["k0001", "k0003"]))
         assert meta["resident_kids"] == ["k0001"] and meta["trace"]["kvcache_actual_path"] == "kv_injected"
-        assert kdn.injects() == 2
+        assert (kdn.injects(), inst.stats()["kv_injects"]) == (2, 2)
+        assert inst.stats()["kv_inject_pulled_ids"] == 3  # k0001, k0002, then k0003 alone
     finally:
         kdn.stop()
 
@@ -107,10 +109,10 @@ def test_an_acknowledged_inject_is_resident_for_every_worker_and_skips_the_kdn_a
 def test_the_model_evicts_the_least_recently_used_past_the_instance_capacity(make_cluster, tmp_path):
     kdn = Kdn(tmp_path)
     try:
-        # 2.44140625 GB x 1024 / 1 MB a token = 2500 tokens: room for two ids of 1000 tokens.
-        cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_KV_MEM_PER_INSTANCE_GB": "2.44140625",
-                                               "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
-        inst = cluster.add_instance()
+        # The instance registers meta.kv_mem_gb 2.44140625: x 1024 / 1 MB a token = 2500 tokens,
+        # room for two ids of 1000 tokens in the proxy's model.
+        cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
+        inst = cluster.add_instance("--kv-mem-gb", "2.44140625")
         for kid in ("k0001", "k0002", "k0003"):
             ask(cluster.dp_url, knowledge_body(kdn, [kid]))
         all_four = ["k0001", "k0002", "k0003", "k0004"]
@@ -203,9 +205,9 @@ def test_a_per_worker_view_sees_only_what_its_worker_sent(make_cluster, tmp_path
         wait_until(lambda: cluster.status()["event_channel"]["affinity"]["instances"]
                    .get(inst.instance_id, {}).get("knowledge") == 1, 10, message="the sidecar's model")
         meta = ask(cluster.worker_url(1), knowledge_body(kdn, ["k0001"]))
-        assert meta["resident_kids"] == [] and kdn.injects() == 2  # worker 1 pulled it again
+        assert meta["resident_kids"] == [] and inst.stats()["kv_injects"] == 2  # worker 1 asked again
         meta = ask(cluster.worker_url(0), knowledge_body(kdn, ["k0001"]))
-        assert meta["resident_kids"] == ["k0001"] and kdn.injects() == 2
+        assert meta["resident_kids"] == ["k0001"] and inst.stats()["kv_injects"] == 2
     finally:
         kdn.stop()
 
