@@ -134,6 +134,9 @@ class ProxyExchange:
             if age is not None:
                 trace.snapshot_age_ms = round(age, 1)
             trace.instance_id = out.instance_id = lease.instance.instance_id
+            if lease.guard_fired is not None:
+                trace.affinity_credit = round(lease.affinity.credit, 4)
+                trace.affinity_guard = lease.guard_fired
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await run_until_disconnect(self._run(lease, out), out.send, receive)

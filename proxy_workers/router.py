@@ -38,13 +38,15 @@ class Lease:
     instance (None for other strategies, or before any snapshot), for the request's trace.
     `affinity`: what kv_aware found the instance holds of the request (NO_AFFINITY otherwise)."""
 
-    __slots__ = ("instance", "snapshot_age_ms", "affinity", "_row", "_held", "_lanes")
+    __slots__ = ("instance", "snapshot_age_ms", "affinity", "guard_fired", "_row", "_held", "_lanes")
 
     def __init__(self, instance: InstanceSlot, row: WorkerRow,
-                 snapshot_age_ms: float | None = None, affinity: Assessment = NO_AFFINITY) -> None:
+                 snapshot_age_ms: float | None = None, affinity: Assessment = NO_AFFINITY,
+                 guard_fired: bool | None = None) -> None:
         self.instance = instance
         self.snapshot_age_ms = snapshot_age_ms
         self.affinity = affinity
+        self.guard_fired = guard_fired  # kv_aware: did the balance guard set the credits aside
         self._row = row
         self._held = True
         self._lanes: list[int] = []
@@ -118,7 +120,7 @@ class Router:
         return self._choose(exclude, request)[0]
 
     def _choose(self, exclude: frozenset[tuple[int, int]],
-                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment]:
+                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
         snapshot = self.view.directory.snapshot()
         candidates = snapshot.alive
         if not candidates:
@@ -134,26 +136,26 @@ class Router:
             if len(kept) < len(candidates):
                 return self._select(kept, snapshot.slot_span, None, request)
         if not self._least_load:
-            return self.strategy.select(candidates), NO_AFFINITY
+            return self.strategy.select(candidates), NO_AFFINITY, None
         totals = self._fast_totals(snapshot) if self._fast else None
         return self._select(candidates, snapshot.slot_span, totals, request)
 
     def _select(self, candidates: tuple[InstanceSlot, ...], span: int,
                 totals: list[float | None] | None,
-                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment]:
+                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
         """least_load's totals (the fast ones, or every component read one by one), minus
         kv_aware's credits; round_robin reads none."""
         strategy = self.strategy
         if not isinstance(strategy, LeastLoadStrategy):
-            return strategy.select(candidates), NO_AFFINITY
+            return strategy.select(candidates), NO_AFFINITY, None
         if totals is None:
             totals = strategy.totals(len(candidates), self.view.components(candidates, span))
         if not self._kv_aware or request is None:
-            return strategy.select_by_totals(candidates, totals), NO_AFFINITY
+            return strategy.select_by_totals(candidates, totals), NO_AFFINITY, None
         assessments = self.affinity.assess(request, candidates)  # type: ignore[union-attr]
-        scores, _ = strategy.combine(totals, [a.credit for a in assessments])  # type: ignore[attr-defined]
+        scores, guard = strategy.combine(totals, [a.credit for a in assessments])  # type: ignore[attr-defined]
         choice = strategy.select_by_totals(candidates, scores)
-        return choice, next(a for c, a in zip(candidates, assessments) if c is choice)
+        return choice, next(a for c, a in zip(candidates, assessments) if c is choice), guard.fired
 
     def _fast_totals(self, snapshot: DirectorySnapshot) -> list[float] | None:
         compiled_for, scorer = self._compiled
@@ -185,11 +187,11 @@ class Router:
         """Choose an instance outside `exclude` (for `request`: kv_aware weighs what each holds
         of it) and begin a request on it (503 if there is none, or if it left the table between
         the choice and the begin)."""
-        instance, affinity = self._choose(exclude, request)
+        instance, affinity, guard_fired = self._choose(exclude, request)
         if affinity is NO_AFFINITY and request is not None and self.affinity is not None:
             affinity = self.affinity.assess(request, (instance,))[0]
         age = self.view.snapshot_age_ms() if self._least_load else None
         if not self.row.begin(instance.slot, instance.generation):
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
-        return Lease(instance, self.row, age, affinity)
+        return Lease(instance, self.row, age, affinity, guard_fired)
 

@@ -35,6 +35,8 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     route_select_end_ms: int | None = None  # the lease is held from here
     snapshot_age_ms: float | None = None  # least_load: age of the predicted layer the choice read
     instance_id: str | None = None  # the instance chosen (the last one, after a retry)
+    affinity_credit: float | None = None  # kv_aware: the credit the chosen instance got (score units)
+    affinity_guard: bool | None = None  # kv_aware: true if the balance guard set every credit aside
     # --- prepare stage (pipeline) ---
     prepare_seq: int | None = None  # place in this worker's prepare order for the instance
     proxy_enqueue_ms: int | None = None  # entered the instance's pipeline

@@ -252,7 +252,9 @@ def test_the_credit_beats_load_only_within_its_bound(make_cluster):
     wait_until(lambda: affinity_rows(cluster, 1, **_prompt_query())[warm]["resident_prefix_blocks"] == 3,
                10, message="the system prompt's blocks resident where it went")
     # Idle: the warm instance wins every time (least_load alone would alternate the tie).
-    assert [served_by(cluster, prefix_body(f"again {i}")) for i in range(4)] == [warm] * 4
+    traces = [ask(cluster.dp_url, prefix_body(f"again {i}"))["trace"] for i in range(4)]
+    assert [(t["instance_id"], t["affinity_credit"], t["affinity_guard"]) for t in traces] == \
+        [(warm, 1.5, False)] * 4
     warm_sim = a if warm == a.instance_id else b
     warm_sim.configure(hold_streams=True)
 
@@ -296,7 +298,8 @@ def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_clus
             guard = loads["kv_aware"]["guard"]
             assert guard["fired"] is True and "pure least_load" in guard["reason"], guard
             # The credit (1.5) would beat inflight 1, but the spread is past the bound.
-            assert served_by(cluster, prefix_body("second", stream=False)) == cold
+            trace = ask(cluster.dp_url, prefix_body("second", stream=False))["trace"]
+            assert (trace["instance_id"], trace["affinity_guard"]) == (cold, True)
         finally:
             warm_sim.release()
             for stream in held:

@@ -34,6 +34,7 @@ META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", 
 TRACE_KEYS = [
     "proxy_recv_ms", "worker", "request_id",
     "route_select_start_ms", "route_select_end_ms", "snapshot_age_ms", "instance_id",
+    "affinity_credit", "affinity_guard",
     "prepare_seq", "proxy_enqueue_ms", "iws_reason", "kdn_link_source", "injection_mode",
     "prepare_dequeue_ms", "prepare_start_ms",
     "kdn_fetch_start_ms", "kdn_fetch_end_ms", "kdn_link_wait_ms", "kv_ack_start_ms",
@@ -47,6 +48,8 @@ TRACE_KEYS = [
     "predict_error_ms", "forward_end_ms",
     "retries",
 ]
+# Set only when kv_aware chose the instance.
+AFFINITY_KEYS = {"affinity_credit", "affinity_guard"}
 # Set only on a stream's first token.
 FIRST_TOKEN_KEYS = {"first_token_ms", "decode_start_ms", "actual_ttft_ms", "actual_vllm_ttft_ms",
                     "actual_total_ms", "actual_vllm_internal_ms", "predict_error_ms"}
@@ -276,8 +279,8 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     assert status == 200 and upstream.opened[0] != upstream.opened[1]  # retried elsewhere
     meta = meta_of(body) if stream else json.loads(body)["_cacheroute_meta"]
     assert list(meta) == META_KEYS and meta["error"] is None, meta
-    absent = BYPASS_KEYS if stream else BYPASS_KEYS | FIRST_TOKEN_KEYS
-    assert list(meta["trace"]) == [k for k in TRACE_KEYS if k not in absent]
+    absent = BYPASS_KEYS | AFFINITY_KEYS if stream else BYPASS_KEYS | FIRST_TOKEN_KEYS | AFFINITY_KEYS
+    assert list(meta["trace"]) == [k for k in TRACE_KEYS if k not in absent]  # least_load: no affinity
     trace = meta["trace"]
     assert (trace["request_id"], trace["retries"], trace["snapshot_age_ms"]) == (0, 1, 3.3)
     assert (trace["injection_mode"], trace["kvcache_actual_path"]) == ("kvcache", "kv_injected")
