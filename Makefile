@@ -9,7 +9,7 @@ SIM    ?= 2
 STRATEGY ?= round_robin
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers soak clean-shm clean
+.PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -98,6 +98,12 @@ bench-peers: $(STAMP)
 	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk)
 	$(PY) -m pip install --quiet -e '.[bench]' || echo 'bench-peers: the bench extra did not install; what needs it is skipped (see notes)'
 	$(PY) -m bench.peers --out bench/results/peers.json $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
+
+# kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
+# three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over
+# 200 knowledge ids with shared system prompts (~6 min: five contenders, 40 s of load each).
+bench-affinity: $(STAMP)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(DURATION_S),--duration $(DURATION_S),)
 
 # BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.
 bench-report: $(STAMP)
