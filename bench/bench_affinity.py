@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import math
 import random
@@ -44,6 +45,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.machine import machine_info
 from bench.stats import percentile
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
@@ -349,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    machine = machine_info()
     planned = plan(args.seed, args.duration, args.high_rate, args.low_rate)
     args.capacity_tokens = capacity_for(args.time_scale)
     print(f"{len(planned)} requests over {args.duration:g}s; instance KV capacity "
@@ -364,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
               "seed": args.seed, "duration_s": args.duration, "time_scale": args.time_scale,
               "requests": len(planned), "capacity_tokens": args.capacity_tokens,
               "knowledge_ids": KNOWLEDGE_IDS, "zipf_s": ZIPF_S, "instances": INSTANCES,
-              "slow_factor": SLOW_FACTOR, "results": results}
+              "slow_factor": SLOW_FACTOR, "started_at": started_at,
+              "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
