@@ -221,6 +221,7 @@ class Stack:
     ports: SupervisorPorts | None = None
     kdn_addr: str = ""
     instance_urls: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # --env, for every contender
 
     def start(self) -> None:
         c, scale = self.contender, str(self.time_scale)
@@ -229,7 +230,7 @@ class Stack:
         self._spawn(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", scale,
                      "--kv-ready-ratio", "1", "--knowledge-count", str(KNOWLEDGE_IDS)], "kdn")
         self.ports = ports = SupervisorPorts(c.workers, "cacheroute_bench_aff")
-        env = {**ports.supervisor_env(c.strategy), "PROXY_AFFINITY_VIEW": c.affinity_view,
+        env = {**ports.supervisor_env(c.strategy), "PROXY_AFFINITY_VIEW": c.affinity_view, **self.extra_env,
                # The capacity each instance registers (meta.kv_mem_gb) is in tokens x 1 MB.
                "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1", "PROXY_PREDICTOR_PROFILE": "sim"}
         self._spawn(["-m", "cacheroute_proxy", "run"], "proxy", env)
@@ -267,7 +268,8 @@ def corpus_tokens(kdn_url: str) -> dict[str, int]:
     return {item["id"]: max(1, math.ceil(item["length"] / 4)) for item in found["items"]}
 
 
-def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack) -> dict[str, Any]:
+def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
+              planned: list[Planned]) -> dict[str, Any]:
     instances = [_get(f"{url}/sim/stats") for url in stack.instance_urls]
     kdn = _get(f"{stack.kdn_url}/sim/stats")
     ok = [o for o in outcomes if o.error is None and o.ttft_ms is not None]
@@ -276,6 +278,9 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack) -> di
     requested = sum(o.kv_ready for o in ok if o.knowledge)
     pulled = sum(s["kv_inject_pulled_ids"] for s in instances)
     believed_but_gone = sum(s["kv_resident_misses"] for s in instances)
+    # The first request for an id misses wherever it goes: no strategy can avoid those.
+    compulsory = len({k for p in planned for k in p.kids})
+    misses = pulled + believed_but_gone
     shares = {f"inst-{i}": 0 for i in range(INSTANCES)}
     for o in ok:
         if o.instance in shares:
@@ -291,7 +296,11 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack) -> di
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
         "kv_ids_requested": requested, "kv_ids_pulled": pulled,
         "kv_ids_believed_resident_but_evicted": believed_but_gone,
-        "resident_hit_rate": round(1 - (pulled + believed_but_gone) / requested, 4) if requested else None,
+        "resident_hit_rate": round(1 - misses / requested, 4) if requested else None,
+        "compulsory_misses": compulsory,
+        "hit_rate_bound": round(1 - compulsory / requested, 4) if requested else None,
+        "avoidable_hit_rate": round(1 - (misses - compulsory) / (requested - compulsory), 4)
+        if requested > compulsory else None,
         "proxy_skipped_ids": sum(o.resident for o in ok),
         "kdn_bytes": kdn["payload_bytes"], "kdn_injects": kdn["injects"],
         "ttft_p50_ms": round(percentile(ttft, 0.5), 1) if ttft else None,
@@ -311,13 +320,14 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack) -> di
 def run_one(contender: Contender, args: argparse.Namespace, planned: list[Planned]) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-affinity-"))
     # A third of the corpus's tokens per instance (the corpus is the same for every contender).
-    stack = Stack(contender, args.time_scale, args.capacity_tokens, log_dir)
+    stack = Stack(contender, args.time_scale, args.capacity_tokens, log_dir,
+                  extra_env=dict(item.split("=", 1) for item in args.env))
     try:
         stack.start()
         tokens = corpus_tokens(stack.kdn_url)
         outcomes = asyncio.run(drive(stack.ports.dp_url, planned, stack.kdn_addr, tokens))  # type: ignore[union-attr]
         time.sleep(0.5)
-        result = summarize(contender, outcomes, stack)
+        result = summarize(contender, outcomes, stack, planned)
         result["logs"] = str(log_dir)
         return result
     finally:
@@ -346,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", default=None, help="run only the contenders whose name contains this")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a proxy setting for every contender (e.g. PROXY_KV_AWARE_CREDIT_PER_MS=0.003)")
     return parser
 
 
@@ -368,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
               "seed": args.seed, "duration_s": args.duration, "time_scale": args.time_scale,
               "requests": len(planned), "capacity_tokens": args.capacity_tokens,
               "knowledge_ids": KNOWLEDGE_IDS, "zipf_s": ZIPF_S, "instances": INSTANCES,
-              "slow_factor": SLOW_FACTOR, "started_at": started_at,
+              "slow_factor": SLOW_FACTOR, "proxy_env": dict(item.split("=", 1) for item in args.env),
+              "started_at": started_at,
               "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
