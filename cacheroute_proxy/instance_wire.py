@@ -21,7 +21,7 @@ HOST_PATTERN = rf"^(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=HOST_PATTERN)]
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=112)]
 KnowledgeId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-MAX_RESIDENT_KEYS = 4096
+MAX_RESIDENT_KEYS = 65536  # a body limit more than a cache limit: the index keeps the 512 most recent
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
