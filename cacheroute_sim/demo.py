@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cacheroute_sim.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", "-n", type=int, default=None, help="proxy workers (PROXY_WORKERS)")
-    parser.add_argument("--strategy", default=None, help="round_robin|least_load (PROXY_INSTANCE_STRATEGY)")
+    parser.add_argument("--strategy", default=None, help="round_robin|least_load|kv_aware (PROXY_INSTANCE_STRATEGY)")
     parser.add_argument("--port", type=int, default=None, help="service port (PROXY_DP_PORT)")
     parser.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
     parser.add_argument("--sim-instances", type=int, default=_env_int(SIM_INSTANCES_ENV, 2),

@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the sidecar and N workers")
     run.add_argument("--workers", "-n", type=int, default=None, help="number of workers (PROXY_WORKERS)")
     run.add_argument("--strategy", dest="instance_strategy", default=None,
-                     help="round_robin|rr|least_load|ll (PROXY_INSTANCE_STRATEGY)")
+                     help="round_robin|rr|least_load|ll|kv_aware|kv (PROXY_INSTANCE_STRATEGY)")
     run.add_argument("--port", dest="dp_port", type=int, default=None, help="service port (PROXY_DP_PORT)")
     run.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
     for name, (_, helptext) in ROLES.items():  # listed for --help; main() dispatches them first
