@@ -4,10 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-N      ?= 4
-SIM    ?= 2
-STRATEGY ?= round_robin
 PYTEST_ARGS ?=
+# N, SIM and STRATEGY (run-workers) have no default here: given on the command line they become
+# the demo's flags; otherwise PROXY_WORKERS, PROXY_SIM_INSTANCES and PROXY_INSTANCE_STRATEGY from
+# the environment decide, then the product's defaults. A variable of the same name that merely
+# sits in the environment (make imports the environment) is not a command-line choice: ignored.
+from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
 .PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
@@ -23,7 +25,7 @@ install: $(STAMP)
 # plus a simulated KDN (cacheroute_sim/demo.py). A real deployment runs `cacheroute-proxy run`
 # or the systemd units (docs/operations.md); its instances register themselves.
 run-workers: $(STAMP)
-	PROXY_SIM_INSTANCES=$${PROXY_SIM_INSTANCES:-$(SIM)} $(PY) -m cacheroute_sim.demo --workers $(N) --strategy $(STRATEGY)
+	$(PY) -m cacheroute_sim.demo $(call from_command_line,N,--workers) $(call from_command_line,STRATEGY,--strategy) $(call from_command_line,SIM,--sim-instances)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -46,6 +46,8 @@ ENV_NAMES: dict[str, str] = {
     "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
     "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
     "log_level": "PROXY_LOG_LEVEL",
+    "log_format": "PROXY_LOG_FORMAT",
+    "log_each_request": "PROXY_ACCESS_LOG",
     # --- the prepare/ready pipeline and predicted pressure (docs/architecture.md §5, §6) ---
     "prepare_concurrency": "PREPARE_CONCURRENCY",
     "ready_concurrency": "READY_CONCURRENCY",
@@ -100,6 +102,14 @@ ENV_NAMES: dict[str, str] = {
     # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
     "static_instances": "PROXY_STATIC_INSTANCES",
     "static_probe_s": "PROXY_STATIC_PROBE_S",
+    # --- the browser dashboard (docs/operations.md, dashboard section) ---
+    "ui_listen": "PROXY_UI_LISTEN",
+    "ui_url": "PROXY_UI_URL",
+    # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
+    # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
+    "otel_exporter_otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "otel_exporter_otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "otel_sdk_disabled": "OTEL_SDK_DISABLED",
 }
 
 STRATEGY_ALIASES: dict[str, str] = {
@@ -116,6 +126,7 @@ STRATEGY_ALIASES: dict[str, str] = {
 
 LOAD_VIEWS = ("shared", "per_worker")
 AFFINITY_VIEWS = ("shared", "per_worker")
+LOG_FORMATS = ("text", "json")
 RELEASE_POLICIES = ("ordered", "text_bypass")
 INJECTION_STRATEGIES = ("default", "iws")
 
@@ -157,6 +168,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # timeout, or they may send on a connection the worker is closing).
     keepalive_timeout_s: float = 5.0
     log_level: str = "info"
+    # "text": time role[pid] level logger: message; "json": one object per line (cacheroute_proxy/logs.py).
+    log_format: str = "text"
+    # One line per proxied request from the worker that served it, at its end (off: nothing per request).
+    log_each_request: bool = False
     prepare_concurrency: int = 8
     # Host-wide: N workers together never forward more than this to one instance at once.
     ready_concurrency: int = 8
@@ -245,11 +260,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     static_instances: str = ""
     # How often the sidecar probes each one's GET /health.
     static_probe_s: float = 2.0
+    # A second listener of the sidecar for the dashboard alone, "host:port" (the original's
+    # 127.0.0.1:8202); "": only http://<control plane>/dashboard.
+    ui_listen: str = ""
+    # The dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in
+    # the ready line; "": the listener's own URL.
+    ui_url: str = ""
+    # Spans are exported over OTLP/HTTP when one of the endpoints is set, unless disabled;
+    # the traceparent header passes through untouched either way.
+    otel_exporter_otlp_endpoint: str | None = None
+    otel_exporter_otlp_traces_endpoint: str | None = None
+    otel_sdk_disabled: bool = False
 
     def __post_init__(self) -> None:
         _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
                f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
         _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
+        _check(self.log_format in LOG_FORMATS, "log_format", f"must be one of {LOG_FORMATS}")
         for name in ("dp_port", "cp_port", "worker_private_port_base"):
             _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
         _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")
@@ -296,6 +323,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         self._check_scheduler_link()
         static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
         _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
+        self._check_ui()
+        for name in ("otel_exporter_otlp_endpoint", "otel_exporter_otlp_traces_endpoint"):
+            _check(_is_http_url(getattr(self, name)), name,
+                   f"must be an http(s) URL such as http://127.0.0.1:4318, got {getattr(self, name)!r}")
+
+    @property
+    def otel_traces_on(self) -> bool:
+        """Spans are built and exported: an OTLP endpoint is set and the SDK is not disabled."""
+        return bool(self.otel_exporter_otlp_endpoint or self.otel_exporter_otlp_traces_endpoint) \
+            and not self.otel_sdk_disabled
 
     @property
     def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
@@ -342,6 +379,38 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.max_capacity >= 0, "max_capacity", "must be >= 0")
         _check(self.instance_count is None or self.instance_count >= 0, "instance_count", "must be >= 0")
         _check(self.kv_mem_per_instance_gb >= 0, "kv_mem_per_instance_gb", "must be >= 0")
+
+    def _check_ui(self) -> None:
+        if self.ui_listen:
+            address = _host_port(self.ui_listen)
+            _check(address is not None, "ui_listen",
+                   f"must be HOST:PORT such as 127.0.0.1:8202, got {self.ui_listen!r}")
+            assert address is not None
+            _check(address[1] not in (self.cp_port, self.dp_port), "ui_listen",
+                   f"port {address[1]} is already the control plane's or the data plane's")
+            _check(is_loopback(address[0]) or bool(self.cp_token or self.cp_token_file), "ui_listen",
+                   f"{address[0]} is not a loopback address: like the control plane, a dashboard "
+                   f"bound beyond loopback needs a token (PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
+        if self.ui_url:
+            url = urlsplit(self.ui_url)
+            _check(url.scheme in ("http", "https") and bool(url.hostname), "ui_url",
+                   f"must be an http(s) URL such as http://127.0.0.1:8202/, got {self.ui_url!r}")
+
+    @property
+    def ui_address(self) -> tuple[str, int] | None:
+        """(host, port) of the dashboard's own listener, None when there is none."""
+        return _host_port(self.ui_listen) if self.ui_listen else None
+
+    @property
+    def dashboard_url(self) -> str:
+        """Where a browser finds the dashboard: PROXY_UI_URL, else the UI listener, else the
+        control plane's /dashboard."""
+        if self.ui_url:
+            return self.ui_url
+        if self.ui_address is not None:
+            host, port = self.ui_address
+            return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+        return f"{self.cp_url}/dashboard"
 
     def __repr__(self) -> str:  # never print the token
         shown = {k: ("***" if k == "cp_token" and v else v)
@@ -420,6 +489,18 @@ def _name_the_variable(message: str) -> str:
     return message
 
 
+def _is_http_url(value: str | None) -> bool:
+    """None (not set) or an http(s) URL with a host and, if any, a numeric port."""
+    if value is None:
+        return True
+    url = urlsplit(value)
+    try:
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or the name localhost."""
     if host.strip("[]").lower() == "localhost":
@@ -433,3 +514,12 @@ def is_loopback(host: str) -> bool:
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{ENV_NAMES.get(field, field)}: {message}")
+
+
+def _host_port(value: str) -> tuple[str, int] | None:
+    """"host:port" or "[v6]:port" -> (host, port); None if it is not one."""
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)

@@ -23,6 +23,7 @@ import sys
 import time
 
 from cacheroute_proxy import logs
+from cacheroute_proxy.cli import run_flags
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.probe import get_json
 from cacheroute_proxy.supervisor.children import Child, describe_exit
@@ -35,6 +36,9 @@ SIM_KDN_PORT_ENV = "PROXY_SIM_KDN_PORT"
 CONTROL_PLANE_WAIT_S = 30.0
 RESTART_DELAY_S = 1.0
 STOP_TIMEOUT_S = 10.0
+# The dashboard where the original demo served its UI, unless PROXY_UI_LISTEN or a flag says
+# otherwise (--no-proxy-ui: only the control plane's /dashboard).
+DEMO_UI_LISTEN = "127.0.0.1:8202"
 # The proxy's own stop may take its whole drain; the demo waits that long, plus this margin.
 PROXY_STOP_MARGIN_S = 15.0
 
@@ -50,10 +54,10 @@ def _env_int(name: str, default: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cacheroute_sim.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", "-n", type=int, default=None, help="proxy workers (PROXY_WORKERS)")
-    parser.add_argument("--strategy", default=None, help="round_robin|least_load|kv_aware (PROXY_INSTANCE_STRATEGY)")
-    parser.add_argument("--port", type=int, default=None, help="service port (PROXY_DP_PORT)")
-    parser.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    run_flags.add_run_flags(parser)  # `cacheroute-proxy run`'s own, passed on to it
+    parser.add_argument("--no-proxy-ui", action="store_true",
+                        help=f"no dashboard listener of its own (default: {DEMO_UI_LISTEN}, "
+                             f"unless PROXY_UI_LISTEN is set); :8002/dashboard stays")
     parser.add_argument("--sim-instances", type=int, default=_env_int(SIM_INSTANCES_ENV, 2),
                         help=f"simulated instances to start ({SIM_INSTANCES_ENV}, default 2; 0 = none)")
     parser.add_argument("--sim-port-base", type=int, default=_env_int(SIM_PORT_BASE_ENV, 9001),
@@ -67,12 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def proxy_argv(args: argparse.Namespace) -> list[str]:
     """`cacheroute-proxy run` with the flags the demo was given (the rest comes from the
     environment, which the child inherits)."""
-    argv = ["-m", "cacheroute_proxy", "run"]
-    for flag, value in (("--workers", args.workers), ("--strategy", args.strategy),
-                        ("--port", args.port), ("--load-view", args.load_view)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return ["-m", "cacheroute_proxy", "run", *run_flags.run_argv(args)]
 
 
 def simulated_children(args: argparse.Namespace, cp_url: str) -> list[Child]:
@@ -146,16 +145,23 @@ class Demo:
                 child.start()
 
     def _announce(self) -> None:
-        """Once every simulated instance is in the proxy's directory: the line to try."""
+        """Once every simulated instance is in the proxy's directory and every worker answers
+        (the instances may register before the workers listen): the line to try."""
         s = self.settings
         wanted = sum(1 for c in self.sims if c.name.startswith("sim-instance"))
         deadline = time.monotonic() + CONTROL_PLANE_WAIT_S
-        while time.monotonic() < deadline and not self._stopping and self._alive_instances() < wanted:
+        while time.monotonic() < deadline and not self._stopping and \
+                (self._alive_instances() < wanted or not self._workers_answer()):
             time.sleep(0.2)
         log.info("demo: %d simulated instances registered with %s; try\n  curl -s http://%s:%d/v1/chat/completions "
                  "-H 'content-type: application/json' -d '{\"model\": \"sim-model\", \"messages\": "
                  "[{\"role\": \"user\", \"content\": \"hello\"}]}'", self._alive_instances(), s.cp_url,
                  s.dp_host, s.dp_port)
+
+    def _workers_answer(self) -> bool:
+        s = self.settings
+        return all(get_json(f"http://{s.worker_private_host}:{s.worker_private_port(i)}/healthz") is not None
+                   for i in range(s.workers))
 
     def _alive_instances(self) -> int:
         loads = get_json(f"{self.settings.cp_url}/debug/instance_loads")
@@ -170,15 +176,23 @@ class Demo:
         self.proxy.stop(self.settings.drain_timeout_s + PROXY_STOP_MARGIN_S)
 
 
+def with_demo_dashboard(args: argparse.Namespace) -> argparse.Namespace:
+    """The original demo's UI address when neither the environment nor a flag chose one."""
+    if args.no_proxy_ui:
+        args.ui_listen = ""
+    elif args.ui_listen is None and "PROXY_UI_LISTEN" not in os.environ:
+        args.ui_listen = DEMO_UI_LISTEN
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = with_demo_dashboard(build_parser().parse_args(argv))
     try:
-        settings = Settings.from_env().with_overrides(workers=args.workers, instance_strategy=args.strategy,
-                                                      dp_port=args.port, load_view=args.load_view)
+        settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:
         print(f"demo: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("demo", settings.log_level)
+    logs.configure("demo", settings.log_level, settings.log_format)
     return Demo(args, settings).run()
 
 

@@ -89,6 +89,8 @@ class SupervisorPorts:
             "PROXY_SHM_NAME": self.shm_name,
             "PROXY_INSTANCE_STRATEGY": strategy, "PROXY_WORKERS": str(self.workers),
             "PROXY_SHM_INSTANCE_CAPACITY": "32", "PROXY_SHM_WORKER_CAPACITY": "16",
+            # No dashboard listener of its own: the demo's default (:8202) is one per machine.
+            "PROXY_UI_LISTEN": "",
         }
 
     @property

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"instance-agent: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("agent", config.log_level)
+    logs.configure("agent", config.log_level, config.log_format)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_run(Agent(config)))
     return 0

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from cacheroute_proxy.auth import load_token
-from cacheroute_proxy.config import ConfigError
+from cacheroute_proxy.config import LOG_FORMATS, ConfigError
 
 # flag destination -> environment variable (PROXY_CP_URL and the token as the simulated
 # instance and the original Instances read them)
@@ -28,6 +28,7 @@ ENV_NAMES = {
     "topology_interval_s": "INSTANCE_TOPOLOGY_INTERVAL_S",
     "default_link_mbps": "INSTANCE_DEFAULT_LINK_BW_MBPS",
     "log_level": "PROXY_LOG_LEVEL",
+    "log_format": "PROXY_LOG_FORMAT",
 }
 
 
@@ -44,6 +45,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     topology_interval_s: float = 30.0
     default_link_mbps: float = 1000.0      # a link whose interface reports no speed
     log_level: str = "info"
+    log_format: str = "text"               # or json, as the proxy's processes (cacheroute_proxy/logs.py)
 
     @property
     def engine_host(self) -> str:
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     option("--topology-interval", "topology_interval_s", help="seconds between topology reports (default 30)")
     option("--default-link-mbps", "default_link_mbps", help="bandwidth of a link whose NIC reports none (default 1000)")
     option("--log-level", "log_level", help="default info")
+    option("--log-format", "log_format", help="text (default) or json: one JSON object per line")
     return p
 
 
@@ -119,6 +122,8 @@ def _check(config: AgentConfig) -> None:
             raise ConfigError(f"{ENV_NAMES[name]}: must be > 0")
     if config.heartbeat_interval_s is not None and config.heartbeat_interval_s <= 0:
         raise ConfigError(f"{ENV_NAMES['heartbeat_interval_s']}: must be > 0")
+    if config.log_format not in LOG_FORMATS:
+        raise ConfigError(f"--log-format ({ENV_NAMES['log_format']}): one of {LOG_FORMATS}, got {config.log_format!r}")
     if config.max_num_seqs is not None and not 0 < config.max_num_seqs <= 65536:
         raise ConfigError(f"{ENV_NAMES['max_num_seqs']}: must be 1..65536")
 

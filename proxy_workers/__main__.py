@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"worker: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure(f"worker{index}", settings.log_level)
+    logs.configure(f"worker{index}", settings.log_level, settings.log_format)
     return run(settings, index)
 
 

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cacheroute_proxy import logs
 from cacheroute_proxy.auth import TokenGuard, load_token
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
@@ -33,7 +34,7 @@ from cacheroute_proxy.http import (
 )
 from cacheroute_proxy.routing.report import instance_loads
 
-from . import metrics
+from . import access_log, metrics
 from .exchange import ProxyExchange, Responder
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
@@ -52,15 +53,21 @@ class WorkerContext:
     router: Router
     upstream: Upstream
     pipeline: Pipeline
+    tracing: Any = None  # proxy_workers/spans.Tracing when spans are on (proxy_workers/tracing.py)
     # Computed once: it goes on every response.
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = f"w{self.index}-pid{os.getpid()}"
+        self.name = worker_name(self.index)
 
     def identity(self) -> dict[str, Any]:
         return {"role": "worker", "worker_index": self.index, "pid": os.getpid(),
                 "row": self.router.row.row, "name": self.name}
+
+
+def worker_name(index: int) -> str:
+    """How a worker is named on its answers, in traces and in spans: w<index>-pid<pid>."""
+    return f"w{index}-pid{os.getpid()}"
 
 
 def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
@@ -124,6 +131,10 @@ class DataPlane:
         self._limit = ctx.settings.max_body_bytes
         self._retries = ctx.settings.retry_attempts
         self._worker_header = (b"x-cacheroute-worker", ctx.name.encode())
+        # Decided once: with text logs and no access log, nothing below runs per request.
+        self._access_log = ctx.settings.log_each_request
+        self._tag_requests = ctx.settings.log_each_request or ctx.settings.log_format == "json"
+        self._tracing = ctx.tracing  # None: no spans, and the off path is this one check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _DATA_PATHS.get(scope["path"]) if scope["type"] == "http" else None
@@ -132,8 +143,11 @@ class DataPlane:
             return
         started = time.perf_counter()
         responder = Responder(send, self._worker_header)
+        trace = Trace(proxy_recv_ms=now_ms(), worker=self._ctx.name)
+        if self._tag_requests:  # this request's own task: the id does not outlive it
+            logs.REQUEST_ID.set(access_log.client_request_id(scope))
         try:
-            await self._proxy(endpoint, scope, receive, responder)
+            await self._proxy(endpoint, scope, receive, responder, trace)
         except Exception as exc:  # a bug: one logged line with the traceback, a JSON 500
             log.error("unhandled error on POST %s", scope["path"], exc_info=exc)
             if responder.started:
@@ -141,13 +155,18 @@ class DataPlane:
             await responder.json(500, {"error": "internal_error",
                                        "detail": f"{type(exc).__name__} (details in the log)"})
         finally:
-            metrics.observe_request(endpoint.value, responder.status, time.perf_counter() - started,
-                                    responder.instance_id)
+            elapsed = time.perf_counter() - started
+            metrics.observe_request(endpoint.value, responder.status, elapsed, responder.instance_id)
+            if self._access_log:
+                access_log.write(scope, responder.status, elapsed, trace)
+            if responder.spans is not None:
+                self._tracing.finish(responder.spans, responder.status)
 
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive,
-                     responder: Responder) -> None:
+                     responder: Responder, trace: Trace) -> None:
         ctx = self._ctx
-        trace = Trace(proxy_recv_ms=now_ms(), worker=ctx.name)
+        if self._tracing is not None:
+            responder.spans = self._tracing.begin(scope["path"], scope["headers"], trace)
         try:
             proxy_request = recover(endpoint, await read_body(scope, receive, self._limit))
         except HTTPError as exc:
@@ -156,8 +175,11 @@ class DataPlane:
         except ClientGone:  # counted as 499, nothing to answer
             return
         trace.request_id = proxy_request.request_id
+        if self._tag_requests:
+            access_log.tag_from_body(trace)
         exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
-                                 retries=self._retries, client_headers=scope["headers"])
+                                 retries=self._retries, client_headers=scope["headers"],
+                                 spans=responder.spans)
         await exchange.run(receive, responder)
 
 

@@ -32,7 +32,6 @@ log = logging.getLogger("cacheroute.worker")
 DRAIN_CUT_ERROR = "worker_drain_deadline"
 # uvicorn's own deadline comes this long after ours: cut streams get to send their last event.
 CUT_FLUSH_S = 2.0
-MIGRATE_REQ_PATH = "/proc/sys/net/ipv4/tcp_migrate_req"
 
 _CUT_BODY = (b'{"error": "worker_draining", "detail": "the worker stopped at its drain deadline '
              b'before answering; retry"}')
@@ -139,14 +138,3 @@ def uvicorn_graceful_timeout(drain_timeout_s: float) -> float:
     """uvicorn's own backstop, after our deadline and the flush of the cut responses."""
     return drain_timeout_s + CUT_FLUSH_S
 
-
-def warn_if_queued_connections_may_reset() -> None:
-    """One line at start if a restart would reset connections queued on a closing listener."""
-    try:
-        with open(MIGRATE_REQ_PATH) as f:
-            value = f.read().strip()
-    except OSError:
-        return  # not Linux >= 5.14: nothing to say that an operator could change
-    if value == "0":
-        log.warning("net.ipv4.tcp_migrate_req is 0: a worker that restarts resets the connections "
-                    "still queued on its listener; see deploy/sysctl/90-cacheroute-proxy.conf")

@@ -18,6 +18,7 @@ callback from the protocol that cancels the request's own task (cacheroute_proxy
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import msgspec
@@ -39,6 +40,7 @@ from .upstream import Upstream, UpstreamFailure
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 T = TypeVar("T")
+log = logging.getLogger("cacheroute.worker")
 
 _encoder = msgspec.json.Encoder()
 # Checks that the instance's answer is one JSON object without building its values.
@@ -57,13 +59,14 @@ class Responder:
     remembered for the metrics (499 while no head was sent: the client left first), with the
     instance of the last attempt ("" before one was chosen)."""
 
-    __slots__ = ("send", "status", "started", "instance_id", "_tail")
+    __slots__ = ("send", "status", "started", "instance_id", "spans", "_tail")
 
     def __init__(self, send: Send, worker_header: tuple[bytes, bytes]) -> None:
         self.send = send
         self.status = 499
         self.started = False
         self.instance_id = metrics.NO_INSTANCE
+        self.spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
         self._tail = worker_header
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -103,11 +106,11 @@ class Responder:
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
                  request: ProxyRequest, trace: Trace, retries: int = 0,
-                 client_headers: list[Header] | None = None) -> None:
+                 client_headers: list[Header] | None = None, spans: Any = None) -> None:
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
-        self._job = Job(request, trace)
+        self._job = Job(request, trace, spans=spans, client_headers=client_headers or ())
         self._retries = retries
         self._client_headers = client_headers or []
         self._forwarded = b""  # the client's headers for the instance, as lines
@@ -147,6 +150,8 @@ class ProxyExchange:
             metrics.retried(self._job.request.endpoint.value, lease.instance.instance_id)
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
             trace.retries = attempt + 1
+            if self._job.spans is not None:
+                self._job.spans.attempt_failed("retried on another instance")
 
     def _can_retry(self) -> bool:
         """Asked only once an attempt failed: another is allowed, and there is an instance to
@@ -169,6 +174,9 @@ class ProxyExchange:
         if trace.ready_enqueue_ms is not None:
             trace.actual_ready_queue_ms = start - trace.ready_enqueue_ms
         headers = self._forwarded
+        spans = job.spans
+        if spans is not None:  # the instance's parent is this attempt's forward span
+            headers += spans.forward_headers(lease.instance)
         if job.knowledge.prefix_tokens:  # the simulated instance shortens its prefill by this
             headers += b"%s: %d\r\n%s: %s\r\n" % (
                 KV_PREFIX_TOKENS, job.knowledge.prefix_tokens, KV_KNOWLEDGE_IDS,
@@ -178,13 +186,15 @@ class ProxyExchange:
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
                                                  request.encoded_body(), headers)
         except HTTPError as exc:
-            self._account(lease, False)
+            self._failed(lease)
             if exc.code == "upstream_unavailable" and self._can_retry():
                 return True
             await out.error(exc, lease)
             return False
+        if spans is not None:
+            spans.answer_head(response.status)
         if response.status >= 500:
-            self._account(lease, False)
+            self._failed(lease)
             if response.status in _RETRY_STATUSES and self._can_retry():
                 response.close()
                 return True
@@ -235,6 +245,8 @@ class ProxyExchange:
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
         except UpstreamFailure as exc:
             error = exc.reason
+            if job.spans is not None:
+                job.spans.error = error
         self._account(lease, error is None)
         trace.forward_end_ms = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
@@ -262,11 +274,20 @@ class ProxyExchange:
         await out.whole(200, headers, body, lease)
 
     def _account(self, lease: Lease, ok: bool) -> None:
-        key = (lease.instance.slot, lease.instance.generation)
         if ok:
-            self._router.outliers.succeeded(key)
-        elif self._router.outliers.failed(key):
-            metrics.ejected(lease.instance.instance_id)
+            self._router.outliers.succeeded((lease.instance.slot, lease.instance.generation))
+        else:
+            self._failed(lease)
+
+    def _failed(self, lease: Lease) -> None:
+        """A failure the client did not cause; the line when it ejects the instance (rare, so
+        logged: with JSON logs it carries the id of the request that tipped it)."""
+        instance = lease.instance
+        outliers = self._router.outliers
+        if outliers.failed((instance.slot, instance.generation)):
+            metrics.ejected(instance.instance_id)
+            log.warning("instance %s ejected from this worker's candidates for %.0fs after %d "
+                        "failures in a row", instance.instance_id, outliers.eject_s, outliers.threshold)
 
     def _first_token(self, job: Job) -> None:
         trace = job.trace

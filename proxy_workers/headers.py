@@ -49,10 +49,17 @@ _RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"date", b"server",
                                   b"x-cacheroute-worker", b"x-cacheroute-instance"}
 
 
-def request_dropped(replace_authorization: bool) -> frozenset[bytes]:
+# With spans on, the proxy is a hop of the trace: the instance's parent is its forward span, so
+# it writes traceparent (and passes the client's tracestate on) itself.
+TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
+
+
+def request_dropped(replace_authorization: bool, replace_trace_context: bool = False) -> frozenset[bytes]:
     """The names not forwarded; with `replace_authorization` (OPENAI_API_KEY is set) the
-    client's Authorization too, since the proxy sends its own."""
-    return _REQUEST_DROPPED | {b"authorization"} if replace_authorization else _REQUEST_DROPPED
+    client's Authorization too, since the proxy sends its own; with `replace_trace_context`
+    (spans on) the client's traceparent and tracestate, which the proxy sends in its own way."""
+    dropped = _REQUEST_DROPPED | {b"authorization"} if replace_authorization else _REQUEST_DROPPED
+    return dropped | TRACE_CONTEXT if replace_trace_context else dropped
 
 
 def forwarded_block(raw: Sequence[Header], dropped: frozenset[bytes]) -> bytes:

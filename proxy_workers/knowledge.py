@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -20,9 +21,11 @@ from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot, layout
 
+from .headers import Header
 from .kdn_links import LinkTable
 from .request_model import Endpoint, ProxyRequest
 from .trace import Knowledge, Trace
+from .traceparent import passed_on
 from .upstream import base_url
 
 NEED_FIELDS = ["content", "length", "rel_path", "kv_ready", "kv_rel_dir", "kv_dumped_keys", "kv_updated_at"]
@@ -89,8 +92,11 @@ class KnowledgePreparer:
         return timeline
 
     async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
+                      spans: Any = None, client_headers: Sequence[Header] = (),
                       resident: tuple[str, ...] = ()) -> Knowledge:
-        """`resident`: knowledge ids the affinity index says the instance already holds KV for:
+        """The KDN and the instance's control plane get a traceparent: with spans on
+        (`spans`, a RequestSpans) their own span's, else the client's as it came.
+        `resident`: knowledge ids the affinity index says the instance already holds KV for:
         their text is still fetched (the prompt carries it), their KV is not pulled again."""
         spec = request.knowledge
         result = Knowledge()
@@ -98,7 +104,9 @@ class KnowledgePreparer:
             return result
         try:
             trace.kdn_fetch_start_ms = now_ms()
-            items, result.miss_kids = await self._fetch(spec.kdn_addr, spec.knowledge_ids)
+            items, result.miss_kids = await self._fetch(
+                spec.kdn_addr, spec.knowledge_ids,
+                spans.kdn_headers() if spans is not None else passed_on(client_headers))
             trace.kdn_fetch_end_ms = now_ms()
             context = self._classify(spec.knowledge_ids, items, result)
             if context:
@@ -106,17 +114,20 @@ class KnowledgePreparer:
             if spec.injection_type == "kvcache":
                 held = {kid.lower() for kid in resident}
                 result.resident_kids = [kid for kid in result.kv_ready_kids if kid.lower() in held]
-                await self._kv_inject(request, instance, result, trace)
+                await self._kv_inject(request, instance, result, trace,
+                                      spans.kv_inject_headers if spans is not None
+                                      else lambda: passed_on(client_headers))
         except Exception as exc:  # knowledge is best effort: the request goes on without it
             result.error = f"prepare_failed: {type(exc).__name__}: {exc}"
         return result
 
-    async def _fetch(self, kdn_addr: str, kids: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    async def _fetch(self, kdn_addr: str, kids: list[str],
+                     headers: dict[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
         if not kdn_addr:
             return {}, list(kids)
         url = f"http://{kdn_addr}/knowledge/search/text"
         async with self._session.post(url, json={"knowledge_ids": [str(k) for k in kids],
-                                                 "need_fields": NEED_FIELDS},
+                                                 "need_fields": NEED_FIELDS}, headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=self._settings.kdn_timeout_s)) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"KDN search answered {resp.status}")
@@ -150,7 +161,8 @@ class KnowledgePreparer:
         return "\n".join(t for t in kv_texts + text_texts if t)
 
     async def _kv_inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                         trace: Trace) -> None:
+                         trace: Trace,
+                         trace_headers: Callable[[], dict[str, str] | None] = lambda: None) -> None:
         spec = request.knowledge
         assert spec is not None
         if not result.kv_ready_kids:
@@ -179,13 +191,14 @@ class KnowledgePreparer:
             trace.kdn_link_wait_ms = int((started - queued_at) * 1000)
             link.on_wire_until = started + transfer_s
             try:
-                await self._inject(request, instance, result, trace, effective)
+                await self._inject(request, instance, result, trace, effective, trace_headers)
             finally:
                 link.on_wire_until = 0.0
                 link.done(predicted_end, time.time())
 
     async def reinject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                       trace: Trace, resident: tuple[str, ...] = ()) -> None:
+                       trace: Trace, spans: Any = None,
+                       client_headers: Sequence[Header] = (), resident: tuple[str, ...] = ()) -> None:
         """A retry on another instance: the body already holds the context (no KDN fetch
         again), but the KV went to the instance that failed; have this one pull it (what it
         does not hold already: `resident`), so the ack, the prefix and the trace's KV fields
@@ -201,16 +214,20 @@ class KnowledgePreparer:
             trace.kvcache_actual_path = "recompute"
             return
         try:
-            await self._kv_inject(request, instance, result, trace)
+            await self._kv_inject(request, instance, result, trace,
+                                  spans.kv_inject_headers if spans is not None
+                                  else lambda: passed_on(client_headers))
         except Exception as exc:  # as in prepare: the request goes on, the instance recomputes
             result.kv_ack = _ack(False, f"{type(exc).__name__}: {exc}", result)
             trace.kvcache_actual_path = "recompute"
 
     async def _inject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
-                      trace: Trace, effective: int) -> None:
+                      trace: Trace, effective: int,
+                      trace_headers: Callable[[], dict[str, str] | None]) -> None:
         spec = request.knowledge
         assert spec is not None
         trace.kv_ack_start_ms = now_ms()
+        headers = trace_headers()  # after the start is known: a span starts from it
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
         url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
         resident = set(result.resident_kids)
@@ -218,7 +235,7 @@ class KnowledgePreparer:
                 "model": request.model,
                 "knowledge_ids": [kid for kid in result.kv_ready_kids if kid not in resident]}
         try:
-            async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
+            async with self._session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self._settings.kv_inject_timeout_s)) as resp:
                 ack = msgspec.json.decode(await resp.read())
                 if resp.status >= 400 or not isinstance(ack, dict) or not ack.get("ok"):

@@ -24,20 +24,20 @@ class _Health:
 
 class OutlierTracker:
     def __init__(self, failures_to_eject: int, eject_s: float) -> None:
-        self._threshold = failures_to_eject
-        self._eject_s = eject_s
+        self.threshold = failures_to_eject
+        self.eject_s = eject_s
         self._health: dict[Key, _Health] = {}
         self._latest_ejection_end = 0.0  # past it, nothing is ejected: the hot path's early out
 
     def failed(self, key: Key, now: float | None = None) -> bool:
         """Count a failure; True if it ejected the instance."""
-        if self._threshold <= 0:
+        if self.threshold <= 0:
             return False
         health = self._health.setdefault(key, _Health())
         health.consecutive_failures += 1
-        if health.consecutive_failures >= self._threshold:
+        if health.consecutive_failures >= self.threshold:
             health.consecutive_failures = 0
-            health.ejected_until = (time.monotonic() if now is None else now) + self._eject_s
+            health.ejected_until = (time.monotonic() if now is None else now) + self.eject_s
             health.ejections += 1
             self._latest_ejection_end = max(self._latest_ejection_end, health.ejected_until)
             return True

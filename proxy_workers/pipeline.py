@@ -141,6 +141,8 @@ class Job(msgspec.Struct):
     # the instance that serves pull it (KnowledgePreparer.reinject).
     kv_instance: tuple[int, int] | None = None
     predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
+    spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
+    client_headers: Any = ()  # the client's, as ASGI gave them: the KDN's traceparent without spans
 
 
 class Pipeline:
@@ -319,10 +321,12 @@ class Pipeline:
             trace.prepare_start_ms = now_ms()
             if reinject:
                 await self._preparer.reinject(request, lease.instance, job.knowledge, trace,
-                                              lease.affinity.resident_kids)
+                                              job.spans, job.client_headers,
+                                              resident=lease.affinity.resident_kids)
             else:
                 job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
-                                                             lease.affinity.resident_kids)
+                                                             job.spans, job.client_headers,
+                                                             resident=lease.affinity.resident_kids)
             if job.knowledge.kv_ack and job.knowledge.kv_ready_kids:
                 job.kv_instance = (lease.instance.slot, lease.instance.generation)
             trace.prepare_self_done_ms = now_ms()

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 import uvicorn
 from starlette.types import ASGIApp
 
-from cacheroute_proxy import logs, serving
+from cacheroute_proxy import exits, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import KvAwareStrategy
@@ -26,12 +26,13 @@ from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 from proxy_workers.predictors import get_predictors
 
 from .affinity import AffinityScorer, make_index
-from .app import WorkerContext, build_app
-from .drain import Drain, DrainGate, uvicorn_graceful_timeout, warn_if_queued_connections_may_reset
+from .app import WorkerContext, build_app, worker_name
+from .drain import Drain, DrainGate, uvicorn_graceful_timeout
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router, kv_aware_settings
+from .tracing import start_tracing
 from .tracker import RequestTracker
 from .upstream import Upstream
 
@@ -40,19 +41,27 @@ log = logging.getLogger("cacheroute.worker")
 SEGMENT_WAIT_S = 15.0
 EVENT_TICK_S = 0.02
 # After a rolling restart's SIGTERM the predecessor closes its listeners within moments, but the
-# replacement may be quicker: it waits this long for the private port instead of exiting 2
+# replacement may be quicker: it waits this long for the private port instead of exiting 5
 # (which would stop the whole supervisor).
 PRIVATE_PORT_WAIT_S = 10.0
+BACKLOG = 2048
 
 
-def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+def bind_socket(host: str, port: int, *, reuse_port: bool, listen: bool = True) -> socket.socket:
+    """A bound socket, listening unless `listen` is False (then it holds the address, but the
+    kernel queues no connection on it until `sock.listen(BACKLOG)`)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        # Every worker binds the same port; the kernel spreads new connections across them.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            # Every worker binds the same port; the kernel spreads new connections across them.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
 
@@ -86,6 +95,7 @@ class _Lifespan:
     @contextlib.asynccontextmanager
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
+        tracing = self._ctx.tracing
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events()),
                  asyncio.create_task(self._links.run())]
         # Everything built so far lives as long as the worker: out of the collector's sight, a
@@ -97,6 +107,8 @@ class _Lifespan:
             for task in tasks:
                 task.cancel()
             await self._ctx.upstream.close()
+            if tracing is not None:  # the spans still batched go out before the worker does
+                tracing.shutdown()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -110,51 +122,66 @@ class _Lifespan:
             await asyncio.sleep(EVENT_TICK_S)
 
 
-def run(settings: Settings, index: int) -> int:
-    warn_if_queued_connections_may_reset()
+def bind_addresses(settings: Settings, index: int) -> tuple[socket.socket, socket.socket] | int:
+    """(shared, private), or the exit status after one line naming the address that is taken.
+    The shared port is bound first and at once -- a taken service address fails the start in
+    moments -- but it listens only when the worker is about to serve: while this waits for a
+    draining predecessor's private port, the segment or the app, no connection queues on a
+    shared listener nobody accepts on."""
+    host, port = settings.dp_host, settings.dp_port
     try:
-        # The shared port comes last (below): while this waits for a draining predecessor, the
-        # segment or the app, no connection queues on a shared listener nobody accepts on.
-        private = bind_private(settings.worker_private_host, settings.worker_private_port(index))
+        shared = bind_socket(host, port, reuse_port=True, listen=False)
     except OSError as exc:
-        log.error("cannot bind: %s", exc)
-        return 2
+        log.error("%s", exits.in_use_message(host, port, "service address (PROXY_DP_HOST/PORT)", exc))
+        return exits.SERVICE_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
+    host, port = settings.worker_private_host, settings.worker_private_port(index)
+    try:
+        private = bind_private(host, port)
+    except OSError as exc:
+        shared.close()
+        log.error("%s", exits.in_use_message(host, port, "private address (PROXY_WORKER_PRIVATE_*)", exc))
+        return exits.PRIVATE_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
+    return shared, private
+
+
+def run(settings: Settings, index: int) -> int:
+    bound = bind_addresses(settings, index)
+    if isinstance(bound, int):
+        return bound
+    shared, private = bound
     try:
         seg = Segment.attach(settings.shm_name, wait_s=SEGMENT_WAIT_S)
     except SegmentError as exc:
         log.error("%s", exc)
-        return 2
+        return exits.CANNOT_START
     try:
         row = WorkerRow.claim(seg, index)
     except WorkerTableFull as exc:
         log.error("%s", exc)
         seg.close()
-        return 2
+        return exits.CANNOT_START
     try:
+        tracing = start_tracing(settings, worker_name(index), index)
         tracker = RequestTracker(seg, row)
         predictors = get_predictors(settings.predictor_profile)
         links = LinkTable.from_settings(settings)
         affinity = make_index(settings, seg, tracker)
         router = Router(settings, seg, row, AffinityScorer(
             settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
-        upstream = Upstream(settings)
+        upstream = Upstream(settings, replace_trace_context=tracing is not None)
         refresher = LinkRefresher(links, lambda: upstream.session, sidecar_links_url(settings),
                                   load_token(settings.cp_token, settings.cp_token_file),
                                   settings.kdn_links_refresh_s)
         pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
                             predictors, router.view.ready_wait_ms, affinity)
         ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
-                            pipeline=pipeline)
+                            pipeline=pipeline, tracing=tracing)
         app = build_app(ctx, lifespan=_Lifespan(ctx, tracker, refresher))
-        log.info("worker %d serving %s:%d (shared) and %s:%d (private), row %d, strategy %s, view %s",
-                 index, settings.dp_host, settings.dp_port, settings.worker_private_host,
-                 settings.worker_private_port(index), row.row, ctx.router.strategy.name,
-                 settings.load_view)
-        try:
-            shared = bind_socket(settings.dp_host, settings.dp_port, reuse_port=True)
-        except OSError as exc:
-            log.error("cannot bind: %s", exc)
-            return 2
+        shared.listen(BACKLOG)
+        log.info("worker %d serving %s (shared) and %s (private), row %d, strategy %s, view %s",
+                 index, exits.host_port(settings.dp_host, settings.dp_port),
+                 exits.host_port(settings.worker_private_host, settings.worker_private_port(index)),
+                 row.row, ctx.router.strategy.name, settings.load_view)
 
         def describe(server: uvicorn.Server) -> str:  # systemd's STATUS= line, every few seconds
             return f"worker {index}: {requests_in_flight(server)} requests in flight"
@@ -178,4 +205,4 @@ def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket], *,
     logs.keep_control_after_signals()
     server = DrainingServer(config, drain)
     serving.serve(server, describe, sockets)  # READY once listening (segment and row are ours by now)
-    return 0 if has_started(server) else 3
+    return 0 if has_started(server) else exits.SERVER_FAILED

@@ -45,14 +45,16 @@ class UpstreamFailure(Exception):
 
 
 class Upstream:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, replace_trace_context: bool = False) -> None:
         self._settings = settings
         own = {"Content-Type": "application/json"}
         if settings.openai_api_key:  # never "Bearer None"
             own["Authorization"] = f"Bearer {settings.openai_api_key}"
         # The proxy's own headers, last, up to the Content-Length header's value.
         self._own = header_lines(own) + b"Content-Length: "
-        self._dropped = request_dropped(replace_authorization=bool(settings.openai_api_key))
+        # replace_trace_context: spans are on, the exchange writes the forward's traceparent.
+        self._dropped = request_dropped(replace_authorization=bool(settings.openai_api_key),
+                                        replace_trace_context=replace_trace_context)
         self._session: aiohttp.ClientSession | None = None
         self._pool = Http1Pool(settings.upstream_pool_size, KEEPALIVE_S)
         # Request line and Host per (path, host, port): built once, not per request.

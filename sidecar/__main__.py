@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"sidecar: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("sidecar", settings.log_level)
+    logs.configure("sidecar", settings.log_level, settings.log_format)
     return run(settings)
 
 

@@ -130,10 +130,10 @@ def build_app(state: SidecarState) -> Starlette:
         inflight = state.view.inflight(records) if records else []
         return JSONResponse([registry.row(r, n) for r, n in zip(records, inflight)])
 
-    async def status(request: Request) -> Response:
+    def status_body() -> dict[str, Any]:
         records = registry.records(include_dead=True)
         alive = [r for r in records if r.alive]
-        return JSONResponse({
+        return {
             "ok": True, "ttl_s": state.settings.instance_ttl_s,
             "alive_instances": len(alive), "total_instances": len(records),
             "expired_instances": len(records) - len(alive),
@@ -148,7 +148,11 @@ def build_app(state: SidecarState) -> Starlette:
                        "last_reaped": state.reaper.stats.last_reaped},
             "scheduler": state.scheduler.status.describe() if state.scheduler else {"enabled": False},
             "static_instances": state.static.describe() if state.static else None,
-        })
+            "settings": running_with(state.settings),
+        }
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(status_body())
 
     async def debug_pool_resource(request: Request) -> Response:
         return JSONResponse({"ok": True, "pool_resource": state.pool_resource()})
@@ -159,11 +163,26 @@ def build_app(state: SidecarState) -> Starlette:
                              "metric_quality": pool.metric_quality,
                              "null_semantics": pool_resource.NULL_SEMANTICS})
 
-    async def debug_instance_loads(request: Request) -> Response:
-        return JSONResponse(instance_loads(
+    def loads_body(include_dead: bool) -> dict[str, Any]:
+        return instance_loads(
             state.view, state.scorer, strategy=state.settings.strategy_name,
-            ttl_s=state.settings.instance_ttl_s, include_dead=_flag(request, "include_dead", True),
-            answered_by={"role": "sidecar", "pid": os.getpid()}))
+            ttl_s=state.settings.instance_ttl_s, include_dead=include_dead,
+            answered_by={"role": "sidecar", "pid": os.getpid()})
+
+    async def debug_instance_loads(request: Request) -> Response:
+        return JSONResponse(loads_body(_flag(request, "include_dead", True)))
+
+    def dashboard_document() -> dict[str, Any]:
+        """/debug/dashboard: what the page shows, each part as its own route answers it."""
+        return {"status": status_body(), "loads": loads_body(True),
+                "resources": [registry.resource_row(r) for r in registry.records(include_dead=True)],
+                "pool_resource": state.pool_resource(),
+                "topology": {"kdn_links": state.topology.merged(),
+                             "per_instance": state.topology.per_instance(),
+                             "configured": settings.kdn_links},
+                # Prefix/session affinity is not built yet: the page shows its panel only when
+                # this is not null.
+                "affinity": None}
 
     routes = [
         Route("/healthz", _guard(TokenGuard(None))(healthz), methods=["GET"]),
@@ -179,9 +198,21 @@ def build_app(state: SidecarState) -> Starlette:
         Route("/v1/instance/list", reads(list_instances), methods=["GET"]),
         Route("/v1/topology/report", writes(topology_report), methods=["POST"]),
         Route("/v1/topology/kdn_links", reads(kdn_links), methods=["GET"]),
-        *dashboard_routes(state.seg, reads),  # the browser dashboard (sidecar/dashboard/)
     ]
-    return Starlette(routes=routes, exception_handlers=ERROR_HANDLERS)
+    dashboard = dashboard_routes(state.seg, reads, dashboard_document)  # sidecar/dashboard/
+    app = Starlette(routes=[*routes, *dashboard], exception_handlers=ERROR_HANDLERS)
+    app.state.dashboard_routes = dashboard  # what the UI listener serves (sidecar/ui_listener.py)
+    return app
+
+
+def running_with(settings: Settings) -> dict[str, Any]:
+    """The settings an operator asks about first (what a flag or the environment chose), never
+    a secret: the whole proxy runs with the sidecar's, which the launcher passes to every role."""
+    return {"dp": f"{settings.dp_host}:{settings.dp_port}", "workers": settings.workers,
+            "strategy": settings.strategy_name, "load_view": settings.load_view,
+            "injection_strategy": settings.injection_strategy,
+            "ready_release_policy": settings.ready_release_policy,
+            "static_kdn_links": sorted(settings.kdn_links)}
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:

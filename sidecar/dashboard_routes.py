@@ -1,9 +1,12 @@
-"""The browser dashboard on the control plane: `/dashboard` and its static files, plus
-`/debug/workers`, the one thing the page needs that no other endpoint has (what each worker
-holds right now, from its row in the segment).
+"""The browser dashboard on the control plane: `/dashboard` and its static files (uPlot
+vendored under dashboard/vendor/), `/debug/workers` (what each worker holds right now, from
+its row in the segment) and `/debug/dashboard`, everything the page shows in one read-only
+document, so one poll is one request.
 
 The page itself carries no data, so it is served without the token; every data endpoint it
-fetches sits behind the same guard as `/debug/*` (PROXY_DEBUG_REQUIRES_TOKEN).
+fetches sits behind the same guard as `/debug/*` (PROXY_DEBUG_REQUIRES_TOKEN). The same routes,
+and nothing else of the control plane, are what the dashboard's own listener serves
+(PROXY_UI_LISTEN, sidecar/ui_listener.py).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ Guard = Callable[[Handler], Handler]
 ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
-    "chart.js": "text/javascript; charset=utf-8",
+    "charts.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
+    "vendor/uPlot.iife.min.js": "text/javascript; charset=utf-8",
+    "vendor/uPlot.min.css": "text/css; charset=utf-8",
 }
 # Scripts and styles only from this origin, data only from this origin: an instance id that
 # slipped past escaping still could not load or send anything anywhere.
@@ -83,7 +88,9 @@ def worker_shares(seg: Segment) -> list[dict[str, Any]]:
     return sorted(workers, key=lambda w: (w["worker_index"], w["row"]))
 
 
-def dashboard_routes(seg: Segment, reads: Guard) -> list[Route]:
+def dashboard_routes(seg: Segment, reads: Guard, document: Callable[[], dict[str, Any]]) -> list[Route]:
+    """`document()` builds the body of /debug/dashboard (sidecar/app.py: status, loads,
+    resources, topology, pool_resource; the worker rows are added here)."""
     assets = _load_assets()
 
     def asset(name: str) -> Response:
@@ -105,8 +112,13 @@ def dashboard_routes(seg: Segment, reads: Guard) -> list[Route]:
         return JSONResponse({"ok": True, "generated_at_ms": now_ms(),
                              "workers": worker_shares(seg)})
 
+    async def everything(request: Request) -> Response:
+        return JSONResponse({"ok": True, "generated_at_ms": now_ms(), **document(),
+                             "workers": worker_shares(seg)})
+
     return [
         Route("/dashboard", page, methods=["GET"]),
-        Route("/dashboard/{name}", static, methods=["GET"]),
+        Route("/dashboard/{name:path}", static, methods=["GET"]),
         Route("/debug/workers", reads(workers), methods=["GET"]),
+        Route("/debug/dashboard", reads(everything), methods=["GET"]),
     ]

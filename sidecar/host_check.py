@@ -9,6 +9,7 @@ needed (a page cannot know the token) and not installed.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -24,9 +25,10 @@ def own_names(host: str, port: int) -> frozenset[str]:
 
 
 class HostCheck:
-    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, extra: Iterable[str] = ()) -> None:
         self._app = app
-        self._allowed = own_names(host, port)
+        # extra: Host values of a URL the listener is published under (PROXY_UI_URL).
+        self._allowed = own_names(host, port) | frozenset(name.lower() for name in extra)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -13,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import uvicorn
 from starlette.applications import Starlette
 
-from cacheroute_proxy import logs, serving
+from cacheroute_proxy import exits, host_checks, logs, serving
 from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
@@ -32,6 +33,7 @@ from .registry import InstanceRegistry
 from .scheduler_link import make_link
 from .static_prober import StaticProber
 from .topology import Topology
+from .ui_listener import ByListener, ui_app
 
 log = logging.getLogger("cacheroute.sidecar")
 
@@ -145,12 +147,16 @@ def status_line(state: SidecarState) -> str:
 
 
 def bind_control_plane(settings: Settings) -> socket.socket:
-    """Bound before anything else: a taken port is then exit 2 (cannot start, not restarted by
+    """Bound before anything else: a taken port is then exit 6 (cannot start, not restarted by
     the supervisor or systemd) with the reason, instead of uvicorn's exit 3 after the segment."""
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.cp_host else socket.AF_INET, socket.SOCK_STREAM)
+    return bind_listener(settings.cp_host, settings.cp_port)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((settings.cp_host, settings.cp_port))
+        sock.bind((host, port))
         sock.listen(2048)
     except OSError:
         sock.close()
@@ -164,30 +170,46 @@ def run(settings: Settings) -> int:
     try:
         control = bind_control_plane(settings)
     except OSError as exc:
-        log.error("cannot bind the control plane on %s:%d: %s", settings.cp_host, settings.cp_port,
-                  exc.strerror or exc)
-        return 2
+        log.error("%s", exits.in_use_message(settings.cp_host, settings.cp_port,
+                                             "control plane (PROXY_CP_HOST/PORT)", exc))
+        return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
+    ui_socket = None
+    if settings.ui_address is not None:
+        try:
+            ui_socket = bind_listener(*settings.ui_address)
+        except OSError as exc:
+            log.error("%s", exits.in_use_message(*settings.ui_address, "dashboard (PROXY_UI_LISTEN)", exc))
+            control.close()
+            return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
+        log.info("dashboard on %s (PROXY_UI_LISTEN %s)", settings.dashboard_url, settings.ui_listen)
+    host_checks.warn_about_host()
     try:
         seg = open_segment(settings)
     except SegmentError as exc:
         log.error("%s", exc)
         control.close()
-        return 2
+        if ui_socket is not None:
+            ui_socket.close()
+        return exits.CANNOT_START
     try:
         state = build_state(settings, seg)
         app = build_app(state)
         app.router.lifespan_context = _lifespan(state)
         # Without a token, only requests naming this control plane as Host (DNS rebinding).
-        served = app if load_token(settings.cp_token, settings.cp_token_file) else \
-            HostCheck(app, settings.cp_host, settings.cp_port)
+        tokened = bool(load_token(settings.cp_token, settings.cp_token_file))
+        served = app if tokened else HostCheck(app, settings.cp_host, settings.cp_port)
+        if ui_socket is not None and settings.ui_address is not None:
+            served = ByListener(served, ui_app(app.state.dashboard_routes, settings, not tokened),
+                                settings.ui_address[1])
         config = uvicorn.Config(served, loop="uvloop", http="httptools", lifespan="on", log_config=None,
                                 log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
         logs.keep_control_after_signals()
         server = uvicorn.Server(config)
         # plain server.run() outside systemd
-        serving.serve(server, lambda _server: status_line(state), [control])
-        return 0 if has_started(server) else 3
+        serving.serve(server, lambda _server: status_line(state),
+                      [control] if ui_socket is None else [control, ui_socket])
+        return 0 if has_started(server) else exits.SERVER_FAILED
     finally:
         header.release_sidecar(seg)
         seg.close()

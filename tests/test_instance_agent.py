@@ -39,6 +39,7 @@ def test_options_come_from_flags_or_the_environment(monkeypatch: pytest.MonkeyPa
     (["--instance-url", "http://h:1", "--max-num-seqs", "many"], "INSTANCE_MAX_NUM_SEQS"),
     (["--instance-url", "http://h:1", "--kdn-targets", "nohost"], "INSTANCE_KDN_TARGETS"),
     (["--instance-url", "http://h:1", "--health-interval", "0"], "INSTANCE_HEALTH_INTERVAL_S"),
+    (["--instance-url", "http://h:1", "--log-format", "xml"], r"--log-format \(PROXY_LOG_FORMAT\)"),
 ])
 def test_a_bad_option_is_refused_naming_it(argv: list[str], named: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:

@@ -133,7 +133,7 @@ class _HeldSession:
     def __init__(self) -> None:
         self.go = asyncio.Event()
 
-    def post(self, url: str, json: dict[str, Any], timeout: Any) -> Any:
+    def post(self, url: str, json: dict[str, Any], timeout: Any, headers: Any = None) -> Any:
         session = self
 
         class _Answer:

@@ -55,6 +55,8 @@ def test_the_wheel_holds_the_product_and_its_data_only(wheel: Path) -> None:
     assert packages == PRODUCT
     assert "proxy_workers/predictors/profiles/llama3-70b-8x5090.json" in names
     assert "sidecar/dashboard/index.html" in names
+    for vendored in ("uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE", "VENDORED.md"):
+        assert f"sidecar/dashboard/vendor/{vendored}" in names, vendored
     assert "cacheroute_proxy/uvicorn_seam.py" in names
 
 
@@ -120,6 +122,9 @@ def test_the_proxy_runs_from_the_wheel_without_the_doubles(installed: Path, back
         assert answer["choices"][0]["message"]["content"] == "hi"
         assert answer["_cacheroute_meta"]["trace"]["instance_id"] == "engine"
         assert headers["x-cacheroute-instance"] == "engine"
+        # Every dashboard file is package data (a missing one makes /dashboard a 503).
+        assert http("GET", f"{ports.cp_url}/dashboard")[0] == 200
+        assert http("GET", f"{ports.cp_url}/dashboard/vendor/uPlot.iife.min.js")[0] == 200
     finally:
         code = launcher.stop(signal.SIGINT, timeout=45)
     assert code == 0, launcher.tail()

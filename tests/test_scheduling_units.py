@@ -227,7 +227,7 @@ def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls():
 
     async def run() -> tuple[float, float, float, str]:
         gate = asyncio.Event()
-        session = SimpleNamespace(post=lambda url, json, timeout: _Ack(gate))
+        session = SimpleNamespace(post=lambda url, json, timeout, **kw: _Ack(gate))
         preparer = KnowledgePreparer(SETTINGS, SimpleNamespace(session=session), PREDICTORS)
         request = _scheduler_request(4000, ["k1"])
         instance = SimpleNamespace(instance_id="i", host="127.0.0.1", port=9001, cp_port=9002,

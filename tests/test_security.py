@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from cacheroute_proxy.config import Settings
-from tests.harness import http, wait_until
+from tests.harness import http
 
 TOKEN = "s3cret-token-for-tests"
 

@@ -67,13 +67,16 @@ def test_stale_layout_stops_the_supervisor_with_the_message(shm_name, tmp_path):
 def test_worker_that_cannot_start_stops_the_supervisor(shm_name, tmp_path):
     env = _env(shm_name)
     blocker = __import__("socket").socket()
+    private = f"127.0.0.1:{env['PROXY_WORKER_PRIVATE_PORT_BASE']}"
     blocker.bind(("127.0.0.1", int(env["PROXY_WORKER_PRIVATE_PORT_BASE"])))  # worker 0's port taken
     blocker.listen()
     try:
         supervisor = Process(["-m", "cacheroute_proxy", "run"], env, tmp_path / "launcher.log")
         assert supervisor.popen.wait(40) == 1
         log = supervisor.log()
-        assert "cannot bind" in log and "worker0 cannot start" in log and log.count("started worker0") == 1
+        assert f"cannot bind the private address (PROXY_WORKER_PRIVATE_*) on {private}" in log
+        assert f"worker0 cannot start (exit 5, its private address {private} is taken)" in log
+        assert log.count("started worker0") == 1
         supervisor.stop()
     finally:
         blocker.close()

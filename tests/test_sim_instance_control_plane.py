@@ -23,7 +23,7 @@ import pytest
 
 from cacheroute_sim.processes import free_port
 from cacheroute_sim.instance import timing
-from cacheroute_sim.instance.config import SimConfig
+from cacheroute_sim.instance.config import Knobs, SimConfig
 from cacheroute_sim.instance.registration import register_body
 from cacheroute_sim.instance.request_model import InvalidRequest, parse_kv_prefix_header
 from tests.sim_harness import (
@@ -252,6 +252,11 @@ def test_control_plane_port_and_register_meta() -> None:
                                                    "kv_mem_gb": 128.0}
     assert register_body(config, None)["meta"] == {"version": "instance_v1", "simulated": True,
                                                    "max_num_seqs": 3, "kv_mem_gb": 128.0}
+    # The KV it keeps, in tokens, when given at start: what a model of its evictions uses.
+    sized = SimConfig(port=9001, kv_mem_gb=2.0, knobs=Knobs(kv_capacity_tokens=1700))
+    assert register_body(sized, None)["meta"] == {"version": "instance_v1", "simulated": True,
+                                                  "max_num_seqs": 8, "kv_mem_gb": 2.0,
+                                                  "kv_capacity_tokens": 1700}
 
 
 # ------------------------------------------------------------ KV path: prefix-hit timing

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cacheroute_proxy import systemd
+from cacheroute_proxy import exits, systemd
 from cacheroute_proxy.config import Settings
 from shm_schema import Segment
 from tests.harness import ROOT, Process, SimInstance, chat_body, get, wait_until
@@ -129,10 +129,15 @@ def test_units_fit_together():
     for role in ("sidecar", "worker@"):
         service = units[f"cacheroute-proxy-{role}.service"]["Service"]
         assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
-        assert service["RestartPreventExitStatus"] == "2" and service["Restart"] == "on-failure"
+        assert service["Restart"] == "on-failure"
         assert service["RemoveIPC"] == "no" and int(service["WatchdogSec"]) >= 4
         assert service["EnvironmentFile"] == "-/etc/cacheroute-proxy/proxy.env"
         assert units[f"cacheroute-proxy-{role}.service"]["Unit"]["PartOf"] == "cacheroute-proxy.target"
+    # exit statuses that mean "cannot start at all" (cacheroute_proxy/exits.py) are not restarted
+    assert units["cacheroute-proxy-sidecar.service"]["Service"]["RestartPreventExitStatus"].split() == \
+        [str(exits.CANNOT_START), str(exits.CONTROL_ADDRESS_IN_USE)]
+    assert units["cacheroute-proxy-worker@.service"]["Service"]["RestartPreventExitStatus"].split() == \
+        [str(exits.CANNOT_START), str(exits.SERVICE_ADDRESS_IN_USE), str(exits.PRIVATE_ADDRESS_IN_USE)]
     worker = units["cacheroute-proxy-worker@.service"]
     assert worker["Service"]["ExecStart"].endswith("cacheroute-proxy worker --index %i")
     # SIGKILL must not come while a worker still drains (its deadline, then 2 s to flush the cuts).
@@ -152,7 +157,7 @@ def test_units_fit_together():
                     reason="opt-in (CACHEROUTE_SYSTEMD_USER_MANAGER=1): starts a real systemd user manager "
                            "as root in its own cgroups and mount namespace")
 def test_units_under_a_real_systemd_user_manager():
-    """deploy/systemd/check_user_manager.py: start, notify, order, restarts, watchdog, exit 2, stop."""
+    """deploy/systemd/check_user_manager.py: start, notify, order, restarts, watchdog, exit 5, stop."""
     done = subprocess.run([sys.executable, str(UNITS_DIR / "check_user_manager.py")],
                           capture_output=True, text=True, timeout=400)
     if done.returncode == 77:
@@ -160,16 +165,18 @@ def test_units_under_a_real_systemd_user_manager():
     assert done.returncode == 0 and "FAIL" not in done.stdout, done.stdout + done.stderr
 
 
-def test_sidecar_with_its_port_taken_exits_2():
-    """Exit 2 = cannot start, which the units do not restart (RestartPreventExitStatus=2)."""
+def test_sidecar_with_its_port_taken_exits_6():
+    """Exit 6 = its control-plane address is taken: cannot start, which the unit does not
+    restart (RestartPreventExitStatus=2 6)."""
     shm_name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         env = {**os.environ, "PROXY_CP_PORT": str(taken.getsockname()[1]), "PROXY_SHM_NAME": shm_name}
         done = subprocess.run([str(ENTRY_POINT), "sidecar"], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done.stderr
-    assert "cannot bind the control plane" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 6, done.stderr
+    assert f"cannot bind the control plane (PROXY_CP_HOST/PORT) on 127.0.0.1:{env['PROXY_CP_PORT']}: " \
+           "another process listens there" in done.stderr and "Traceback" not in done.stderr
     assert not os.path.exists(f"/dev/shm{shm_name}")  # it gave up before creating the segment
 
 
@@ -309,9 +316,7 @@ def test_sidecar_and_worker_notify_systemd(tmp_path):
         wait_until(lambda: len(work_sd.values("WATCHDOG")) >= 4 and len(side_sd.values("WATCHDOG")) >= 4, 30,
                    message="watchdog pings")
         assert side_sd.senders() == {sidecar.pid} and work_sd.senders() == {worker.pid}
-        # The worker's shared metrics went where PROXY_METRICS_DIR says (the systemd layout).
         assert get(f"{ports.worker_url(0)}/metrics", timeout=10)
-        assert list((tmp_path / "metrics").glob("*.db")), "no prometheus multiprocess files"
 
         conn, response = _open_stream(ports.private_base)  # held by the instance: in flight
         wait_until(lambda: "worker 0: 1 requests in flight" in work_sd.values("STATUS"), 30,
@@ -327,6 +332,9 @@ def test_sidecar_and_worker_notify_systemd(tmp_path):
         conn.close()
         assert b"data: [DONE]" in body  # the stream that was in flight finished during the drain
         assert worker.popen.wait(60) == 0, worker.tail()
+        # The stream's counters went where PROXY_METRICS_DIR says (the systemd layout). Every
+        # series is labelled by instance, so the files appear with the first request.
+        assert list((tmp_path / "metrics").glob("*.db")), "no prometheus multiprocess files"
 
         sidecar.popen.send_signal(signal.SIGTERM)
         wait_until(lambda: side_sd.values("STOPPING"), 30, message="sidecar STOPPING=1")

@@ -173,7 +173,7 @@ class _Session:
     def __init__(self) -> None:
         self.injects: list[str] = []
 
-    def post(self, url: str, json: dict[str, Any], timeout: Any) -> _Answer:
+    def post(self, url: str, json: dict[str, Any], timeout: Any, headers: Any = None) -> _Answer:
         if url.endswith("/knowledge/search/text"):
             return _Answer(200, {"items": [{"knowledge_id": kid, "content": f"about {kid}",
                                             "kv_ready": True} for kid in json["knowledge_ids"]]})

@@ -1,6 +1,8 @@
 """`cacheroute-proxy run` (or `python -m cacheroute_proxy run`): the whole proxy on one host;
 `cacheroute-proxy sidecar` / `worker --index N`: one role alone (one systemd unit each);
-`cacheroute-proxy status` / `loads [--watch S]`: what it is doing;
+`cacheroute-proxy status` / `instances [--all] [--limit N]` / `scheduler` / `loads [--watch S]` /
+`watch`: what it is doing (`--json` for scripts; exit 0 ok, 1 control plane unreachable or
+HTTP error, 2 usage error); `cacheroute-proxy console`: the same commands at a prompt;
 `cacheroute-proxy shm show|unlink`: the shared-memory segment by hand.
 
 `run` starts the sidecar, then N workers on the shared service port; Ctrl-C stops everything.
@@ -10,13 +12,17 @@ Instances register themselves (the demo's simulated ones: `make run-workers`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
-from .. import logs, probe
-from ..auth import load_token
+from .. import logs
 from ..config import ConfigError, Settings
-from . import shm, status_view
+from ..supervisor import preflight
+from . import run_flags, shm
+from .commands import COMMANDS, execute
+from .console import run_console
+from .control_client import ControlPlane
 
 # `cacheroute-proxy <role> ...` becomes the role's own program (exec: same pid, as systemd's
 # Type=notify expects), so its options are parsed in one place and this package never imports
@@ -39,18 +45,20 @@ def main(argv: list[str] | None = None) -> int:
         return _run_role(argv[0], argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command in ("status", "loads"):
+    if args.command in COMMANDS or args.command == "console":
         return _inspect(args)
     if args.command == "shm":
         return shm.run(args)
     try:
-        settings = Settings.from_env().with_overrides(
-            workers=args.workers, instance_strategy=args.instance_strategy,
-            dp_port=args.dp_port, load_view=args.load_view)
+        settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:
         print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
-    logs.configure("supervisor", settings.log_level)
+    logs.configure("supervisor", settings.log_level, settings.log_format)
+    taken = preflight.taken_address(settings)
+    if taken:
+        logging.getLogger("cacheroute.supervisor").error("%s; stopping (nothing was started)", taken)
+        return 1
     for name in SYSTEMD_ENV:  # else every child would report READY/WATCHDOG as if it were us
         os.environ.pop(name, None)
     from ..supervisor.arbiter import Arbiter  # imports prometheus_client: only now (see _share_metrics_dir)
@@ -62,18 +70,13 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the sidecar and N workers")
-    run.add_argument("--workers", "-n", type=int, default=None, help="number of workers (PROXY_WORKERS)")
-    run.add_argument("--strategy", dest="instance_strategy", default=None,
-                     help="round_robin|rr|least_load|ll|kv_aware|kv (PROXY_INSTANCE_STRATEGY)")
-    run.add_argument("--port", dest="dp_port", type=int, default=None, help="service port (PROXY_DP_PORT)")
-    run.add_argument("--load-view", default=None, help="shared|per_worker (PROXY_LOAD_VIEW)")
+    run_flags.add_run_flags(run)
     for name, (_, helptext) in ROLES.items():  # listed for --help; main() dispatches them first
         sub.add_parser(name, help=helptext, add_help=False)
-    for name, helptext in (("status", "sidecar, segment, event channel, reaper and workers"),
-                           ("loads", "per-instance loads and least_load scores as a table")):
-        command = sub.add_parser(name, help=helptext)
-        command.add_argument("--url", default=None, help="control plane (default: PROXY_CP_HOST/PORT)")
-        command.add_argument("--watch", type=float, default=None, metavar="S", help="refresh every S seconds")
+    for name, command in COMMANDS.items():  # the console parses the same options (cli/commands.py)
+        command.add_options(_url_option(sub.add_parser(name, help=command.summary)))
+    _url_option(sub.add_parser("console", help="interactive prompt: :status, :instances, :watch, "
+                                               ":scheduler, :loads, :help, :exit"))
     shm.add_parser(sub)
     return parser
 
@@ -109,22 +112,22 @@ def _share_metrics_dir() -> str | None:
     return None
 
 
+def _url_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--url", default=None, help="control plane (default: PROXY_CP_HOST/PORT)")
+    return parser
+
+
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        settings = Settings.from_env()
+        plane = ControlPlane.configured(args.url)
     except (ConfigError, ValueError) as exc:
         print(f"cacheroute-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
-    base = (args.url or settings.cp_url).rstrip("/")
-    token = load_token(settings.cp_token, settings.cp_token_file)
-    path, formatter = (("/debug/status", status_view.format_status) if args.command == "status"
-                       else ("/debug/instance_loads", status_view.format_loads))
-
-    def render() -> str:
-        return formatter(probe.fetch(base + path, token))
+    if args.command == "console":
+        return run_console(plane, sys.stdout, sys.stderr)
     try:
-        return status_view.show(render, sys.stdout, args.watch)
-    except KeyboardInterrupt:
+        return execute(COMMANDS[args.command], plane, args, sys.stdout, sys.stderr)
+    except KeyboardInterrupt:  # the end of a watch
         return 0
 
 

@@ -1,11 +1,16 @@
 """`cacheroute-proxy status` and `cacheroute-proxy loads`: what an operator looks at first,
-read from the control plane's debug endpoints and printed as text."""
+read from the control plane's debug endpoints and printed as text; and `show`, the one refresh
+loop of every watching command (`loads --watch`, `watch`, the console's `:watch`)."""
 
 from __future__ import annotations
 
 import time
 import urllib.error
 from typing import Any, Callable, TextIO
+
+from .control_client import ControlPlaneError
+from .pool_view import scheduler_line
+from .text import printable
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -21,6 +26,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"{channel.get('pending_reservations', 0)}, decoding {channel.get('decoding', 0)}",
         f"reaper      reaped {reaper['reaped']}, subtracted {reaper['subtracted']}, "
         f"corrections {reaper['corrections']}",
+        f"scheduler   {scheduler_line(status.get('scheduler') or {'enabled': False})}",
         "workers",
     ]
     for w in sorted(status["workers"], key=lambda w: w["worker_index"]):
@@ -40,7 +46,7 @@ def format_loads(loads: dict[str, Any]) -> str:
     rows = [f"strategy {loads['strategy']}, predicted pressure {loads['metric_source'].get('predicted_pressure')}"
             f", snapshot age {_num(loads.get('snapshot_age_ms'))} ms", header]
     for row in loads["instances"]:
-        cells = [f"{_num(row.get(key)):>{width}}"[-width:] if key != "instance_id" else f"{row[key]:>{width}}"[-width:]
+        cells = [f"{_num(row.get(key)):>{width}}"[-width:] if key != "instance_id" else f"{printable(row[key]):>{width}}"[-width:]
                  for _, key, width in COLUMNS]
         rows.append("  ".join(cells) + f"  {_num(row['least_load_score']['total'])}")
     return "\n".join(rows)
@@ -62,8 +68,8 @@ def show(render: Callable[[], str], out: TextIO, watch_s: float | None, rounds: 
     while True:
         try:
             text = render()
-        except (urllib.error.URLError, OSError) as exc:
-            text = f"control plane unreachable: {exc}"
+        except (ControlPlaneError, urllib.error.URLError, OSError) as exc:
+            text = str(exc) if isinstance(exc, ControlPlaneError) else f"control plane unreachable: {exc}"
             if watch_s is None:
                 print(text, file=out)
                 return 1

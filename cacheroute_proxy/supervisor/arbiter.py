@@ -18,6 +18,7 @@ from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from shm_schema import Segment
 
+from .. import exits
 from .children import Child, describe_exit
 from ..probe import get_json
 from .rolling import Retired, RollingRestart, reap_retired, stop_retired
@@ -29,9 +30,6 @@ MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 5.0  # a child that ran this long before dying is restarted without delay growth
 # A worker's stop may take its whole drain (PROXY_DRAIN_TIMEOUT_S); SIGKILL only this much later.
 STOP_MARGIN_S = 10.0
-# Children exit with this when they cannot start at all (bad configuration, a segment they must
-# not use): restarting would only loop, so the supervisor stops with their message instead.
-EXIT_CANNOT_START = 2
 # At a stop, how long the workers wait for the sidecar to unregister (its own bound is 2 s).
 LEAVE_WAIT_S = 3.0
 
@@ -61,7 +59,10 @@ class Arbiter:
         try:
             self.sidecar.start()
             if not self._wait_healthy(f"{self.settings.cp_url}/healthz", self.sidecar):
-                log.error("the sidecar did not become healthy (its log above says why); stopping")
+                code = self.sidecar.exited()
+                log.error("the sidecar did not become healthy (%s); stopping",
+                          "its log above says why" if code is None else
+                          f"exit {code}, {self._why_not_started(self.sidecar, code)}")
                 return 1
             for child in self.workers:
                 child.start()
@@ -96,6 +97,8 @@ class Arbiter:
             self._rolling = None
 
     def _supervise_once(self) -> None:
+        """Children that exited: restarted with backoff, or, if they cannot start at all
+        (exits.NOT_RESTARTED: restarting would only loop), the whole proxy stops with why."""
         now = time.monotonic()
         for child in self.children():
             code = child.exited()
@@ -106,12 +109,13 @@ class Arbiter:
                 if child in self.workers and child.pid is not None:
                     mark_process_dead(child.pid, self.metrics_dir)  # its live gauges go; totals stay
                 ran_for = now - child.started_at
-                if code == EXIT_CANNOT_START and self._rolling is not None and self._rolling.replacing(child):
+                if code in exits.NOT_RESTARTED and self._rolling is not None and self._rolling.replacing(child):
                     # e.g. its predecessor still holds the private port: the rest of the proxy
                     # serves, so retry with backoff instead of stopping everything.
                     log.warning("%s: the replacement cannot start yet (exit %d); retrying", child.name, code)
-                elif code == EXIT_CANNOT_START:
-                    log.error("%s cannot start (exit %d, its log above says why); stopping", child.name, code)
+                elif code in exits.NOT_RESTARTED:
+                    log.error("%s cannot start (exit %d, %s); stopping", child.name, code,
+                              self._why_not_started(child, code))
                     self._stopping = True
                     self.failed = True
                     return
@@ -124,6 +128,17 @@ class Arbiter:
                 child.next_start_at = 0.0
                 child.restarts += 1
                 child.start()
+
+    def _why_not_started(self, child: Child, code: int) -> str:
+        s = self.settings
+        if code == exits.SERVICE_ADDRESS_IN_USE:
+            return f"the service address {exits.host_port(s.dp_host, s.dp_port)} is taken"
+        if code == exits.CONTROL_ADDRESS_IN_USE:
+            return f"the control plane {exits.host_port(s.cp_host, s.cp_port)} is taken"
+        if code == exits.PRIVATE_ADDRESS_IN_USE and child in self.workers:
+            port = s.worker_private_port(self.workers.index(child))
+            return f"its private address {exits.host_port(s.worker_private_host, port)} is taken"
+        return "its log above says why"
 
     def _stop_all(self) -> None:
         self._stopping = True
@@ -177,9 +192,12 @@ class Arbiter:
         urls = [f"http://{s.worker_private_host}:{s.worker_private_port(i)}/healthz" for i in range(s.workers)]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping:
+            self._supervise_once()  # a worker that cannot start stops the launch now, not at the deadline
+            if self._stopping:
+                return
             if all(get_json(url) is not None for url in urls):
-                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s",
-                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url)
+                log.info("ready: %d workers on http://%s:%d (strategy %s), control plane %s, dashboard %s",
+                         s.workers, s.dp_host, s.dp_port, s.strategy_name, s.cp_url, s.dashboard_url)
                 return
             time.sleep(0.2)
         log.warning("not every worker answered /healthz within %.0fs", READY_TIMEOUT_S)

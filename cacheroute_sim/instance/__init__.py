@@ -40,7 +40,8 @@ Control routes for tests:
 - ``GET /sim/stats`` / ``POST /sim/stats/reset`` (includes ``kv_injects``,
   ``kv_inject_failed``, ``kv_prefix_hits``, ``kv_prefix_tokens_total``, and
   ``last_request_headers``: the last generation request's headers as received, ``[name,
-  value]`` pairs in order, names lower-case), the KV kept's counters, ``prefills``,
+  value]`` pairs in order, names lower-case; ``last_inject_trace_context``: the last
+  ``/v1/kv/inject_ready``'s traceparent and tracestate), the KV kept's counters, ``prefills``,
   ``prefill_ms_total`` and ``last_prefill`` (the simulated prefill, GPU ms), and
   ``residency`` (what is held now);
 - ``POST /sim/kv/clear``: forget every KV kept.

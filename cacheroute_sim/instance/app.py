@@ -56,6 +56,8 @@ class SimState:
         self.rng = random.Random(config.seed)
         # The last generation request's headers as received (the raw ASGI list), for tests.
         self.last_request_headers: list[tuple[bytes, bytes]] = []
+        # The last KV pull's (POST /v1/kv/inject_ready) traceparent and tracestate, for tests.
+        self.last_inject_trace_context: dict[str, str] = {}
 
     # What the /sim control routes (cacheroute_sim.common.control_routes) call.
     def release_held(self) -> int:
@@ -66,11 +68,13 @@ class SimState:
                    for name, value in self.last_request_headers]
         residency = self.engine.residency.snapshot(self.knobs.current)  # first: it may evict
         return {**self.engine.stats.snapshot(self.instance_id), "last_request_headers": headers,
+                "last_inject_trace_context": self.last_inject_trace_context,
                 "residency": residency}
 
     def reset_stats(self) -> None:
         self.engine.stats.reset()
         self.last_request_headers = []
+        self.last_inject_trace_context = {}
 
 
 class InstanceHeaderMiddleware:

@@ -47,6 +47,9 @@ def create_cp_app(state: SimState, kdn: KdnClient) -> Starlette:
         return json_response({"ok": True})
 
     async def inject_ready(request: Request) -> Response:
+        state.last_inject_trace_context = {name: request.headers[name]
+                                           for name in ("traceparent", "tracestate")
+                                           if name in request.headers}
         try:
             req = msgspec.json.decode(await request.body(), type=InjectReadyRequest)
         except msgspec.ValidationError as exc:

@@ -40,12 +40,14 @@ def capabilities(config: SimConfig) -> dict[str, Any]:
 
 
 def register_meta(max_num_seqs: int | None, cp_port: int | None = None,
-                  kv_mem_gb: float | None = None) -> dict[str, Any]:
+                  kv_mem_gb: float | None = None,
+                  kv_capacity_tokens: int | None = None) -> dict[str, Any]:
     """max_num_seqs: vLLM's name for how many sequences run at once; the Proxy's sidecar models
     that many slots for this instance (when below READY_CONCURRENCY). cp_port: where the Proxy
     reaches POST /v1/kv/inject_ready (the original hard-coded 9002). kv_mem_gb: the KV memory
-    it keeps knowledge in (residency.py), for a model of its evictions. Each is left out when
-    None."""
+    it keeps knowledge in (residency.py), for a model of its evictions; kv_capacity_tokens: the
+    tokens of it, when given at start (--kv-capacity-tokens), so the model need not convert.
+    Each is left out when None."""
     meta: dict[str, Any] = {"version": "instance_v1", "simulated": True}
     if max_num_seqs is not None:
         meta["max_num_seqs"] = max_num_seqs
@@ -53,11 +55,14 @@ def register_meta(max_num_seqs: int | None, cp_port: int | None = None,
         meta["cp_port"] = cp_port
     if kv_mem_gb is not None:
         meta["kv_mem_gb"] = kv_mem_gb
+    if kv_capacity_tokens is not None:
+        meta["kv_capacity_tokens"] = kv_capacity_tokens
     return meta
 
 
 def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, Any]:
-    meta = register_meta(config.max_concurrency, cp_port, config.kv_mem_gb)
+    meta = register_meta(config.max_concurrency, cp_port, config.kv_mem_gb,
+                         config.knobs.kv_capacity_tokens)
     return {
         "instance_id": config.resolved_instance_id,
         "host": config.host,

@@ -23,7 +23,8 @@ Routes (wire-compatible with the original KDN: docs/protocol.md §5.1, §5.4, an
 
 Control routes for tests: ``GET/POST /sim/config`` (partial knob update, validated),
 ``POST /sim/config/reset``, ``POST /sim/release`` (let hung requests go on), ``GET /sim/stats``
-(counters, active/queued transfers, per-link totals, the last inject request),
+(counters, active/queued transfers, per-link totals, the last inject request, and
+``last_search_trace_context``: the last search's traceparent and tracestate headers),
 ``POST /sim/stats/reset``.
 Knobs (config.Knobs): rtt_ms, bandwidth_mbps, link_efficiency, kv_bytes_per_token,
 fail_status, hang, fault_on ("all" | "search" | "inject"). Defaults reproduce the Proxy's IWS

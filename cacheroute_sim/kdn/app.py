@@ -26,6 +26,7 @@ from cacheroute_sim.kdn.store import KnowledgeStore, normalize_id
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+TRACE_CONTEXT = ("traceparent", "tracestate")
 SEARCH_FIELDS = frozenset({"content", "length", "rel_path", "kv_ready", "kv_rel_dir",
                            "kv_dumped_keys", "kv_updated_at"})
 
@@ -45,6 +46,8 @@ class KdnState:
         self.gate = ReleaseGate(self.stats)  # counts hung requests in stats.held
         # What the last valid inject asked for (tests check what an Instance forwarded).
         self.last_inject: dict[str, Any] | None = None
+        # The last search's trace context headers (traceparent, tracestate), for the tracing tests.
+        self.last_search_trace_context: dict[str, str] = {}
 
     async def sleep_ms(self, real_ms: float) -> None:
         await asyncio.sleep(max(0.0, real_ms * self.config.time_scale) / 1000.0)
@@ -55,11 +58,13 @@ class KdnState:
 
     def stats_snapshot(self) -> dict[str, Any]:
         return {"kdn_id": self.kdn_id, **self.stats.snapshot(), "links": self.links.snapshot(),
-                "last_inject": self.last_inject, "store": self.store.summary()}
+                "last_inject": self.last_inject, "store": self.store.summary(),
+                "last_search_trace_context": self.last_search_trace_context}
 
     def reset_stats(self) -> None:
         self.stats.reset()
         self.links.reset()
+        self.last_search_trace_context = {}
 
 
 def create_app(config: KdnConfig, store: KnowledgeStore) -> Starlette:
@@ -104,6 +109,8 @@ async def _fault(state: KdnState, route: Literal["search", "inject"]) -> int | N
 
 def _search_route(state: KdnState) -> Handler:
     async def handle(request: Request) -> Response:
+        state.last_search_trace_context = {name: request.headers[name] for name in TRACE_CONTEXT
+                                           if name in request.headers}
         try:
             kids, need = _parse_search(await _json_object(request))
         except BadRequest as exc:

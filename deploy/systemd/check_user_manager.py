@@ -48,7 +48,7 @@ CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"), 
 UNITS = ("cacheroute-proxy.target", "cacheroute-proxy-runtime.service",
          "cacheroute-proxy-sidecar.service", "cacheroute-proxy-worker@.service")
 WORKERS = (0, 1)
-FAILING_INDEX = 7  # a worker whose private port is taken: exit 2, no restart
+FAILING_INDEX = 7  # a worker whose private port is taken: exit 5, no restart
 
 
 class Check:
@@ -214,8 +214,8 @@ def run_checks(manager: UserManager, ports: dict[str, int], shm_name: str, check
         failing = f"cacheroute-proxy-worker@{FAILING_INDEX}.service"
         manager.systemctl("start", failing)
         time.sleep(3)
-        check("exit 2 is not restarted (RestartPreventExitStatus=2)",
-              manager.prop(failing, "ExecMainStatus") == "2" and manager.prop(failing, "NRestarts") == "0",
+        check("exit 5 (its private address taken) is not restarted (RestartPreventExitStatus=2 4 5)",
+              manager.prop(failing, "ExecMainStatus") == "5" and manager.prop(failing, "NRestarts") == "0",
               f"status={manager.prop(failing, 'ExecMainStatus')} restarts={manager.prop(failing, 'NRestarts')}")
         manager.systemctl("reset-failed", failing)
 
