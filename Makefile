@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers soak clean-shm clean
+.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -107,6 +107,12 @@ bench-peers: $(STAMP)
 	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk)
 	$(PY) -m pip install --quiet -e '.[bench]' || echo 'bench-peers: the bench extra did not install; what needs it is skipped (see notes)'
 	$(PY) -m bench.peers --out bench/results/peers.json $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
+
+# kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
+# three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over
+# 200 knowledge ids with shared system prompts (~6 min: five contenders, 40 s of load each).
+bench-affinity: $(STAMP)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(DURATION_S),--duration $(DURATION_S),)
 
 # BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.
 bench-report: $(STAMP)

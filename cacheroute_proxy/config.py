@@ -68,6 +68,15 @@ ENV_NAMES: dict[str, str] = {
     "event_poll_ms": "PROXY_EVENT_POLL_MS",
     "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
     "pace_step": "PROXY_PACE_STEP",
+    # --- kv_aware and the affinity index (docs/architecture.md §4.4) ---
+    "affinity_view": "PROXY_AFFINITY_VIEW",
+    "kv_aware_credit_per_ms": "PROXY_KV_AWARE_CREDIT_PER_MS",
+    "kv_aware_max_credit": "PROXY_KV_AWARE_MAX_CREDIT",
+    "kv_aware_balance_abs": "PROXY_KV_AWARE_BALANCE_ABS",
+    "kv_aware_balance_rel": "PROXY_KV_AWARE_BALANCE_REL",
+    "affinity_block_tokens": "PROXY_AFFINITY_BLOCK_TOKENS",
+    "affinity_max_blocks": "PROXY_AFFINITY_MAX_BLOCKS",
+    "affinity_kv_mb_per_token": "PROXY_AFFINITY_KV_MB_PER_TOKEN",
     # --- faults ---
     "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
     "eject_s": "PROXY_EJECT_S",
@@ -111,9 +120,13 @@ STRATEGY_ALIASES: dict[str, str] = {
     "least_load": "least_load",
     "least-load": "least_load",
     "ll": "least_load",
+    "kv_aware": "kv_aware",
+    "kv-aware": "kv_aware",
+    "kv": "kv_aware",
 }
 
 LOAD_VIEWS = ("shared", "per_worker")
+AFFINITY_VIEWS = ("shared", "per_worker")
 LOG_FORMATS = ("text", "json")
 DP_SERVERS = ("uvicorn", "native")
 RELEASE_POLICIES = ("ordered", "text_bypass")
@@ -188,6 +201,29 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
     # sidecar/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
     pace_step: float = 0.2
+    # kv_aware (docs/architecture.md §4.4). "shared": every worker reads the host-wide affinity
+    # index the sidecar keeps; "per_worker": each worker remembers only what it itself sent (an
+    # ablation for benchmarks, like N proxies that each keep their own index).
+    affinity_view: str = "shared"
+    # Score units a millisecond of predicted prefill or KV transfer saved is worth: 0.001, as
+    # the least_load backlog weight, makes a second saved cancel a second of predicted backlog.
+    kv_aware_credit_per_ms: float = 0.001
+    # The largest credit one instance can get, in score units (about one request in flight with
+    # the default weights): affinity can tip a choice, never bury a busy instance's load.
+    kv_aware_max_credit: float = 4.0
+    # The balance guard: the credit is ignored (pure least_load) when the candidates' load
+    # scores spread by more than `abs` AND the highest exceeds `rel` x the lowest.
+    kv_aware_balance_abs: float = 4.0
+    kv_aware_balance_rel: float = 1.5
+    # Prompt prefixes are hashed in blocks of this many tokens (x4 characters), chained, at
+    # most `max_blocks` of them (longer prompts: only the leading blocks count).
+    affinity_block_tokens: int = 64
+    affinity_max_blocks: int = 32
+    # KV bytes a token occupies on an instance, to turn a KV capacity in GB
+    # (PROXY_KV_MEM_PER_INSTANCE_GB or the instance's meta.kv_mem_gb) into tokens when the
+    # instance does not register meta.kv_capacity_tokens (the default: the profiles'
+    # kv.transfer_mb_per_token).
+    affinity_kv_mb_per_token: float = 0.096
     # prometheus_client multiprocess files; "" = a private directory named after the segment.
     metrics_dir: str = ""
     # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
@@ -275,6 +311,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.kdn_links_refresh_s > 0, "kdn_links_refresh_s", "must be > 0")
         self._check_kdn_links()
         _check(0 <= self.pace_step <= 1, "pace_step", "must be 0..1")
+        self._check_kv_aware()
         _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
         _check(0 <= self.eject_after_failures <= 1000, "eject_after_failures", "must be 0..1000")
         _check(self.eject_s > 0, "eject_s", "must be > 0")
@@ -319,6 +356,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 _check(number and (value > low if low is not None else value >= 0), "kdn_links",
                        f"{key}: {name} must be a number {'> 0' if low is not None else '>= 0'}, "
                        f"got {value!r}")
+
+    def _check_kv_aware(self) -> None:
+        _check(self.affinity_view in AFFINITY_VIEWS, "affinity_view", f"must be one of {AFFINITY_VIEWS}")
+        for name in ("kv_aware_credit_per_ms", "kv_aware_max_credit", "kv_aware_balance_abs"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0")
+        _check(math.isfinite(self.kv_aware_balance_rel) and self.kv_aware_balance_rel >= 1,
+               "kv_aware_balance_rel", "must be a finite number >= 1")
+        _check(1 <= self.affinity_block_tokens <= 4096, "affinity_block_tokens", "must be 1..4096")
+        _check(0 <= self.affinity_max_blocks <= 256, "affinity_max_blocks", "must be 0..256")
+        _check(math.isfinite(self.affinity_kv_mb_per_token) and self.affinity_kv_mb_per_token > 0,
+               "affinity_kv_mb_per_token", "must be a finite number > 0")
 
     def _check_scheduler_link(self) -> None:
         if self.scheduler_cp_url is not None:

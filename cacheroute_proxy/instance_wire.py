@@ -20,6 +20,8 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 HOST_PATTERN = rf"^(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]+)\Z"
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=HOST_PATTERN)]
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=112)]
+KnowledgeId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_RESIDENT_KEYS = 65536  # a body limit more than a cache limit: the index keeps the 512 most recent
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
@@ -111,6 +113,10 @@ class HeartbeatRequest(msgspec.Struct, omit_defaults=True):
     # the candidate set at once, without forgetting it; the next heartbeat without it, or with
     # true, brings it back.
     healthy: bool | None = None
+    # Another extension (docs/protocol.md §3.3): the knowledge ids whose KV the instance holds
+    # now, its own account. When present it replaces what the proxy's affinity index modelled
+    # for the instance's knowledge (an empty list: none is resident); absent: the model stands.
+    resident_keys: Annotated[list[KnowledgeId], msgspec.Meta(max_length=MAX_RESIDENT_KEYS)] | None = None
 
 
 class UnregisterRequest(msgspec.Struct):

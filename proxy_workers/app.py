@@ -81,10 +81,14 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
         except HTTPError as exc:
             return from_http_error(exc)
         include_dead = request.query_params.get("include_dead", "true").lower() in ("1", "true", "yes")
+        try:
+            affinity = ctx.router.affinity_report(request.query_params)
+        except ValueError as exc:
+            return JSONResponse({"error": "invalid_query", "detail": str(exc)}, status_code=400)
         return JSONResponse(instance_loads(
             ctx.router.view, ctx.router.scorer, strategy=ctx.router.strategy.name,
             ttl_s=ctx.settings.instance_ttl_s, include_dead=include_dead,
-            answered_by=ctx.identity()))
+            answered_by=ctx.identity(), affinity=affinity))
 
     async def metrics_endpoint(request: Request) -> Response:
         try:

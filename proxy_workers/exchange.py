@@ -128,7 +128,7 @@ class ProxyExchange:
             self._attempt = attempt
             trace.route_select_start_ms = now_ms()
             try:
-                lease = self._router.acquire(self._tried)
+                lease = self._router.acquire(self._tried, self._job.request)
             except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
                 await out.error(exc)
                 return
@@ -137,6 +137,9 @@ class ProxyExchange:
             if age is not None:
                 trace.snapshot_age_ms = round(age, 1)
             trace.instance_id = out.instance_id = lease.instance.instance_id
+            if lease.guard_fired is not None:
+                trace.affinity_credit = round(lease.affinity.credit, 4)
+                trace.affinity_guard = lease.guard_fired
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await run_until_disconnect(self._run(lease, out), out.send, receive)

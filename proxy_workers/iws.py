@@ -33,18 +33,21 @@ def lacks_knowledge(spec: KnowledgeSpec | None) -> bool:
 
 
 def decide(request: ProxyRequest, ready_wait_ms: float, link_wait_ms: float, link: KdnLink,
-           predictors: Any, settings: Settings, text_net_wait_ms: float = 0.0) -> Decision:
+           predictors: Any, settings: Settings, text_net_wait_ms: float = 0.0,
+           resident_tokens: int = 0) -> Decision:
     """`link_wait_ms`: until the (instance, KDN) link is predicted free of every KV transfer
     reserved on it; `text_net_wait_ms`: until the KV transfer on the wire now is predicted to
     end (a text fetch shares the link with that one only, it queues behind none);
-    `link`: the link's bandwidth and RTT."""
+    `link`: the link's bandwidth and RTT; `resident_tokens`: knowledge the instance already
+    holds KV for (the affinity index), which costs no transfer."""
     spec = request.knowledge
     prompt, knowledge = request.prompt_tokens, spec.knowledge_tokens if spec else 0
     text_service = predictors.text_service_ms(prompt, max(0, knowledge))
     if spec is None or lacks_knowledge(spec):
         return Decision("text", NO_KNOWLEDGE, text_service, float("nan"))
     kv = predictors.kvcache_service(prompt, knowledge)
-    kv_transfer = link.transfer_ms(predictors, kv.effective_knowledge_tokens)
+    pulled = predictors.effective_knowledge_tokens(max(0, knowledge - resident_tokens))
+    kv_transfer = 0.0 if resident_tokens and not pulled else link.transfer_ms(predictors, pulled)
     rtt = link.latency_ms or 0.0  # the text path fetches from the KDN too: one round trip
     text_prepare_wait = (text_net_wait_ms + rtt + KDN_FETCH_FIXED_MS) if spec.kdn_addr else 0.0
     kvcache_prepare = link_wait_ms + kv_transfer

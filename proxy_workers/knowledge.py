@@ -92,9 +92,12 @@ class KnowledgePreparer:
         return timeline
 
     async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
-                      spans: Any = None, client_headers: Sequence[Header] = ()) -> Knowledge:
+                      spans: Any = None, client_headers: Sequence[Header] = (),
+                      resident: tuple[str, ...] = ()) -> Knowledge:
         """The KDN and the instance's control plane get a traceparent: with spans on
-        (`spans`, a RequestSpans) their own span's, else the client's as it came."""
+        (`spans`, a RequestSpans) their own span's, else the client's as it came.
+        `resident`: knowledge ids the affinity index says the instance already holds KV for:
+        their text is still fetched (the prompt carries it), their KV is not pulled again."""
         spec = request.knowledge
         result = Knowledge()
         if spec is None or not spec.wanted or request.body is None:
@@ -109,6 +112,8 @@ class KnowledgePreparer:
             if context:
                 _inject(request, context, spec.injection_type)
             if spec.injection_type == "kvcache":
+                held = {kid.lower() for kid in resident}
+                result.resident_kids = [kid for kid in result.kv_ready_kids if kid.lower() in held]
                 await self._kv_inject(request, instance, result, trace,
                                       spans.kv_inject_headers if spans is not None
                                       else lambda: passed_on(client_headers))
@@ -165,9 +170,19 @@ class KnowledgePreparer:
             return
         predictors = self._predictors
         effective = predictors.effective_knowledge_tokens(spec.knowledge_tokens)
+        if len(result.resident_kids) == len(result.kv_ready_kids):
+            # Every kv-ready id is resident on the instance: nothing to pull, no KDN transfer.
+            result.kv_ack = {**_ack(True, "resident on the instance", result),
+                             "injected_kids": [], "resident_kids": list(result.resident_kids)}
+            result.prefix_tokens = effective
+            trace.kvcache_actual_path = "kv_resident"
+            return
+        pulled = len(result.kv_ready_kids) - len(result.resident_kids)
+        transfer_tokens = predictors.effective_knowledge_tokens(
+            spec.knowledge_tokens * pulled // max(1, len(spec.knowledge_ids)))
         kdn_link = self.kdn_links.link_for(instance.instance_id, spec.kdn_addr)
         trace.kdn_link_source = kdn_link.source
-        transfer_s = kdn_link.transfer_ms(predictors, effective) / 1000  # the same estimate as IWS's
+        transfer_s = kdn_link.transfer_ms(predictors, transfer_tokens) / 1000  # the same estimate as IWS's
         link = self.link(instance.instance_id, spec.kdn_addr)
         queued_at = time.time()
         predicted_end = link.reserve(queued_at, transfer_s)
@@ -183,12 +198,15 @@ class KnowledgePreparer:
 
     async def reinject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
                        trace: Trace, spans: Any = None,
-                       client_headers: Sequence[Header] = ()) -> None:
+                       client_headers: Sequence[Header] = (), resident: tuple[str, ...] = ()) -> None:
         """A retry on another instance: the body already holds the context (no KDN fetch
-        again), but the KV went to the instance that failed; have this one pull it, so the
-        ack, the prefix and the trace's KV fields describe the instance that serves."""
+        again), but the KV went to the instance that failed; have this one pull it (what it
+        does not hold already: `resident`), so the ack, the prefix and the trace's KV fields
+        describe the instance that serves."""
         result.prefix_tokens = 0
         result.kv_ack = {}
+        held = {kid.lower() for kid in resident}
+        result.resident_kids = [kid for kid in result.kv_ready_kids if kid.lower() in held]
         for name in _KV_TRACE_FIELDS:
             setattr(trace, name, None)
         if instance.kv_inject == layout.KV_INJECT_NO:
@@ -212,8 +230,10 @@ class KnowledgePreparer:
         headers = trace_headers()  # after the start is known: a span starts from it
         cp_port = instance.cp_port or instance.port + self._settings.instance_cp_port_offset
         url = f"{base_url(instance.host, cp_port)}/v1/kv/inject_ready"
+        resident = set(result.resident_kids)
         body = {"request_id": request.request_id, "kdn_addr": spec.kdn_addr,
-                "model": request.model, "knowledge_ids": result.kv_ready_kids}
+                "model": request.model,
+                "knowledge_ids": [kid for kid in result.kv_ready_kids if kid not in resident]}
         try:
             async with self._session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self._settings.kv_inject_timeout_s)) as resp:

@@ -30,6 +30,7 @@ from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
 from . import metrics
+from .affinity import AffinityIndex, report_residency
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
 from .request_model import ProxyRequest
@@ -146,8 +147,9 @@ class Job(msgspec.Struct):
 
 class Pipeline:
     def __init__(self, settings: Settings, tracker: RequestTracker, preparer: KnowledgePreparer,
-                 predictors: Any, pressure_of: Any) -> None:
+                 predictors: Any, pressure_of: Any, affinity: AffinityIndex | None = None) -> None:
         self._settings = settings
+        self._affinity = affinity  # told what each instance now holds (docs/architecture.md §4.4)
         self._tracker = tracker
         self._preparer = preparer
         self._predictors = predictors
@@ -210,6 +212,7 @@ class Pipeline:
             try:
                 result = await forward()
                 failed = False
+                self._forwarded(lease, job)
                 return result
             finally:
                 stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
@@ -220,6 +223,20 @@ class Pipeline:
             if reserved:
                 self._tracker.complete(job.key, True)
             raise
+
+    def _forwarded(self, lease: Lease, job: Job) -> None:
+        """The instance now holds the request's prompt prefix (vLLM's prefix cache)."""
+        request = job.request
+        if self._affinity is not None and request.prefix_keys:
+            report_residency(self._affinity, lease.instance, request, (), request.prefix_keys,
+                             self._settings.affinity_block_tokens)
+
+    def _acknowledged(self, lease: Lease, job: Job) -> None:
+        """The knowledge whose KV the instance acknowledged, or already held, is resident there."""
+        knowledge = job.knowledge
+        if self._affinity is not None and knowledge.prefix_tokens and knowledge.kv_ack.get("ok"):
+            report_residency(self._affinity, lease.instance, job.request, knowledge.kv_ready_kids,
+                             (), self._settings.affinity_block_tokens)
 
     def first_token(self, job: Job) -> None:
         self._tracker.first_token(job.key)
@@ -278,8 +295,10 @@ class Pipeline:
             timeline = self._preparer.link(instance_id, spec.kdn_addr)
             kdn_link = self._preparer.kdn_links.link_for(instance_id, spec.kdn_addr)
             now = time.time()
+            resident = len(lease.affinity.resident_kids)
             decision = decide(request, ready_wait, timeline.wait_s(now) * 1000, kdn_link,
-                              self._predictors, self._settings, timeline.net_wait_s(now) * 1000)
+                              self._predictors, self._settings, timeline.net_wait_s(now) * 1000,
+                              resident_tokens=spec.knowledge_tokens * resident // len(spec.knowledge_ids))
             spec.injection_type = decision.mode
             trace.iws_reason = decision.reason
             trace.kdn_link_source = kdn_link.source
@@ -302,13 +321,16 @@ class Pipeline:
             trace.prepare_start_ms = now_ms()
             if reinject:
                 await self._preparer.reinject(request, lease.instance, job.knowledge, trace,
-                                              job.spans, job.client_headers)
+                                              job.spans, job.client_headers,
+                                              resident=lease.affinity.resident_kids)
             else:
                 job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
-                                                             job.spans, job.client_headers)
+                                                             job.spans, job.client_headers,
+                                                             resident=lease.affinity.resident_kids)
             if job.knowledge.kv_ack and job.knowledge.kv_ready_kids:
                 job.kv_instance = (lease.instance.slot, lease.instance.generation)
             trace.prepare_self_done_ms = now_ms()
+            self._acknowledged(lease, job)
         finally:
             stages.prepare_slots.release()
             lease.leave(layout.LANE_PREPARE_ACTIVE)

@@ -118,6 +118,10 @@ class ProxyRequest(msgspec.Struct):
     # forwarding (re-encoded then); None when the body is forwarded as received.
     body: dict[str, Any] | None = None
     knowledge: KnowledgeSpec | None = None
+    # A plain OpenAI request's messages (chat) or prompt (completions), as decoded, for
+    # kv_aware's prefix hashes (proxy_workers/affinity.py), and those hashes once computed.
+    parsed_prompt: Any = None
+    prefix_keys: list[int] | None = None
 
     def encoded_body(self) -> bytes:
         return self.upstream_body if self.body is None else _encoder.encode(self.body)
@@ -195,7 +199,8 @@ def _from_openai(endpoint: Endpoint, raw: dict[str, Any], body: bytes) -> ProxyR
     return ProxyRequest(endpoint=endpoint, upstream_body=body, stream=parsed.stream,
                         model=parsed.model, request_id=0, token_length=None, source="openai",
                         prompt_tokens=_estimate_tokens(chars),
-                        decode_tokens=parsed.max_tokens or DEFAULT_DECODE_TOKENS)
+                        decode_tokens=parsed.max_tokens or DEFAULT_DECODE_TOKENS,
+                        parsed_prompt=parsed.messages if endpoint is Endpoint.CHAT else parsed.prompt)
 
 
 def _estimate_tokens(chars: int) -> int:

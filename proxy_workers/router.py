@@ -7,13 +7,15 @@ A Lease is the only way inflight changes on the data plane: `Router.acquire` beg
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.fast_score import Scorer, compile_scorer
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.strategies import LeastLoadStrategy, Strategy, build_strategy
+from cacheroute_proxy.routing.strategies import (KvAwareStrategy, LeastLoadStrategy, Strategy,
+                                                 build_strategy)
 from shm_schema import (
     Admission,
     DirectorySnapshot,
@@ -23,7 +25,9 @@ from shm_schema import (
     header,
 )
 
+from .affinity import NO_AFFINITY, AffinityScorer, Assessment, debug_report, debug_request
 from .outliers import OutlierTracker
+from .request_model import ProxyRequest
 from .upstream import base_url
 
 
@@ -31,14 +35,18 @@ class Lease:
     """A request's hold on one instance: inflight, plus whichever queue lanes it is in.
 
     `snapshot_age_ms`: how old the sidecar's predicted layer was when least_load chose this
-    instance (None for other strategies, or before any snapshot), for the request's trace."""
+    instance (None for other strategies, or before any snapshot), for the request's trace.
+    `affinity`: what kv_aware found the instance holds of the request (NO_AFFINITY otherwise)."""
 
-    __slots__ = ("instance", "snapshot_age_ms", "_row", "_held", "_lanes")
+    __slots__ = ("instance", "snapshot_age_ms", "affinity", "guard_fired", "_row", "_held", "_lanes")
 
     def __init__(self, instance: InstanceSlot, row: WorkerRow,
-                 snapshot_age_ms: float | None = None) -> None:
+                 snapshot_age_ms: float | None = None, affinity: Assessment = NO_AFFINITY,
+                 guard_fired: bool | None = None) -> None:
         self.instance = instance
         self.snapshot_age_ms = snapshot_age_ms
+        self.affinity = affinity
+        self.guard_fired = guard_fired  # kv_aware: did the balance guard set the credits aside
         self._row = row
         self._held = True
         self._lanes: list[int] = []
@@ -75,9 +83,16 @@ class Lease:
         return self._row.end(self.instance.slot, self.instance.generation)
 
 
+def kv_aware_settings(settings: Settings) -> dict[str, float]:
+    return {"credit_per_ms": settings.kv_aware_credit_per_ms, "max_credit": settings.kv_aware_max_credit,
+            "balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel}
+
+
 class Router:
-    def __init__(self, settings: Settings, seg: Segment, row: WorkerRow) -> None:
+    def __init__(self, settings: Settings, seg: Segment, row: WorkerRow,
+                 affinity: AffinityScorer | None = None) -> None:
         self.row = row
+        self._settings = settings
         self.view = LoadView(seg, settings.load_view, row, stale_ms=settings.snapshot_stale_ms)
         if settings.load_view == "shared":
             cursor, tie_cursor = (lambda: header.next_round_robin(seg)), (lambda: header.next_tie_break(seg))
@@ -85,8 +100,14 @@ class Router:
             cursor, tie_cursor = itertools.count().__next__, itertools.count().__next__
         self.strategy: Strategy = build_strategy(settings.instance_strategy,
                                                  weights=settings.least_load_weights,
-                                                 cursor=cursor, tie_cursor=tie_cursor)
-        self._least_load = isinstance(self.strategy, LeastLoadStrategy)
+                                                 cursor=cursor, tie_cursor=tie_cursor,
+                                                 kv_aware=kv_aware_settings(settings))
+        self._least_load = isinstance(self.strategy, LeastLoadStrategy)  # kv_aware is one too
+        # Every strategy learns what the chosen instance holds of a request (the prepare stage
+        # skips resident knowledge); only kv_aware lets it weigh in the choice. Without a
+        # scorer (a bare Router in a unit test) kv_aware is least_load.
+        self.affinity = affinity
+        self._kv_aware = isinstance(self.strategy, KvAwareStrategy) and affinity is not None
         self.scorer = (self.strategy if isinstance(self.strategy, LeastLoadStrategy)
                        else LeastLoadStrategy(settings.least_load_weights))
         # least_load over the shared table: one generated comprehension per directory snapshot.
@@ -94,7 +115,12 @@ class Router:
         self._fast = self._least_load and settings.load_view == "shared"
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 
-    def choose(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> InstanceSlot:
+    def choose(self, exclude: frozenset[tuple[int, int]] = frozenset(),
+               request: ProxyRequest | None = None) -> InstanceSlot:
+        return self._choose(exclude, request)[0]
+
+    def _choose(self, exclude: frozenset[tuple[int, int]],
+                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
         snapshot = self.view.directory.snapshot()
         candidates = snapshot.alive
         if not candidates:
@@ -108,19 +134,28 @@ class Router:
             if not kept:
                 raise HTTPError(503, "no_instance", "every alive instance failed this request")
             if len(kept) < len(candidates):
-                return self._select(kept, snapshot.slot_span)
+                return self._select(kept, snapshot.slot_span, None, request)
         if not self._least_load:
-            return self.strategy.select(candidates)
-        if self._fast:
-            totals = self._fast_totals(snapshot)
-            if totals is not None:
-                return self.strategy.select_by_totals(candidates, totals)  # type: ignore[union-attr]
-        return self._select(candidates, snapshot.slot_span)
+            return self.strategy.select(candidates), NO_AFFINITY, None
+        totals = self._fast_totals(snapshot) if self._fast else None
+        return self._select(candidates, snapshot.slot_span, totals, request)
 
-    def _select(self, candidates: tuple[InstanceSlot, ...], span: int) -> InstanceSlot:
-        """The generic path: every component read one by one (round_robin reads none)."""
-        components = self.view.components(candidates, span) if self._least_load else None
-        return self.strategy.select(candidates, components)
+    def _select(self, candidates: tuple[InstanceSlot, ...], span: int,
+                totals: list[float | None] | None,
+                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
+        """least_load's totals (the fast ones, or every component read one by one), minus
+        kv_aware's credits; round_robin reads none."""
+        strategy = self.strategy
+        if not isinstance(strategy, LeastLoadStrategy):
+            return strategy.select(candidates), NO_AFFINITY, None
+        if totals is None:
+            totals = strategy.totals(len(candidates), self.view.components(candidates, span))
+        if not self._kv_aware or request is None:
+            return strategy.select_by_totals(candidates, totals), NO_AFFINITY, None
+        assessments = self.affinity.assess(request, candidates)  # type: ignore[union-attr]
+        scores, guard = strategy.combine(totals, [a.credit for a in assessments])  # type: ignore[attr-defined]
+        choice = strategy.select_by_totals(candidates, scores)
+        return choice, next(a for c, a in zip(candidates, assessments) if c is choice), guard.fired
 
     def _fast_totals(self, snapshot: DirectorySnapshot) -> list[float] | None:
         compiled_for, scorer = self._compiled
@@ -134,16 +169,29 @@ class Router:
         now = now_us()
         return scorer(self.view.lanes(span), self.view.fresh_records(span, now), now)
 
+    def affinity_report(self, query: Any) -> Any:
+        """/debug/instance_loads's kv_aware part for the request its query names, or None."""
+        request = debug_request(query) if self.affinity is not None else None
+        if request is None:
+            return None
+        strategy = self.strategy if isinstance(self.strategy, KvAwareStrategy) \
+            else KvAwareStrategy(**kv_aware_settings(self._settings))
+        return debug_report(self.affinity, strategy, request, self._kv_aware)  # type: ignore[arg-type]
+
     def has_alternative(self, exclude: frozenset[tuple[int, int]]) -> bool:
         """Is there an alive instance outside `exclude` to retry on?"""
         return any((i.slot, i.generation) not in exclude for i in self.view.directory.snapshot().alive)
 
-    def acquire(self, exclude: frozenset[tuple[int, int]] = frozenset()) -> Lease:
-        """Choose an instance outside `exclude` and begin a request on it (503 if there is none,
-        or if it left the table between the choice and the begin)."""
-        instance = self.choose(exclude)
+    def acquire(self, exclude: frozenset[tuple[int, int]] = frozenset(),
+                request: ProxyRequest | None = None) -> Lease:
+        """Choose an instance outside `exclude` (for `request`: kv_aware weighs what each holds
+        of it) and begin a request on it (503 if there is none, or if it left the table between
+        the choice and the begin)."""
+        instance, affinity, guard_fired = self._choose(exclude, request)
+        if affinity is NO_AFFINITY and request is not None and self.affinity is not None:
+            affinity = self.affinity.assess(request, (instance,))[0]
         age = self.view.snapshot_age_ms() if self._least_load else None
         if not self.row.begin(instance.slot, instance.generation):
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
-        return Lease(instance, self.row, age)
+        return Lease(instance, self.row, age, affinity, guard_fired)
 

@@ -20,18 +20,20 @@ from starlette.types import ASGIApp
 from cacheroute_proxy import exits, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.strategies import KvAwareStrategy
 from cacheroute_proxy.uvicorn_seam import DrainingServer, draining_protocol, has_started, requests_in_flight
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from proxy_workers.predictors import get_predictors
 
+from .affinity import AffinityScorer, make_index
 from .app import WorkerContext, build_app, worker_name
 from .drain import Drain, DrainGate, uvicorn_graceful_timeout
 from .http1_server import Http1Server
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
-from .router import Router
+from .router import Router, kv_aware_settings
 from .tracing import start_tracing
 from .tracker import RequestTracker
 from .upstream import Upstream
@@ -161,17 +163,19 @@ def run(settings: Settings, index: int) -> int:
         seg.close()
         return exits.CANNOT_START
     try:
-        router = Router(settings, seg, row)
         tracing = start_tracing(settings, worker_name(index), index)
-        upstream = Upstream(settings, replace_trace_context=tracing is not None)
         tracker = RequestTracker(seg, row)
         predictors = get_predictors(settings.predictor_profile)
         links = LinkTable.from_settings(settings)
+        affinity = make_index(settings, seg, tracker)
+        router = Router(settings, seg, row, AffinityScorer(
+            settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
+        upstream = Upstream(settings, replace_trace_context=tracing is not None)
         refresher = LinkRefresher(links, lambda: upstream.session, sidecar_links_url(settings),
                                   load_token(settings.cp_token, settings.cp_token_file),
                                   settings.kdn_links_refresh_s)
         pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
-                            predictors, router.view.ready_wait_ms)
+                            predictors, router.view.ready_wait_ms, affinity)
         ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                             pipeline=pipeline, tracing=tracing)
         app = build_app(ctx, lifespan=_Lifespan(ctx, tracker, refresher))

@@ -35,6 +35,8 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     route_select_end_ms: int | None = None  # the lease is held from here
     snapshot_age_ms: float | None = None  # least_load: age of the predicted layer the choice read
     instance_id: str | None = None  # the instance chosen (the last one, after a retry)
+    affinity_credit: float | None = None  # kv_aware: the credit the chosen instance got (score units)
+    affinity_guard: bool | None = None  # kv_aware: true if the balance guard set every credit aside
     # --- prepare stage (pipeline) ---
     prepare_seq: int | None = None  # place in this worker's prepare order for the instance
     proxy_enqueue_ms: int | None = None  # entered the instance's pipeline
@@ -98,6 +100,9 @@ class Knowledge(msgspec.Struct):
     kv_ack: dict[str, Any] = msgspec.field(default_factory=dict)
     prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
     error: str | None = None  # preparation failed; the request went on without its knowledge
+    # kv-ready ids whose KV the affinity index says the chosen instance already held: no KDN
+    # transfer and no inject for them (docs/architecture.md §4.4)
+    resident_kids: list[str] = msgspec.field(default_factory=list)
 
 
 class Meta(msgspec.Struct):
@@ -109,6 +114,7 @@ class Meta(msgspec.Struct):
     text_only_kids: list[str]
     miss_kids: list[str]
     error: str | None  # why knowledge or the answer is missing or cut; null if nothing is
+    resident_kids: list[str] = []  # of kv_ready_kids: already resident on the instance (kv_aware's index)
 
 
 _encoder = msgspec.json.Encoder()
@@ -117,4 +123,5 @@ _encoder = msgspec.json.Encoder()
 def encode_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
     """`cacheroute_meta` as JSON bytes: the trace and what preparation found and did."""
     return _encoder.encode(Meta(trace, knowledge.kv_ack, knowledge.kv_ready_kids,
-                                knowledge.text_only_kids, knowledge.miss_kids, error))
+                                knowledge.text_only_kids, knowledge.miss_kids, error,
+                                knowledge.resident_kids))

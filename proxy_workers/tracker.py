@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 from cacheroute_proxy.clock import now_us
 from shm_schema import Segment, WorkerRow, header
@@ -66,6 +67,16 @@ class RequestTracker:
         if live is not None:
             self._check_epoch()
             self._writer.complete(self._epoch, key, live.slot, live.generation, now_us(), failed)
+
+    def residency(self, slot: int, generation: int, keys: Sequence[int], tokens_each: int,
+                  prefix: bool) -> None:
+        """Keys whose KV the instance now holds (acknowledged knowledge, or prefix blocks it was
+        sent), three to an event. Not re-sent to a new sidecar: it keeps the published index."""
+        self._check_epoch()
+        write = self._writer.prefix if prefix else self._writer.resident
+        t_us = now_us()
+        for start in range(0, len(keys), 3):
+            write(self._epoch, slot, generation, t_us, tuple(keys[start:start + 3]), tokens_each)
 
     def tick(self) -> None:
         """Periodic: move spilled events into the ring; re-announce after a sidecar restart."""

@@ -189,3 +189,24 @@ class OptionalFloatWord:
     def unpack(word: int) -> float | None:
         value = OptionalFloatWord._DOUBLE.unpack(OptionalFloatWord._WORD.pack(word))[0]
         return None if math.isnan(value) else value
+
+
+class AffinityValue:
+    """The second word of an affinity entry: kind << 32 | tokens. The kind says what the key
+    hashes (AFFINITY_KNOWLEDGE: a knowledge id; AFFINITY_PREFIX: a block of a prompt prefix);
+    the tokens are how much KV the entry stands for in the sidecar's capacity model."""
+
+    KIND_SHIFT = 32
+    TOKENS_MASK = _low_bits(KIND_SHIFT)
+
+    @staticmethod
+    def pack(kind: int, tokens: int) -> int:
+        return (kind << AffinityValue.KIND_SHIFT) | min(max(0, tokens), AffinityValue.TOKENS_MASK)
+
+    @staticmethod
+    def kind(word: int) -> int:
+        return word >> AffinityValue.KIND_SHIFT
+
+    @staticmethod
+    def tokens(word: int) -> int:
+        return word & AffinityValue.TOKENS_MASK

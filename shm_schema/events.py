@@ -12,7 +12,8 @@ Events carry the sidecar epoch they were written under; a restarted sidecar (new
 discards older ones and the workers re-send the state of every request still in flight.
 
 The writer has one method per kind, with that kind's payload as named parameters; the reader
-yields `Event`s with the payload by name. Both pack the record in EventRecord's field order
+yields `Event`s with the payload by name (RESIDENT and PREFIX carry records.ResidencyPayload in
+the four payload words: `residency(event)` names them). Both pack the record in EventRecord's field order
 with the EventTag / SlotGeneration formats inlined: three events per request, so no record
 object is built on the write path.
 """
@@ -24,10 +25,10 @@ from typing import Iterator, NamedTuple
 
 from . import layout
 from .bitfields import EventTag, SlotGeneration
-from .records import EVENT, EventKind
+from .records import EVENT, EventKind, ResidencyPayload
 from .segment import Segment
 
-__all__ = ["Event", "EventKind", "EventReader", "EventWriter"]
+__all__ = ["Event", "EventKind", "EventReader", "EventWriter", "residency"]
 
 _PACK_INTO = EVENT.struct.pack_into
 _UNPACK_FROM = EVENT.struct.unpack_from
@@ -40,6 +41,8 @@ _RESERVE = int(EventKind.RESERVE)
 _FIRST_TOKEN = int(EventKind.FIRST_TOKEN)
 _COMPLETE = int(EventKind.COMPLETE)
 _RESYNC = int(EventKind.RESYNC)
+_RESIDENT = int(EventKind.RESIDENT)
+_PREFIX = int(EventKind.PREFIX)
 
 
 class Event(NamedTuple):
@@ -113,6 +116,25 @@ class EventWriter:
                   (slot << _SLOT_SHIFT) | generation, t_us, int(failed), 0, 0, 0)
         return (not self._spill and self._put(record)) or self._spill_or_drop(record)
 
+    def resident(self, epoch: int, slot: int, generation: int, t_us: int, keys: tuple[int, ...],
+                 tokens_each: int) -> bool:
+        """The instance acknowledged the KV of up to three knowledge ids (their key hashes)."""
+        return self._residency(_RESIDENT, epoch, slot, generation, t_us, keys, tokens_each)
+
+    def prefix(self, epoch: int, slot: int, generation: int, t_us: int, keys: tuple[int, ...],
+               tokens_each: int) -> bool:
+        """Up to three prompt-prefix blocks (their chained hashes) were forwarded to the instance."""
+        return self._residency(_PREFIX, epoch, slot, generation, t_us, keys, tokens_each)
+
+    def _residency(self, kind: int, epoch: int, slot: int, generation: int, t_us: int,
+                   keys: tuple[int, ...], tokens_each: int) -> bool:
+        if not 1 <= len(keys) <= 3:
+            raise ValueError(f"a residency event carries 1 to 3 keys, not {len(keys)}")
+        padded = (*keys, 0, 0)[:3]
+        record = (kind | (epoch << _EPOCH_SHIFT), 0, (slot << _SLOT_SHIFT) | generation, t_us,
+                  *padded, tokens_each)
+        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+
     # --- the ring and the spill ---------------------------------------------------------------
     def flush(self) -> int:
         """Move spilled events into the ring, oldest first; returns how many remain."""
@@ -146,6 +168,13 @@ class EventWriter:
         self._store(self._tail_offset, tail + 1)  # publish after the record is written
         self.written += 1
         return True
+
+
+def residency(event: Event) -> ResidencyPayload:
+    """The payload of a RESIDENT or PREFIX event, by name (the reader decodes every kind but
+    COMPLETE into the same four payload fields)."""
+    return ResidencyPayload(event.service_us, event.decode_us, event.decode_tokens,
+                            event.prompt_tokens)
 
 
 class EventReader:

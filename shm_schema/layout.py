@@ -6,13 +6,14 @@ module uses, and `Geometry` for the offsets that depend on a segment's capacitie
 below is checked against the declarations by tests/test_shm_records.py.
 
 One POSIX shared-memory segment, every numeric field an aligned native 64-bit word (so a plain
-load of a field is a single-copy-atomic read on x86-64 and aarch64), in five regions::
+load of a field is a single-copy-atomic read on x86-64 and aarch64), in six regions::
 
     offset 0            HEADER            256 bytes
     COUNTERS_OFFSET     counter lanes     instance_capacity x LANES words (one cache line a slot)
     directory_offset    instance slots    instance_capacity x SLOT_SIZE
     snapshot_offset     pressure snapshot 2 buffers x instance_capacity x SNAPSHOT_RECORD_SIZE
     worker_rows_offset  worker rows       worker_capacity x row_size
+    affinity_offset     affinity index    instance_capacity x AFFINITY_ROW_SIZE (layout 4)
 
 Header words (HeaderWords, all u64)::
 
@@ -108,9 +109,24 @@ Event record (EventRecord; in a worker's ring, EVENT_SIZE bytes)::
     16  slot_generation  SlotGeneration: the instance it is about
     24  t_us             when (RESYNC: when the request was reserved), wall clock
     32  payload_0        RESERVE, RESYNC: ReservePayload (service_us, decode_us, decode_tokens,
-    40  payload_1        prompt_tokens); COMPLETE: CompletePayload (failed); FIRST_TOKEN: none;
-    48  payload_2        unused words are 0
-    56  payload_3
+    40  payload_1        prompt_tokens); COMPLETE: CompletePayload (failed); RESIDENT, PREFIX:
+    48  payload_2        ResidencyPayload (key_0, key_1, key_2, tokens_each); FIRST_TOKEN: none;
+    56  payload_3        unused words are 0
+
+Affinity row (AffinityRowHeader, then AFFINITY_ENTRIES AffinityEntry records of 16 bytes; one
+row per instance slot, written only by the sidecar, read by every worker; layout version 4)::
+
+    0   generation       the slot generation the entries describe; 0 = none. A reader that
+                         holds another generation (the slot was freed or reused) sees nothing
+    8   seq              seqlock: the sidecar makes it odd, rewrites the row, makes it even
+                         again; a reader copies the row and keeps the copy only if seq was even
+                         and unchanged around it
+    16  count            entries in use, the least recently used first
+    24  tokens           tokens the entries stand for, summed
+    32  capacity_tokens  the instance's modelled KV capacity in tokens (0 = unknown)
+    40  published_us     when the row was last written (wall clock)
+    48..63 reserved
+    64  entries          AFFINITY_ENTRIES x (key: 64-bit hash, never 0; value: AffinityValue)
 
 Bit-packed words (bitfields)::
 
@@ -121,6 +137,7 @@ Bit-packed words (bitfields)::
     ProcessIdentity start_ticks << 22 | pid
     EventTag        kind | epoch << 8
     SlotGeneration  slot << 32 | generation
+    AffinityValue   kind << 32 | tokens (kind: AFFINITY_KNOWLEDGE 1, AFFINITY_PREFIX 2)
 
 The generation-tagged words make a stale update harmless: an `end` for a slot that has since
 been reused carries the old generation, and its CAS fails instead of decrementing someone
@@ -131,10 +148,13 @@ from __future__ import annotations
 
 import struct
 
-from .records import COUNTER_LANES, EVENT, HEADER, ROW_HEADER, SLOT, SNAPSHOT, WORD
+from .records import (AFFINITY_ENTRIES, AFFINITY_ENTRY, AFFINITY_ROW_HEADER, COUNTER_LANES, EVENT,
+                      HEADER, ROW_HEADER, SLOT, SNAPSHOT, WORD)
 
 MAGIC = 0x3159584F52505243  # b"CRPROXY1" read as a little-endian u64
-LAYOUT_VERSION = 3  # 3: max_num_seqs in the slots (320 bytes), marginal backlog in the snapshot
+# 3: max_num_seqs in the slots (320 bytes), marginal backlog in the snapshot;
+# 4: the affinity index after the worker rows (every earlier offset unchanged).
+LAYOUT_VERSION = 4
 
 # --- header ------------------------------------------------------------------------------
 HEADER_SIZE = HEADER.size
@@ -212,6 +232,16 @@ R_EVENTS_DROPPED = ROW_HEADER.offset.events_dropped
 EVENT_SIZE = EVENT.size
 DEFAULT_RING_CAPACITY = 1024
 
+# --- the affinity index (sidecar -> workers) -------------------------------------------------
+# 512 entries a row: 1 + 512 x 16 bytes ~ 8 KB an instance (2.1 MB for the default 256 slots).
+# Enough for what one instance's KV holds of what the proxy can name: a few hundred knowledge
+# documents of ~1-4k tokens, or a few dozen shared system prompts of 64-token blocks; the
+# sidecar's model evicts least recently used entries beyond it as it does beyond the capacity.
+AFFINITY_ROW_SIZE = AFFINITY_ROW_HEADER.size + AFFINITY_ENTRIES * AFFINITY_ENTRY.size
+A_GENERATION = AFFINITY_ROW_HEADER.offset.generation
+A_SEQ = AFFINITY_ROW_HEADER.offset.seq
+A_COUNT = AFFINITY_ROW_HEADER.offset.count
+
 
 def _align(offset: int, to: int = 64) -> int:
     return (offset + to - 1) // to * to
@@ -222,7 +252,7 @@ class Geometry:
 
     __slots__ = ("instance_capacity", "worker_capacity", "ring_capacity", "directory_offset",
                  "snapshot_offset", "worker_rows_offset", "contributions_size", "row_size",
-                 "total_size")
+                 "affinity_offset", "total_size")
 
     def __init__(self, instance_capacity: int, worker_capacity: int,
                  ring_capacity: int = DEFAULT_RING_CAPACITY) -> None:
@@ -234,7 +264,8 @@ class Geometry:
         self.worker_rows_offset = _align(self.snapshot_offset + 2 * SNAPSHOT_RECORD_SIZE * instance_capacity)
         self.contributions_size = WORD * LANES * instance_capacity
         self.row_size = _align(ROW_HEADER_SIZE + self.contributions_size + EVENT_SIZE * ring_capacity)
-        self.total_size = self.worker_rows_offset + self.row_size * worker_capacity
+        self.affinity_offset = self.worker_rows_offset + self.row_size * worker_capacity
+        self.total_size = self.affinity_offset + AFFINITY_ROW_SIZE * instance_capacity
 
     def counter_offset(self, slot: int, lane: int = LANE_INFLIGHT) -> int:
         return COUNTERS_OFFSET + WORD * (LANES * slot + lane)
@@ -263,6 +294,12 @@ class Geometry:
 
     def ring_offset(self, row: int) -> int:
         return self.contributions_base(row) + self.contributions_size
+
+    def affinity_row_offset(self, slot: int) -> int:
+        return self.affinity_offset + AFFINITY_ROW_SIZE * slot
+
+    def affinity_entries_offset(self, slot: int) -> int:
+        return self.affinity_row_offset(slot) + AFFINITY_ROW_HEADER.size
 
 
 def lanes_struct(span: int) -> struct.Struct:

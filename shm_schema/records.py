@@ -180,12 +180,14 @@ class EventKind(enum.IntEnum):
     FIRST_TOKEN = 2  # the instance produced its first byte of output
     COMPLETE = 3     # finished, failed or cancelled: the reservation goes away
     RESYNC = 4       # a live request re-announced to a new sidecar; t_us = its reserve time
+    RESIDENT = 5     # the instance acknowledged knowledge KV (up to 3 knowledge-id hashes)
+    PREFIX = 6       # prompt-prefix blocks were forwarded to the instance (up to 3 block hashes)
 
 
 class EventRecord(NamedTuple):
     """One event in a worker's ring. The payload words mean what the kind says: ReservePayload
-    for RESERVE and RESYNC, CompletePayload for COMPLETE, nothing for FIRST_TOKEN (unused
-    words are 0)."""
+    for RESERVE and RESYNC, CompletePayload for COMPLETE, ResidencyPayload for RESIDENT and
+    PREFIX, nothing for FIRST_TOKEN (unused words are 0)."""
     tag: int              # EventTag: kind and sidecar epoch
     request_key: int      # RequestKey
     slot_generation: int  # SlotGeneration: the instance
@@ -209,3 +211,40 @@ class ReservePayload(NamedTuple):
 
 class CompletePayload(NamedTuple):
     failed: int  # 1 failed or cancelled, 0 finished
+
+
+class ResidencyPayload(NamedTuple):
+    """RESIDENT and PREFIX: up to three 64-bit key hashes (0 = none) that now hold KV on the
+    event's instance, each standing for `tokens_each` tokens."""
+    key_0: int
+    key_1: int
+    key_2: int
+    tokens_each: int
+
+
+# --- the affinity index (one row per instance slot; written only by the sidecar) -------------------
+AFFINITY_ENTRIES = 512  # entries a row holds (see layout.py for why this many)
+
+
+class AffinityRowHeader(NamedTuple):
+    """The fixed words of an instance's affinity row; AFFINITY_ENTRIES entries follow."""
+    generation: int       # the slot generation the entries describe, 0 = none
+    seq: int              # seqlock: odd while the sidecar rewrites the row
+    count: int            # entries in use, oldest (least recently used) first
+    tokens: int           # tokens the entries stand for, summed
+    capacity_tokens: int  # the instance's modelled KV capacity in tokens (0 = unknown)
+    published_us: int     # when the sidecar last wrote the row, wall clock
+
+
+AFFINITY_ROW_HEADER = Record(AffinityRowHeader, size=64)
+
+
+class AffinityEntry(NamedTuple):
+    """A key resident on the instance: its hash and an AffinityValue (kind, tokens)."""
+    key: int    # never 0
+    value: int  # AffinityValue
+
+
+AFFINITY_ENTRY = Record(AffinityEntry, size=16)
+AFFINITY_KNOWLEDGE = 1
+AFFINITY_PREFIX = 2

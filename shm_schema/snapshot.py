@@ -87,7 +87,9 @@ class SnapshotReader:
         offset = seg.geometry.snapshot_record_offset(generation % 2, 0)
         records = unpacker.unpack_from(seg.buf, offset)
         if seg.load(layout.H_SNAPSHOT_GEN) != generation:
-            return self._records  # the writer moved on while we read: keep the previous one
+            # The writer moved on while we read: keep the previous records, if they cover the
+            # span asked for (a caller indexes every slot below it); else nothing is known yet.
+            return self._records if span <= self._span else ()
         self._generation, self._records, self._span = generation, records, span
         return records
 

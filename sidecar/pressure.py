@@ -18,6 +18,7 @@ from shm_schema.bitfields import RequestKey
 from shm_schema.events import Event, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
+from .affinity import AffinityModels
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
@@ -36,8 +37,10 @@ class ChannelStats:
 class PressurePublisher:
     def __init__(self, seg: Segment, epoch: int, ready_slots: int, pace_step: float = 0.0,
                  min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.1,
-                 reservation_max_age_s: float = 900.0) -> None:
+                 reservation_max_age_s: float = 900.0,
+                 affinity: AffinityModels | None = None) -> None:
         self._seg = seg
+        self.affinity = affinity  # RESIDENT and PREFIX events feed the affinity index
         self.epoch = epoch
         self._reader = EventReader(seg)
         self._writer = SnapshotWriter(seg)
@@ -66,6 +69,8 @@ class PressurePublisher:
         if (self._dirty and now - self._last_publish >= self._min_interval) \
                 or now - self._last_publish >= self._heartbeat:
             self._publish(now)
+        if self.affinity is not None:
+            self.affinity.publish()
 
     def drain_dead_row(self, row: int) -> None:
         """Before a dead worker's row is freed: take what it wrote, then drop what it held."""
@@ -92,6 +97,9 @@ class PressurePublisher:
             self.timelines.first_token(event.request_key, t)
         elif event.kind == EventKind.COMPLETE:
             self.timelines.complete(event.request_key, t)
+        elif event.kind in (EventKind.RESIDENT, EventKind.PREFIX):
+            if self.affinity is not None:
+                self.affinity.apply(event)
 
     def _max_num_seqs(self, slot: int, generation: int) -> int:
         for instance in self._directory.snapshot().instances:
@@ -146,7 +154,9 @@ class PressurePublisher:
                 "events_from_previous_epoch": self.stats.stale_epoch,
                 "expired_reservations": self.stats.expired_reservations,
                 "snapshots_published": self.stats.published,
-                "pending_reservations": pending, "decoding": decoding}
+                "pending_reservations": pending, "decoding": decoding,
+                "affinity": None if self.affinity is None else self.affinity.describe(
+                    {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances})}
 
     def _describe_timelines(self) -> dict[str, dict[str, Any]]:
         """Per instance id: the slots its timeline models and its learned pace."""

@@ -76,6 +76,11 @@ class InstanceRegistry:
         # Called with the id of every instance that leaves (unregistered or purged), so what
         # is kept about it elsewhere (its topology links) goes with it.
         self.on_removed: list[Callable[[str], None]] = []
+        # Called with the slot of every instance that registers (again) or leaves: its KV is
+        # gone (a new engine, or none), so the affinity index forgets what it held.
+        self.on_kv_reset: list[Callable[[int], None]] = []
+        # Called with the record and the ids of a heartbeat's `resident_keys`.
+        self.on_resident_keys: list[Callable[[InstanceRecord, list[str]], None]] = []
 
     # --- restart ---------------------------------------------------------------------------
     def rebuild(self) -> int:
@@ -92,6 +97,13 @@ class InstanceRegistry:
 
     def get(self, instance_id: str) -> InstanceRecord | None:
         return self._records.get(instance_id)
+
+    def at(self, slot: int, generation: int) -> InstanceRecord | None:
+        """The instance in (slot, generation), if it is still registered there."""
+        for record in self._records.values():
+            if (record.slot, record.generation) == (slot, generation):
+                return record
+        return None
 
     # --- control-plane operations --------------------------------------------------------------
     def register(self, req: wire.RegisterRequest, *, healthy: bool = True,
@@ -133,6 +145,8 @@ class InstanceRegistry:
         record.capabilities = req.capabilities
         record.capability_fingerprint = wire.fingerprint(req.capabilities)
         record.static = record.static or static
+        for hook in self.on_kv_reset:
+            hook(record.slot)
         if healthy:
             self._seen(record, now)
         return record
@@ -156,6 +170,9 @@ class InstanceRegistry:
             record.qps_1m = req.qps_1m
         if req.gpu_util is not None:
             record.gpu_util = req.gpu_util
+        if req.resident_keys is not None:
+            for hook in self.on_resident_keys:
+                hook(record, req.resident_keys)
         now = self._clock()
         if req.healthy is False:
             self._touch(record, now)
@@ -209,6 +226,8 @@ class InstanceRegistry:
         self._writer.free(record.slot)
         for hook in self.on_removed:
             hook(record.instance_id)
+        for reset in self.on_kv_reset:
+            reset(record.slot)
 
     # --- health transitions: each logged once -------------------------------------------------------
     def _touch(self, record: InstanceRecord, now: float) -> None:

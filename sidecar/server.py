@@ -15,6 +15,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from cacheroute_proxy import exits, host_checks, logs, serving
+from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
@@ -22,6 +23,7 @@ from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 from cacheroute_proxy.uvicorn_seam import has_started
 from shm_schema import Segment, SegmentError, header
 
+from .affinity import AffinityModels, kv_capacity_tokens
 from .app import SidecarState, build_app
 from .host_check import HostCheck
 from . import pool_resource
@@ -54,7 +56,16 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
              "created" if seg.created else "re-attached to", seg.name, epoch, seg.creation_id,
              f", adopted {adopted} instances" if adopted else "")
     reaper = WorkerReaper(seg)
-    pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step)
+    affinity = AffinityModels(seg, lambda slot, generation: kv_capacity_tokens(registry, settings,
+                                                                               slot, generation))
+    kept = 0 if seg.created else affinity.adopt()
+    if kept:
+        log.info("kept %d affinity entries of the previous sidecar", kept)
+    registry.on_kv_reset.append(affinity.forget)
+    registry.on_resident_keys.append(
+        lambda record, kids: affinity.report(record.slot, record.generation, map(knowledge_key, kids)))
+    pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step,
+                                 affinity=affinity)
     reaper.before_reap.append(pressure.drain_dead_row)
     topology = Topology()
     registry.on_removed.append(topology.forget)  # an instance's links leave with it

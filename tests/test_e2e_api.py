@@ -35,7 +35,8 @@ def test_scheduler_request_streams_with_meta(cluster):
     assert text.count('"content":"tok "') == 4
     assert text.endswith("data: [DONE]\n\n") and text.count("[DONE]") == 1
     meta = meta_of(text.encode())
-    assert list(meta) == ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error"]
+    assert list(meta) == ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error",
+                          "resident_kids"]
     assert meta["trace"]["request_id"] == 17 and meta["error"] is None
     assert meta["trace"]["instance_id"] == headers["x-cacheroute-instance"]
 

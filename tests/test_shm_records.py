@@ -1,6 +1,7 @@
 """shm_schema's declarations: each record and bit-packed word round-trips, sits where layout.py's
 byte map says, and spells exactly the bytes the code before the declarations wrote (a segment of
-that code, tests/golden_segment_v3.py, reads the same and is written again byte for byte)."""
+that code, tests/golden_segment_v3.py; layout 4, tests/golden_segment_v4.py, is that segment with
+the affinity region added after it and every earlier word unchanged but the version and the size)."""
 
 from __future__ import annotations
 
@@ -21,17 +22,24 @@ from shm_schema import (CountersReader, CounterWord, DirectoryWriter, Segment, W
 from shm_schema.bitfields import (EventTag, JournalWord, OptionalFloatWord, ProcessIdentity,
                                   RequestKey, SlotGeneration)
 from shm_schema.events import Event, EventKind, EventReader, EventWriter
-from shm_schema.records import (COUNTER_LANES, EVENT, HEADER, PAYLOAD_START, ROW_HEADER, SLOT,
-                                SNAPSHOT, CompletePayload, Record, ReservePayload, SnapshotRecord)
+from shm_schema.affinity import AffinityReader, AffinityWriter, Resident
+from shm_schema.bitfields import AffinityValue
+from shm_schema.events import residency
+from shm_schema.records import (AFFINITY_ENTRY, AFFINITY_KNOWLEDGE, AFFINITY_PREFIX,
+                                AFFINITY_ROW_HEADER, COUNTER_LANES, EVENT, HEADER, PAYLOAD_START,
+                                ROW_HEADER, SLOT, SNAPSHOT, CompletePayload, Record,
+                                ReservePayload, ResidencyPayload, SnapshotRecord)
+from shm_schema.segment import SegmentLayoutError
 from shm_schema.snapshot import SnapshotReader, SnapshotWriter
-from tests import golden_segment_v3
+from tests import golden_segment_v3, golden_segment_v4
 
 # No example database, and hypothesis's cache out of the (shared) checkout, as in test_fuzz.py.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"cacheroute-hypothesis-{os.getuid()}")
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 U64 = st.integers(0, (1 << 64) - 1)
 RECORDS = {"HeaderWords": HEADER, "CounterLanes": COUNTER_LANES, "SlotRecord": SLOT,
-           "SnapshotRecord": SNAPSHOT, "RowHeader": ROW_HEADER, "EventRecord": EVENT}
+           "SnapshotRecord": SNAPSHOT, "RowHeader": ROW_HEADER, "EventRecord": EVENT,
+           "AffinityRowHeader": AFFINITY_ROW_HEADER, "AffinityEntry": AFFINITY_ENTRY}
 
 
 # --- the byte map --------------------------------------------------------------------------------
@@ -47,7 +55,7 @@ def _documented_blocks() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["HeaderWords", "SlotRecord", "SnapshotRecord", "RowHeader",
-                                  "EventRecord"])
+                                  "EventRecord", "AffinityRowHeader"])
 def test_every_field_is_where_the_byte_map_says(name: str) -> None:
     record = RECORDS[name]
     documented = {field: int(offset) for offset, field in
@@ -65,12 +73,18 @@ def test_the_counter_lanes_are_the_ones_the_byte_map_lists() -> None:
 
 
 def test_the_layout_version_and_the_sizes_are_unchanged() -> None:
-    assert layout.LAYOUT_VERSION == 3
+    assert layout.LAYOUT_VERSION == 4
     assert (HEADER.size, COUNTER_LANES.size, SLOT.size, SNAPSHOT.size, ROW_HEADER.size,
-            EVENT.size) == (256, 64, 320, 64, 128, 64)
+            EVENT.size, AFFINITY_ROW_HEADER.size, AFFINITY_ENTRY.size) == \
+        (256, 64, 320, 64, 128, 64, 64, 16)
     assert (layout.LANES, layout.LANES_USED, layout.MAX_ID_BYTES, layout.MAX_HOST_BYTES) == (8, 5, 112, 64)
-    assert layout.Geometry(4, 2, 8).total_size == 4096
-    assert layout.Geometry(256, 64).total_size == 5_382_400  # the defaults, as before
+    assert layout.AFFINITY_ROW_SIZE == 64 + 512 * 16
+    # Layout 3's regions end where they did (4096; 5_382_400 for the defaults): the affinity
+    # rows follow, one per instance slot.
+    assert layout.Geometry(4, 2, 8).affinity_offset == 4096
+    assert layout.Geometry(4, 2, 8).total_size == 4096 + 4 * 8256
+    assert layout.Geometry(256, 64).affinity_offset == 5_382_400
+    assert layout.Geometry(256, 64).total_size == 5_382_400 + 256 * 8256
 
 
 def test_a_record_that_does_not_fit_its_size_is_refused() -> None:
@@ -115,6 +129,7 @@ def test_each_word_is_spelled_as_the_layout_always_stored_it() -> None:
     assert RequestKey.pack(1, 2) == 0x0001_0000_0000_0002
     assert ProcessIdentity.pack(4321, 987_654) == 0x0000_03C4_8180_10E1
     assert EventTag.pack(EventKind.RESERVE, 2) == 0x201
+    assert AffinityValue.pack(AFFINITY_PREFIX, 64) == 0x0000_0002_0000_0040
     assert SlotGeneration.pack(1, 4) == 0x0000_0001_0000_0004
     assert OptionalFloatWord.pack(1.5) == 0x3FF8_0000_0000_0000
     assert OptionalFloatWord.pack(None) == 0x7FF8_0000_0000_0000
@@ -175,6 +190,13 @@ def test_optional_float_word_round_trips(value: float | None) -> None:
     assert OptionalFloatWord.unpack(OptionalFloatWord.pack(value)) == value
 
 
+@PROPERTY
+@given(st.sampled_from([AFFINITY_KNOWLEDGE, AFFINITY_PREFIX]), st.integers(0, AffinityValue.TOKENS_MASK))
+def test_affinity_value_round_trips(kind: int, tokens: int) -> None:
+    word = AffinityValue.pack(kind, tokens)
+    assert (AffinityValue.kind(word), AffinityValue.tokens(word)) == (kind, tokens)
+
+
 # --- events: one writer method per kind, the payload by name ------------------------------------------
 def test_the_decoded_event_names_the_payload_declarations() -> None:
     head = ("kind", "epoch", "request_key", "slot", "generation", "t_us")
@@ -224,6 +246,15 @@ _EVENT_ARGS = st.tuples(st.integers(0, (1 << 56) - 1), st.integers(0, (1 << 64) 
 def test_every_kind_round_trips_through_the_ring(seg, kind, head, payload, failed) -> None:
     epoch, key, slot, generation, t_us = head
     writer = EventWriter(seg, 1)
+    if kind in (EventKind.RESIDENT, EventKind.PREFIX):
+        write = writer.resident if kind == EventKind.RESIDENT else writer.prefix
+        keys = tuple(p for p in payload[:3] if p) or (1,)
+        write(epoch, slot, generation, t_us, keys, payload[3])
+        [event] = list(EventReader(seg).drain(1))
+        assert (event.kind, event.epoch, event.slot, event.generation, event.t_us) == \
+            (kind, epoch, slot, generation, t_us)
+        assert residency(event) == ResidencyPayload(*(*keys, 0, 0)[:3], payload[3])
+        return
     if kind in (EventKind.RESERVE, EventKind.RESYNC):
         write = writer.reserve if kind == EventKind.RESERVE else writer.resync
         write(epoch, key, slot, generation, t_us, *payload)
@@ -272,11 +303,22 @@ def write_reference(seg: Segment) -> None:
     seg.fetch_add(layout.H_SIDECAR_EPOCH, 3)
 
 
+def write_affinity_reference(seg: Segment) -> None:
+    """Layout 4's addition to write_reference: an affinity row for each instance."""
+    affinity = AffinityWriter(seg)
+    affinity.publish(0, 2, [Resident(0xAAAA, AFFINITY_KNOWLEDGE, 1000),
+                            Resident(0xBBBB, AFFINITY_PREFIX, 64)], capacity_tokens=5000)
+    affinity.publish(1, 4, [Resident(0xCCCC, AFFINITY_KNOWLEDGE, 300)], capacity_tokens=0)
+    affinity.publish(1, 4, [Resident(0xDDDD, AFFINITY_PREFIX, 64)], capacity_tokens=0)  # replaced
+
+
 def _zero_the_clock_and_chance(seg: Segment) -> None:
     rows = (seg.geometry.row_offset(0), seg.geometry.row_offset(1))
+    published = AFFINITY_ROW_HEADER.offset.published_us
     for offset in (layout.H_CREATION_ID, layout.H_CREATED_AT_NS, layout.H_SNAPSHOT_PUBLISHED_US,
                    *(base + layout.R_HEARTBEAT_NS for base in rows),
-                   *(base + layout.R_CLAIMED_AT_NS for base in rows)):
+                   *(base + layout.R_CLAIMED_AT_NS for base in rows),
+                   *(seg.geometry.affinity_row_offset(s) + published for s in range(4))):
         seg.store(offset, 0)
 
 
@@ -287,16 +329,74 @@ def _nonzero_words(seg: Segment) -> dict[int, int]:
 
 def test_the_new_spelling_writes_the_bytes_the_old_code_wrote(seg) -> None:
     write_reference(seg)
+    write_affinity_reference(seg)
     _zero_the_clock_and_chance(seg)
-    assert _nonzero_words(seg) == golden_segment_v3.WORDS
+    assert _nonzero_words(seg) == golden_segment_v4.WORDS
+
+
+def test_layout_4_changed_no_word_of_layout_3_but_the_version_and_the_size() -> None:
+    v3, v4 = golden_segment_v3.WORDS, golden_segment_v4.WORDS
+    end_of_v3 = v3[layout.H_TOTAL_SIZE]
+    assert (v3[layout.H_LAYOUT_VERSION], v4[layout.H_LAYOUT_VERSION]) == (3, 4)
+    assert v4[layout.H_TOTAL_SIZE] == end_of_v3 + 4 * layout.AFFINITY_ROW_SIZE
+    same = {layout.H_LAYOUT_VERSION, layout.H_TOTAL_SIZE}
+    assert {o: w for o, w in v4.items() if o < end_of_v3 and o not in same} == \
+        {o: w for o, w in v3.items() if o not in same}
+    assert min(o for o in v4 if o >= end_of_v3) == end_of_v3  # the first affinity row
+
+
+def test_a_layout_3_segment_is_refused_with_the_remedy(seg) -> None:
+    for offset, word in golden_segment_v3.WORDS.items():
+        struct.pack_into("@Q", seg.buf, offset, word)
+    with pytest.raises(SegmentLayoutError, match="layout version 3, but this build uses layout version 4"):
+        Segment.attach(seg.name)
+
+
+def test_an_affinity_row_is_seen_only_under_its_generation_and_reread_when_it_changes(seg) -> None:
+    writer, reader = AffinityWriter(seg), AffinityReader(seg)
+    assert reader.row(2, 7).knowledge == frozenset()
+    writer.publish(2, 7, [Resident(11, AFFINITY_KNOWLEDGE, 100), Resident(12, AFFINITY_PREFIX, 64)], 900)
+    row = reader.row(2, 7)
+    assert (row.knowledge, row.prefix, row.tokens, row.capacity_tokens) == \
+        (frozenset({11}), frozenset({12}), 164, 900)
+    assert reader.row(2, 8).knowledge == frozenset()  # the slot's next instance sees nothing
+    assert reader.row(2, 7) is row  # unchanged seqlock word: the cached copy
+    writer.publish(2, 7, [Resident(13, AFFINITY_KNOWLEDGE, 5)], 900)
+    assert reader.row(2, 7).knowledge == frozenset({13})
+    writer.clear(2)
+    assert reader.row(2, 7).knowledge == frozenset()
+    assert writer.read(2) == (0, [], 0)
+
+
+def test_an_affinity_row_keeps_the_most_recent_entries_when_there_are_too_many(seg) -> None:
+    writer = AffinityWriter(seg)
+    writer.publish(0, 1, [Resident(k, AFFINITY_PREFIX, 1) for k in range(1, 600)], 0)
+    generation, entries, _ = writer.read(0)
+    assert (generation, len(entries), entries[0].key, entries[-1].key) == (1, 512, 88, 599)
+
+
+def test_a_reader_never_takes_a_row_the_writer_is_rewriting(seg) -> None:
+    writer, reader = AffinityWriter(seg), AffinityReader(seg)
+    writer.publish(0, 1, [Resident(5, AFFINITY_KNOWLEDGE, 1)], 0)
+    assert reader.row(0, 1).knowledge == {5}
+    base = seg.geometry.affinity_row_offset(0)
+    seq = seg.load(base + layout.A_SEQ)
+    seg.store(base + layout.A_SEQ, seq + 1)  # a writer stopped half way (odd)
+    seg.store(seg.geometry.affinity_entries_offset(0), 99)  # a torn entry
+    assert reader.row(0, 1).knowledge == {5}  # the last stable copy
+    assert reader.torn_reads == 1
 
 
 def test_a_segment_of_the_old_code_reads_the_same(seg) -> None:
     seg.buf[:] = bytes(seg.geometry.total_size)
-    for offset, word in golden_segment_v3.WORDS.items():
+    for offset, word in golden_segment_v4.WORDS.items():
         struct.pack_into("@Q", seg.buf, offset, word)
     old = Segment.attach(seg.name)  # the header validates
     try:
+        affinity = AffinityReader(old)
+        assert (affinity.row(0, 2).knowledge, affinity.row(0, 2).prefix, affinity.row(0, 2).capacity_tokens) \
+            == ({0xAAAA}, {0xBBBB}, 5000)
+        assert (affinity.row(1, 4).knowledge, affinity.row(1, 4).prefix) == (set(), {0xDDDD})
         a, b = read_all(old)
         assert (a.slot, a.generation, a.instance_id, a.host, a.port, a.alive, a.registered_at_ms,
                 a.qps_1m, a.cp_port, a.max_num_seqs) == \

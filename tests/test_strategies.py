@@ -10,7 +10,7 @@ import pytest
 
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.strategies import (DEFAULT_WEIGHTS, LeastLoadStrategy, RoundRobinStrategy,
+from cacheroute_proxy.routing.strategies import (DEFAULT_WEIGHTS, KvAwareStrategy, LeastLoadStrategy, RoundRobinStrategy,
                                            build_strategy, resolve_weights)
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, WorkerRow
@@ -29,12 +29,13 @@ def picks(strategy, candidates, components, n):
     ("round_robin", "round_robin"), ("round-robin", "round_robin"), ("rr", "round_robin"),
     ("least_load", "least_load"), ("least-load", "least_load"), ("ll", "least_load"),
     (" LL ", "least_load"), ("Round-Robin", "round_robin"),
+    ("kv_aware", "kv_aware"), ("kv-aware", "kv_aware"), ("kv", "kv_aware"), ("KV", "kv_aware"),
 ])
 def test_factory_aliases(alias, canonical):
     assert build_strategy(alias).name == canonical
 
 
-@pytest.mark.parametrize("name", ["least_inflight", "random", "", "kv_aware"])
+@pytest.mark.parametrize("name", ["least_inflight", "random", "", "cache_aware"])
 def test_unknown_strategy_is_a_value_error(name):
     with pytest.raises(ValueError, match="unknown instance strategy"):
         build_strategy(name)
@@ -43,6 +44,37 @@ def test_unknown_strategy_is_a_value_error(name):
 def test_default_strategy_is_round_robin():
     assert Settings().instance_strategy == "round_robin"
     assert Settings().strategy_name == "round_robin"
+
+
+# --- kv_aware: least_load minus a bounded credit, set aside by the balance guard -------------------
+
+def test_kv_aware_credit_is_proportional_to_the_time_saved_and_capped():
+    kv = KvAwareStrategy(credit_per_ms=0.002, max_credit=3.0)
+    assert (kv.credit(0), kv.credit(500), kv.credit(10_000), kv.credit(-5)) == (0.0, 1.0, 3.0, 0.0)
+
+
+def test_kv_aware_credit_lets_a_warm_instance_beat_a_slightly_less_loaded_cold_one():
+    kv = KvAwareStrategy(balance_abs=4.0, balance_rel=1.5)
+    scores, guard = kv.combine([3.0, 2.0, 2.5], [1.5, 0.0, 0.0])
+    assert not guard.fired and scores == [1.5, 2.0, 2.5]
+    assert kv.select_by_totals(["warm", "cold", "other"], scores) == "warm"
+
+
+def test_kv_aware_an_idle_cold_instance_beats_a_hot_busy_one_the_credit_cannot_cover():
+    kv = KvAwareStrategy(max_credit=2.0, balance_abs=100.0)
+    scores, guard = kv.combine([3.5, 0.0], [2.0, 0.0])
+    assert not guard.fired
+    assert kv.select_by_totals(["hot", "idle"], scores) == "idle"
+
+
+def test_kv_aware_guard_fires_only_past_both_bounds():
+    kv = KvAwareStrategy(balance_abs=4.0, balance_rel=1.5)
+    assert kv.guard([10.0, 5.0]).fired  # spread 5 > 4 and 10 > 7.5
+    assert not kv.guard([10.0, 7.0]).fired  # spread 3 <= 4
+    assert not kv.guard([20.0, 15.0]).fired  # spread 5 > 4 but 20 <= 22.5
+    assert not kv.guard([10.0, None]).fired  # one known load: nothing to balance
+    scores, guard = kv.combine([10.0, 5.0], [4.0, 0.0])
+    assert guard.fired and "pure least_load" in guard.reason and scores == [10.0, 5.0]
 
 
 # --- least_load semantics ------------------------------------------------------------------------

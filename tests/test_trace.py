@@ -29,11 +29,12 @@ from shm_schema import DirectoryWriter, WorkerRow
 from tests.aio import meta_of
 from tests.shm_helpers import fresh_segment
 
-META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error"]
+META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", "error", "resident_kids"]
 # Every trace key, in the order a request meets them (and the JSON lists them).
 TRACE_KEYS = [
     "proxy_recv_ms", "worker", "request_id",
     "route_select_start_ms", "route_select_end_ms", "snapshot_age_ms", "instance_id",
+    "affinity_credit", "affinity_guard",
     "prepare_seq", "proxy_enqueue_ms", "iws_reason", "kdn_link_source", "injection_mode",
     "prepare_dequeue_ms", "prepare_start_ms",
     "kdn_fetch_start_ms", "kdn_fetch_end_ms", "kdn_link_wait_ms", "kv_ack_start_ms",
@@ -47,6 +48,8 @@ TRACE_KEYS = [
     "predict_error_ms", "forward_end_ms",
     "retries",
 ]
+# Set only when kv_aware chose the instance.
+AFFINITY_KEYS = {"affinity_credit", "affinity_guard"}
 # Set only on a stream's first token.
 FIRST_TOKEN_KEYS = {"first_token_ms", "decode_start_ms", "actual_ttft_ms", "actual_vllm_ttft_ms",
                     "actual_total_ms", "actual_vllm_internal_ms", "predict_error_ms"}
@@ -81,12 +84,13 @@ def test_a_field_never_set_is_absent_and_a_zero_is_present():
 def test_meta_members_are_always_present_error_as_null():
     assert encode_meta(Trace(), None, Knowledge()) == (
         b'{"trace":{},"kv_ack":{},"kv_ready_kids":[],"text_only_kids":[],"miss_kids":[],'
-        b'"error":null}')
+        b'"error":null,"resident_kids":[]}')
     knowledge = Knowledge(kv_ready_kids=["K1"], text_only_kids=["k2"], miss_kids=["nope"],
                           kv_ack={"ok": True}, prefix_tokens=512, error="prepare_failed: x")
     meta = _decoded(encode_meta(Trace(instance_id="i"), knowledge.error, knowledge))
     assert meta == {"trace": {"instance_id": "i"}, "kv_ack": {"ok": True}, "kv_ready_kids": ["K1"],
-                    "text_only_kids": ["k2"], "miss_kids": ["nope"], "error": "prepare_failed: x"}
+                    "text_only_kids": ["k2"], "miss_kids": ["nope"], "error": "prepare_failed: x",
+                    "resident_kids": []}
 
 
 def test_stream_events_carry_the_same_bytes():
@@ -99,7 +103,7 @@ def test_stream_events_carry_the_same_bytes():
     # The drain's cut of a stream it knows nothing about: an empty record, empty knowledge.
     assert cut_meta_event(Trace(), "worker_drain_deadline") == (
         b'\nevent: cacheroute_meta\ndata: {"trace":{},"kv_ack":{},"kv_ready_kids":[],'
-        b'"text_only_kids":[],"miss_kids":[],"error":"worker_drain_deadline"}\n\n')
+        b'"text_only_kids":[],"miss_kids":[],"error":"worker_drain_deadline","resident_kids":[]}\n\n')
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -118,7 +122,8 @@ def test_json_answer_gets_the_encoded_meta_spliced_in(body, expected):
 # --- routing takes no telemetry -------------------------------------------------------------------
 
 def test_router_acquire_takes_no_trace():
-    assert list(inspect.signature(Router.acquire).parameters) == ["self", "exclude"]
+    # The request (kv_aware weighs what each instance holds of it), never its trace.
+    assert list(inspect.signature(Router.acquire).parameters) == ["self", "exclude", "request"]
 
 
 @pytest.fixture
@@ -274,8 +279,8 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     assert status == 200 and upstream.opened[0] != upstream.opened[1]  # retried elsewhere
     meta = meta_of(body) if stream else json.loads(body)["_cacheroute_meta"]
     assert list(meta) == META_KEYS and meta["error"] is None, meta
-    absent = BYPASS_KEYS if stream else BYPASS_KEYS | FIRST_TOKEN_KEYS
-    assert list(meta["trace"]) == [k for k in TRACE_KEYS if k not in absent]
+    absent = BYPASS_KEYS | AFFINITY_KEYS if stream else BYPASS_KEYS | FIRST_TOKEN_KEYS | AFFINITY_KEYS
+    assert list(meta["trace"]) == [k for k in TRACE_KEYS if k not in absent]  # least_load: no affinity
     trace = meta["trace"]
     assert (trace["request_id"], trace["retries"], trace["snapshot_age_ms"]) == (0, 1, 3.3)
     assert (trace["injection_mode"], trace["kvcache_actual_path"]) == ("kvcache", "kv_injected")

@@ -32,7 +32,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("--workers", "workers", "number of workers"),
-    RunFlag("--strategy", "instance_strategy", "round_robin|rr|least_load|ll"),
+    RunFlag("--strategy", "instance_strategy", "round_robin|rr|least_load|ll|kv_aware|kv"),
     RunFlag("--host", "dp_host", "the service address every worker binds (and the Scheduler is told, "
                                  "unless PROXY_ADVERTISE_HOST says otherwise)"),
     RunFlag("--port", "dp_port", "service port"),

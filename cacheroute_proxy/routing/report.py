@@ -6,11 +6,11 @@ the same numbers; only `answered_by` differs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.health import slot_health
-from shm_schema import read_all
+from shm_schema import InstanceSlot, read_all
 
 from .load_view import LoadView
 from .strategies import LeastLoadStrategy
@@ -22,8 +22,15 @@ QUEUE_FIELDS = ("prepare_queue_depth", "ready_queue_depth", "active_prepare", "a
                 "prefill_free_in_ms", "predicted_total_backlog_ms")
 
 
+# kv_aware's part (a worker's, for a request given in the query): instances and their
+# least_load totals in, one object per instance and a summary (the guard's verdict) out.
+AffinityReport = Callable[[Sequence[InstanceSlot], Sequence[float | None]],
+                          tuple[list[dict[str, Any]], dict[str, Any]]]
+
+
 def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, ttl_s: float,
-                   answered_by: dict[str, Any], include_dead: bool = True) -> dict[str, Any]:
+                   answered_by: dict[str, Any], include_dead: bool = True,
+                   affinity: AffinityReport | None = None) -> dict[str, Any]:
     snapshot = view.directory.snapshot()
     instances = [i for i in read_all(view.directory.segment) if include_dead or i.alive]
     components = view.components(instances, with_raw=True)
@@ -47,6 +54,11 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
         row["least_load_score"] = scorer.explain(index, components, view.sources,
                                                  f"{queue_source}; predicted: {predicted}")
         rows.append(row)
+    extra: dict[str, Any] = {}
+    if affinity is not None:
+        per_instance, extra["kv_aware"] = affinity(instances, [r["least_load_score"]["total"] for r in rows])
+        for row, part in zip(rows, per_instance):
+            row["affinity"] = part
     return {
         "ok": True,
         "ttl_s": ttl_s,
@@ -59,4 +71,5 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
                           "queue_depth": queue_source, "predicted_pressure": predicted},
         "snapshot_age_ms": view.snapshot_age_ms(),
         "instances": rows,
+        **extra,
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, TypeVar
 
 from cacheroute_proxy.config import STRATEGY_ALIASES, ConfigError
 
@@ -135,6 +135,63 @@ class LeastLoadStrategy:
         }
 
 
+class Guard(NamedTuple):
+    """Why the balance guard did or did not set the affinity credit aside."""
+    fired: bool
+    reason: str
+    spread: float | None  # highest - lowest known load score
+    lowest: float | None
+    highest: float | None
+
+
+class KvAwareStrategy(LeastLoadStrategy):
+    """least_load's score minus an affinity credit per candidate (docs/architecture.md §4.4).
+
+    The credit (score units, >= 0) is what the caller predicts the candidate saves this request
+    (prefill or KV transfer of what it already holds) times `credit_per_ms`, capped at
+    `max_credit`. The balance guard, after SGLang's router, ignores every credit when the load
+    is already imbalanced: spread (highest - lowest known score) above `balance_abs` AND the
+    highest above `balance_rel` x the lowest. Affinity then cannot pile onto a hot instance."""
+
+    name = "kv_aware"
+
+    def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
+                 tie_cursor: Cursor | None = None, *, credit_per_ms: float = 0.001,
+                 max_credit: float = 4.0, balance_abs: float = 4.0, balance_rel: float = 1.5) -> None:
+        super().__init__(weights, cursor, tie_cursor)
+        self.credit_per_ms = credit_per_ms
+        self.max_credit = max_credit
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+
+    def credit(self, saved_ms: float) -> float:
+        return min(self.max_credit, max(0.0, saved_ms) * self.credit_per_ms)
+
+    def guard(self, totals: Sequence[float | None]) -> Guard:
+        known = [t for t in totals if t is not None]
+        if len(known) < 2:
+            return Guard(False, "fewer than two candidates with a known load", None,
+                         min(known, default=None), max(known, default=None))
+        lowest, highest = min(known), max(known)
+        spread = highest - lowest
+        if spread <= self.balance_abs:
+            return Guard(False, f"spread {spread:.3g} <= balance_abs {self.balance_abs:g}",
+                         spread, lowest, highest)
+        if highest <= self.balance_rel * lowest:
+            return Guard(False, f"highest {highest:.3g} <= balance_rel {self.balance_rel:g} x "
+                         f"lowest {lowest:.3g}", spread, lowest, highest)
+        return Guard(True, f"spread {spread:.3g} > balance_abs {self.balance_abs:g} and highest "
+                     f"{highest:.3g} > balance_rel {self.balance_rel:g} x lowest {lowest:.3g}: "
+                     f"pure least_load", spread, lowest, highest)
+
+    def combine(self, totals: list[float | None], credits: Sequence[float]) -> tuple[list[float | None], Guard]:
+        """The scores to select by: `totals - credits`, or `totals` alone if the guard fires."""
+        verdict = self.guard(totals)
+        if verdict.fired or not any(credits):
+            return totals, verdict
+        return [None if t is None else t - c for t, c in zip(totals, credits)], verdict
+
+
 Strategy = RoundRobinStrategy | LeastLoadStrategy
 
 
@@ -152,11 +209,15 @@ def resolve_weights(overrides: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def build_strategy(name: str, *, weights: Mapping[str, float] | None = None,
-                   cursor: Cursor | None = None, tie_cursor: Cursor | None = None) -> Strategy:
-    """Factory with the original aliases; any other name is a ValueError at start."""
+                   cursor: Cursor | None = None, tie_cursor: Cursor | None = None,
+                   kv_aware: Mapping[str, float] | None = None) -> Strategy:
+    """Factory with the original aliases; any other name is a ValueError at start.
+    `kv_aware`: KvAwareStrategy's keyword settings (credit_per_ms, max_credit, balance_*)."""
     canonical = STRATEGY_ALIASES.get(name.strip().lower())
     if canonical == "round_robin":
         return RoundRobinStrategy(cursor)
     if canonical == "least_load":
         return LeastLoadStrategy(weights, cursor, tie_cursor)
+    if canonical == "kv_aware":
+        return KvAwareStrategy(weights, cursor, tie_cursor, **(kv_aware or {}))
     raise ValueError(f"unknown instance strategy {name!r}; choose one of {sorted(STRATEGY_ALIASES)}")

@@ -1,0 +1,35 @@
+"""The affinity index's keys (docs/architecture.md §4.4), spelled once for the workers, which
+report and look them up, and the sidecar, which turns an instance's `resident_keys` into them.
+
+A key is a 64-bit hash, never 0: of a knowledge id (case-insensitive, as the KDN looks ids
+up), or of one block of a rendered prompt, chained on the block before it, so two prompts
+that share a prefix share their leading keys and nothing after the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+CHARS_PER_TOKEN = 4  # as the workers' token estimate: the proxy has no tokenizer
+
+
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
+
+
+def knowledge_key(kid: str) -> int:
+    return _hash(b"k\0" + str(kid).lower().encode())
+
+
+def prefix_keys(text: str, block_tokens: int, max_blocks: int) -> list[int]:
+    """Chained hashes of the full blocks of `text` (block_tokens x CHARS_PER_TOKEN bytes
+    each), at most `max_blocks`: key i depends on blocks 0..i."""
+    size = block_tokens * CHARS_PER_TOKEN
+    data = text.encode()
+    keys: list[int] = []
+    previous = b"p\0"
+    for start in range(0, min(len(data) // size, max_blocks) * size, size):
+        key = _hash(previous + data[start:start + size])
+        keys.append(key)
+        previous = key.to_bytes(8, "little")
+    return keys

@@ -1,0 +1,187 @@
+"""The host-wide affinity index's single writer (docs/architecture.md §4.4).
+
+Per instance, an LRU model of the keys whose KV it holds: knowledge ids whose inject it
+acknowledged (RESIDENT events) and prompt-prefix blocks it was sent (PREFIX events), from every
+worker, each with the tokens it stands for. The model is bounded by the instance's KV capacity
+in tokens (its registration's meta.kv_capacity_tokens; else its meta.kv_mem_gb or
+PROXY_KV_MEM_PER_INSTANCE_GB over PROXY_AFFINITY_KV_MB_PER_TOKEN) and by the row's
+AFFINITY_ENTRIES: past either, the least recently used entries go, as the instance's own LRU
+would evict them. A heartbeat's `resident_keys` (the instance's own account of its knowledge)
+replaces the model's knowledge entries outright.
+
+Each change is published (shm_schema.affinity.AffinityWriter) at the next tick, one row per
+changed instance. A registration (new, or again: the engine restarted and its KV with it) and a
+removal clear the row. A restarted sidecar keeps the index: `adopt` reads back every row whose
+generation is still its slot's, so routing loses nothing across the restart.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+from cacheroute_proxy.config import Settings
+from shm_schema import Segment, read_all
+from shm_schema.affinity import AFFINITY_ENTRIES, AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, AffinityWriter, Resident
+from shm_schema.events import Event, EventKind, residency
+
+Where = tuple[int, int]  # (slot, generation)
+CapacityOf = Callable[[int, int], int]  # (slot, generation) -> tokens, 0 = unknown
+
+
+class InstanceModel:
+    """One instance's resident keys, least recently used first."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (kind, tokens)
+        self.tokens = 0
+        self.evicted = 0
+
+    def touch(self, key: int, kind: int, tokens: int) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.tokens -= old[1]
+        self.entries[key] = (kind, tokens)
+        self.tokens += tokens
+        self._evict()
+
+    def replace_knowledge(self, keys: Iterable[int]) -> None:
+        """The instance's own account of its knowledge: exactly these ids are resident
+        (tokens as last known, 0 if never seen); prefix entries are kept."""
+        known = {k: v for k, v in self.entries.items() if v[0] == AFFINITY_KNOWLEDGE}
+        for key in known:
+            self.tokens -= self.entries.pop(key)[1]
+        for key in keys:
+            if key not in self.entries:
+                tokens = known.get(key, (AFFINITY_KNOWLEDGE, 0))[1]
+                self.entries[key] = (AFFINITY_KNOWLEDGE, tokens)
+                self.tokens += tokens
+        self._evict()
+
+    def _evict(self) -> None:
+        entries = self.entries
+        while entries and (len(entries) > AFFINITY_ENTRIES
+                           or (self.capacity_tokens and self.tokens > self.capacity_tokens)):
+            _, (_, tokens) = entries.popitem(last=False)
+            self.tokens -= tokens
+            self.evicted += 1
+
+    def published(self) -> list[Resident]:
+        return [Resident(key, kind, tokens) for key, (kind, tokens) in self.entries.items()]
+
+
+class AffinityModels:
+    def __init__(self, seg: Segment, capacity_of: CapacityOf) -> None:
+        self._seg = seg
+        self._writer = AffinityWriter(seg)
+        self._capacity_of = capacity_of
+        self._models: dict[Where, InstanceModel] = {}
+        self._dirty: set[Where] = set()
+        self._cleared: set[int] = set()  # slots whose row must be emptied
+        self.stats = {"acknowledged": 0, "prefix_blocks": 0, "reports": 0, "adopted_entries": 0,
+                      "stale_instance": 0}
+
+    # --- what changes the models ------------------------------------------------------------------
+    def adopt(self) -> int:
+        """A restarted sidecar: take over every row that still describes its slot's instance."""
+        adopted = 0
+        for instance in read_all(self._seg):
+            generation, entries, capacity = self._writer.read(instance.slot)
+            if generation != instance.generation or not entries:
+                continue
+            model = self._model(instance.slot, instance.generation, capacity)
+            for entry in entries:
+                model.touch(entry.key, entry.kind, entry.tokens)
+            adopted += len(entries)
+        self.stats["adopted_entries"] += adopted
+        return adopted
+
+    def apply(self, event: Event) -> None:
+        """A RESIDENT or PREFIX event from a worker."""
+        model = self._model(event.slot, event.generation)
+        if model is None:
+            self.stats["stale_instance"] += 1
+            return
+        payload = residency(event)
+        kind = AFFINITY_KNOWLEDGE if event.kind == EventKind.RESIDENT else AFFINITY_PREFIX
+        for key in (payload.key_0, payload.key_1, payload.key_2):
+            if key:
+                model.touch(key, kind, payload.tokens_each)
+                self.stats["acknowledged" if kind == AFFINITY_KNOWLEDGE else "prefix_blocks"] += 1
+        self._dirty.add((event.slot, event.generation))
+
+    def report(self, slot: int, generation: int, keys: Iterable[int]) -> None:
+        """A heartbeat's `resident_keys`, as key hashes."""
+        model = self._model(slot, generation)
+        if model is not None:
+            model.replace_knowledge(keys)
+            self.stats["reports"] += 1
+            self._dirty.add((slot, generation))
+
+    def forget(self, slot: int) -> None:
+        """The slot's instance left or registered again: nothing is resident there any more."""
+        for where in [w for w in self._models if w[0] == slot]:
+            del self._models[where]
+            self._dirty.discard(where)
+        self._cleared.add(slot)
+
+    def _model(self, slot: int, generation: int, capacity: int | None = None) -> InstanceModel | None:
+        where = (slot, generation)
+        model = self._models.get(where)
+        if model is None:
+            if capacity is None:
+                capacity = self._capacity_of(slot, generation)
+                if capacity < 0:  # no such instance (any more)
+                    return None
+            for stale in [w for w in self._models if w[0] == slot]:
+                del self._models[stale]
+            model = self._models[where] = InstanceModel(capacity)
+        return model
+
+    # --- publication --------------------------------------------------------------------------------
+    def publish(self) -> int:
+        """Write every changed row; returns how many."""
+        for slot in self._cleared:
+            self._writer.clear(slot)
+        written = len(self._cleared)
+        self._cleared.clear()
+        for where in self._dirty:
+            model = self._models.get(where)
+            if model is not None:
+                self._writer.publish(where[0], where[1], model.published(), model.capacity_tokens)
+                written += 1
+        self._dirty.clear()
+        return written
+
+    def describe(self, names: dict[Where, str]) -> dict[str, Any]:
+        return {**self.stats, "instances": {
+            names.get(where, f"slot {where[0]}"): {
+                "knowledge": sum(1 for kind, _ in m.entries.values() if kind == AFFINITY_KNOWLEDGE),
+                "prefix_blocks": sum(1 for kind, _ in m.entries.values() if kind == AFFINITY_PREFIX),
+                "tokens": m.tokens, "capacity_tokens": m.capacity_tokens or None,
+                "evicted": m.evicted} for where, m in self._models.items()}}
+
+
+def kv_capacity_tokens(registry: Any, settings: Settings, slot: int, generation: int) -> int:
+    """The KV capacity, in tokens, of the instance in (slot, generation); -1 if none is there.
+    Its registration's meta.kv_capacity_tokens; else its meta.kv_mem_gb (or
+    PROXY_KV_MEM_PER_INSTANCE_GB) over PROXY_AFFINITY_KV_MB_PER_TOKEN; 0 = unbounded but
+    for the row's entries."""
+    record = registry.at(slot, generation)
+    if record is None:
+        return -1
+    tokens = _positive(record.meta.get("kv_capacity_tokens"))
+    if tokens:
+        return int(tokens)
+    gigabytes = _positive(record.meta.get("kv_mem_gb")) or settings.kv_mem_per_instance_gb
+    return int(gigabytes * 1024 / settings.affinity_kv_mb_per_token)
+
+
+def _positive(value: Any) -> float:
+    """A positive number from an instance's meta, else 0 (meta is free-form: a bad value is
+    ignored, as the registry ignores one for max_num_seqs)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or value == float("inf"):
+        return 0.0
+    return float(value)

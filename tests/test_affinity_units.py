@@ -1,0 +1,180 @@
+"""kv_aware's parts without processes: the keys, the sidecar's LRU models and what they publish,
+the per-worker view, the assessment's arithmetic, and the settings' validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.strategies import KvAwareStrategy
+from proxy_workers.affinity import AffinityScorer, PerWorkerAffinity, SharedAffinity, rendered_prompt
+from proxy_workers.kdn_links import LinkTable
+from proxy_workers.predictors import get_predictors
+from proxy_workers.request_model import Endpoint, recover
+from proxy_workers.tracker import RequestTracker
+from shm_schema import DirectoryWriter, WorkerRow, read_all
+from shm_schema.affinity import AffinityReader
+from shm_schema.events import EventReader
+from sidecar.affinity import AffinityModels
+from tests.shm_helpers import fresh_segment
+
+
+@pytest.fixture
+def segment():
+    with fresh_segment(instance_capacity=4, worker_capacity=2) as seg:
+        yield seg
+
+
+# --- keys ------------------------------------------------------------------------------------
+def test_knowledge_keys_ignore_case_and_are_never_zero():
+    assert knowledge_key("K0001") == knowledge_key("k0001") != knowledge_key("k0002")
+    assert all(knowledge_key(f"k{i}") for i in range(1000))
+
+
+def test_prompts_that_share_a_prefix_share_exactly_its_leading_block_keys():
+    shared = "S" * 512  # two blocks of 64 tokens x 4 characters
+    one = prefix_keys(shared + "a" * 256 + "tail", 64, 32)
+    two = prefix_keys(shared + "b" * 256, 64, 32)
+    assert len(one) == len(two) == 3  # full blocks only
+    assert one[:2] == two[:2] and one[2] != two[2]
+    # Chained: the same block after a different prefix is another key.
+    assert prefix_keys("x" * 256 + "S" * 256, 64, 32)[1] != prefix_keys("S" * 512, 64, 32)[1]
+    assert len(prefix_keys("S" * 256 * 10, 64, 4)) == 4
+
+
+def test_a_chat_request_renders_roles_and_contents_in_order():
+    request = recover(Endpoint.CHAT, b'{"messages":[{"role":"system","content":"be brief"},'
+                                     b'{"role":"user","content":"hi"}]}')
+    assert rendered_prompt(request) == "<|system|>be brief<|user|>hi"
+    scheduler = recover(Endpoint.CHAT, b'{"Prompt":{"model":"m","user_prompt":"hi"}}')
+    assert rendered_prompt(scheduler) is None  # it names its knowledge instead
+
+
+# --- the sidecar's models ------------------------------------------------------------------------
+def _event(slot: int, generation: int, kind: str, keys: tuple[int, ...], tokens: int, seg, row):
+    tracker = RequestTracker(seg, row)
+    tracker.residency(slot, generation, keys, tokens, prefix=(kind == "prefix"))
+    return list(EventReader(seg).drain(row.row))
+
+
+def test_the_sidecar_model_evicts_lru_past_the_capacity_and_publishes_the_row(segment):
+    slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    row = WorkerRow.claim(segment, 0)
+    models = AffinityModels(segment, lambda s, g: 2500 if (s, g) == (slot.slot, slot.generation) else -1)
+    for keys in ((1,), (2,), (3,)):  # 1000 tokens each into 2500
+        for event in _event(slot.slot, slot.generation, "knowledge", keys, 1000, segment, row):
+            models.apply(event)
+    for event in _event(slot.slot, slot.generation, "prefix", (7, 8, 9, 10), 64, segment, row):
+        models.apply(event)  # two events: three keys, then one
+    models.publish()
+    published = AffinityReader(segment).row(slot.slot, slot.generation)
+    # Key 1 went when key 3 came (3000 > 2500); the four blocks fit beside 2 and 3 (2256).
+    assert (published.knowledge, published.prefix, published.tokens, published.capacity_tokens) == \
+        ({2, 3}, {7, 8, 9, 10}, 2256, 2500)
+    stale = _event(slot.slot, slot.generation + 1, "knowledge", (5,), 1, segment, row)
+    models.apply(stale[0])  # an instance that is not (or no longer) there
+    assert models.stats["stale_instance"] == 1
+
+
+def test_a_report_replaces_the_knowledge_and_keeps_the_prefix_blocks(segment):
+    slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    row = WorkerRow.claim(segment, 0)
+    models = AffinityModels(segment, lambda s, g: 0)
+    for event in _event(slot.slot, slot.generation, "knowledge", (1, 2), 500, segment, row):
+        models.apply(event)
+    for event in _event(slot.slot, slot.generation, "prefix", (7,), 64, segment, row):
+        models.apply(event)
+    models.report(slot.slot, slot.generation, [2, 3])
+    models.publish()
+    published = AffinityReader(segment).row(slot.slot, slot.generation)
+    assert (published.knowledge, published.prefix, published.tokens) == ({2, 3}, {7}, 500 + 0 + 64)
+
+
+def test_a_restarted_sidecar_adopts_the_rows_of_live_instances_only(segment):
+    directory = DirectoryWriter(segment)
+    live = directory.allocate("a", "127.0.0.1", 9001)
+    gone = directory.allocate("b", "127.0.0.1", 9002)
+    models = AffinityModels(segment, lambda s, g: 0)
+    models.report(live.slot, live.generation, [1, 2])
+    models.report(gone.slot, gone.generation, [3])
+    models.publish()
+    directory.free(gone.slot)
+    successor = AffinityModels(segment, lambda s, g: 0)
+    assert successor.adopt() == 2
+    described = successor.describe({(live.slot, live.generation): "a"})
+    assert described["instances"]["a"]["knowledge"] == 2 and len(described["instances"]) == 1
+
+
+def test_forget_clears_the_row(segment):
+    slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    models = AffinityModels(segment, lambda s, g: 0)
+    models.report(slot.slot, slot.generation, [1])
+    models.publish()
+    models.forget(slot.slot)
+    models.publish()
+    assert AffinityReader(segment).row(slot.slot, slot.generation).knowledge == frozenset()
+
+
+# --- the worker's views and the assessment -------------------------------------------------------------
+def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_segment(segment):
+    slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    instance = read_all(segment)[0]
+    row = WorkerRow.claim(segment, 0)
+    tracker = RequestTracker(segment, row)
+    mine = PerWorkerAffinity(segment, tracker)
+    shared = SharedAffinity(segment, tracker)
+    mine.acknowledged(instance, [knowledge_key("k1")], 100)
+    mine.forwarded(instance, [11, 12], 64)
+    assert mine.residency(instance).knowledge == {knowledge_key("k1")}
+    assert mine.residency(instance).prefix == {11, 12}
+    assert shared.residency(instance).knowledge == frozenset()  # nothing published yet
+    kinds = [e.kind for e in EventReader(segment).drain(row.row)]
+    assert len(kinds) == 2  # both went to the sidecar too
+    assert slot.slot == instance.slot
+
+
+def test_the_assessment_prices_resident_knowledge_as_its_transfer_and_cached_blocks_as_prefill(segment):
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    instance = read_all(segment)[0]
+    settings = Settings(instance_strategy="kv_aware")
+    predictors = get_predictors(settings.predictor_profile)
+    models = AffinityModels(segment, lambda s, g: 0)
+    models.report(instance.slot, instance.generation, [knowledge_key("k1")])
+    models.publish()
+    tracker = RequestTracker(segment, WorkerRow.claim(segment, 0))
+    strategy = KvAwareStrategy(credit_per_ms=0.001, max_credit=100.0)
+    scorer = AffinityScorer(settings, SharedAffinity(segment, tracker), predictors,
+                            LinkTable.from_settings(settings), strategy)
+    request = recover(Endpoint.CHAT, b'{"Prompt":{"model":"m","user_prompt":"q"},"Service":'
+                                     b'{"Enable_know_injection":true,"Injection_type":"kvcache",'
+                                     b'"Knowledge_List":["k1","k2"],"Knowledge_length":2048},'
+                                     b'"Task":{"KDN_server_addr":"kdn:1"}}')
+    [assessment] = scorer.assess(request, [instance])
+    link = LinkTable.from_settings(settings).link_for(instance.instance_id, "kdn:1")
+    assert assessment.resident_kids == ("k1",)
+    assert assessment.saved_ms == pytest.approx(link.transfer_ms(predictors, 1024))
+    assert assessment.credit == pytest.approx(assessment.saved_ms * 0.001)
+    plain = recover(Endpoint.COMPLETIONS, b'{"prompt":"' + b"p" * 1024 + b'"}')
+    [cold] = scorer.assess(plain, [instance])
+    assert (cold.prefix_blocks, cold.saved_ms, cold.credit) == (0, 0.0, 0.0)
+
+
+# --- settings --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, message", [
+    ("affinity_view", "everyone", "PROXY_AFFINITY_VIEW"),
+    ("kv_aware_credit_per_ms", -1.0, "PROXY_KV_AWARE_CREDIT_PER_MS"),
+    ("kv_aware_max_credit", float("inf"), "PROXY_KV_AWARE_MAX_CREDIT"),
+    ("kv_aware_balance_rel", 0.5, "PROXY_KV_AWARE_BALANCE_REL"),
+    ("affinity_block_tokens", 0, "PROXY_AFFINITY_BLOCK_TOKENS"),
+    ("affinity_kv_mb_per_token", 0.0, "PROXY_AFFINITY_KV_MB_PER_TOKEN"),
+])
+def test_a_bad_kv_aware_setting_fails_at_start_naming_its_variable(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Settings(**{field: value})
+
+
+def test_the_strategy_is_accepted_under_its_aliases():
+    for name in ("kv_aware", "kv-aware", "kv"):
+        assert Settings(instance_strategy=name).strategy_name == "kv_aware"
+

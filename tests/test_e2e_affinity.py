@@ -1,0 +1,308 @@
+"""kv_aware end to end (docs/architecture.md §4.4): the host-wide affinity index every worker
+reads, what clears it, what keeps it, and the strategy's credit within the balance guard.
+
+Real clusters (sidecar + workers), simulated instances and a simulated KDN whose every id has
+prebuilt KV (`--kv-ready-ratio 1`), so each kvcache request asks its instance for an inject the
+KDN counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.parse
+from typing import Any
+
+import aiohttp
+
+from cacheroute_sim.processes import free_port
+from tests.aio import OpenStream, meta_of
+from tests.harness import Process, get, http, post, wait_until
+
+KV_AWARE = {"PROXY_INSTANCE_STRATEGY": "kv_aware"}
+
+
+class Kdn:
+    def __init__(self, tmp_path) -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.process = Process(["-m", "cacheroute_sim.kdn", "--port", str(self.port), "--time-scale",
+                                "0.05", "--kv-ready-ratio", "1"], {}, tmp_path / "kdn.log")
+        wait_until(lambda: get(f"http://{self.addr}/healthz", timeout=1), 15, message="kdn up")
+
+    def injects(self) -> int:
+        return get(f"http://{self.addr}/sim/stats")["injects"]
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def knowledge_body(kdn: Kdn, kids: list[str], tokens_each: int = 1000) -> dict[str, Any]:
+    return {"Request_ID": 1, "Prompt": {"model": "m", "user_prompt": "Who?", "token_length": 3,
+                                        "max_tokens": 2, "stream": True},
+            "Service": {"Enable_know_injection": True, "Injection_type": "kvcache",
+                        "Knowledge_List": kids, "Knowledge_length": tokens_each * len(kids)},
+            "Task": {"KDN_server_addr": kdn.addr}}
+
+
+def ask(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The request's cacheroute_meta, from a stream's last event or a JSON answer's member."""
+    status, text, _ = http("POST", f"{url}/v1/chat/completions", body, timeout=20)
+    assert status == 200, text
+    if body.get("stream", body.get("Prompt", {}).get("stream")):
+        return meta_of(text.encode())
+    return (text if isinstance(text, dict) else json.loads(text))["_cacheroute_meta"]
+
+
+def affinity_rows(cluster, worker: int | None, **query: str) -> dict[str, dict[str, Any]]:
+    base = cluster.cp_url if worker is None else cluster.worker_url(worker)
+    loads = get(f"{base}/debug/instance_loads?{urllib.parse.urlencode(query)}")
+    return {row["instance_id"]: row["affinity"] for row in loads["instances"]}
+
+
+def resident_everywhere(cluster, instance_id: str, kids: list[str]) -> bool:
+    """Every worker's view names exactly `kids` resident on the instance."""
+    query = {"knowledge": ",".join(kids)}
+    return all(affinity_rows(cluster, w, **query)[instance_id]["resident_knowledge"] == kids
+               for w in range(cluster.workers))
+
+
+def knowledge_count(cluster, worker: int, instance_id: str) -> int:
+    return affinity_rows(cluster, worker, knowledge="k0000")[instance_id]["resident_counts"]["knowledge"]
+
+
+def heartbeat(cluster, instance_id: str, **fields: Any) -> tuple[int, Any]:
+    status, body, _ = http("POST", f"{cluster.cp_url}/v1/instance/heartbeat",
+                           {"instance_id": instance_id, **fields})
+    return status, body
+
+
+# --- the index: one per host, seen by every worker ---------------------------------------------------
+def test_an_acknowledged_inject_is_resident_for_every_worker_and_skips_the_kdn_after(make_cluster, tmp_path):
+    kdn = Kdn(tmp_path)
+    try:
+        cluster = make_cluster(workers=4, env=KV_AWARE)
+        inst = cluster.add_instance()
+        kids = ["k0001", "k0002"]
+        first = ask(cluster.worker_url(0), knowledge_body(kdn, kids))
+        assert first["kv_ack"]["ok"] is True and first["trace"]["kvcache_actual_path"] == "kv_injected"
+        assert first["resident_kids"] == [] and kdn.injects() == 1 and inst.stats()["kv_injects"] == 1
+        # Worker 0 told the sidecar; the sidecar published; every worker reads it from the segment.
+        wait_until(lambda: resident_everywhere(cluster, inst.instance_id, kids), 10,
+                   message="the inject resident in every worker's view")
+        for worker in range(1, cluster.workers):
+            meta = ask(cluster.worker_url(worker), knowledge_body(kdn, kids))
+            assert meta["resident_kids"] == kids, meta
+            assert meta["trace"]["kvcache_actual_path"] == "kv_resident"
+        # No inject asked of the instance, no KDN transfer, for knowledge already resident.
+        assert (kdn.injects(), inst.stats()["kv_injects"]) == (1, 1)
+        # One more id: only it is asked for, and pulled.
+        meta = ask(cluster.worker_url(2), knowledge_body(kdn, ["k0001", "k0003"]))
+        assert meta["resident_kids"] == ["k0001"] and meta["trace"]["kvcache_actual_path"] == "kv_injected"
+        assert (kdn.injects(), inst.stats()["kv_injects"]) == (2, 2)
+        assert inst.stats()["kv_inject_pulled_ids"] == 3  # k0001, k0002, then k0003 alone
+    finally:
+        kdn.stop()
+
+
+def test_the_model_evicts_the_least_recently_used_past_the_instance_capacity(make_cluster, tmp_path):
+    kdn = Kdn(tmp_path)
+    try:
+        # The instance registers meta.kv_mem_gb 2.44140625: x 1024 / 1 MB a token = 2500 tokens,
+        # room for two ids of 1000 tokens in the proxy's model.
+        cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
+        inst = cluster.add_instance("--kv-mem-gb", "2.44140625")
+        for kid in ("k0001", "k0002", "k0003"):
+            ask(cluster.dp_url, knowledge_body(kdn, [kid]))
+        all_four = ["k0001", "k0002", "k0003", "k0004"]
+
+        def resident() -> list[str]:
+            return affinity_rows(cluster, 1, knowledge=",".join(all_four))[inst.instance_id]["resident_knowledge"]
+        wait_until(lambda: resident() == ["k0002", "k0003"], 10, message="k0001 evicted")
+        ask(cluster.dp_url, knowledge_body(kdn, ["k0002"]))  # used again: most recent
+        ask(cluster.dp_url, knowledge_body(kdn, ["k0004"]))
+        wait_until(lambda: resident() == ["k0002", "k0004"], 10, message="k0003 evicted, not k0002")
+        model = cluster.status()["event_channel"]["affinity"]["instances"][inst.instance_id]
+        assert (model["knowledge"], model["tokens"], model["capacity_tokens"], model["evicted"]) == \
+            (2, 2000, 2500, 2)
+    finally:
+        kdn.stop()
+
+
+def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    inst = cluster.add_instance()
+    assert heartbeat(cluster, inst.instance_id, resident_keys=["k0001", "k0002"]) == (200, {"ok": True})
+    wait_until(lambda: all(knowledge_count(cluster, w, inst.instance_id) == 2 for w in range(2)), 10,
+               message="reported ids resident")
+    # Registered again (the engine restarted: its KV went with it).
+    status, _, _ = http("POST", f"{cluster.cp_url}/v1/instance/register",
+                        {"instance_id": inst.instance_id, "host": "127.0.0.1", "port": inst.port})
+    assert status == 200
+    wait_until(lambda: all(knowledge_count(cluster, w, inst.instance_id) == 0 for w in range(2)), 10,
+               message="a re-registration clears the instance's entries")
+    heartbeat(cluster, inst.instance_id, resident_keys=["k0003"])
+    wait_until(lambda: knowledge_count(cluster, 0, inst.instance_id) == 1, 10, message="resident again")
+    slot = next(r for r in cluster.loads()["instances"] if r["instance_id"] == inst.instance_id)["slot"]
+    assert post(f"{cluster.cp_url}/v1/instance/unregister", {"instance_id": inst.instance_id})["ok"]
+    # The sim registers again at its next heartbeat (a new slot generation): nothing is resident,
+    # in the model or in the row the slot had.
+    wait_until(lambda: any(r["instance_id"] == inst.instance_id for r in cluster.loads()["instances"]),
+               20, message="registered again")
+    assert knowledge_count(cluster, 0, inst.instance_id) == 0
+    affinity = cluster.status()["event_channel"]["affinity"]
+    assert affinity["instances"].get(inst.instance_id, {"knowledge": 0})["knowledge"] == 0, (slot, affinity)
+
+
+def test_heartbeat_resident_keys_replace_the_model_and_are_validated(make_cluster):
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    inst = cluster.add_instance()
+    heartbeat(cluster, inst.instance_id, resident_keys=["k0001", "K0002"])
+    wait_until(lambda: resident_everywhere(cluster, inst.instance_id, ["k0001", "k0002"]), 10,
+               message="the instance's own account")
+    heartbeat(cluster, inst.instance_id, resident_keys=["k0002"])
+    wait_until(lambda: resident_everywhere(cluster, inst.instance_id, ["k0002"]), 10,
+               message="replaced, not merged")
+    heartbeat(cluster, inst.instance_id)  # without the field: the model stands
+    assert resident_everywhere(cluster, inst.instance_id, ["k0002"])
+    status, body = heartbeat(cluster, inst.instance_id, resident_keys=["ok", ""])
+    assert status == 422 and "resident_keys" in str(body), body
+    status, body = heartbeat(cluster, inst.instance_id, resident_keys="k0001")
+    assert status == 422, body
+
+
+def test_a_restarted_sidecar_keeps_the_index(make_cluster):
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    inst = cluster.add_instance()
+    heartbeat(cluster, inst.instance_id, resident_keys=["k0001", "k0002"])
+    wait_until(lambda: resident_everywhere(cluster, inst.instance_id, ["k0001", "k0002"]), 10,
+               message="resident")
+    sidecar_pid = cluster.status()["sidecar"]["pid"]
+    os.kill(sidecar_pid, signal.SIGKILL)
+    # While it is down the workers read the segment as it was; after, the new sidecar adopted it.
+    assert resident_everywhere(cluster, inst.instance_id, ["k0001", "k0002"])
+    wait_until(lambda: cluster.status()["sidecar"]["pid"] != sidecar_pid, 15, message="restarted")
+    affinity = cluster.status()["event_channel"]["affinity"]
+    assert affinity["adopted_entries"] == 2
+    assert affinity["instances"][inst.instance_id]["knowledge"] == 2
+    assert resident_everywhere(cluster, inst.instance_id, ["k0001", "k0002"])
+    heartbeat(cluster, inst.instance_id, resident_keys=["k0001"])  # the new sidecar writes the row
+    wait_until(lambda: resident_everywhere(cluster, inst.instance_id, ["k0001"]), 10,
+               message="the adopted model goes on")
+
+
+def test_a_per_worker_view_sees_only_what_its_worker_sent(make_cluster, tmp_path):
+    kdn = Kdn(tmp_path)
+    try:
+        cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_VIEW": "per_worker"})
+        inst = cluster.add_instance()
+        ask(cluster.worker_url(0), knowledge_body(kdn, ["k0001"]))
+        mine = affinity_rows(cluster, 0, knowledge="k0001")[inst.instance_id]
+        theirs = affinity_rows(cluster, 1, knowledge="k0001")[inst.instance_id]
+        assert mine["resident_knowledge"] == ["k0001"] and theirs["resident_knowledge"] == []
+        # The sidecar's host-wide model heard it all the same (what the shared view would read).
+        wait_until(lambda: cluster.status()["event_channel"]["affinity"]["instances"]
+                   .get(inst.instance_id, {}).get("knowledge") == 1, 10, message="the sidecar's model")
+        meta = ask(cluster.worker_url(1), knowledge_body(kdn, ["k0001"]))
+        assert meta["resident_kids"] == [] and inst.stats()["kv_injects"] == 2  # worker 1 asked again
+        meta = ask(cluster.worker_url(0), knowledge_body(kdn, ["k0001"]))
+        assert meta["resident_kids"] == ["k0001"] and inst.stats()["kv_injects"] == 2
+    finally:
+        kdn.stop()
+
+
+# --- the strategy: credit within bounds, and the guard -------------------------------------------------
+# Load = inflight alone, so each score is a count; every resident request earns the full credit.
+BOUNDED = {**KV_AWARE, "PROXY_LEAST_LOAD_WEIGHTS": '{"inflight": 1, "active_prepare": 0, '
+           '"active_ready": 0, "prepare_queue_depth": 0, "ready_queue_depth": 0, '
+           '"pending_prefill_count": 0, "active_decode_count": 0, "predicted_total_backlog_ms": 0}',
+           "PROXY_KV_AWARE_CREDIT_PER_MS": "1000", "PROXY_KV_AWARE_MAX_CREDIT": "1.5"}
+SYSTEM = "You answer questions about the shared corpus. " * 20  # ~900 characters: 3 blocks
+
+
+def prefix_body(question: str, stream: bool = True) -> dict[str, Any]:
+    return {"model": "sim", "stream": stream, "max_tokens": 2,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+
+
+def served_by(cluster, body: dict[str, Any]) -> str:
+    return ask(cluster.dp_url, body)["trace"]["instance_id"]
+
+
+async def _hold(cluster, count: int) -> list[OpenStream]:
+    session = aiohttp.ClientSession()
+    streams = [await OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions", prefix_body(f"q{i}"))
+               for i in range(count)]
+    for stream in streams:
+        stream.session = session  # type: ignore[attr-defined]
+    return streams
+
+
+def _prompt_query() -> dict[str, str]:
+    rendered = f"<|system|>{SYSTEM}<|user|>x"
+    return {"prompt": rendered}
+
+
+def test_the_credit_beats_load_only_within_its_bound(make_cluster):
+    cluster = make_cluster(workers=2, env={**BOUNDED, "PROXY_KV_AWARE_BALANCE_ABS": "100"})
+    a, b = cluster.add_instance(), cluster.add_instance()
+    warm = served_by(cluster, prefix_body("first"))
+    cold = b.instance_id if warm == a.instance_id else a.instance_id
+    wait_until(lambda: affinity_rows(cluster, 1, **_prompt_query())[warm]["resident_prefix_blocks"] == 3,
+               10, message="the system prompt's blocks resident where it went")
+    # Idle: the warm instance wins every time (least_load alone would alternate the tie).
+    traces = [ask(cluster.dp_url, prefix_body(f"again {i}"))["trace"] for i in range(4)]
+    assert [(t["instance_id"], t["affinity_credit"], t["affinity_guard"]) for t in traces] == \
+        [(warm, 1.5, False)] * 4
+    warm_sim = a if warm == a.instance_id else b
+    warm_sim.configure(hold_streams=True)
+
+    async def scenario() -> None:
+        held = await _hold(cluster, 1)  # warm: inflight 0 - credit 1.5 < cold's 0
+        try:
+            rows = affinity_rows(cluster, 0, **_prompt_query())
+            assert rows[warm]["credit"] == 1.5 and rows[cold]["credit"] == 0
+            held += await _hold(cluster, 1)  # still warm: 1 - 1.5 < 0
+            assert [s.response.headers["x-cacheroute-instance"] for s in held] == [warm, warm]
+            assert cluster.inflight() == {warm: 2, cold: 0}
+            # Now 2 - 1.5 > 0: the cold idle instance beats the hot one.
+            assert served_by(cluster, prefix_body("third", stream=False)) == cold
+        finally:
+            warm_sim.release()
+            for stream in held:
+                await stream.finish()
+            await held[0].session.close()  # type: ignore[attr-defined]
+    asyncio.run(scenario())
+
+
+def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_cluster):
+    cluster = make_cluster(workers=2, env={**BOUNDED, "PROXY_KV_AWARE_BALANCE_ABS": "0.5",
+                                           "PROXY_KV_AWARE_BALANCE_REL": "1"})
+    a, b = cluster.add_instance(), cluster.add_instance()
+    warm = served_by(cluster, prefix_body("first"))
+    cold = b.instance_id if warm == a.instance_id else a.instance_id
+    wait_until(lambda: affinity_rows(cluster, 0, **_prompt_query())[warm]["resident_prefix_blocks"] == 3,
+               10, message="resident")
+    loads = get(f"{cluster.worker_url(0)}/debug/instance_loads?{urllib.parse.urlencode(_prompt_query())}")
+    assert loads["kv_aware"]["guard"]["fired"] is False and "spread 0" in loads["kv_aware"]["guard"]["reason"]
+    warm_sim = a if warm == a.instance_id else b
+    warm_sim.configure(hold_streams=True)
+
+    async def scenario() -> None:
+        held = await _hold(cluster, 1)  # goes warm (spread 0: no guard)
+        try:
+            assert held[0].response.headers["x-cacheroute-instance"] == warm
+            loads = get(f"{cluster.worker_url(1)}/debug/instance_loads?"
+                        f"{urllib.parse.urlencode(_prompt_query())}")
+            guard = loads["kv_aware"]["guard"]
+            assert guard["fired"] is True and "pure least_load" in guard["reason"], guard
+            # The credit (1.5) would beat inflight 1, but the spread is past the bound.
+            trace = ask(cluster.dp_url, prefix_body("second", stream=False))["trace"]
+            assert (trace["instance_id"], trace["affinity_guard"]) == (cold, True)
+        finally:
+            warm_sim.release()
+            for stream in held:
+                await stream.finish()
+            await held[0].session.close()  # type: ignore[attr-defined]
+    asyncio.run(scenario())
