@@ -174,15 +174,16 @@ def build_app(state: SidecarState) -> Starlette:
 
     def dashboard_document() -> dict[str, Any]:
         """/debug/dashboard: what the page shows, each part as its own route answers it."""
-        return {"status": status_body(), "loads": loads_body(True),
+        status = status_body()
+        return {"status": status, "loads": loads_body(True),
                 "resources": [registry.resource_row(r) for r in registry.records(include_dead=True)],
                 "pool_resource": state.pool_resource(),
                 "topology": {"kdn_links": state.topology.merged(),
                              "per_instance": state.topology.per_instance(),
                              "configured": settings.kdn_links},
-                # Prefix/session affinity is not built yet: the page shows its panel only when
-                # this is not null.
-                "affinity": None}
+                # The affinity index's per-instance account, null while it holds nothing: the
+                # page shows its panel only when it is not.
+                "affinity": _holding_something(status["event_channel"]["affinity"])}
 
     routes = [
         Route("/healthz", _guard(TokenGuard(None))(healthz), methods=["GET"]),
@@ -213,6 +214,12 @@ def running_with(settings: Settings) -> dict[str, Any]:
             "injection_strategy": settings.injection_strategy,
             "ready_release_policy": settings.ready_release_policy,
             "static_kdn_links": sorted(settings.kdn_links)}
+
+
+def _holding_something(affinity: dict[str, Any] | None) -> dict[str, Any] | None:
+    if affinity and any(row["knowledge"] or row["prefix_blocks"] for row in affinity["instances"].values()):
+        return affinity
+    return None
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -19,6 +19,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from tests.background_http import BackgroundHTTPServer
 
 
 @dataclass(frozen=True)
@@ -35,28 +37,17 @@ class ReceivedSpan:
     resource: dict[str, Any] = field(default_factory=dict)
 
 
-class OtlpReceiver:
+class OtlpReceiver(BackgroundHTTPServer):
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
         self.rejected: list[str] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        super().__init__(self._handler())
 
     @property
     def endpoint(self) -> str:
         """What OTEL_EXPORTER_OTLP_ENDPOINT is set to (the exporter adds /v1/traces)."""
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> OtlpReceiver:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+        return f"http://127.0.0.1:{self.bound_port}"
 
     def of_trace(self, trace_id: str) -> list[ReceivedSpan]:
         with self._lock:

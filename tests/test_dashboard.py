@@ -84,6 +84,7 @@ READ_PAGE = r"""(() => {
     legend: [...document.querySelectorAll('#legend li')].map((li) => li.dataset.instanceId),
     raw: $('raw-json').textContent,
     affinityHidden: $('affinity-panel').hidden,
+    affinity: $('affinity').textContent,
     injected: document.querySelectorAll('main img, main script, main svg, main b[id], main iframe').length,
     pwned: window.__pwned === 1,
   };
@@ -299,6 +300,21 @@ def _check_unhealthy_is_shown(cluster, browser: Chromium) -> None:
     _wait_page(browser, lambda p: _rows(p).get("sick", {}).get("liveness") == "unhealthy", "sick shown unhealthy")
     post(f"{cluster.cp_url}/v1/instance/heartbeat", {"instance_id": "sick", "healthy": True})
     _wait_page(browser, lambda p: _rows(p).get("sick", {}).get("liveness") == "alive", "sick shown alive again")
+
+
+def test_the_affinity_panel_shows_what_the_index_holds(make_cluster, browser):
+    cluster = make_cluster(workers=2, strategy="kv_aware")
+    inst = cluster.add_instance()
+    browser.navigate(f"{cluster.cp_url}/dashboard")
+    page = _wait_page(browser, lambda p: p["state"] == "live" and len(p["instances"]) == 1, "the page, live")
+    assert page["affinityHidden"]  # the index holds nothing yet
+    # The instance's own account of its KV (docs/protocol.md, heartbeat resident_keys).
+    status, body, _ = http("POST", f"{cluster.cp_url}/v1/instance/heartbeat",
+                           {"instance_id": inst.instance_id, "resident_keys": ["k0001", "k0002"]})
+    assert status == 200, body
+    page = _wait_page(browser, lambda p: not p["affinityHidden"], "the affinity panel shown")
+    shown = json.loads(page["affinity"])
+    assert shown["instances"][inst.instance_id]["knowledge"] == 2, shown
 
 
 def test_dashboard_asks_for_the_token_when_debug_reads_require_it(make_cluster, browser, tmp_path):

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,13 @@ from tests.sim_harness import (
     running_sim,
     wait_stats,
 )
+from tests.background_http import BackgroundHTTPServer
 from tests.sim_harness import shared_sim, sim  # noqa: F401 - pytest fixtures
 
 
 # ------------------------------------------------------------------------- registration
 
-class FakeControlPlane:
+class FakeControlPlane(BackgroundHTTPServer):
     """A tiny stand-in for the Proxy control plane; records calls, scripts heartbeat replies."""
 
     def __init__(self, port: int, heartbeat_replies: list[dict[str, Any]] | None = None) -> None:
@@ -53,18 +54,7 @@ class FakeControlPlane:
         self.calls: list[dict[str, Any]] = []
         self.heartbeat_replies = deque(heartbeat_replies or [])
         self.cond = threading.Condition()
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FakeControlPlane:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+        super().__init__(self._handler(), port)
 
     def wait_for_calls(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
         with self.cond:

@@ -62,10 +62,13 @@ def _json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the control plane's JSON instead of text")
 
 
-# --- status ----------------------------------------------------------------------------------------
-def _status_options(parser: argparse.ArgumentParser) -> None:
+def _watch_and_json_options(parser: argparse.ArgumentParser) -> None:
+    """status's and loads' options: the one-shot refreshes with --watch, scripts take --json."""
     parser.add_argument("--watch", type=interval_s, default=None, metavar="S", help="refresh every S seconds")
     _json_option(parser)
+
+
+# --- status ----------------------------------------------------------------------------------------
 
 
 def _status(plane: ControlPlane, args: argparse.Namespace) -> Output:
@@ -105,11 +108,6 @@ def _scheduler(plane: ControlPlane, args: argparse.Namespace) -> Output:
 
 
 # --- loads ---------------------------------------------------------------------------------------------
-def _loads_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--watch", type=interval_s, default=None, metavar="S", help="refresh every S seconds")
-    _json_option(parser)
-
-
 def _loads(plane: ControlPlane, args: argparse.Namespace) -> Output:
     loads = plane.get("/debug/instance_loads")
     return Output(status_view.format_loads(loads), loads)
@@ -133,11 +131,11 @@ def _watch(plane: ControlPlane, args: argparse.Namespace) -> Output:
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("status", "[--watch S]", "sidecar, segment, event channel, reaper, Scheduler registration, "
-            "workers", _status_options, _status, interval=lambda args: args.watch),
+            "workers", _watch_and_json_options, _status, interval=lambda args: args.watch),
     Command("instances", "[N] [--all] [--limit N]", "the instance pool: alive only, or --all "
             "(unhealthy and expired too)", _instances_options, _instances),
     Command("scheduler", "", "the registration with the Scheduler (SCHEDULER_CP_URL)", _json_option, _scheduler),
-    Command("loads", "[--watch S]", "per-instance loads and least_load scores", _loads_options, _loads,
+    Command("loads", "[--watch S]", "per-instance loads and least_load scores", _watch_and_json_options, _loads,
             interval=lambda args: args.watch),
     Command("watch", "[--all] [--interval S] [--limit N]", "status and instances, refreshed until Ctrl-C",
             _watch_options, _watch, interval=lambda args: args.interval),
