@@ -10,8 +10,9 @@ else.
 Why the shared-memory sweep: vLLM's processes talk over POSIX shared memory (`psm_*`, ~170 and
 ~250 MB each, and `sem.mp-*`) that they unlink only on a clean exit; an engine SIGKILLed, or
 stopped while its core is still shutting down, leaves them in /dev/shm for good. Before each
-signal the engine notes which of those its group has mapped, and unlinks them once the whole
-group is gone."""
+signal the engine notes which of those its group has mapped, and once the whole group is gone
+unlinks them and any other such file made since it started that no live process maps (a
+semaphore its resource tracker made and let go of, say)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cacheroute_sim.processes import ROOT, free_port
+from tests import segment_guard
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TINY_MODEL = ROOT / ".cache" / "tiny-llama"
@@ -85,6 +87,7 @@ class VllmEngine:
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.shm_files: set[Path] = set()
+        self._shm_at_start: set[str] = set()
 
     def argv(self) -> list[str]:
         return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
@@ -99,6 +102,7 @@ class VllmEngine:
         problem = missing_setup()
         if problem:
             raise EngineError(problem)
+        self._shm_at_start = segment_guard.shm_files(segment_guard.ENGINE_FILES)
         with open(self.log_path, "ab" if self.starts else "wb") as log:
             log.write(f"=== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
             log.flush()
@@ -181,7 +185,8 @@ class VllmEngine:
             self.shm_files |= group_shared_memory(self.popen.pid)
 
     def _unlink_shared_memory(self) -> None:
-        for path in self.shm_files:
+        orphans = segment_guard.orphans(self._shm_at_start, segment_guard.ENGINE_FILES)
+        for path in self.shm_files | {segment_guard.SHM / name for name in orphans}:
             path.unlink(missing_ok=True)
         self.shm_files.clear()
 
