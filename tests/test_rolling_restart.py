@@ -127,13 +127,16 @@ def test_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
 
 
 # --- one worker's drain ---------------------------------------------------------------------------
-def _post_chat(url: str, out: list[Any], body: dict[str, Any]) -> None:
-    """POST a chat request on its own connection; append (status, body, error)."""
+def _post_chat(url: str, out: list[Any], body: dict[str, Any], heads: list[int] | None = None) -> None:
+    """POST a chat request on its own connection; append (status, body, error). `heads` gets
+    the status as soon as the response head arrives (a stream under way)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
+        if heads is not None:
+            heads.append(response.status)
         out.append((response.status, response.read(), None))
     except (OSError, http.client.HTTPException) as exc:
         out.append((None, b"", repr(exc)))
@@ -141,8 +144,8 @@ def _post_chat(url: str, out: list[Any], body: dict[str, Any]) -> None:
         conn.close()
 
 
-def _stream(url: str, out: list[Any], max_tokens: int = 40) -> None:
-    _post_chat(url, out, chat_body(max_tokens=max_tokens))
+def _stream(url: str, out: list[Any], max_tokens: int = 40, heads: list[int] | None = None) -> None:
+    _post_chat(url, out, chat_body(max_tokens=max_tokens), heads)
 
 
 def _refuses(port: int) -> bool:
@@ -162,10 +165,13 @@ def test_sigterm_drains_streams_and_closes_keepalive_after_a_last_answer(make_cl
     first = idle.getresponse()
     pid = json.loads(first.read())["pid"]
     streams: list[Any] = []
-    threads = [threading.Thread(target=_stream, args=(url, streams, 120)) for _ in range(3)]
+    heads: list[int] = []
+    threads = [threading.Thread(target=_stream, args=(url, streams, 120, heads)) for _ in range(3)]
     for t in threads:
         t.start()
-    wait_until(lambda: sum(cluster.inflight(0).values()) == 3, 20, message="3 streams in flight")
+    # Under way, not only admitted: the drain's log line below counts streams whose answer began.
+    wait_until(lambda: len(heads) == 3 and sum(cluster.inflight(0).values()) == 3, 20,
+               message="3 streams in flight, each answer begun")
     os.kill(pid, signal.SIGTERM)
     wait_until(lambda: _refuses(cluster.private_base), 20, message="listener closed")
     # The idle keep-alive connection was not closed under us: it gets one last answer that says
