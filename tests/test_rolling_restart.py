@@ -201,10 +201,12 @@ def test_drain_deadline_cuts_what_is_left_cleanly(make_cluster) -> None:  # type
     url = cluster.worker_url(0)
     pid = cluster.worker_pids()[0]
     results: list[Any] = []
-    threads = [threading.Thread(target=_stream, args=(url, results)) for _ in range(2)]
+    heads: list[int] = []
+    threads = [threading.Thread(target=_stream, args=(url, results, 40, heads)) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: sum(cluster.inflight(0).values()) == 2, 20, message="2 streams held")
+    wait_until(lambda: len(heads) == 2 and sum(cluster.inflight(0).values()) == 2, 20,
+               message="2 streams held, each answer begun")
     inst.configure(hang=True)  # and a request that never gets an answer head
     hung: list[Any] = []
     waiting = threading.Thread(target=_post_whole, args=(url, hung))
