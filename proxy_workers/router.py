@@ -188,10 +188,15 @@ class Router:
         of it) and begin a request on it (503 if there is none, or if it left the table between
         the choice and the begin)."""
         instance, affinity, guard_fired = self._choose(exclude, request)
-        if affinity is NO_AFFINITY and request is not None and self.affinity is not None:
-            affinity = self.affinity.assess(request, (instance,))[0]
+        if affinity is NO_AFFINITY and self.affinity is not None and _wants_knowledge(request):
+            # Other strategies: only what the prepare stage needs (which wanted ids the chosen
+            # instance holds); a plain request's prompt is hashed by kv_aware alone.
+            affinity = self.affinity.assess(request, (instance,))[0]  # type: ignore[arg-type]
         age = self.view.snapshot_age_ms() if self._least_load else None
         if not self.row.begin(instance.slot, instance.generation):
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
         return Lease(instance, self.row, age, affinity, guard_fired)
 
+
+def _wants_knowledge(request: ProxyRequest | None) -> bool:
+    return request is not None and request.knowledge is not None and request.knowledge.wanted
