@@ -1,7 +1,8 @@
 """Start and stop what the benchmarks compare, all over the SAME simulated instances.
 
 - SimInstances: simulated vLLM instances on free 127.0.0.1 ports that register nowhere, so
-  every contender can be pointed at the same instance processes.
+  every contender can be pointed at the same instance processes; FakeInstances: the same with
+  a plain Starlette/uvicorn OpenAI fake (bench/peers/openai_fake.py) instead of the simulator.
 - Contenders (context managers, each with .name, .kind, .url and the root pids whose process
   trees the benchmarks charge CPU and RSS to):
   DirectContender (instance 0 itself, the baseline), ProxyContender (this proxy through its
@@ -119,38 +120,41 @@ class Started:
         self.stop()
 
 
-class SimInstances(Started):
-    """Simulated instances on free ports; no registration anywhere (contenders register them)."""
+class Instances(Started):
+    """Backend instances on free ports, one child process each, registered nowhere (contenders
+    register them); a subclass says how one is started and how it says it is up."""
 
-    def __init__(self, specs: list[InstanceSpec], time_scale: float = DEFAULT_TIME_SCALE,
-                 log_dir: Path | None = None) -> None:
+    kind = "backend"
+    health_path = "/health"
+
+    def __init__(self, specs: list[InstanceSpec], log_dir: Path | None = None) -> None:
         self.specs = list(specs)
-        self.time_scale = time_scale
-        self.log_dir = log_dir or _log_dir("instances")
+        self.log_dir = log_dir or _log_dir(self.kind)
         self._own_dir = log_dir is None
         self.ports: list[int] = []
         self.urls: list[str] = []
         self.ids: list[str] = []
         self._children: list[ChildProcess] = []
 
+    def argv(self, spec: InstanceSpec, port: int, instance_id: str) -> list[str]:
+        raise NotImplementedError
+
+    def meta(self, spec: InstanceSpec) -> dict[str, Any]:
+        """The `meta` of its registration on a proxy control plane."""
+        return {}
+
     def start(self) -> None:
         for spec in self.specs:
             self._start_one(spec)
         for url, child in zip(self.urls, self._children):
-            wait_for(lambda u=url: _ok(f"{u}/healthz"), START_TIMEOUT_S, f"instance {url}",
-                     child.running, child.tail)
+            wait_for(lambda u=url: _ok(f"{u}{self.health_path}"), START_TIMEOUT_S,
+                     f"instance {url}", child.running, child.tail)
 
     def _start_one(self, spec: InstanceSpec) -> None:
         port = free_port()
         instance_id = f"bench-{port}"
-        argv = ["-m", "cacheroute_sim.instance", "--host", HOST, "--port", str(port),
-                "--instance-id", instance_id, "--no-register", "--cp-port", "0",
-                "--time-scale", str(self.time_scale), "--slow-factor", str(spec.slow_factor),
-                "--log-level", "warning"]
-        if spec.max_concurrency is not None:
-            argv += ["--max-concurrency", str(spec.max_concurrency)]
-        argv += list(spec.extra_args)
-        child = ChildProcess(argv, {}, self.log_dir / f"{instance_id}.log", die_with_parent=True)
+        child = ChildProcess(self.argv(spec, port, instance_id), {},
+                             self.log_dir / f"{instance_id}.log", die_with_parent=True)
         self._children.append(child)
         self.ports.append(port)
         self.urls.append(f"http://{HOST}:{port}")
@@ -165,6 +169,37 @@ class SimInstances(Started):
     def pids(self) -> list[int]:
         return [child.pid for child in self._children]
 
+    def register_body(self, i: int) -> dict[str, Any]:
+        """What a proxy control plane is sent to route to instance i."""
+        return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
+                "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
+                "weight": 1.0, "meta": self.meta(self.specs[i])}
+
+
+class SimInstances(Instances):
+    """Simulated vLLM instances (cacheroute_sim.instance)."""
+
+    kind = "sim"
+    health_path = "/healthz"
+
+    def __init__(self, specs: list[InstanceSpec], time_scale: float = DEFAULT_TIME_SCALE,
+                 log_dir: Path | None = None) -> None:
+        super().__init__(specs, log_dir)
+        self.time_scale = time_scale
+
+    def argv(self, spec: InstanceSpec, port: int, instance_id: str) -> list[str]:
+        argv = ["-m", "cacheroute_sim.instance", "--host", HOST, "--port", str(port),
+                "--instance-id", instance_id, "--no-register", "--cp-port", "0",
+                "--time-scale", str(self.time_scale), "--slow-factor", str(spec.slow_factor),
+                "--log-level", "warning"]
+        if spec.max_concurrency is not None:
+            argv += ["--max-concurrency", str(spec.max_concurrency)]
+        return argv + list(spec.extra_args)
+
+    def meta(self, spec: InstanceSpec) -> dict[str, Any]:
+        """As cacheroute_sim/instance/registration.py sends it."""
+        return register_meta(spec.max_concurrency)
+
     def stats(self, i: int) -> dict[str, Any]:
         status, body = http_json("GET", f"{self.urls[i]}/sim/stats")
         if status != 200 or not isinstance(body, dict):
@@ -174,11 +209,20 @@ class SimInstances(Started):
     def reset_stats(self, i: int) -> None:
         http_json("POST", f"{self.urls[i]}/sim/stats/reset", {})
 
-    def register_body(self, i: int) -> dict[str, Any]:
-        """What instance i would send to a proxy control plane (cacheroute_sim/instance/registration.py)."""
-        return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
-                "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
-                "weight": 1.0, "meta": register_meta(self.specs[i].max_concurrency)}
+
+class FakeInstances(Instances):
+    """Plain Starlette/uvicorn OpenAI fakes (bench/peers/openai_fake.py): a second backend that
+    is not the project's simulator. No time scale, no admission: they answer at once; a spec's
+    max_concurrency is only what the registration tells the proxy (max_num_seqs)."""
+
+    kind = "starlette"
+
+    def argv(self, spec: InstanceSpec, port: int, instance_id: str) -> list[str]:
+        return ["-m", "bench.peers.openai_fake", "--host", HOST, "--port", str(port),
+                *spec.extra_args]
+
+    def meta(self, spec: InstanceSpec) -> dict[str, Any]:
+        return {} if spec.max_concurrency is None else {"max_num_seqs": spec.max_concurrency}
 
 
 # --- contenders --------------------------------------------------------------------------------
@@ -252,7 +296,7 @@ class DirectContender(Contender):
 
     kind = "direct"
 
-    def __init__(self, name: str, instances: SimInstances, index: int = 0) -> None:
+    def __init__(self, name: str, instances: Instances, index: int = 0) -> None:
         super().__init__(name)
         self.instances = instances
         self.index = index
@@ -270,7 +314,7 @@ class ProxyContender(ProcessContender):
     stop_signal = signal.SIGINT  # the supervisor stops workers and sidecar and unlinks the segment
     stop_timeout_s = 45.0
 
-    def __init__(self, name: str, instances: SimInstances, workers: int, strategy: str,
+    def __init__(self, name: str, instances: Instances, workers: int, strategy: str,
                  load_view: str = "shared", extra_env: dict[str, str] | None = None) -> None:
         super().__init__(name)
         self.instances = instances
@@ -356,7 +400,7 @@ class NginxContender(ProcessContender):
 
     kind = "nginx"
 
-    def __init__(self, name: str, instances: SimInstances, worker_processes: int = 2,
+    def __init__(self, name: str, instances: Instances, worker_processes: int = 2,
                  method: str = "least_conn") -> None:
         super().__init__(name)
         if method not in NGINX_METHODS:
@@ -384,7 +428,7 @@ class NginxContender(ProcessContender):
     def wait_ready(self) -> None:
         assert self._child is not None, "launch() first"
         child = self._child
-        wait_for(lambda: _ok(f"{self.url}/healthz"), START_TIMEOUT_S, self.name, child.running,
+        wait_for(lambda: _ok(f"{self.url}{self.instances.health_path}"), START_TIMEOUT_S, self.name, child.running,
                  lambda: child.tail() + self._error_log())
 
     def _error_log(self) -> str:
@@ -409,7 +453,7 @@ class RouterContender(ProcessContender):
 
     kind = "router"
 
-    def __init__(self, name: str, instances: SimInstances, policy: str = "round_robin",
+    def __init__(self, name: str, instances: Instances, policy: str = "round_robin",
                  extra_args: tuple[str, ...] = ()) -> None:
         super().__init__(name)
         self.instances = instances
