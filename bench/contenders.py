@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Self
 
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
-from bench.machine import tree_cpu_s, tree_rss_bytes
+from bench.machine import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
 from cacheroute_sim.instance.registration import register_meta
 
 HOST = "127.0.0.1"
@@ -259,6 +259,11 @@ class Contender(Started):
         """user + system seconds of the process tree so far (take deltas)."""
         return tree_cpu_s(self.pids())
 
+    def cpu_seconds_by_role(self) -> dict[str, float]:
+        """cpu_seconds() split by the role of each process in the tree; {} when a contender
+        has no roles worth telling apart."""
+        return {}
+
     def rss_mb(self) -> float:
         return tree_rss_bytes(self.pids()) / 1e6
 
@@ -344,6 +349,9 @@ class ProxyContender(ProcessContender):
             wait_for(lambda i=i: wanted <= self._alive_seen_by(i), START_TIMEOUT_S,
                      f"{self.name} worker {i} sees every instance", child.running, child.tail)
 
+    def cpu_seconds_by_role(self) -> dict[str, float]:
+        return tree_cpu_s_by_role(self.pids(), proxy_role)
+
     def _register(self, i: int) -> None:
         status, body = http_json("POST", f"{self.ports.cp_url}/v1/instance/register",
                                  self.instances.register_body(i))
@@ -355,6 +363,22 @@ class ProxyContender(ProcessContender):
         if status != 200 or not isinstance(loads, dict):
             return set()
         return {r["instance_id"] for r in loads.get("instances", []) if r.get("is_alive")}
+
+
+PROXY_ROLES = (("sidecar", ("-m", "sidecar")), ("workers", ("-m", "proxy_workers")))
+
+
+def proxy_role(proc: Any, roots: set[int]) -> str:
+    """The role of one process of this proxy's tree: the root is the launcher (the supervisor,
+    `-m cacheroute_proxy run`); its children are told apart by their command line (how
+    cacheroute_proxy/supervisor/arbiter.py starts them); anything else is "other"."""
+    if proc.pid in roots:
+        return "launcher"
+    cmdline = proc.cmdline()
+    for role, marker in PROXY_ROLES:
+        if any(tuple(cmdline[i:i + 2]) == marker for i in range(len(cmdline) - 1)):
+            return role
+    return "other"
 
 
 NGINX_CONF = """\

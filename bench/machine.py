@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def process_tree(pids: list[int]) -> list["psutil.Process"]:
@@ -38,6 +38,21 @@ def tree_cpu_s(pids: list[int]) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+def tree_cpu_s_by_role(pids: list[int], role_of: Callable[["psutil.Process", set[int]], str]) -> dict[str, float]:
+    """tree_cpu_s split by role: `role_of(process, root pids)` names each live process's role
+    (say, from its command line); seconds are summed per role (take deltas, as above)."""
+    import psutil
+
+    roots, totals = set(pids), {}
+    for proc in process_tree(pids):
+        try:
+            times, role = proc.cpu_times(), role_of(proc, roots)
+        except psutil.Error:
+            continue
+        totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
 
 
 def tree_rss_bytes(pids: list[int]) -> int:

@@ -1,10 +1,13 @@
-"""python -m bench.peers --out bench/results/peers.json [--repeats 3] [--duration 5]
-[--contenders direct nginx ...] [--quick]
+"""python -m bench.peers --out bench/results/peers.json [--backend sim|starlette|both]
+[--repeats 3] [--duration 5] [--contenders direct nginx ...] [--quick] [--isolate]
 
-This proxy (1, 2, 4 workers; round_robin and least_load) against nginx (least_conn) and
-vllm-router, over the same two simulated instances: added latency at c1 (paired with direct),
-requests/s at c32, streams/s and TTFT at c32, CPU per 1,000 requests and RSS of each
-contender's process tree. --quick: 1 repeat of 2 s points (a smoke run, about 2 minutes).
+This proxy (by default 2 workers, least_load) against nginx (least_conn, 2 workers) and
+vllm-router (power_of_two), over two instances of each backend in turn: the project's
+simulator (sim) and a plain Starlette/uvicorn OpenAI fake (starlette). Per backend: added
+latency at c1 (paired with direct), requests/s and p99 at c32, streams/s and TTFT at c32, CPU
+per 1,000 requests of each contender's process tree (this proxy's also by role: launcher,
+sidecar, workers), RSS, and issue 15's targets (PASS/FAIL with per-repeat ratios).
+--quick: 1 repeat of 2 s points (a smoke run, about 2-4 minutes for both backends).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from cacheroute_sim.processes import ROOT
 from bench.peers import summary
-from bench.peers.plan import DEFAULT_CONTENDERS, KNOWN, RunConfig
+from bench.peers.plan import BACKENDS, DEFAULT_CONTENDERS, KNOWN, RunConfig
 from bench.peers.runner import run
 
 
@@ -34,6 +37,9 @@ def parse(argv: list[str] | None) -> RunConfig:
     p.add_argument("--contenders", nargs="+", default=None, metavar="NAME",
                    help=f"default: {' '.join(DEFAULT_CONTENDERS)}; also: "
                         f"{' '.join(sorted(set(KNOWN) - set(DEFAULT_CONTENDERS)))}")
+    p.add_argument("--backend", choices=[*BACKENDS, "both"], default="both",
+                   help="which backend's instances the contenders are put in front of "
+                        "(both: sim, then starlette)")
     p.add_argument("--quick", action="store_true", help="1 repeat, 2 s points (smoke)")
     p.add_argument("--isolate", action="store_true",
                    help="start (and warm up) each contender for its own point only, so no idle "
@@ -50,6 +56,7 @@ def parse(argv: list[str] | None) -> RunConfig:
     return RunConfig(out=a.out, repeats=repeats, duration_s=duration,
                      warmup_s=1.0 if a.quick else 2.0, warmup_streams=not a.quick,
                      contenders=a.contenders or [], isolate=a.isolate,
+                     backends=list(BACKENDS) if a.backend == "both" else [a.backend],
                      command=command)
 
 
@@ -82,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(summary.table(result))
+    for backend, section in result["backends"].items():
+        print(f"\n## backend: {backend}\n\n{summary.table(section)}\n")
+        print("\n".join(summary.target_lines(section["targets"])))
+        for note in section["notes"]:
+            print(f"note ({backend}): {note}")
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {out}")

@@ -25,29 +25,41 @@ def write_script(directory: Path, max_tokens: int) -> Path:
 
 
 def _charged(contender: Contender, load: Any) -> dict[str, Any]:
-    """Run `load()` and add the contender's CPU seconds over it and its RSS after it."""
+    """Run `load()` and add the contender's CPU seconds over it (the whole tree and, where the
+    contender has roles, per role) and its RSS after it."""
+    roles_before = contender.cpu_seconds_by_role()
     cpu_before, started = contender.cpu_seconds(), time.monotonic()
     result: dict[str, Any] = load()
     result["cpu_s"] = round(contender.cpu_seconds() - cpu_before, 4)
     result["wall_s"] = round(time.monotonic() - started, 3)
+    roles_after = contender.cpu_seconds_by_role()
+    if roles_after:
+        result["cpu_s_by_role"] = {role: round(seconds - roles_before.get(role, 0.0), 4)
+                                   for role, seconds in sorted(roles_after.items())}
     result["rss_mb"] = round(contender.rss_mb(), 1)
+    return result
+
+
+def per_1k(result: dict[str, Any], done: int | None) -> dict[str, Any]:
+    """CPU seconds per 1,000 of what was done (requests or streams), whole tree and by role."""
+    if done:
+        result["cpu_s_per_1k"] = round(result["cpu_s"] / done * 1000, 4)
+        if "cpu_s_by_role" in result:
+            result["cpu_s_per_1k_by_role"] = {role: round(s / done * 1000, 4)
+                                              for role, s in result["cpu_s_by_role"].items()}
     return result
 
 
 def wrk_point(contender: Contender, script: Path, connections: int, seconds: float) -> dict[str, Any]:
     result = _charged(contender, lambda: run_wrk(contender.url, script, connections, seconds))
-    if result.get("requests"):
-        result["cpu_s_per_1k"] = round(result["cpu_s"] / result["requests"] * 1000, 4)
-    return result
+    return per_1k(result, result.get("requests"))
 
 
 def stream_point(contender: Contender, concurrency: int, seconds: float,
                  max_tokens: int) -> dict[str, Any]:
     result = _charged(contender, lambda: stream_load.run_process(contender.url, concurrency,
                                                                  seconds, max_tokens))
-    if result.get("streams_ok"):
-        result["cpu_s_per_1k"] = round(result["cpu_s"] / result["streams_ok"] * 1000, 4)
-    return result
+    return per_1k(result, result.get("streams_ok"))
 
 
 def idle_cpu(contenders: list[Contender], seconds: float) -> dict[str, float]:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from bench.contenders import (
     Contender,
     DirectContender,
+    FakeInstances,
+    InstanceSpec,
+    Instances,
     NginxContender,
     ProxyContender,
     RouterContender,
@@ -14,6 +17,9 @@ from bench.contenders import (
 )
 
 SCENARIOS = ("c1", "c32", "stream32")
+# sim: the project's simulated vLLM instances; starlette: a plain Starlette/uvicorn OpenAI fake
+# (bench/peers/openai_fake.py), so the figures do not depend on the simulator's shape.
+BACKENDS = ("sim", "starlette")
 
 
 @dataclass
@@ -25,6 +31,7 @@ class RunConfig:
     warmup_streams: bool = True  # --quick warms up with wrk only
     isolate: bool = False  # start each contender for its own points only
     contenders: list[str] = field(default_factory=list)  # empty: DEFAULT_CONTENDERS
+    backends: list[str] = field(default_factory=lambda: list(BACKENDS))  # run one after the other
     instances: int = 2
     # Simulated time x0.001: an instance answers in ~0.15 ms of simulated work, so the proxies,
     # not the simulated GPU, decide the numbers (the instances' Python still costs CPU).
@@ -44,7 +51,7 @@ class ContenderPlan:
     workers: int | None = None
     strategy: str | None = None
 
-    def build(self, instances: SimInstances, cfg: RunConfig) -> Contender:
+    def build(self, instances: Instances, cfg: RunConfig) -> Contender:
         if self.kind == "direct":
             return DirectContender(self.name, instances)
         if self.kind == "nginx":
@@ -67,14 +74,25 @@ KNOWN: dict[str, ContenderPlan] = {p.name: p for p in [
     ContenderPlan("direct", "direct"),
     *(_proxy(n, s) for s in ("round_robin", "least_load") for n in (1, 2, 4)),
     ContenderPlan("nginx", "nginx", 2, "least_conn"),
-    ContenderPlan("vllm-router", "router", None, "round_robin"),
-    # Not in the default run; ask for them with --contenders.
-    ContenderPlan("nginx-rr", "nginx", 2, "round_robin"),
     ContenderPlan("vllm-router-p2", "router", None, "power_of_two"),
+    # Not in the default run; ask for them with --contenders.
+    ContenderPlan("vllm-router-rr", "router", None, "round_robin"),
+    ContenderPlan("nginx-rr", "nginx", 2, "round_robin"),
     ContenderPlan("vllm-router-cache-aware", "router", None, "cache_aware"),
 ]}
-DEFAULT_CONTENDERS = ["direct", "proxy-w1-rr", "proxy-w2-rr", "proxy-w4-rr", "proxy-w1-ll",
-                      "proxy-w2-ll", "proxy-w4-ll", "nginx", "vllm-router"]
+# Issue 15's set: what its targets compare (bench/peers/targets.py), small enough that both
+# backends take about the time one took with all six proxy variants.
+DEFAULT_CONTENDERS = ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2"]
+
+
+def instances_for(backend: str, cfg: RunConfig) -> Instances:
+    """The backend's instances (not started): cfg.instances of them, same admission."""
+    specs = [InstanceSpec(max_concurrency=cfg.instance_max_concurrency)] * cfg.instances
+    if backend == "sim":
+        return SimInstances(specs, time_scale=cfg.time_scale)
+    if backend == "starlette":
+        return FakeInstances(specs)
+    raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
 
 
 def chosen(cfg: RunConfig) -> list[ContenderPlan]:

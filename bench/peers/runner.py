@@ -1,5 +1,7 @@
-"""The run: start the shared instances and every contender, warm each up, then for each repeat,
-each scenario, each contender (order rotated every repeat and scenario) measure one point.
+"""The run: for each backend (the simulated instances, then the Starlette fake; one after the
+other, never side by side), start its instances and every contender, warm each up, then for
+each repeat, each scenario, each contender (order rotated every repeat and scenario) measure
+one point. Each backend's figures, ratios and targets are a section of their own.
 
 Scenarios (all POST /v1/chat/completions, a small OpenAI chat body):
 - c1: wrk -t1 -c1 non-streaming; `direct` is measured right before every other contender, so
@@ -23,51 +25,74 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from bench.machine import machine_info, tool_versions
-from bench.contenders import Contender, InstanceSpec, SimInstances, StartError, router_available
-from bench.peers import measure, summary
-from bench.peers.plan import SCENARIOS, ContenderPlan, RunConfig, chosen
+from bench.contenders import Contender, Instances, StartError, router_available
+from bench.peers import measure, summary, targets
+from bench.peers.plan import SCENARIOS, ContenderPlan, RunConfig, chosen, instances_for
 
 Log = Callable[[str], None]
 
 
 def run(cfg: RunConfig, log: Log) -> dict[str, Any]:
-    plans = chosen(cfg)
     result = _skeleton(cfg)
+    for backend in cfg.backends:
+        log(f"backend {backend}")
+        result["backends"][backend] = run_backend(cfg, backend, log)
+    result["machine"]["at_end"] = machine_info()
+    result["notes"] += _standing_notes(result, cfg)
+    return result
+
+
+def run_backend(cfg: RunConfig, backend: str, log: Log) -> dict[str, Any]:
+    """One backend's section: its instances, contenders (medians and runs), ratios, targets."""
+    plans = chosen(cfg)
+    section: dict[str, Any] = {"instances": {}, "contenders": [], "ratios_to_nginx": {},
+                               "targets": [], "repeat_ratios": [], "notes": []}
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
-        specs = [InstanceSpec(max_concurrency=cfg.instance_max_concurrency)] * cfg.instances
-        instances = stack.enter_context(SimInstances(specs, time_scale=cfg.time_scale))
-        log(f"instances: {instances.urls}")
+        instances = stack.enter_context(instances_for(backend, cfg))
+        section["instances"] = {"kind": instances.kind, "count": len(instances.urls)}
+        log(f"instances ({backend}): {instances.urls}")
         script = measure.write_script(Path(tmp), cfg.max_tokens)
-        slots = _slots(plans, instances, cfg, stack, script, result["notes"], log)
+        slots = _slots(plans, instances, cfg, stack, script, section["notes"], log)
         if not cfg.isolate:
-            result["method"]["idle_cpu_cores_per_contender"] = measure.idle_cpu(
+            section["idle_cpu_cores_per_contender"] = measure.idle_cpu(
                 [s.contender for s in slots if s.contender], 2.0)
             _warm_up([s.contender for s in slots if s.contender], script, cfg, log)
-        direct = slots[0].contender
-        assert direct is not None
-        runs: dict[str, list[dict[str, Any]]] = {s.plan.name: [] for s in slots}
-        for repeat in range(cfg.repeats):
-            for s_index, scenario in enumerate(SCENARIOS):
-                for slot in _rotated(slots, repeat + s_index):
-                    point = _point(slot, scenario, direct, script, cfg, result["notes"], log)
-                    if point is None:
-                        continue
-                    for run_point in point.pop("_extra_runs", []):  # direct's paired baseline
-                        runs[direct.name].append({**run_point, "repeat": repeat})
-                    point.update(scenario=scenario, repeat=repeat)
-                    runs[slot.plan.name].append(point)
-        result["machine"]["at_end"] = machine_info()
-    result["contenders"] = [summary.contender_entry(s.describe(), runs[s.plan.name]) for s in slots]
-    result["ratios_to_nginx"] = summary.ratios_to(result["contenders"], "nginx")
-    result["notes"] += summary.flag_notes(result["contenders"]) + _standing_notes(result, cfg)
-    return result
+        runs = _measure_all(slots, script, cfg, section["notes"], log)
+    section["contenders"] = [summary.contender_entry(s.describe(), runs[s.plan.name]) for s in slots]
+    section["ratios_to_nginx"] = summary.ratios_to(section["contenders"], targets.NGINX)
+    section["ratios_to_router"] = summary.ratios_to(section["contenders"], targets.ROUTER)
+    section["targets"] = targets.targets(section["contenders"])
+    section["repeat_ratios"] = targets.repeat_ratios(section["contenders"])
+    section["notes"] += summary.flag_notes(section["contenders"])
+    if not section["ratios_to_nginx"]:
+        section["notes"].append("nginx was not among the contenders that ran: no ratios to nginx")
+    return section
+
+
+def _measure_all(slots: list["Slot"], script: Path, cfg: RunConfig, notes: list[str],
+                 log: Log) -> dict[str, list[dict[str, Any]]]:
+    """Every point of every repeat, scenario and contender: {contender name: its points}."""
+    direct = slots[0].contender
+    assert direct is not None
+    runs: dict[str, list[dict[str, Any]]] = {s.plan.name: [] for s in slots}
+    for repeat in range(cfg.repeats):
+        for s_index, scenario in enumerate(SCENARIOS):
+            for slot in _rotated(slots, repeat + s_index):
+                point = _point(slot, scenario, direct, script, cfg, notes, log)
+                if point is None:
+                    continue
+                for run_point in point.pop("_extra_runs", []):  # direct's paired baseline
+                    runs[direct.name].append({**run_point, "repeat": repeat})
+                point.update(scenario=scenario, repeat=repeat)
+                runs[slot.plan.name].append(point)
+    return runs
 
 
 def _standing_notes(result: dict[str, Any], cfg: RunConfig) -> list[str]:
     notes = [
         "direct = wrk straight at instance 0 alone: the latency baseline; its req/s and streams/s "
         "are one instance's, not comparable with the contenders' two-instance throughput",
-        "contenders, the simulated instances, wrk and the streaming client share this machine's "
+        "contenders, the backend instances, wrk and the streaming client share this machine's "
         f"{result['machine'].get('nproc')} cores: throughput includes that contention; CPU/1k is "
         "the contender's own process tree only",
         "the streaming client is Python (aiohttp + uvloop, its own process): at high streams/s it "
@@ -75,15 +100,19 @@ def _standing_notes(result: dict[str, Any], cfg: RunConfig) -> list[str]:
         f"this proxy runs with READY_CONCURRENCY = PREPARE_CONCURRENCY = {cfg.instance_max_concurrency}"
         " (the instances' capacity) so it does not queue below what the instances accept",
     ]
-    if not result["ratios_to_nginx"]:
-        notes.append("nginx was not among the contenders that ran: no ratios to nginx")
+    if "starlette" in cfg.backends:
+        notes.append("starlette backend = bench/peers/openai_fake.py, 2 processes (Starlette on "
+                     "uvicorn, no access log): vLLM-shaped JSON and SSE, date/server/x-request-id "
+                     "headers, a tiny fixed answer at once (no simulated time, no admission)")
+    notes.append("targets: issue 15's, for proxy-w2-ll against nginx and vllm-router-p2, each "
+                 "verdict from this run's medians; per-repeat ratios beside it")
     load = result["machine"].get("loadavg") or [0.0]
     if load[0] > (result["machine"].get("nproc") or 1):
         notes.append(f"BUSY MACHINE: load average {load[0]} at start > {result['machine'].get('nproc')} "
                      "cores; figures are noisy, compare only ratios measured in this run")
     if result["versions"].get("vllm-router"):
         notes.append(f"vllm-router {result['versions']['vllm-router']} (PyPI, Rust): it waits for "
-                     "GET /health on every worker before routing; sim_instance serves /health "
+                     "GET /health on every worker before routing; both backends serve /health "
                      "like vLLM; its Prometheus listener is put on a free port")
     return notes
 
@@ -96,7 +125,7 @@ def _skeleton(cfg: RunConfig) -> dict[str, Any]:
             packages=("cacheroute-proxy", "aiohttp", "uvloop", "uvicorn", "httptools", "psutil",
                       "vllm-router"),
             commands=(("nginx", "-v"), ("wrk", "-v"))),
-        "method": _method(cfg), "contenders": [], "ratios_to_nginx": {}, "notes": []}
+        "method": _method(cfg), "backends": {}, "notes": []}
 
 
 def _method(cfg: RunConfig) -> dict[str, Any]:
@@ -116,13 +145,17 @@ def _method(cfg: RunConfig) -> dict[str, Any]:
             "stream32": "32 asyncio+aiohttp clients (own process), stream: true; ok = ended with "
                         "[DONE]; TTFT = request sent -> first data: line"},
         "body": measure.chat_body(cfg.max_tokens),
-        "instances": {"count": cfg.instances, "time_scale": cfg.time_scale,
-                      "max_concurrency": cfg.instance_max_concurrency,
-                      "shared_by_all_contenders": True},
+        "backends": {"sim": f"cacheroute_sim.instance, time scale {cfg.time_scale}, admission "
+                            f"{cfg.instance_max_concurrency}",
+                     "starlette": "bench/peers/openai_fake.py on uvicorn, no delay, no admission",
+                     "run": cfg.backends, "instances_each": cfg.instances,
+                     "shared_by_all_contenders": True},
         "proxy_env": {"READY_CONCURRENCY": cfg.instance_max_concurrency,
                       "PREPARE_CONCURRENCY": cfg.instance_max_concurrency,
                       "PROXY_INSTANCE_TTL_S": 86400, "PROXY_LOG_LEVEL": "warning"},
-        "cpu": "user+sys delta of the contender's process tree (psutil, recursive) over the load",
+        "cpu": "user+sys delta of the contender's process tree (psutil, recursive) over the load; "
+               "this proxy's also split by role: launcher (the tree's root, the supervisor), "
+               "sidecar (-m sidecar), workers (-m proxy_workers), by command line",
         "rss": "sum of RSS over the contender's process tree, after each point; reported: after its last point",
         "medians": "median over repeats; errors are summed; ratios = contender / nginx, same run",
     }
@@ -152,7 +185,7 @@ class Slot:
             yield contender
 
 
-def _slots(plans: list[ContenderPlan], instances: SimInstances, cfg: RunConfig, stack: ExitStack,
+def _slots(plans: list[ContenderPlan], instances: Instances, cfg: RunConfig, stack: ExitStack,
            script: Path, notes: list[str], log: Log) -> list[Slot]:
     if not cfg.isolate:
         return [Slot(plan, contender) for contender, plan in
@@ -183,7 +216,7 @@ def _point(slot: Slot, scenario: str, direct: Contender, script: Path, cfg: RunC
         return None
 
 
-def _start_all(plans: list[ContenderPlan], instances: SimInstances, cfg: RunConfig,
+def _start_all(plans: list[ContenderPlan], instances: Instances, cfg: RunConfig,
                stack: ExitStack, notes: list[str], log: Log) -> list[tuple[Contender, ContenderPlan]]:
     """Launch every contender, then wait for each (they come up in parallel); one that does
     not come up is stopped, noted and left out."""

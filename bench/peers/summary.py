@@ -34,10 +34,26 @@ def contender_entry(described: dict[str, Any], runs: list[dict[str, Any]]) -> di
     median: dict[str, Any] = {}
     for metric, (scenario, key) in METRICS.items():
         median[metric] = _median([r.get(key) for r in runs if r.get("scenario") == scenario])
+    median["cpu_s_per_1k_by_role"] = _role_medians(runs)
     median["rss_mb"] = runs[-1].get("rss_mb") if runs else None
     errors = sum(r.get("errors", 0) or 0 for r in runs) + sum(1 for r in runs if r.get("wrk_failed"))
     median["errors"] = errors
     return {**described, "runs": runs, "median": median, "errors": errors, "flagged": errors > 0}
+
+
+ROLE_SCENARIOS = {"c32": "req", "stream32": "streams"}  # scenario -> what is counted per 1k
+
+
+def _role_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """{"req": {role: median CPU s/1k}, "streams": {...}} for a contender whose points carry a
+    CPU split by role (this proxy: launcher, sidecar, workers); {} for the others."""
+    out: dict[str, dict[str, float | None]] = {}
+    for scenario, counted in ROLE_SCENARIOS.items():
+        points = [r.get("cpu_s_per_1k_by_role") or {} for r in runs if r.get("scenario") == scenario]
+        roles = sorted({role for point in points for role in point})
+        if roles:
+            out[counted] = {role: _median([p.get(role) for p in points]) for role in roles}
+    return out
 
 
 def ratios_to(entries: list[dict[str, Any]], base_name: str) -> dict[str, dict[str, float | None]]:
@@ -112,3 +128,12 @@ def table(result: dict[str, Any]) -> str:
 
 def _fmt(value: float | None, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
+
+
+def target_lines(verdicts: list[dict[str, Any]]) -> list[str]:
+    """One console line per target of bench/peers/targets.py: verdict, figure, per repeat."""
+    lines = []
+    for v in verdicts:
+        word = {None: "NOT MEASURED", True: "PASS", False: "FAIL"}[v["passed"]]
+        lines.append(f"{word:12} {v['target']}: {v['measured']} (per repeat {v['per_repeat']})")
+    return lines

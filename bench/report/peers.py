@@ -1,6 +1,9 @@
 """The side-by-side section (this proxy, nginx, an LLM router), from bench/results/peers.json
-(bench/peers). Only the shared schema is assumed: contenders with `median` figures, ratios to
-nginx, notes; latency samples are found by their key names (see `distributions`)."""
+(bench/peers): one subsection per backend (`backends`: sim, starlette), each with its medians,
+ratios, issue 15's targets, per-repeat ratios and this proxy's CPU split by role. A file
+without `backends` (written before there were two) is rendered as one backend. Only the shared
+schema is assumed: contenders with `median` figures, ratios, notes; latency samples are found
+by their key names (see `distributions`)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bench.report import blocks
-from bench.report.fmt import label, num, ratio, table
+from bench.report.fmt import label, num, ratio, table, verdict
 
 FILE = "peers.json"
+BACKEND_TITLES = {"sim": "the project's simulated instances (cacheroute_sim)",
+                  "starlette": "a plain Starlette/uvicorn OpenAI fake (bench/peers/openai_fake.py)"}
 SAMPLE_WORDS = ("sample", "latenc", "ttft", "percentile")
 MIN_SAMPLES = 3
 MAX_DEPTH = 3
@@ -18,11 +23,85 @@ MAX_DEPTH = 3
 
 def section(data: dict[str, Any], charts_dir: Path | None, link_base: str) -> str:
     """charts_dir None: no charts (matplotlib is missing)."""
-    contenders = data.get("contenders", [])
-    parts = ["## This proxy against nginx and an LLM router", *blocks.header_blocks(data, FILE),
-             medians(contenders), ratios(data), flagged(contenders),
-             chart_link(contenders, charts_dir, link_base), blocks.method(data), blocks.notes(data)]
+    parts = ["## This proxy against nginx and an LLM router", *blocks.header_blocks(data, FILE)]
+    for name, backend in backends(data):
+        parts += backend_parts(name, backend, charts_dir, link_base)
+    parts += [blocks.method(data), blocks.notes(data)]
     return "\n\n".join(p for p in parts if p)
+
+
+def backends(data: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
+    """(backend name, its section) in run order; a file without `backends` is one unnamed one."""
+    if isinstance(data.get("backends"), dict):
+        return list(data["backends"].items())
+    return [(None, data)]
+
+
+def backend_parts(name: str | None, backend: dict[str, Any], charts_dir: Path | None,
+                  link_base: str) -> list[str]:
+    contenders = backend.get("contenders", [])
+    heading = f"### Backend `{name}`: {BACKEND_TITLES.get(name, name)}" if name else ""
+    chart = f"peers_latency_{name}.png" if name else "peers_latency.png"
+    parts = [heading, targets_table(backend.get("targets") or []), medians(contenders),
+             ratios(backend.get("ratios_to_nginx") or {}, "nginx"),
+             ratios(backend.get("ratios_to_router") or {}, "vllm-router (power_of_two)"),
+             repeat_ratios(backend.get("repeat_ratios") or []), cpu_split(contenders),
+             flagged(contenders), chart_link(contenders, charts_dir, link_base, chart)]
+    if name:
+        parts.append(blocks.notes({"notes": backend.get("notes") or []}))
+    return parts
+
+
+def targets_table(verdicts: list[dict[str, Any]]) -> str:
+    """Issue 15's targets for this backend: measured (ratio of medians or the median itself),
+    the bound, PASS/FAIL, and each repeat's figure."""
+    if not verdicts:
+        return ""
+    rows = []
+    for v in verdicts:
+        show = ratio if v.get("versus") else _absolute(v.get("figure", ""))
+        bound = f"{'≥' if v.get('at_least') else '≤'} {show(v.get('bound'))}"
+        rows.append([v["target"], f"`{v.get('contender')}`", num(v.get("figure")),
+                     show(v.get("measured")), bound, verdict(v.get("passed")),
+                     ", ".join(show(x) for x in v.get("per_repeat") or []) or "–"])
+    return "Targets (issue 15), from this run's medians:\n\n" + table(
+        ["target", "contender", "figure", "measured", "bound", "verdict", "per repeat"], rows)
+
+
+def _absolute(figure: str) -> Any:
+    unit = " ms" if figure.endswith("_ms") else ""
+    return lambda value: num(value) + (unit if value is not None else "")
+
+
+def repeat_ratios(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    cells = [[f"`{r['contender']}`", num(r.get("figure")),
+              ", ".join(ratio(x) for x in r.get("to_nginx") or []) or "–",
+              ", ".join(ratio(x) for x in r.get("to_router") or []) or "–"] for r in rows]
+    return "Per-repeat ratios (each repeat's contender / nginx and / vllm-router-p2):\n\n" + \
+        table(["contender", "figure", "× nginx per repeat", "× vllm-router per repeat"], cells)
+
+
+def cpu_split(contenders: list[dict[str, Any]]) -> str:
+    """CPU seconds per 1,000 requests (c32) and streams (stream32) by role, for the contenders
+    whose points carry a split (this proxy), beside the whole tree's."""
+    rows = []
+    for c in contenders:
+        m = c.get("median") or {}
+        split = m.get("cpu_s_per_1k_by_role") or {}
+        if not split:
+            continue
+        roles = sorted({role for by_role in split.values() for role in by_role})
+        for role in roles:
+            rows.append([f"`{c['name']}`", role, num((split.get("req") or {}).get(role)),
+                         num((split.get("streams") or {}).get(role))])
+        rows.append([f"`{c['name']}`", "**whole tree**", num(m.get("cpu_s_per_1k_req")),
+                     num(m.get("cpu_s_per_1k_streams"))])
+    if not rows:
+        return ""
+    return "CPU split by role (medians; roles by command line: launcher = the supervisor):\n\n" + \
+        table(["contender", "role", "CPU s/1k requests (c32)", "CPU s/1k streams (stream32)"], rows)
 
 
 def metric_keys(contenders: list[dict[str, Any]]) -> list[str]:
@@ -45,15 +124,14 @@ def medians(contenders: list[dict[str, Any]]) -> str:
                                                 *[label(k) for k in keys]], rows)
 
 
-def ratios(data: dict[str, Any]) -> str:
-    r = data.get("ratios_to_nginx") or {}
+def ratios(r: dict[str, dict[str, Any]], base: str) -> str:
     keys: list[str] = []
     for values in r.values():
         keys += [k for k in values if k not in keys]
     if not keys:
         return ""
     rows = [[f"`{name}`", *[ratio(values.get(k)) for k in keys]] for name, values in r.items()]
-    return "Ratios to nginx measured in the same run:\n\n" + \
+    return f"Ratios to {base} measured in the same run:\n\n" + \
         table(["contender", *[label(k, units=False) for k in keys]], rows)
 
 
@@ -125,7 +203,8 @@ def _number(key: Any) -> float | None:
         return None
 
 
-def chart_link(contenders: list[dict[str, Any]], charts_dir: Path | None, link_base: str) -> str:
+def chart_link(contenders: list[dict[str, Any]], charts_dir: Path | None, link_base: str,
+               file_name: str = "peers_latency.png") -> str:
     if charts_dir is None:
         return ""
     from bench.report import charts  # matplotlib only when charts are drawn
@@ -136,5 +215,5 @@ def chart_link(contenders: list[dict[str, Any]], charts_dir: Path | None, link_b
             panels.setdefault(title, {})[c["name"]] = dist
     if not panels:
         return "(No latency samples in peers.json: no distribution chart.)"
-    path = charts.latency_cdfs(charts_dir / "peers_latency.png", panels)
+    path = charts.latency_cdfs(charts_dir / file_name, panels)
     return f"Latency distributions (CDF, log scale):\n\n![{path.stem}]({link_base}/{path.name})"
