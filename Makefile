@@ -99,14 +99,18 @@ bench-routing: $(STAMP)
 	command -v nginx >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
 	$(PY) -m bench.routing --out bench/results/routing.json $(if $(QUICK),--quick,) $(if $(REPEATS),--repeats $(REPEATS),)
 
-# This proxy (1/2/4 workers x round_robin/least_load) against nginx least_conn and vllm-router,
-# over the same two simulated instances: added latency, req/s, streams/s, CPU/1k, RSS
-# (~12 min with 3 repeats of 5 s points; QUICK=1: one repeat of 2 s points, ~2 min;
-# ISOLATE=1: each contender up only for its own points, no idle contender beside it).
+# This proxy (2 workers, least_load) against nginx least_conn (2 workers) and vllm-router
+# power_of_two, over two instances of each backend in turn: the simulator (sim), then a plain
+# Starlette/uvicorn OpenAI fake (starlette): added latency, req/s, p99, streams/s, CPU/1k (the
+# proxy's also by role: workers, sidecar, launcher), RSS, and issue 15's targets PASS/FAIL with
+# per-repeat ratios (~10 min with 3 repeats of 5 s points; QUICK=1: one repeat of 2 s points,
+# ~2-4 min; BACKEND=sim|starlette: one backend only; ISOLATE=1: each contender up only for its
+# own points). More contenders (1/4 workers, round_robin): python -m bench.peers --contenders.
+BACKEND ?= both
 bench-peers: $(STAMP)
 	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk)
 	$(PY) -m pip install --quiet -e '.[bench]' || echo 'bench-peers: the bench extra did not install; what needs it is skipped (see notes)'
-	$(PY) -m bench.peers --out bench/results/peers.json $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
+	$(PY) -m bench.peers --out bench/results/peers.json --backend $(BACKEND) $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
 # three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over

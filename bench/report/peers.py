@@ -46,10 +46,19 @@ def backend_parts(name: str | None, backend: dict[str, Any], charts_dir: Path | 
              ratios(backend.get("ratios_to_nginx") or {}, "nginx"),
              ratios(backend.get("ratios_to_router") or {}, "vllm-router (power_of_two)"),
              repeat_ratios(backend.get("repeat_ratios") or []), cpu_split(contenders),
+             idle_cpu(backend.get("idle_cpu_cores_per_contender") or {}),
              flagged(contenders), chart_link(contenders, charts_dir, link_base, chart)]
     if name:
         parts.append(blocks.notes({"notes": backend.get("notes") or []}))
     return parts
+
+
+def idle_cpu(cores: dict[str, Any]) -> str:
+    """What each contender burns while another is measured (every contender is up all run)."""
+    if not cores:
+        return ""
+    return "Idle CPU (cores) of each contender while nothing is sent: " + \
+        ", ".join(f"`{name}` {num(value)}" for name, value in cores.items())
 
 
 def targets_table(verdicts: list[dict[str, Any]]) -> str:

@@ -19,6 +19,7 @@ from cacheroute_sim.processes import ROOT
 from bench.wrk import run_wrk, wrk_post_script
 from bench.contenders import (
     DirectContender,
+    FakeInstances,
     InstanceSpec,
     NginxContender,
     ProxyContender,
@@ -28,7 +29,7 @@ from bench.contenders import (
     router_available,
 )
 from bench.peers import measure, stream_load, summary
-from bench.peers.plan import KNOWN, RunConfig, chosen
+from bench.peers.plan import KNOWN, RunConfig, chosen, instances_for
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "stream": False}
@@ -59,9 +60,24 @@ def test_plan_always_has_the_direct_baseline_and_rejects_unknown_names() -> None
     assert names == ["direct", "nginx"]
     names = [p.name for p in chosen(RunConfig(out="-", contenders=["nginx", "direct", "nginx"]))]
     assert names == ["direct", "nginx"]
-    assert {"proxy-w1-rr", "proxy-w4-ll", "vllm-router"} <= set(KNOWN)
+    assert {"proxy-w1-rr", "proxy-w4-ll", "vllm-router-rr", "vllm-router-p2"} <= set(KNOWN)
     with pytest.raises(ValueError, match="unknown contender"):
         chosen(RunConfig(out="-", contenders=["haproxy"]))
+
+
+def test_the_default_run_is_issue_15s_set_on_both_backends() -> None:
+    cfg = RunConfig(out="-")
+    plans = {p.name: p for p in chosen(cfg)}
+    assert list(plans) == ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2"]
+    assert (plans["proxy-w2-ll"].workers, plans["proxy-w2-ll"].strategy) == (2, "least_load")
+    assert (plans["nginx"].workers, plans["nginx"].strategy) == (2, "least_conn")
+    assert plans["vllm-router-p2"].strategy == "power_of_two"
+    assert KNOWN["vllm-router-rr"].strategy == "round_robin"  # still there, by --contenders
+    assert cfg.backends == ["sim", "starlette"]
+    assert isinstance(instances_for("starlette", cfg), FakeInstances)
+    assert isinstance(instances_for("sim", cfg), SimInstances)
+    with pytest.raises(ValueError, match="unknown backend"):
+        instances_for("vllm", cfg)
 
 
 def test_stream_tally_counts_only_streams_that_reached_done() -> None:
@@ -102,6 +118,13 @@ def test_proxy_contender_routes_over_the_shared_instances(instances: SimInstance
         assert served == set(instances.ids)  # both instances, registered by the contender
         tree = psutil.Process(proxy.pids()[0]).children(recursive=True)
         assert len(tree) >= 3 and proxy.rss_mb() > 50  # sidecar + 2 workers charged to it
+        before = proxy.cpu_seconds_by_role()
+        assert set(before) == {"launcher", "sidecar", "workers"}, before
+        point = measure.stream_point(proxy, 4, 1.0, 3)
+        split = point["cpu_s_by_role"]
+        assert split["workers"] > 0 and split["sidecar"] > 0  # both do work per stream
+        assert sum(split.values()) == pytest.approx(point["cpu_s"], abs=0.05)
+        assert set(point["cpu_s_per_1k_by_role"]) == set(split)
         stream = stream_load.run_process(proxy.url, 4, 1.0, 3)
         assert stream["streams_ok"] > 0 and stream["errors"] == 0, stream
         shm = proxy.ports.shm_name
@@ -153,15 +176,23 @@ def test_cli_refuses_an_unknown_contender_without_a_traceback() -> None:
 @needs_wrk
 @needs_nginx
 @pytest.mark.slow
-@pytest.mark.parametrize("isolate", [False, True], ids=["shared", "isolate"])
-def test_quick_run_writes_the_shared_schema(tmp_path: Path, isolate: bool) -> None:
+@pytest.mark.parametrize("isolate,backend", [(False, "starlette"), (True, "sim")],
+                         ids=["shared-starlette", "isolate-sim"])
+def test_quick_run_writes_the_shared_schema(tmp_path: Path, isolate: bool, backend: str) -> None:
     out = tmp_path / "peers.json"
-    done = _bench_peers("--quick", "--contenders", "nginx", "--out", str(out),
+    done = _bench_peers("--quick", "--contenders", "nginx", "--backend", backend, "--out", str(out),
                         *(["--isolate"] if isolate else []), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert {"command", "started_at", "machine", "versions", "method", "contenders",
-            "ratios_to_nginx", "notes"} <= set(result)
+    data = json.loads(out.read_text())
+    assert {"command", "started_at", "machine", "versions", "method", "backends",
+            "notes"} <= set(data)
+    assert list(data["backends"]) == [backend]
+    result = data["backends"][backend]
+    assert {"instances", "contenders", "ratios_to_nginx", "ratios_to_router", "targets",
+            "repeat_ratios", "notes"} <= set(result)
+    assert result["instances"] == {"kind": backend, "count": 2}
+    # Without the proxy and the router, no target can be judged: none may pass.
+    assert result["targets"] and all(t["passed"] is None for t in result["targets"])
     by_name = {c["name"]: c for c in result["contenders"]}
     assert set(by_name) == {"direct", "nginx"}
     nginx = by_name["nginx"]
@@ -177,7 +208,26 @@ def test_quick_run_writes_the_shared_schema(tmp_path: Path, isolate: bool) -> No
     stream = next(r for r in nginx["runs"] if r["scenario"] == "stream32")
     assert stream["ttft_samples_ms"] and stream["ttft_p50_ms"] > 0
     assert all(r["cpu_s"] > 0 and r["rss_mb"] > 0 for r in nginx["runs"])  # charged to nginx
-    assert "| nginx |" in done.stdout
+    assert "| nginx |" in done.stdout and f"## backend: {backend}" in done.stdout
+
+
+def test_contenders_route_over_the_starlette_fake(tmp_path: Path) -> None:
+    with FakeInstances([InstanceSpec(max_concurrency=64)] * 2, log_dir=tmp_path) as fakes:
+        with ProxyContender("proxy-fake", fakes, workers=1, strategy="least_load") as proxy:
+            served = set()
+            for _ in range(6):
+                status, body = http_json("POST", f"{proxy.url}/v1/chat/completions", BODY)
+                assert status == 200 and body["object"] == "chat.completion", body
+                served.add(body["_cacheroute_meta"]["trace"]["instance_id"])
+            assert served == set(fakes.ids)
+            stream = stream_load.run_process(proxy.url, 4, 1.0, 3)
+            assert stream["streams_ok"] > 0 and stream["errors"] == 0, stream
+        if shutil.which("nginx"):
+            with NginxContender("nginx-fake", fakes) as nginx:
+                assert http_json("POST", f"{nginx.url}/v1/chat/completions", BODY)[0] == 200
+        if router_available() is None:
+            with RouterContender("router-fake", fakes, policy="power_of_two") as router:
+                assert http_json("POST", f"{router.url}/v1/chat/completions", BODY)[0] == 200
 
 
 def test_sim_instance_answers_the_vllm_health_probe(instances: SimInstances) -> None:

@@ -146,6 +146,27 @@ def test_a_quick_run_is_marked_as_a_smoke_run(results_dir: Path, tmp_path: Path)
     assert "Smoke run" in text.split("## This proxy")[0]
 
 
+def test_peers_with_two_backends_renders_a_subsection_each(tmp_path: Path) -> None:
+    legacy = _peers()
+    section = {k: legacy[k] for k in ("contenders", "ratios_to_nginx")}
+    targets = [{"target": "req/s at c32 ≥ 1.0× vllm-router's", "contender": "proxy-w2-ll",
+                "versus": "vllm-router-p2", "figure": "c32 rps", "bound": 1.0, "at_least": True,
+                "measured": 1.07, "per_repeat": [1.1, 1.07, 0.98], "passed": True}]
+    sim = {**section, "targets": targets, "notes": ["a sim note"]}
+    fake = {**section, "targets": [{**targets[0], "measured": 0.9, "passed": False}],
+            "ratios_to_nginx": {"proxy-2w-rr": {"rps_c32": 0.5}}, "notes": ["a fake note"]}
+    data = {k: v for k, v in legacy.items() if k not in ("contenders", "ratios_to_nginx")}
+    (tmp_path / "peers.json").write_text(json.dumps({**data, "backends": {"sim": sim, "starlette": fake}}))
+    text, used = build(tmp_path, tmp_path / "BENCHMARKS.md", None)
+    assert used == ["peers.json"]
+    sim_part, fake_part = text.split("### Backend `starlette`")
+    assert "### Backend `sim`" in sim_part and "0.44×" in sim_part and "a sim note" in sim_part
+    assert "| 1.07× | ≥ 1.00× | **PASS** | 1.10×, 1.07×, 0.98× |" in sim_part
+    assert "| 0.90× | ≥ 1.00× | **FAIL** |" in fake_part and "0.50×" in fake_part
+    assert "a fake note" in fake_part and "a fake note" not in sim_part
+    assert "router did not install" in fake_part  # the run's own notes close the section
+
+
 def test_the_command_line_writes_the_report(results_dir: Path, tmp_path: Path) -> None:
     from bench.report.__main__ import main
 
