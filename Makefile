@@ -106,11 +106,10 @@ bench-routing: $(STAMP)
 # per-repeat ratios (~10 min with 3 repeats of 5 s points; QUICK=1: one repeat of 2 s points,
 # ~2-4 min; BACKEND=sim|starlette: one backend only; ISOLATE=1: each contender up only for its
 # own points). More contenders (1/4 workers, round_robin): python -m bench.peers --contenders.
-BACKEND ?= both
 bench-peers: $(STAMP)
 	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk)
 	$(PY) -m pip install --quiet -e '.[bench]' || echo 'bench-peers: the bench extra did not install; what needs it is skipped (see notes)'
-	$(PY) -m bench.peers --out bench/results/peers.json --backend $(BACKEND) $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
+	$(PY) -m bench.peers --out bench/results/peers.json $(call from_command_line,BACKEND,--backend) $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
 # three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over
