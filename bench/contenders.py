@@ -452,8 +452,8 @@ class NginxContender(ProcessContender):
     def wait_ready(self) -> None:
         assert self._child is not None, "launch() first"
         child = self._child
-        wait_for(lambda: _ok(f"{self.url}{self.instances.health_path}"), START_TIMEOUT_S, self.name, child.running,
-                 lambda: child.tail() + self._error_log())
+        wait_for(lambda: _ok(f"{self.url}{self.instances.health_path}"), START_TIMEOUT_S,
+                 self.name, child.running, lambda: child.tail() + self._error_log())
 
     def _error_log(self) -> str:
         try:

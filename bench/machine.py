@@ -40,7 +40,10 @@ def tree_cpu_s(pids: list[int]) -> float:
     return total
 
 
-def tree_cpu_s_by_role(pids: list[int], role_of: Callable[["psutil.Process", set[int]], str]) -> dict[str, float]:
+RoleOf = Callable[["psutil.Process", set[int]], str]
+
+
+def tree_cpu_s_by_role(pids: list[int], role_of: RoleOf) -> dict[str, float]:
     """tree_cpu_s split by role: `role_of(process, root pids)` names each live process's role
     (say, from its command line); seconds are summed per role (take deltas, as above)."""
     import psutil
