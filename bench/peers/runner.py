@@ -122,7 +122,7 @@ def _skeleton(cfg: RunConfig) -> dict[str, Any]:
         "command": cfg.command, "started_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "machine": machine_info(),
         "versions": tool_versions(
-            packages=("cacheroute-proxy", "aiohttp", "uvloop", "uvicorn", "httptools", "psutil",
+            packages=("cacheroute-proxy", "aiohttp", "uvloop", "uvicorn", "starlette", "httptools", "psutil",
                       "vllm-router"),
             commands=(("nginx", "-v"), ("wrk", "-v"))),
         "method": _method(cfg), "backends": {}, "notes": []}
