@@ -16,7 +16,18 @@ from shm_schema's declarations (layout.lane_index for the lanes, snapshot.flat_i
 records.SNAPSHOT's field indices for the records), and a counter word is decoded by the source
 text CounterWord gives, so the scorer cannot drift from the format.
 
-It returns None whenever its assumptions do not hold (a slot changed generation, a record
+`SelectionPlan` is what the router runs: the same weighted sum, with the same operations in
+the same order (so the same floats), but built to cost a few microseconds for 16 candidates:
+- the lanes come from shm_schema's CandidateLanes, only the halves the sum reads, as small
+  ints (no 64-bit int built or masked), and unpacked into locals by the generated code;
+- everything that depends only on the pressure snapshot (the weighted pending and decoding
+  counts, the time the instance is free again, the requests it has announced, its marginal
+  cost) is derived once per published snapshot generation, with times made relative to the
+  publish time so that the per-call comparisons are between small ints;
+- the generated function picks the lowest total itself and builds the totals list only for
+  a tie (the strategy's shared tie cursor decides then, as before).
+
+Either returns None whenever its assumptions do not hold (a slot changed generation, a record
 describes another generation), and the caller then takes the generic path, so both always
 agree. tests/test_fast_score.py checks both: its tables against the declarations, each
 component alone against the record read by name, and its totals against the generic path's.
@@ -26,10 +37,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from shm_schema import layout
+from shm_schema import CandidateLanes, DirectorySnapshot, InstanceSlot, Segment, layout
 from shm_schema.bitfields import CounterWord
 from shm_schema.records import SNAPSHOT
-from shm_schema.snapshot import flat_index
+from shm_schema.snapshot import SnapshotReader, flat_index
 
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
 
@@ -98,3 +109,153 @@ def _record(slot: int, field: int) -> str:
 
 def _weighted(term: str, weight: float) -> str:
     return term if weight == 1.0 else f"{term} * {weight!r}"
+
+
+# --- the router's plan ----------------------------------------------------------------------------
+# What one candidate's predicted terms need from its snapshot record, derived once per
+# snapshot generation: the weighted pending and decoding counts (the very products the
+# scorer above computes), the instance's free time relative to the publish time, the
+# requests it has announced (pending + decoding) and its marginal backlog.
+# Each is a local of the generated code: its prefix and the candidate's position.
+_PLAN_FIELDS = {"pending_prefill_count": "p", "active_decode_count": "d", "free_at": "f",
+                "announced": "n", "marginal": "m"}
+
+
+class SelectionPlan:
+    """least_load over the candidates of one directory snapshot (see the module docstring).
+
+    `pick(now)` is the choice (None: take the generic path), `totals(now)` the scores."""
+
+    def __init__(self, strategy: LeastLoadStrategy, snapshot: DirectorySnapshot, seg: Segment,
+                 snapshots: SnapshotReader, stale_us: int) -> None:
+        self._weights = {name: w for name, w in strategy.weights.items() if w}
+        self._candidates = snapshot.alive
+        slots = [i.slot for i in self._candidates]
+        self._lanes = CandidateLanes(seg, slots, [lane for name, lane in LANE_FIELDS.items()
+                                                  if name in self._weights], snapshot.seq)
+        self._snapshots = snapshots
+        self._stale_us = stale_us
+        self._fields = [name for name in _PLAN_FIELDS if self._needs(name)]
+        self._span = 1 + max(slots)
+        self._snapshot_gen = -1
+        self._published = 0
+        self._pressure: tuple[int | float, ...] | None = None
+        self._pressure_usable = False
+        self._pick, self._totals = _generate(self._weights, self._candidates, self._lanes,
+                                             self._fields, strategy.select_by_totals)
+
+    @staticmethod
+    def supports(strategy: LeastLoadStrategy, snapshot: DirectorySnapshot) -> bool:
+        weights = {name for name, w in strategy.weights.items() if w}
+        return bool(snapshot.alive) and snapshot.stable and not snapshot.seq & 1 \
+            and weights <= _SUPPORTED
+
+    def pick(self, now: int) -> InstanceSlot | None:
+        lanes = self._lanes.read()
+        if lanes is None:
+            return None
+        return self._pick(lanes, self._fresh_pressure(now), now)
+
+    def totals(self, now: int) -> list[float] | None:
+        lanes = self._lanes.read()
+        if lanes is None:
+            return None
+        return self._totals(lanes, self._fresh_pressure(now), now)
+
+    def _fresh_pressure(self, now: int) -> tuple[int | float, ...] | None | bool:
+        """The per-candidate values of a fresh snapshot; None if it is stale or was never
+        published (the queue terms alone then); False if it describes other generations."""
+        generation = self._snapshots.generation()
+        if generation != self._snapshot_gen:
+            self._derive(generation)
+        published = self._published
+        if not published or now - published > self._stale_us:
+            return None
+        return self._pressure if self._pressure_usable else False
+
+    def _derive(self, generation: int) -> None:
+        records = self._snapshots.records(self._span)
+        self._snapshot_gen = generation
+        self._published = self._snapshots.published_us() if records else 0
+        self._pressure_usable = bool(records) and all(
+            records[flat_index(i.slot, _R.generation)] == i.generation for i in self._candidates)
+        if not self._pressure_usable:
+            self._pressure = None
+            return
+        base = self._published
+        values: list[int | float] = [base]
+        for inst in self._candidates:
+            values.extend(self._derived(records, inst.slot, base))
+        self._pressure = tuple(values)
+
+    def _derived(self, records: Sequence[int], slot: int, base: int) -> list[int | float]:
+        def field(index: int) -> int:
+            return records[flat_index(slot, index)]
+        pending, decoding = field(_R.pending_prefill_count), field(_R.active_decode_count)
+        value = {
+            "pending_prefill_count": _product(pending, self._weights.get("pending_prefill_count")),
+            "active_decode_count": _product(decoding, self._weights.get("active_decode_count")),
+            "free_at": max(field(_R.next_slot_free_at_us), field(_R.prefill_free_at_us)) - base,
+            "announced": pending + decoding,
+            "marginal": field(_R.marginal_backlog_us),
+        }
+        return [value[name] for name in self._fields]
+
+    def _needs(self, name: str) -> bool:
+        if name in RECORD_FIELDS:
+            return name in self._weights
+        return BACKLOG in self._weights
+
+
+def _product(value: int, weight: float | None) -> int | float:
+    """`value * weight` exactly as the generated sum spells it (`_weighted`: no product for 1)."""
+    return value if weight == 1.0 or weight is None else value * weight
+
+
+def _generate(weights: dict[str, float], candidates: Sequence[InstanceSlot], lanes: CandidateLanes,
+              fields: list[str], ties: Callable) -> tuple[Callable, Callable]:
+    """The plan's two functions, (pick, totals), over (L = lanes.read(), P, now)."""
+    n = len(candidates)
+    lane_names = [f"v{i}" for i in range(lanes.size)]
+    generations = ", ".join(lane_names[lanes.generation_index(i.slot)] for i in candidates)
+    pressure_names = ["B"] + [f"{_PLAN_FIELDS[name]}{k}" for k in range(n) for name in fields]
+    queue_terms, full_terms = [], []
+    for k, inst in enumerate(candidates):
+        queue = [_weighted(lane_names[lanes.count_index(inst.slot, lane)], weights[name])
+                 for name, lane in LANE_FIELDS.items() if name in weights]
+        predicted = [f"{_PLAN_FIELDS[name]}{k}" for name in RECORD_FIELDS if name in weights]
+        if BACKLOG in weights:
+            inflight = lane_names[lanes.count_index(inst.slot, layout.LANE_INFLIGHT)]
+            free, announced, marginal = f"f{k}", f"n{k}", f"m{k}"
+            predicted.append(f"(({free} - T if {free} > T else 0) + (({inflight} - {announced}) * "
+                             f"{marginal} if {inflight} > {announced} else 0)) * "
+                             f"{weights[BACKLOG] / 1000!r}")
+        queue_terms.append(" + ".join(queue) or "0")
+        full_terms.append(" + ".join(queue + predicted) or "0")
+    totals = [f"t{k}" for k in range(n)]
+    unpack = (f"    {', '.join(lane_names)}, = L\n"
+              f"    if ({generations},) != GENS:\n"
+              "        return None\n"
+              "    if P is False:\n"
+              "        return None\n"
+              "    if P is None:\n"
+              + "".join(f"        t{k} = {term}\n" for k, term in enumerate(queue_terms))
+              + "    else:\n"
+              f"        {', '.join(pressure_names)}, = P\n"
+              "        T = now - B\n"
+              + "".join(f"        t{k} = {term}\n" for k, term in enumerate(full_terms)))
+    # The lowest total, the first of equals (min's choice); any equal one is a tie.
+    lowest = ["    b = t0\n    k = 0\n    tie = False\n"]
+    for k in range(1, n):
+        lowest.append(f"    if t{k} <= b:\n"
+                      f"        if t{k} < b:\n"
+                      f"            b = t{k}\n            k = {k}\n            tie = False\n"
+                      "        else:\n            tie = True\n")
+    source = ("def pick(L, P, now):\n" + unpack + "".join(lowest)
+              + f"    if tie:\n        return TIES(CANDIDATES, [{', '.join(totals)}])\n"
+              "    return CANDIDATES[k]\n\n"
+              "def totals(L, P, now):\n" + unpack + f"    return [{', '.join(totals)}]\n")
+    namespace: dict[str, object] = {"GENS": tuple(i.generation for i in candidates),
+                                    "CANDIDATES": tuple(candidates), "TIES": ties}
+    exec(compile(source, "<least_load plan>", "exec"), namespace)
+    return namespace["pick"], namespace["totals"]  # type: ignore[return-value]

@@ -72,6 +72,12 @@ class SnapshotReader:
     def published_us(self) -> int:
         return self._seg.load(layout.H_SNAPSHOT_PUBLISHED_US)
 
+    def generation(self) -> int:
+        """The generation published now (one load). The writer stores the publish time before
+        it bumps the generation, so what a caller derived from `records` and `published_us`
+        stays true while this is unchanged (the least_load plan re-derives only then)."""
+        return self._seg.load(layout.H_SNAPSHOT_GEN)
+
     def records(self, span: int) -> tuple[int, ...]:
         """The records of slots 0 .. span-1 as one flat tuple (SNAPSHOT.count fields a slot,
         at SNAPSHOT.index within it; `record_at` decodes one); () if never published."""
