@@ -116,9 +116,12 @@ def _weighted(term: str, weight: float) -> str:
 # snapshot generation: the weighted pending and decoding counts (the very products the
 # scorer above computes), the instance's free time relative to the publish time, the
 # requests it has announced (pending + decoding) and its marginal backlog.
-# Each is a local of the generated code: its prefix and the candidate's position.
-_PLAN_FIELDS = {"pending_prefill_count": "p", "active_decode_count": "d", "free_at": "f",
-                "announced": "n", "marginal": "m"}
+# Each is a local of the generated code: its prefix and the candidate's position. Under an
+# exact scale (`_exact_scale`) the two weighted counts are one scaled int, "scaled_counts".
+_PLAN_FIELDS = {"pending_prefill_count": "p", "active_decode_count": "d", "scaled_counts": "k",
+                "free_at": "f", "announced": "n", "marginal": "m"}
+# Counts at most this large keep the scaled sums exact (see `_exact_scale`).
+_EXACT_COUNT_LIMIT = 2 ** 32
 
 
 class SelectionPlan:
@@ -135,14 +138,15 @@ class SelectionPlan:
                                                   if name in self._weights], snapshot.seq)
         self._snapshots = snapshots
         self._stale_us = stale_us
+        self._scale = _exact_scale(self._weights)
         self._fields = [name for name in _PLAN_FIELDS if self._needs(name)]
         self._span = 1 + max(slots)
         self._snapshot_gen = -1
         self._published = 0
         self._pressure: tuple[int | float, ...] | None = None
         self._pressure_usable = False
-        self._pick, self._totals = _generate(self._weights, self._candidates, self._lanes,
-                                             self._fields, strategy.select_by_totals)
+        self._pick, self._totals = _generate(self._weights, self._scale, self._candidates,
+                                             self._lanes, self._fields, strategy.select_by_totals)
 
     @staticmethod
     def supports(strategy: LeastLoadStrategy, snapshot: DirectorySnapshot) -> bool:
@@ -186,15 +190,21 @@ class SelectionPlan:
         values: list[int | float] = [base]
         for inst in self._candidates:
             values.extend(self._derived(records, inst.slot, base))
+        if self._scale and any(records[flat_index(i.slot, getattr(_R, name))] >= _EXACT_COUNT_LIMIT
+                               for i in self._candidates for name in RECORD_FIELDS):
+            self._pressure_usable = False  # beyond what the scaled sum is exact for: generic
         self._pressure = tuple(values)
 
     def _derived(self, records: Sequence[int], slot: int, base: int) -> list[int | float]:
         def field(index: int) -> int:
             return records[flat_index(slot, index)]
         pending, decoding = field(_R.pending_prefill_count), field(_R.active_decode_count)
+        weights, scale = self._weights, self._scale or 1
         value = {
-            "pending_prefill_count": _product(pending, self._weights.get("pending_prefill_count")),
-            "active_decode_count": _product(decoding, self._weights.get("active_decode_count")),
+            "pending_prefill_count": _product(pending, weights.get("pending_prefill_count")),
+            "active_decode_count": _product(decoding, weights.get("active_decode_count")),
+            "scaled_counts": (pending * int(weights.get("pending_prefill_count", 0) * scale)
+                              + decoding * int(weights.get("active_decode_count", 0) * scale)),
             "free_at": max(field(_R.next_slot_free_at_us), field(_R.prefill_free_at_us)) - base,
             "announced": pending + decoding,
             "marginal": field(_R.marginal_backlog_us),
@@ -202,9 +212,26 @@ class SelectionPlan:
         return [value[name] for name in self._fields]
 
     def _needs(self, name: str) -> bool:
+        if name == "scaled_counts":
+            return bool(self._scale) and any(n in self._weights for n in RECORD_FIELDS)
         if name in RECORD_FIELDS:
-            return name in self._weights
+            return not self._scale and name in self._weights
         return BACKLOG in self._weights
+
+
+def _exact_scale(weights: dict[str, float]) -> int | None:
+    """2**J if every count's weight is a multiple of 2**-J (J <= 8) and at most 32, else None.
+
+    Then every weighted count (below 2**32) and every partial sum of them is a float without
+    rounding, so the sum is the same in any order: the generated code adds the counts as ints
+    times weight * 2**J, and scales the int once. Adding the backlog term to that is the very
+    float addition the literal sum makes, so the totals are the same bit for bit."""
+    counted = [w for name, w in weights.items() if name in LANE_FIELDS or name in RECORD_FIELDS]
+    for exponent in range(9):
+        scale = 2 ** exponent
+        if all(w <= 32 and (w * scale).is_integer() for w in counted):
+            return scale
+    return None
 
 
 def _product(value: int, weight: float | None) -> int | float:
@@ -212,8 +239,8 @@ def _product(value: int, weight: float | None) -> int | float:
     return value if weight == 1.0 or weight is None else value * weight
 
 
-def _generate(weights: dict[str, float], candidates: Sequence[InstanceSlot], lanes: CandidateLanes,
-              fields: list[str], ties: Callable) -> tuple[Callable, Callable]:
+def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence[InstanceSlot],
+              lanes: CandidateLanes, fields: list[str], ties: Callable) -> tuple[Callable, Callable]:
     """The plan's two functions, (pick, totals), over (L = lanes.read(), P, now)."""
     n = len(candidates)
     lane_names = [f"v{i}" for i in range(lanes.size)]
@@ -221,9 +248,14 @@ def _generate(weights: dict[str, float], candidates: Sequence[InstanceSlot], lan
     pressure_names = ["B"] + [f"{_PLAN_FIELDS[name]}{k}" for k in range(n) for name in fields]
     queue_terms, full_terms = [], []
     for k, inst in enumerate(candidates):
-        queue = [_weighted(lane_names[lanes.count_index(inst.slot, lane)], weights[name])
-                 for name, lane in LANE_FIELDS.items() if name in weights]
-        predicted = [f"{_PLAN_FIELDS[name]}{k}" for name in RECORD_FIELDS if name in weights]
+        counts = {name: lane_names[lanes.count_index(inst.slot, lane)]
+                  for name, lane in LANE_FIELDS.items() if name in weights}
+        if scale:
+            queue, full = _scaled_counts(counts, weights, scale, k, "scaled_counts" in fields)
+        else:
+            queue = [_weighted(value, weights[name]) for name, value in counts.items()]
+            full = queue + [f"{_PLAN_FIELDS[name]}{k}" for name in RECORD_FIELDS if name in weights]
+        predicted: list[str] = []
         if BACKLOG in weights:
             inflight = lane_names[lanes.count_index(inst.slot, layout.LANE_INFLIGHT)]
             free, announced, marginal = f"f{k}", f"n{k}", f"m{k}"
@@ -231,7 +263,7 @@ def _generate(weights: dict[str, float], candidates: Sequence[InstanceSlot], lan
                              f"{marginal} if {inflight} > {announced} else 0)) * "
                              f"{weights[BACKLOG] / 1000!r}")
         queue_terms.append(" + ".join(queue) or "0")
-        full_terms.append(" + ".join(queue + predicted) or "0")
+        full_terms.append(" + ".join(full + predicted) or "0")
     totals = [f"t{k}" for k in range(n)]
     unpack = (f"    {', '.join(lane_names)}, = L\n"
               f"    if ({generations},) != GENS:\n"
@@ -259,3 +291,19 @@ def _generate(weights: dict[str, float], candidates: Sequence[InstanceSlot], lan
                                     "CANDIDATES": tuple(candidates), "TIES": ties}
     exec(compile(source, "<least_load plan>", "exec"), namespace)
     return namespace["pick"], namespace["totals"]  # type: ignore[return-value]
+
+
+def _scaled_counts(counts: dict[str, str], weights: dict[str, float], scale: int, k: int,
+                   with_records: bool) -> tuple[list[str], list[str]]:
+    """The exact part of a candidate's sum under `_exact_scale`, as (the queue lanes alone, for
+    a stale snapshot; with the records' scaled pending/decoding int `k{k}` too): each a list of
+    at most one `(ints) * 2**-J`, the counts of equal weight added before their factor."""
+    by_factor: dict[int, list[str]] = {}
+    for name, value in counts.items():
+        by_factor.setdefault(int(weights[name] * scale), []).append(value)
+    parts = [" + ".join(values) if factor == 1 else f"({' + '.join(values)}) * {factor}"
+             for factor, values in by_factor.items()]
+    queue_int = " + ".join(parts) or "0"
+    unscale = "" if scale == 1 else f" * {1 / scale!r}"
+    queue = [f"({queue_int}){unscale}"] if parts else []
+    return queue, [f"({queue_int} + k{k}){unscale}"] if with_records else queue
