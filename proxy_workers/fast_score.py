@@ -145,8 +145,8 @@ class SelectionPlan:
         self._published = 0
         self._pressure: tuple[int | float, ...] | None = None
         self._pressure_usable = False
-        self._pick, self._totals = _generate(self._weights, self._scale, self._candidates,
-                                             self._lanes, self._fields, strategy.select_by_totals)
+        self._plan = _generate(self._weights, self._scale, self._candidates, self._lanes,
+                               self._fields, strategy.select_by_totals)
 
     @staticmethod
     def supports(strategy: LeastLoadStrategy, snapshot: DirectorySnapshot) -> bool:
@@ -158,13 +158,13 @@ class SelectionPlan:
         lanes = self._lanes.read()
         if lanes is None:
             return None
-        return self._pick(lanes, self._fresh_pressure(now), now)
+        return self._plan(lanes, self._fresh_pressure(now), now, False)
 
     def totals(self, now: int) -> list[float] | None:
         lanes = self._lanes.read()
         if lanes is None:
             return None
-        return self._totals(lanes, self._fresh_pressure(now), now)
+        return self._plan(lanes, self._fresh_pressure(now), now, True)
 
     def _fresh_pressure(self, now: int) -> tuple[int | float, ...] | None | bool:
         """The per-candidate values of a fresh snapshot; None if it is stale or was never
@@ -240,8 +240,9 @@ def _product(value: int, weight: float | None) -> int | float:
 
 
 def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence[InstanceSlot],
-              lanes: CandidateLanes, fields: list[str], ties: Callable) -> tuple[Callable, Callable]:
-    """The plan's two functions, (pick, totals), over (L = lanes.read(), P, now)."""
+              lanes: CandidateLanes, fields: list[str], ties: Callable) -> Callable:
+    """The plan's function over (L = lanes.read(), P, now, totals): the totals list if
+    `totals`, else the choice; None if the words or the records name other generations."""
     n = len(candidates)
     lane_names = [f"v{i}" for i in range(lanes.size)]
     generations = ", ".join(lane_names[lanes.generation_index(i.slot)] for i in candidates)
@@ -264,7 +265,7 @@ def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence
                              f"{weights[BACKLOG] / 1000!r}")
         queue_terms.append(" + ".join(queue) or "0")
         full_terms.append(" + ".join(full + predicted) or "0")
-    totals = [f"t{k}" for k in range(n)]
+    totals_ = [f"t{k}" for k in range(n)]
     unpack = (f"    {', '.join(lane_names)}, = L\n"
               f"    if ({generations},) != GENS:\n"
               "        return None\n"
@@ -283,14 +284,15 @@ def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence
                       f"        if t{k} < b:\n"
                       f"            b = t{k}\n            k = {k}\n            tie = False\n"
                       "        else:\n            tie = True\n")
-    source = ("def pick(L, P, now):\n" + unpack + "".join(lowest)
-              + f"    if tie:\n        return TIES(CANDIDATES, [{', '.join(totals)}])\n"
-              "    return CANDIDATES[k]\n\n"
-              "def totals(L, P, now):\n" + unpack + f"    return [{', '.join(totals)}]\n")
+    # One function for both (compiling is most of a plan's cost): the totals, or the choice.
+    source = ("def plan(L, P, now, totals):\n" + unpack
+              + f"    if totals:\n        return [{', '.join(totals_)}]\n" + "".join(lowest)
+              + f"    if tie:\n        return TIES(CANDIDATES, [{', '.join(totals_)}])\n"
+              "    return CANDIDATES[k]\n")
     namespace: dict[str, object] = {"GENS": tuple(i.generation for i in candidates),
                                     "CANDIDATES": tuple(candidates), "TIES": ties}
     exec(compile(source, "<least_load plan>", "exec"), namespace)
-    return namespace["pick"], namespace["totals"]  # type: ignore[return-value]
+    return namespace["plan"]  # type: ignore[return-value]
 
 
 def _scaled_counts(counts: dict[str, str], weights: dict[str, float], scale: int, k: int,
