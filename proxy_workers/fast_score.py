@@ -1,4 +1,4 @@
-"""The least_load score of every candidate in one generated comprehension.
+"""The least_load score of every candidate: the compiled reference scorer, and the router's plan.
 
 The generic path (LoadView.components + LeastLoadStrategy.totals) builds a list per component
 and then sums them; in Python that is ~25 us for 16 instances. Selection runs on
@@ -16,7 +16,7 @@ from shm_schema's declarations (layout.lane_index for the lanes, snapshot.flat_i
 records.SNAPSHOT's field indices for the records), and a counter word is decoded by the source
 text CounterWord gives, so the scorer cannot drift from the format.
 
-`SelectionPlan` is what the router runs: the same weighted sum, with the same operations in
+`compile_scorer` is that function (the reference). `SelectionPlan` is what the router runs: the same weighted sum, with the same operations in
 the same order (so the same floats), but built to cost a few microseconds for 16 candidates:
 - the lanes come from shm_schema's CandidateLanes, only the halves the sum reads, as small
   ints (no 64-bit int built or masked), and unpacked into locals by the generated code;
@@ -24,12 +24,17 @@ the same order (so the same floats), but built to cost a few microseconds for 16
   counts, the time the instance is free again, the requests it has announced, its marginal
   cost) is derived once per published snapshot generation, with times made relative to the
   publish time so that the per-call comparisons are between small ints;
-- the generated function picks the lowest total itself and builds the totals list only for
-  a tie (the strategy's shared tie cursor decides then, as before).
+- the counts are summed as ints and scaled once when the weights allow it exactly
+  (`_exact_scale`; the defaults do);
+- the generated function is the whole selection: it reads the lanes, picks the lowest total
+  itself and builds the totals list only for a tie (the strategy's shared tie cursor decides
+  then, as before).
 
-Either returns None whenever its assumptions do not hold (a slot changed generation, a record
-describes another generation), and the caller then takes the generic path, so both always
-agree. tests/test_fast_score.py checks both: its tables against the declarations, each
+Either returns None whenever its assumptions do not hold (the directory moved, a slot changed
+generation, a record describes another generation), and the caller then takes the generic
+path, so both always agree. tests/test_selection_plan.py checks the plan against
+compile_scorer (bit for bit) and the strategy's choice on randomised tables;
+tests/test_fast_score.py checks compile_scorer: its tables against the declarations, each
 component alone against the record read by name, and its totals against the generic path's.
 """
 
@@ -146,7 +151,9 @@ class SelectionPlan:
         self._pressure: tuple[int | float, ...] | None = None
         self._pressure_usable = False
         self._plan = _generate(self._weights, self._scale, self._candidates, self._lanes,
-                               self._fields, strategy.select_by_totals)
+                               self._fields, strategy.select_by_totals, self._fresh_pressure)
+        # The choice is the generated function itself: no method in front of it.
+        self.pick: Callable[[int], InstanceSlot | None] = self._plan
 
     @staticmethod
     def supports(strategy: LeastLoadStrategy, snapshot: DirectorySnapshot) -> bool:
@@ -154,17 +161,8 @@ class SelectionPlan:
         return bool(snapshot.alive) and snapshot.stable and not snapshot.seq & 1 \
             and weights <= _SUPPORTED
 
-    def pick(self, now: int) -> InstanceSlot | None:
-        lanes = self._lanes.read()
-        if lanes is None:
-            return None
-        return self._plan(lanes, self._fresh_pressure(now), now, False)
-
     def totals(self, now: int) -> list[float] | None:
-        lanes = self._lanes.read()
-        if lanes is None:
-            return None
-        return self._plan(lanes, self._fresh_pressure(now), now, True)
+        return self._plan(now, True)
 
     def _fresh_pressure(self, now: int) -> tuple[int | float, ...] | None | bool:
         """The per-candidate values of a fresh snapshot; None if it is stale or was never
@@ -240,9 +238,11 @@ def _product(value: int, weight: float | None) -> int | float:
 
 
 def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence[InstanceSlot],
-              lanes: CandidateLanes, fields: list[str], ties: Callable) -> Callable:
-    """The plan's function over (L = lanes.read(), P, now, totals): the totals list if
-    `totals`, else the choice; None if the words or the records name other generations."""
+              lanes: CandidateLanes, fields: list[str], ties: Callable,
+              fresh_pressure: Callable) -> Callable:
+    """The plan's function of (now, totals=False): the totals list if `totals`, else the
+    choice; None if the directory moved, or the words or the records name other generations.
+    It reads the lanes (`lanes.read`) and the plan's pressure values (`fresh_pressure`)."""
     n = len(candidates)
     lane_names = [f"v{i}" for i in range(lanes.size)]
     generations = ", ".join(lane_names[lanes.generation_index(i.slot)] for i in candidates)
@@ -266,7 +266,11 @@ def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence
         queue_terms.append(" + ".join(queue) or "0")
         full_terms.append(" + ".join(full + predicted) or "0")
     totals_ = [f"t{k}" for k in range(n)]
-    unpack = (f"    {', '.join(lane_names)}, = L\n"
+    unpack = ("    L = READ()\n"
+              "    if L is None:\n"
+              "        return None\n"
+              "    P = FRESH(now)\n"
+              f"    {', '.join(lane_names)}, = L\n"
               f"    if ({generations},) != GENS:\n"
               "        return None\n"
               "    if P is False:\n"
@@ -285,12 +289,13 @@ def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence
                       f"            b = t{k}\n            k = {k}\n            tie = False\n"
                       "        else:\n            tie = True\n")
     # One function for both (compiling is most of a plan's cost): the totals, or the choice.
-    source = ("def plan(L, P, now, totals):\n" + unpack
+    source = ("def plan(now, totals=False):\n" + unpack
               + f"    if totals:\n        return [{', '.join(totals_)}]\n" + "".join(lowest)
               + f"    if tie:\n        return TIES(CANDIDATES, [{', '.join(totals_)}])\n"
               "    return CANDIDATES[k]\n")
     namespace: dict[str, object] = {"GENS": tuple(i.generation for i in candidates),
-                                    "CANDIDATES": tuple(candidates), "TIES": ties}
+                                    "CANDIDATES": tuple(candidates), "TIES": ties,
+                                    "READ": lanes.read, "FRESH": fresh_pressure}
     exec(compile(source, "<least_load plan>", "exec"), namespace)
     return namespace["plan"]  # type: ignore[return-value]
 

@@ -114,6 +114,7 @@ class Router:
         self._plan: tuple[object, SelectionPlan | None] = (None, None)
         self._fast = self._least_load and settings.load_view == "shared"
         self._seg = seg
+        self._directory_snapshot = self.view.directory.snapshot  # bound: once per selection
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 
     def choose(self, exclude: frozenset[tuple[int, int]] = frozenset(),
@@ -122,7 +123,7 @@ class Router:
 
     def _choose(self, exclude: frozenset[tuple[int, int]],
                 request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
-        snapshot = self.view.directory.snapshot()
+        snapshot = self._directory_snapshot()
         candidates = snapshot.alive
         if not candidates:
             raise HTTPError(503, "no_instance", "proxy has no alive instance")
