@@ -16,8 +16,9 @@ from shm_schema's declarations (layout.lane_index for the lanes, snapshot.flat_i
 records.SNAPSHOT's field indices for the records), and a counter word is decoded by the source
 text CounterWord gives, so the scorer cannot drift from the format.
 
-`compile_scorer` is that function (the reference). `SelectionPlan` is what the router runs: the same weighted sum, with the same operations in
-the same order (so the same floats), but built to cost a few microseconds for 16 candidates:
+`compile_scorer` is that function (the reference). `SelectionPlan` is what the router runs:
+the same weighted sum, with the same operations in the same order (so the same floats), but
+built to cost a few microseconds for 16 candidates:
 - the lanes come from shm_schema's CandidateLanes, only the halves the sum reads, as small
   ints (no 64-bit int built or masked), and unpacked into locals by the generated code;
 - everything that depends only on the pressure snapshot (the weighted pending and decoding

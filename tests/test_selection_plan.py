@@ -158,9 +158,11 @@ def test_the_halves_are_the_counts_and_generations_of_the_words(table):
     lanes = CandidateLanes(seg, slots, [layout.LANE_READY_WAITING, layout.LANE_PREPARE_ACTIVE],
                            seg.load(layout.H_DIRECTORY_SEQ))
     values = lanes.read()
-    assert values is not None and len(values) == lanes.size == 3 * 4  # inflight, 2 lanes, generation
+    # Each slot: its inflight count, the two lanes' counts, its generation.
+    assert values is not None and len(values) == lanes.size == 3 * 4
     for slot in slots:
         inst = next(i for i in instances if i.slot == slot)
         for lane in (layout.LANE_INFLIGHT, layout.LANE_READY_WAITING, layout.LANE_PREPARE_ACTIVE):
-            assert values[lanes.count_index(slot, lane)] == counter_value(seg, slot, inst.generation, lane)
+            expected = counter_value(seg, slot, inst.generation, lane)
+            assert values[lanes.count_index(slot, lane)] == expected
         assert values[lanes.generation_index(slot)] == inst.generation
