@@ -13,4 +13,4 @@ def now_ms() -> int:
 
 
 def now_us() -> int:
-    return int(time.time() * 1_000_000)
+    return time.time_ns() // 1000  # (cheaper than int(time.time() * 1e6), and exact)

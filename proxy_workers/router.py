@@ -12,7 +12,7 @@ from typing import Any
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.fast_score import Scorer, compile_scorer
+from proxy_workers.fast_score import SelectionPlan
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import (KvAwareStrategy, LeastLoadStrategy, Strategy,
                                                  build_strategy)
@@ -110,9 +110,11 @@ class Router:
         self._kv_aware = isinstance(self.strategy, KvAwareStrategy) and affinity is not None
         self.scorer = (self.strategy if isinstance(self.strategy, LeastLoadStrategy)
                        else LeastLoadStrategy(settings.least_load_weights))
-        # least_load over the shared table: one generated comprehension per directory snapshot.
-        self._compiled: tuple[object, Scorer | None] = (None, None)
+        # least_load over the shared table: one generated plan per directory snapshot.
+        self._plan: tuple[object, SelectionPlan | None] = (None, None)
         self._fast = self._least_load and settings.load_view == "shared"
+        self._seg = seg
+        self._directory_snapshot = self.view.directory.snapshot  # bound: once per selection
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 
     def choose(self, exclude: frozenset[tuple[int, int]] = frozenset(),
@@ -121,7 +123,7 @@ class Router:
 
     def _choose(self, exclude: frozenset[tuple[int, int]],
                 request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
-        snapshot = self.view.directory.snapshot()
+        snapshot = self._directory_snapshot()
         candidates = snapshot.alive
         if not candidates:
             raise HTTPError(503, "no_instance", "proxy has no alive instance")
@@ -137,8 +139,17 @@ class Router:
                 return self._select(kept, snapshot.slot_span, None, request)
         if not self._least_load:
             return self.strategy.select(candidates), NO_AFFINITY, None
-        totals = self._fast_totals(snapshot) if self._fast else None
-        return self._select(candidates, snapshot.slot_span, totals, request)
+        if not self._fast:
+            return self._select(candidates, snapshot.slot_span, None, request)
+        plan = self._plan_for(snapshot)
+        if plan is None:
+            return self._select(candidates, snapshot.slot_span, None, request)
+        if request is None or not self._kv_aware:  # least_load's choice alone
+            choice = plan.pick(now_us())
+            if choice is not None:
+                return choice, NO_AFFINITY, None
+            return self._select(candidates, snapshot.slot_span, None, request)
+        return self._select(candidates, snapshot.slot_span, plan.totals(now_us()), request)
 
     def _select(self, candidates: tuple[InstanceSlot, ...], span: int,
                 totals: list[float | None] | None,
@@ -158,16 +169,18 @@ class Router:
         return choice, next(a for c, a in zip(candidates, assessments) if c is choice), guard.fired
 
     def _fast_totals(self, snapshot: DirectorySnapshot) -> list[float] | None:
-        compiled_for, scorer = self._compiled
-        if compiled_for is not snapshot:
-            scorer = compile_scorer(self.scorer, [i.slot for i in snapshot.alive],
-                                    [i.generation for i in snapshot.alive])
-            self._compiled = (snapshot, scorer)
-        if scorer is None:
-            return None
-        span = snapshot.slot_span
-        now = now_us()
-        return scorer(self.view.lanes(span), self.view.fresh_records(span, now), now)
+        now = now_us()  # before a plan is built: its time is not the request's
+        plan = self._plan_for(snapshot)
+        return None if plan is None else plan.totals(now)
+
+    def _plan_for(self, snapshot: DirectorySnapshot) -> SelectionPlan | None:
+        planned_for, plan = self._plan
+        if planned_for is not snapshot:
+            plan = (SelectionPlan(self.scorer, snapshot, self._seg, self.view.snapshots,
+                                  self.view.stale_us)
+                    if SelectionPlan.supports(self.scorer, snapshot) else None)
+            self._plan = (snapshot, plan)
+        return plan
 
     def affinity_report(self, query: Any) -> Any:
         """/debug/instance_loads's kv_aware part for the request its query names, or None."""

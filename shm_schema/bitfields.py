@@ -1,7 +1,7 @@
 """The bit-packed words: which bits of one 64-bit word of the segment hold what.
 
 Each format is one small class of static methods (pack, and one reader per field) and the
-shift and mask constants they use. The hot paths (WorkerRow._apply, EventWriter) inline the
+shift and mask constants they use. The hot paths (WorkerRow._update, EventWriter) inline the
 constants instead of calling the methods, but take them from here, so every spelling of a
 format is this module's. Nothing here touches memory: a word in, fields out, or back.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 
 
 def _low_bits(count: int) -> int:
@@ -26,6 +27,10 @@ class CounterWord:
     GENERATION_SHIFT = 32
     COUNT_MASK = _low_bits(GENERATION_SHIFT)
     MAX_GENERATION = _low_bits(64 - GENERATION_SHIFT)
+    # The word's two native 32-bit halves in memory order (the shift is exactly 32): a reader
+    # that unpacks a word as two "I" gets the fields as small ints, without building a 64-bit
+    # int and masking it (counters.CandidateLanes, on every least_load selection).
+    HALVES = ("count", "generation") if sys.byteorder == "little" else ("generation", "count")
 
     @staticmethod
     def pack(generation: int, count: int) -> int:

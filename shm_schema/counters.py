@@ -11,15 +11,18 @@ lane, slot and direction; what the sidecar does with a row whose worker died is 
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
 import time
+from typing import Any, Callable, Sequence
 
 from . import layout, process_identity
 from .bitfields import CounterWord, JournalWord
+from .records import run_lengths
 from .repair import free_row, subtract_row
 from .segment import Segment
 
-# The hot path (_apply) inlines these instead of calling the bitfields methods.
+# The hot path (WorkerRow._update) inlines these instead of calling the bitfields methods.
 _WORD = layout.WORD
 _LANES = layout.LANES
 _COUNTERS = layout.COUNTERS_OFFSET
@@ -29,6 +32,7 @@ _SEQ_SHIFT = JournalWord.SEQUENCE_SHIFT
 _LANE_SHIFT = JournalWord.LANE_SHIFT
 _JOURNAL_END = JournalWord.END_BIT
 _INFLIGHT = layout.LANE_INFLIGHT
+_DIRECTORY_SEQ = layout.H_DIRECTORY_SEQ
 
 
 class WorkerTableFull(RuntimeError):
@@ -41,8 +45,10 @@ class Admission(enum.IntEnum):
     STALE = -1  # the slot no longer carries the generation: the instance is gone
 
 
-# _apply's result -> Admission, by index: an Enum call by value costs about a microsecond.
+# An update's result (1 applied, 0 refused, -1 stale) -> what the caller returns, by index:
+# an Enum call by value costs about a microsecond.
 _ADMISSION_OF_RESULT = (Admission.FULL, Admission.ADMITTED, Admission.STALE)
+_APPLIED = (False, True, False)
 
 
 class CountersReader:
@@ -66,6 +72,57 @@ class CountersReader:
         if unpacker is None:
             unpacker = self._lanes[span] = layout.lanes_struct(span)
         return unpacker.unpack_from(self._buf, _COUNTERS)
+
+
+class CandidateLanes:
+    """Some lanes' counts of some slots, and each slot's generation, in one struct call of
+    small ints, for one directory snapshot (the least_load selection path).
+
+    Each CounterWord is read as its two native 32-bit halves (CounterWord.HALVES) and only the
+    halves asked for are kept, the rest being struct padding: no 64-bit int is built and none
+    is masked. Two halves are two loads, so `read` is guarded by the directory sequence: a
+    slot's generation changes only inside the directory's write bracket (DirectoryWriter resets
+    the slot's counters there), so while the sequence is still the even `directory_seq` the
+    snapshot was decoded at, every word read carries the generation that snapshot names."""
+
+    def __init__(self, seg: Segment, slots: Sequence[int], lanes: Sequence[int],
+                 directory_seq: int) -> None:
+        if directory_seq & 1:
+            raise ValueError("a directory snapshot decoded mid-write names no stable generation")
+        wanted_lanes, wanted_slots = set(lanes) | {_INFLIGHT}, set(slots)
+        self._index: dict[tuple[int, int | None], int] = {}  # (slot, lane) or (slot, None) -> value
+        codes: list[str] = []
+        for slot in range(1 + max(slots, default=-1)):
+            for lane in range(_LANES):
+                for half in CounterWord.HALVES:
+                    key = (slot, lane) if half == "count" else (slot, None)
+                    if slot in wanted_slots and lane in wanted_lanes and (
+                            half == "count" or lane == _INFLIGHT):
+                        self._index[key] = len(self._index)
+                        codes.append("I")
+                    else:
+                        codes.append("4x")
+        self._unpack = struct.Struct("@" + run_lengths(codes)).unpack_from
+        self._buf = seg.buf
+        self._load = seg.atomic.load_u64
+        self._seq = directory_seq
+
+    def count_index(self, slot: int, lane: int) -> int:
+        """Where the count of (slot, lane) is in the tuple `read` returns."""
+        return self._index[(slot, lane)]
+
+    def generation_index(self, slot: int) -> int:
+        """Where the slot's generation (its inflight word's) is in the tuple `read` returns."""
+        return self._index[(slot, None)]
+
+    @property
+    def size(self) -> int:
+        return len(self._index)
+
+    def read(self) -> tuple[int, ...] | None:
+        """The values, or None if the directory changed (or is changing) since the snapshot."""
+        values = self._unpack(self._buf, _COUNTERS)
+        return values if self._load(_DIRECTORY_SEQ) == self._seq else None
 
 
 def counter_value(seg: Segment, slot: int, generation: int, lane: int = _INFLIGHT) -> int | None:
@@ -92,9 +149,11 @@ class WorkerRow:
         self._base = geometry.row_offset(row)
         self._journal_offset = self._base + layout.R_JOURNAL
         self._contrib_base = geometry.contributions_base(row)
-        self._op_seq = 0
+        # JournalWord.idle(1), idle(2), ...: the journal between operations, one more each time.
+        self._next_journal = itertools.count(JournalWord.idle(1), JournalWord.idle(1)).__next__
         # Process-local mirror of this row's contribution words (single writer: this process).
         self._mirror: list[int] = [0] * (geometry.instance_capacity * _LANES)
+        self._bind_updates()
 
     @classmethod
     def claim(cls, seg: Segment, worker_index: int, identity: int | None = None) -> "WorkerRow":
@@ -127,65 +186,89 @@ class WorkerRow:
         return self._seg
 
     # --- the request path ------------------------------------------------------------------
-    def begin(self, slot: int, generation: int) -> bool:
-        """+1 on the instance's host-wide inflight and on this worker's share; False if the
-        slot no longer carries `generation` (the instance vanished or was replaced)."""
-        return self._apply(_INFLIGHT, slot, generation, 1, _COUNT_MASK) > 0
-
-    def end(self, slot: int, generation: int) -> bool:
-        """-1, the mirror of `begin`; a stale generation is a no-op that returns False."""
-        return self._apply(_INFLIGHT, slot, generation, -1, _COUNT_MASK) > 0
+    # begin and end are bound per row in __init__ (`_update`): they run twice per request, and
+    # a closure over the row's offsets and atomic functions saves the method call into a
+    # shared `_apply` and every attribute lookup of the row.
+    begin: Callable[[int, int], bool]
+    """+1 on the instance's host-wide inflight and on this worker's share; False if the
+    slot no longer carries `generation` (the instance vanished or was replaced)."""
+    end: Callable[[int, int], bool]
+    """-1, the mirror of `begin`; a stale generation is a no-op that returns False."""
 
     def add(self, lane: int, slot: int, generation: int) -> bool:
-        return self._apply(lane, slot, generation, 1, _COUNT_MASK) > 0
+        return self._adds[lane](slot, generation)
 
     def remove(self, lane: int, slot: int, generation: int) -> bool:
-        return self._apply(lane, slot, generation, -1, _COUNT_MASK) > 0
+        return self._removes[lane](slot, generation)
 
     def try_admit(self, lane: int, slot: int, generation: int, limit: int) -> Admission:
         """+1 only while the host-wide count is below `limit`: N workers together never
         exceed it."""
-        return _ADMISSION_OF_RESULT[self._apply(lane, slot, generation, 1, limit)]
+        return self._admits[lane](slot, generation, limit)
 
-    def _apply(self, lane: int, slot: int, generation: int, delta: int, limit: int) -> int:
-        """1 applied, 0 refused (at the limit or the floor), -1 stale generation.
+    def _bind_updates(self) -> None:
+        self.begin = self._update(_INFLIGHT, 1, _APPLIED)
+        self.end = self._update(_INFLIGHT, -1, _APPLIED)
+        lanes = range(layout.LANES_USED)
+        self._adds = tuple(self._update(lane, 1, _APPLIED) for lane in lanes)
+        self._removes = tuple(self._update(lane, -1, _APPLIED) for lane in lanes)
+        self._admits = tuple(self._update(lane, 1, _ADMISSION_OF_RESULT) for lane in lanes)
 
-        Hot path (twice per request for inflight): the CAS loop, the share update and the
-        CounterWord / JournalWord formats are inlined and the atomic methods pre-bound; see
-        bench/bench_select.py for its cost."""
-        seq = self._op_seq + 1
-        self._op_seq = seq
-        journal = seq << _SEQ_SHIFT  # JournalWord.idle
-        self._store(self._journal_offset, journal | (lane << _LANE_SHIFT) | (slot + 1)
-                    | (_JOURNAL_END if delta < 0 else 0))  # JournalWord.pending
-        index = _LANES * slot + lane
-        offset = _COUNTERS + _WORD * index
-        word = self._load(offset)
-        result = 0
-        while True:
-            if word >> _GEN_SHIFT != generation:
-                result = -1
-                break
-            count = (word & _COUNT_MASK) + delta
-            if count < 0 or count > limit:
-                break
-            previous = self._cas(offset, word, (word & ~_COUNT_MASK) | count)
-            if previous == word:
-                result = 1
-                break
-            word = previous
-        # The share records what this worker holds: an increment counts only if it landed,
-        # but a decrement always gives the share back, even if the host-wide count was already
-        # at its floor; otherwise a later reconcile would resurrect something nobody holds.
-        if result > 0 or delta < 0:
-            mirror = self._mirror[index]
-            own = mirror & _COUNT_MASK if mirror >> _GEN_SHIFT == generation else 0
-            if own + delta >= 0:
-                mirror = (generation << _GEN_SHIFT) | (own + delta)
-                self._mirror[index] = mirror
-                self._store(self._contrib_base + _WORD * index, mirror)
-        self._store(self._journal_offset, journal)
-        return result
+    def _update(self, lane: int, delta: int, results: tuple) -> Callable[..., Any]:
+        """`update(slot, generation, limit=COUNT_MASK)`: `delta` on (slot, lane) and on this
+        worker's share, then `results[r]` for r = 1 applied, 0 refused (at the limit or the
+        floor), -1 stale generation.
+
+        The hot path: the CAS loop, the share update and the CounterWord / JournalWord formats
+        are inlined, every constant and atomic function is a closure variable (see
+        bench/bench_select.py for its cost). A word carries `generation` exactly when
+        `word - (generation << GENERATION_SHIFT)` is a count (0 .. COUNT_MASK), and within the
+        limits adding `delta` to the word changes the count alone: one big-int operation where
+        decoding both fields and packing them again took four."""
+        load, store, cas = self._load, self._store, self._cas
+        journal_offset, contrib_base, mirror = self._journal_offset, self._contrib_base, self._mirror
+        next_journal = self._next_journal
+        # JournalWord.pending without the slot: (slot + 1) is added per call.
+        pending = (lane << _LANE_SHIFT) | (_JOURNAL_END if delta < 0 else 0) | 1
+        decrement = delta < 0
+
+        def update(slot: int, generation: int, limit: int = _COUNT_MASK) -> Any:
+            journal = next_journal()
+            store(journal_offset, journal | (pending + slot))
+            index = _LANES * slot + lane
+            offset = _COUNTERS + _WORD * index
+            tag = generation << _GEN_SHIFT
+            word = load(offset)
+            result = 0
+            while True:
+                count = word - tag
+                if count < 0 or count > _COUNT_MASK:
+                    result = -1
+                    break
+                count += delta
+                if count < 0 or count > limit:
+                    break
+                previous = cas(offset, word, word + delta)
+                if previous == word:
+                    result = 1
+                    break
+                word = previous
+            # The share records what this worker holds: an increment counts only if it landed,
+            # but a decrement always gives the share back, even if the host-wide count was
+            # already at its floor; otherwise a later reconcile would resurrect something
+            # nobody holds.
+            if result > 0 or decrement:
+                share = mirror[index]
+                own = share - tag
+                if own < 0 or own > _COUNT_MASK:  # a share of another generation is 0
+                    share, own = tag, 0
+                if own + delta >= 0:
+                    share += delta
+                    mirror[index] = share
+                    store(contrib_base + _WORD * index, share)
+            store(journal_offset, journal)
+            return results[result]
+        return update
 
     def own_words(self, span: int) -> tuple[int, ...]:
         """This worker's own inflight contribution words (the per-worker ablation view)."""

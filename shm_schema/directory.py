@@ -10,6 +10,7 @@ directory while the sidecar restarts.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import NamedTuple
 
@@ -88,13 +89,15 @@ class DirectoryReader:
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
         self._cached = self.EMPTY
+        # The sequence load, prebound: it runs on every selection.
+        self._load_seq = functools.partial(seg.atomic.load_u64, layout.H_DIRECTORY_SEQ)
 
     @property
     def segment(self) -> Segment:
         return self._seg
 
     def snapshot(self) -> DirectorySnapshot:
-        seq = self._seg.load(layout.H_DIRECTORY_SEQ)
+        seq = self._load_seq()
         cached = self._cached
         if seq == cached.seq and cached.stable:
             return cached

@@ -48,7 +48,7 @@ class Record(Generic[T]):
         self.index: T = declaration(*range(self.count))
         self.offset: T = declaration(*offsets)
         # Without a byte-order prefix, so `array` can repeat it.
-        self.format = _run_lengths(codes) + _padding(self.size - used)
+        self.format = run_lengths(codes) + _padding(self.size - used)
         self.struct = struct.Struct("@" + self.format)
         self.make = declaration._make  # type: ignore[attr-defined]  # fields tuple -> record
 
@@ -63,16 +63,21 @@ class Record(Generic[T]):
         return struct.Struct("@" + self.format * span)
 
 
-def _run_lengths(codes: list[str]) -> str:
-    """'5Q' rather than 'QQQQQ': the same bytes, but struct handles a run as one code, which
-    is measurably faster when a reader unpacks every record of a region in one call."""
+def run_lengths(codes: list[str]) -> str:
+    """'5Q' rather than 'QQQQQ' (and '12x' rather than '4x4x4x'): the same bytes, but struct
+    handles a run as one code, which is measurably faster when a reader unpacks every record
+    of a region in one call. Text fields ('112s') stay apart: a run of them is one field."""
     runs: list[list] = []
     for code in codes:
-        if runs and code == "Q" and runs[-1][0] == "Q":
-            runs[-1][1] += 1
+        kind, size = code[-1], int(code[:-1] or 1)
+        if runs and kind in _MERGEABLE and runs[-1][0] == kind:
+            runs[-1][1] += size
         else:
-            runs.append([code, 1])
+            runs.append([kind, size])
     return "".join(code if count == 1 else f"{count}{code}" for code, count in runs)
+
+
+_MERGEABLE = "QIx"
 
 
 def _padding(size: int) -> str:

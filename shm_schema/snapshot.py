@@ -12,9 +12,10 @@ A record is a `records.SnapshotRecord` (`Pressure` here, its name on the publish
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import layout
 from .records import SNAPSHOT, SnapshotRecord
@@ -68,9 +69,16 @@ class SnapshotReader:
         self._records: tuple[int, ...] = ()
         self._span = 0
         self._structs: dict[int, struct.Struct] = {}
+        # The generation published now: one atomic load, prebound (once per least_load
+        # selection). The writer stores the publish time before it bumps the generation, so
+        # what a caller derived from `records` and `published_us` stays true while this is
+        # unchanged (the least_load plan re-derives only then).
+        self.generation: Callable[[], int] = functools.partial(seg.atomic.load_u64,
+                                                               layout.H_SNAPSHOT_GEN)
 
     def published_us(self) -> int:
         return self._seg.load(layout.H_SNAPSHOT_PUBLISHED_US)
+
 
     def records(self, span: int) -> tuple[int, ...]:
         """The records of slots 0 .. span-1 as one flat tuple (SNAPSHOT.count fields a slot,

@@ -70,6 +70,11 @@ class LoadView:
         self._stale_us = int(stale_ms * 1000)
         self.sources = SOURCES[mode]
 
+    @property
+    def stale_us(self) -> int:
+        """How old the predicted layer may be and still count as fresh."""
+        return self._stale_us
+
     # --- layer availability ----------------------------------------------------------------
     def predicted_source(self, now_us: int | None = None) -> str:
         """'fresh', 'stale' (older than the limit) or 'unavailable' (never published)."""
