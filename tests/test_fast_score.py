@@ -96,22 +96,26 @@ def test_weights_outside_the_compiled_set_use_the_generic_path(table):
     assert router.choose().instance_id == "a"
 
 
-def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(table):
+def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(table, monkeypatch):
     name, seg, row = table
     a = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
     for _ in range(3):  # three selected by some worker since the sidecar last published
         row.add(layout.LANE_INFLIGHT, a.slot, a.generation)
     now = int(time.time() * 1e6)
+    # Both paths read the clock at `now`: arithmetic, not the time a loaded machine takes
+    # between the publish and the reads.
+    monkeypatch.setattr(clock, "now_us", lambda: now)
+    monkeypatch.setattr(router_module, "now_us", lambda: now)
     # The timeline knows one of them (pending); the next slot is free 200 ms from now.
     SnapshotWriter(seg).publish({a.slot: Pressure(a.generation, 1, 0, now + 200_000, now, now, 500_000)})
     router = Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
     snapshot = router.view.directory.snapshot()
     backlog = router.view.components(snapshot.alive)["predicted_total_backlog_ms"][0]
-    assert backlog == pytest.approx(200 + 2 * 500, abs=5)  # two unannounced x 500 ms
+    assert backlog == pytest.approx(200 + 2 * 500)  # two unannounced x 500 ms
     weights = router.scorer.weights
     expected = (3 * weights["inflight"] + weights["pending_prefill_count"]
                 + backlog * weights["predicted_total_backlog_ms"])
-    assert router._fast_totals(snapshot) == pytest.approx([expected], abs=1e-2)
+    assert router._fast_totals(snapshot) == pytest.approx([expected])
 
 
 # --- the scorer's raw indices are shm_schema's ----------------------------------------------------
