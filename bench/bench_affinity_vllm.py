@@ -61,6 +61,23 @@ HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total
 CONTENDERS = ("kv_aware", "least_load")
 
 
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    strategy: str
+    env: tuple[tuple[str, str], ...] = ()  # proxy settings of this contender alone
+
+
+def contenders(credit_per_ms: float | None) -> list[Contender]:
+    """kv_aware and least_load with the proxy's defaults; with `credit_per_ms`, also kv_aware
+    with that PROXY_KV_AWARE_CREDIT_PER_MS (the credit's scale against the load score)."""
+    found = [Contender(name, name) for name in CONTENDERS]
+    if credit_per_ms is not None:
+        found.append(Contender(f"kv_aware credit_per_ms={credit_per_ms:g}", "kv_aware",
+                               (("PROXY_KV_AWARE_CREDIT_PER_MS", f"{credit_per_ms:g}"),)))
+    return found
+
+
 # --- the workload (pure) ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Planned:
@@ -265,29 +282,29 @@ def summarize(strategy: str, outcomes: list[Outcome], counters: dict[str, Any],
     }
 
 
-def run_contender(strategy: str, engines: Sequence[Any], planned: list[Planned], log_dir: Path,
+def run_contender(contender: Contender, engines: Sequence[Any], planned: list[Planned], log_dir: Path,
                   env: dict[str, str]) -> dict[str, Any]:
-    with proxy_for(strategy, engines, log_dir, env) as dp_url:
+    with proxy_for(contender.strategy, engines, log_dir, {**env, **dict(contender.env)}) as dp_url:
         for engine in engines:
             reset_prefix_cache(engine.url)
         before = [prefix_counters(_get_text(f"{e.url}/metrics")) for e in engines]
         outcomes = asyncio.run(drive(dp_url, planned))
     after = [prefix_counters(_get_text(f"{e.url}/metrics")) for e in engines]
-    return summarize(strategy, outcomes, hit_rate(before, after), [f"vllm-{i}" for i in range(len(engines))])
+    return summarize(contender.name, outcomes, hit_rate(before, after), [f"vllm-{i}" for i in range(len(engines))])
 
 
-def schedule(repeats: int) -> list[str]:
-    """ABBA...: kv_aware, least_load, least_load, kv_aware, ..."""
-    order: list[str] = []
+def schedule(repeats: int, which: Sequence[Any] = CONTENDERS) -> list[Any]:
+    """ABBA...: kv_aware, least_load, least_load, kv_aware, ... (ABCCBA with three)."""
+    order: list[Any] = []
     for r in range(repeats):
-        order += list(CONTENDERS if r % 2 == 0 else reversed(CONTENDERS))
+        order += list(which if r % 2 == 0 else reversed(which))
     return order
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per contender over its runs: hit rate from the summed counters, medians of the TTFTs."""
     out = []
-    for strategy in CONTENDERS:
+    for strategy in dict.fromkeys(r["contender"] for r in runs):
         mine = [r for r in runs if r["contender"] == strategy]
         if not mine:
             continue
@@ -317,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each contender, ABBA order")
     parser.add_argument("--kv-blocks", type=int, default=40, help="each engine's KV blocks (128 tokens each)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--credit-per-ms", type=float, default=None,
+                        help="also run kv_aware with this PROXY_KV_AWARE_CREDIT_PER_MS (default 0.001)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a proxy setting for every contender (e.g. PROXY_KV_AWARE_CREDIT_PER_MS=0.01)")
     return parser
@@ -337,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         version = json.loads(_get_text(f"{engines[0].url}/version"))["version"]
-        for strategy in schedule(args.repeats):
-            result = run_contender(strategy, engines, planned, log_dir, env)
+        for contender in schedule(args.repeats, contenders(args.credit_per_ms)):
+            result = run_contender(contender, engines, planned, log_dir, env)
             runs.append(result)
             print(json.dumps(result), flush=True)
     finally:

@@ -37,9 +37,12 @@ def section(data: dict[str, Any]) -> str:
              _guard(r), num(r.get("errors"))] for r in data.get("results") or []]
     parts.append(table(header, body))
     rates = {r["contender"]: r.get("prefix_cache_hit_rate") for r in data.get("results") or []}
-    if rates.get("kv_aware") and rates.get("least_load"):
-        parts.append(f"kv_aware's hit rate is {rates['kv_aware'] / rates['least_load']:.2f}× least_load's. "
-                     "TTFT p50 and p99 in the table are medians over the runs.")
+    base = rates.get("least_load")
+    ratios = [f"{name}'s is {rate / base:.2f}× least_load's" for name, rate in rates.items()
+              if name != "least_load" and rate and base]
+    if ratios:
+        parts.append("Hit rate: " + "; ".join(ratios) + ". TTFT p50 and p99 in the table are medians "
+                     "over the runs.")
     runs = data.get("runs") or []
     if runs:
         parts.append("Each run, in the order run:\n\n" + table(

@@ -66,10 +66,15 @@ def _run(contender: str, hits: float, p50: float) -> dict:
 
 def test_runs_alternate_abba_and_aggregate_per_contender():
     assert bench.schedule(2) == ["kv_aware", "least_load", "least_load", "kv_aware"]
+    three = bench.contenders(0.2)
+    assert [c.name for c in bench.schedule(2, three)] == [
+        "kv_aware", "least_load", "kv_aware credit_per_ms=0.2", "kv_aware credit_per_ms=0.2", "least_load", "kv_aware"]
+    assert three[2].strategy == "kv_aware" and dict(three[2].env) == {"PROXY_KV_AWARE_CREDIT_PER_MS": "0.2"}
+    assert [c.name for c in bench.contenders(None)] == ["kv_aware", "least_load"]
     runs = [_run("kv_aware", 600, 50), _run("least_load", 300, 80), _run("least_load", 400, 90),
             _run("kv_aware", 700, 60)]
     rows = {r["contender"]: r for r in bench.aggregate(runs)}
     assert rows["kv_aware"]["prefix_cache_hit_rate"] == 0.65 and rows["least_load"]["prefix_cache_hit_rate"] == 0.35
     assert rows["kv_aware"]["ttft_p50_ms"] == 55 and rows["kv_aware"]["share"] == {"vllm-0": 12, "vllm-1": 8}
     text = affinity_vllm.section({"results": list(rows.values()), "runs": runs, "engine": {}})
-    assert "65%" in text and "1.86×" in text and "2 of 20" in text
+    assert "65%" in text and "kv_aware's is 1.86× least_load's" in text and "2 of 20" in text
