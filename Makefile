@@ -86,11 +86,12 @@ bench-pressure: $(STAMP)
 bench-pressure-vllm: install-vllm
 	$(CACHE_ENV) $(PY) -m bench.bench_pressure --vllm --out bench/results/pressure_vllm.json
 
-# kv_aware against least_load on two real vLLM engines (the same engines as above, KV capped to
-# --kv-blocks, prefix caches reset before each run): vLLM's own prefix-cache hit counters, TTFT,
-# share, guard (~2 min of engine start, then ABBA runs of 45 s each, ~6 min in all).
+# kv_aware (default credit, and 200x the credit) against least_load on two real vLLM engines (the
+# same engines as above, KV capped to --kv-blocks, prefix caches reset before each run): vLLM's
+# own prefix-cache hit counters, TTFT, share, guard (~2 min of engine start, then ABCCBA runs of
+# 45 s each, ~9 min in all).
 bench-affinity-vllm: install-vllm
-	$(CACHE_ENV) $(PY) -m bench.bench_affinity_vllm --out bench/results/affinity_vllm.json
+	$(CACHE_ENV) $(PY) -m bench.bench_affinity_vllm --credit-per-ms 0.2 --out bench/results/affinity_vllm.json
 
 # Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
 bench-stack: $(STAMP)
