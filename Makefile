@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
+.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +85,13 @@ bench-pressure: $(STAMP)
 # predictor profile vllm-cpu-tiny; ~1.5 min after install-vllm: engines start, 60 s of load).
 bench-pressure-vllm: install-vllm
 	$(CACHE_ENV) $(PY) -m bench.bench_pressure --vllm --out bench/results/pressure_vllm.json
+
+# kv_aware (default credit, and 200x the credit) against least_load on two real vLLM engines (the
+# same engines as above, KV capped to --kv-blocks, prefix caches reset before each run): vLLM's
+# own prefix-cache hit counters, TTFT, share, guard (~2 min of engine start, then ABCCBA runs of
+# 45 s each, ~9 min in all).
+bench-affinity-vllm: install-vllm
+	$(CACHE_ENV) $(PY) -m bench.bench_affinity_vllm --credit-per-ms 0.2 --out bench/results/affinity_vllm.json
 
 # Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
 bench-stack: $(STAMP)

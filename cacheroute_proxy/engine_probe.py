@@ -1,5 +1,6 @@
 """What an inference engine (vLLM's OpenAI server, or anything that answers like it) says about
-itself: `GET /health`, `GET /v1/models`, `GET /version`.
+itself: `GET /health`, `GET /v1/models`, `GET /version`, and the KV capacity vLLM states in
+`GET /metrics` (`vllm:cache_config_info`).
 
 Used by the sidecar for static instances and by an agent beside an engine. Every call has a
 timeout and never raises for what the engine does: a dead, slow or odd engine gives a
@@ -30,6 +31,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     max_model_len: int | None = None
     version: str | None = None
     models: tuple[str, ...] = ()
+    kv_capacity_tokens: int | None = None  # vLLM's KV cache, in tokens (its prefix cache's room)
 
     def capabilities(self, cache_features: list[str] | None = None) -> Capabilities | None:
         """The registration's capabilities (docs/protocol.md §3.4), or None if the engine said
@@ -44,7 +46,14 @@ class EngineInfo(msgspec.Struct, frozen=True):
             runtime=runtime)
 
     def meta(self) -> dict[str, Any]:
-        return {} if self.max_model_len is None else {"max_model_len": self.max_model_len}
+        """Registration meta: the context length, and the KV capacity that bounds the affinity
+        index's model of what the engine's prefix cache still holds (docs/architecture.md §4.4)."""
+        meta: dict[str, Any] = {}
+        if self.max_model_len is not None:
+            meta["max_model_len"] = self.max_model_len
+        if self.kv_capacity_tokens is not None:
+            meta["kv_capacity_tokens"] = self.kv_capacity_tokens
+        return meta
 
 
 class _Model(msgspec.Struct):
@@ -78,15 +87,63 @@ async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s:
 async def read_engine(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> EngineInfo:
     """The served model (the first of `/v1/models`), its context length and the engine version;
     each None when its route does not answer in time or answers something else."""
-    models, version = await asyncio.gather(
+    models, version, metrics = await asyncio.gather(
         _get_json(session, f"{base_url}/v1/models", _ModelList, timeout_s),
-        _get_json(session, f"{base_url}/version", _Version, timeout_s))
+        _get_json(session, f"{base_url}/version", _Version, timeout_s),
+        _get_text(session, f"{base_url}/metrics", timeout_s))
     served = models.data if models is not None else []
     first = served[0] if served else None
     return EngineInfo(model_id=first.id if first else None,
                       max_model_len=first.max_model_len if first else None,
                       version=version.version if version is not None else None,
-                      models=tuple(model.id for model in served))
+                      models=tuple(model.id for model in served),
+                      kv_capacity_tokens=kv_capacity_from_metrics(metrics or ""))
+
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info{"
+
+
+def kv_capacity_from_metrics(text: str) -> int | None:
+    """The KV capacity in tokens that vLLM's `vllm:cache_config_info` labels state:
+    `kv_cache_size_tokens` where this version has it, else `num_gpu_blocks` x `block_size`;
+    None without the series or with no usable number (a GPU engine reports it only once its
+    blocks are allocated, which is before /health answers)."""
+    for line in text.splitlines():
+        if line.startswith(CACHE_CONFIG_INFO):
+            labels = _labels(line[len(CACHE_CONFIG_INFO):line.rfind("}")])
+            size = _positive_int(labels.get("kv_cache_size_tokens"))
+            if size is not None:
+                return size
+            blocks, block = _positive_int(labels.get("num_gpu_blocks")), _positive_int(labels.get("block_size"))
+            return blocks * block if blocks is not None and block is not None else None
+    return None
+
+
+def _labels(body: str) -> dict[str, str]:
+    """`a="1",b="x"` -> {"a": "1", "b": "x"}; vLLM's config values hold no quote."""
+    labels: dict[str, str] = {}
+    for item in body.split('",'):
+        name, sep, value = item.partition('="')
+        if sep:
+            labels[name.strip()] = value.rstrip('"')
+    return labels
+
+
+def _positive_int(value: str | None) -> int | None:
+    try:
+        number = int(value) if value is not None else 0
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+async def _get_text(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                               allow_redirects=False) as response:
+            return (await response.text(errors="replace")) if response.status == 200 else None
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+        return None
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, schema: type[Any], timeout_s: float) -> Any:

@@ -210,9 +210,9 @@ class Pipeline:
                     self._abandon(stages, ticket)
             failed = True
             try:
+                self._forwarding(lease, job)
                 result = await forward()
                 failed = False
-                self._forwarded(lease, job)
                 return result
             finally:
                 stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
@@ -224,8 +224,12 @@ class Pipeline:
                 self._tracker.complete(job.key, True)
             raise
 
-    def _forwarded(self, lease: Lease, job: Job) -> None:
-        """The instance now holds the request's prompt prefix (vLLM's prefix cache)."""
+    def _forwarding(self, lease: Lease, job: Job) -> None:
+        """The instance is about to hold the request's prompt prefix (vLLM's prefix cache keeps
+        each full block once its prefill computed it, long before the answer ends). Reported as
+        it is sent, as SGLang's and vllm-router's cache-aware routers insert at selection: were it
+        reported after the answer, every request sharing the prefix that arrived meanwhile would
+        get no credit and go by load alone, spreading a shared system prompt over every engine."""
         request = job.request
         if self._affinity is not None and request.prefix_keys:
             report_residency(self._affinity, lease.instance, request, (), request.prefix_keys,

@@ -306,3 +306,26 @@ def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_clus
                 await stream.finish()
             await held[0].session.close()  # type: ignore[attr-defined]
     asyncio.run(scenario())
+
+
+def test_a_prefix_is_resident_once_sent_not_once_its_answer_ends(make_cluster):
+    """vLLM keeps a prompt's blocks as soon as its prefill computed them: requests sharing the
+    prefix that arrive while the first one's answer is still streaming must see it resident."""
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    inst = cluster.add_instance()
+    inst.configure(hold_streams=True)
+
+    def resident_blocks(worker: int) -> int:
+        return affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["resident_prefix_blocks"]
+
+    async def scenario() -> None:
+        held = await _hold(cluster, 1)  # its first chunk arrived; the rest of the answer is held
+        try:
+            for worker in range(cluster.workers):
+                wait_until(lambda: resident_blocks(worker) == 3, 10,
+                           message=f"worker {worker} sees the prefix resident while its answer streams")
+        finally:
+            inst.release()
+            await held[0].finish()
+            await held[0].session.close()  # type: ignore[attr-defined]
+    asyncio.run(scenario())

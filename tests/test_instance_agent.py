@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cacheroute_proxy.config import ConfigError
-from cacheroute_proxy.engine_probe import EngineInfo
+from cacheroute_proxy.engine_probe import EngineInfo, kv_capacity_from_metrics
 from cacheroute_sim.processes import free_port
 from cacheroute_sim.scheduler.requests import scheduler_body
 from instance_agent.agent import register_request
@@ -56,6 +56,29 @@ def test_what_the_proxy_is_told_of_an_engine() -> None:
     assert request.capabilities is not None and request.capabilities.model.identifier == "tiny"
     assert request.capabilities.runtime.vllm_version == "0.32.0"
     assert request.capabilities.pulls_kv() is False  # no KV inject served: text only
+    assert "kv_capacity_tokens" not in request.meta  # the engine did not say
+    sized = register_request(config, EngineInfo(model_id="tiny", kv_capacity_tokens=5120))
+    assert sized.meta["kv_capacity_tokens"] == 5120  # bounds the affinity index's model of it
+
+
+# vLLM 0.32's series (abridged), and an older one without kv_cache_size_tokens.
+CACHE_INFO = ('vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",'
+              'enable_prefix_caching="True",engine="0",kv_cache_memory_bytes="1073741824",'
+              'kv_cache_size_tokens="5120",num_cpu_blocks="None",num_gpu_blocks="40",'
+              'num_gpu_blocks_override="40",sliding_window="None"} 1.0')
+
+
+@pytest.mark.parametrize("text, tokens", [
+    ("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n" + CACHE_INFO, 5120),
+    (CACHE_INFO.replace('kv_cache_size_tokens="5120",', "").replace('num_gpu_blocks="40"', 'num_gpu_blocks="64"'),
+     64 * 128),
+    (CACHE_INFO.replace('kv_cache_size_tokens="5120",', "").replace('num_gpu_blocks="40"', 'num_gpu_blocks="None"'),
+     None),
+    ('vllm:num_requests_running{engine="0"} 0.0', None),
+    ("", None),
+])
+def test_the_kv_capacity_is_what_vllms_cache_config_info_states(text: str, tokens: int | None) -> None:
+    assert kv_capacity_from_metrics(text) == tokens
 
 
 # --- against a real cluster ------------------------------------------------------------------------

@@ -77,13 +77,15 @@ class VllmEngine:
     same port, appending to the same log."""
 
     def __init__(self, log_path: Path, port: int | None = None, cpu: int | None = None,
-                 max_num_seqs: int = MAX_NUM_SEQS, extra_args: Sequence[str] = ()) -> None:
+                 max_num_seqs: int = MAX_NUM_SEQS, extra_args: Sequence[str] = (),
+                 extra_env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cpu = cpu
         self.max_num_seqs = max_num_seqs
         self.extra_args = list(extra_args)
+        self.extra_env = dict(extra_env or {})  # e.g. VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.shm_files: set[Path] = set()
@@ -106,7 +108,7 @@ class VllmEngine:
         with open(self.log_path, "ab" if self.starts else "wb") as log:
             log.write(f"=== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
             log.flush()
-            self.popen = subprocess.Popen(self.argv(), cwd=ROOT, env={**os.environ, **engine_env(self.cpu)},
+            self.popen = subprocess.Popen(self.argv(), cwd=ROOT, env={**os.environ, **engine_env(self.cpu), **self.extra_env},
                                           stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
         self.starts += 1
@@ -202,14 +204,21 @@ class VllmEngine:
         """The sum of one metric of the engine's /metrics over the label sets that carry
         `labels` (e.g. `metric("vllm:request_success_total", finished_reason="abort")`)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        wanted = [f'{key}="{value}"' for key, value in labels.items()]
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")
-                  and all(w in line for w in wanted)]
-        if not values:
+            value = metric_sum(response.read().decode(), name, **labels)
+        if value is None:
             raise EngineError(f"{name} {labels or ''} not in {self.url}/metrics")
-        return sum(values)
+        return value
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float | None:
+    """The sum of metric `name` in a Prometheus text exposition over the label sets that carry
+    `labels`; None when no line has it."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")
+              and all(w in line for w in wanted)]
+    return sum(values) if values else None
+
 
 def group_shared_memory(pgid: int) -> set[Path]:
     """vLLM's own /dev/shm files (psm_*, sem.mp-*) mapped by a process of group `pgid`."""
@@ -239,11 +248,13 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def start_engines(count: int, log_dir: Path, timeout: float = HEALTH_TIMEOUT_S) -> list[VllmEngine]:
+def start_engines(count: int, log_dir: Path, timeout: float = HEALTH_TIMEOUT_S, *,
+                  extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None) -> list[VllmEngine]:
     """`count` engines started together (each ~70 s alone), each on its own core when there
     are enough; all healthy, or all stopped and an EngineError with the failing one's log."""
     cpus = sorted(os.sched_getaffinity(0))
-    engines = [VllmEngine(log_dir / f"vllm-{i}.log", cpu=cpus[i] if count <= len(cpus) else None)
+    engines = [VllmEngine(log_dir / f"vllm-{i}.log", cpu=cpus[i] if count <= len(cpus) else None,
+                          extra_args=extra_args, extra_env=extra_env)
                for i in range(count)]
     try:
         for engine in engines:
