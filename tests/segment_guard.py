@@ -41,8 +41,23 @@ def mapped_anywhere() -> set[str]:
     return names
 
 
+# A file younger than this may be another process's, created a moment before it maps it
+# (a multiprocessing semaphore is created, then opened): never taken for an orphan.
+YOUNG_S = 2.0
+
+
 def orphans(before: set[str], prefixes: tuple[str, ...]) -> set[str]:
-    return shm_files(prefixes) - before - mapped_anywhere()
+    """Files new since `before` that no process maps and that are not brand new."""
+    now = time.time()
+    return {name for name in shm_files(prefixes) - before - mapped_anywhere()
+            if now - _mtime(SHM / name) >= YOUNG_S}
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0  # gone meanwhile: counted, and unlinking it again is harmless
 
 
 def left_behind(before: set[str], prefixes: tuple[str, ...]) -> list[str]:
