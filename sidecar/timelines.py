@@ -31,14 +31,28 @@ from .pace import Pace
 RECENT_WEIGHT = 0.2  # of the newest reservation in the moving averages of service and decode
 
 
-@dataclass
 class Reservation:
-    key: int
-    service_s: float
-    decode_s: float
-    reserved_at: float
-    predicted_first_token: float = 0.0
-    first_token_at: float | None = None
+    """One request's place on its instance's timeline. Its predicted first token is read
+    through the timeline, which brings a deferred re-anchoring up to date first."""
+
+    __slots__ = ("key", "service_s", "decode_s", "reserved_at", "_predicted_first_token",
+                 "first_token_at", "_timeline")
+
+    def __init__(self, key: int, service_s: float, decode_s: float, reserved_at: float,
+                 timeline: "InstanceTimeline | None" = None) -> None:
+        self.key = key
+        self.service_s = service_s
+        self.decode_s = decode_s
+        self.reserved_at = reserved_at
+        self._predicted_first_token = 0.0
+        self.first_token_at: float | None = None
+        self._timeline = timeline
+
+    @property
+    def predicted_first_token(self) -> float:
+        if self._timeline is not None:
+            self._timeline.settle()
+        return self._predicted_first_token
 
     @property
     def predicted_end(self) -> float:
@@ -48,68 +62,116 @@ class Reservation:
 
 @dataclass
 class InstanceTimeline:
+    """One instance's slots and prefill chain.
+
+    Re-anchoring (`_recompute(now)`) is a pure function of the decoding set, the pending
+    reservations in order and `now`: a later one overwrites everything an earlier one wrote.
+    So a first token or an early completion only records `now` (`_stale_at`), and the
+    re-anchoring runs once, when something next reads or builds on the predictions: a
+    reservation, a first token (its pace observation reads the prediction), the completion of
+    a decoding request (the slots it held are part of the state), the published pressure, or
+    a reader of `slot_free` / `prefill_free` / a reservation's prediction. Every reader sees
+    exactly what re-anchoring on every event would have produced (tests/test_timelines.py
+    holds the two to equal results on random event sequences)."""
     ready_slots: int
     pace: Pace = field(default_factory=lambda: Pace(step=0.0))
     # When each ready slot frees up, as a min-heap: only the multiset matters (the earliest
     # free slot is taken), and READY_CONCURRENCY may be 64, where a linear min per event was
     # most of the sidecar's CPU.
-    slot_free: list[float] = field(default_factory=list)
-    prefill_free: float = 0.0
+    _slot_free: list[float] = field(default_factory=list)
+    _prefill_free: float = 0.0
     pending: dict[int, Reservation] = field(default_factory=dict)   # reservation order
     decoding: dict[int, Reservation] = field(default_factory=dict)
     # Recent pace-scaled service and decode times (moving averages), for the marginal backlog.
     recent_service_s: float = 0.0
     recent_decode_s: float = 0.0
+    # Predicted ends of the decoding requests (first token + decode), by key: the slots they
+    # hold, read as plain floats by every re-anchoring.
+    _decode_ends: dict[int, float] = field(default_factory=dict)
+    _stale_at: float | None = None  # a re-anchoring on this time is owed
 
     def __post_init__(self) -> None:
-        if not self.slot_free:
-            self.slot_free = [0.0] * self.ready_slots
+        if not self._slot_free:
+            self._slot_free = [0.0] * self.ready_slots
+
+    @property
+    def slot_free(self) -> list[float]:
+        self.settle()
+        return self._slot_free
+
+    @property
+    def prefill_free(self) -> float:
+        self.settle()
+        return self._prefill_free
+
+    def settle(self) -> None:
+        """Run the owed re-anchoring, if any."""
+        if self._stale_at is not None:
+            now, self._stale_at = self._stale_at, None
+            self._recompute(now)
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
+        if self._stale_at is not None:
+            self.settle()
         factor = self.pace.factor
-        res = Reservation(key, service_s * factor, decode_s * factor, reserved_at=t)
+        res = Reservation(key, service_s * factor, decode_s * factor, t, self)
         self._remember_durations(res)
-        prefill_start = max(t, self.slot_free[0], self.prefill_free)
-        res.predicted_first_token = prefill_start + res.service_s
-        heapq.heapreplace(self.slot_free, res.predicted_end)
-        self.prefill_free = res.predicted_first_token
+        slot_free, prefill_free = self._slot_free, self._prefill_free
+        prefill_start = t if t > slot_free[0] else slot_free[0]
+        if prefill_free > prefill_start:
+            prefill_start = prefill_free
+        res._predicted_first_token = first = prefill_start + res.service_s
+        heapq.heapreplace(slot_free, first + res.decode_s)
+        self._prefill_free = first
         self.pending[key] = res
         return res
 
     def first_token(self, key: int, t: float) -> None:
-        res = self.pending.pop(key, None)
+        res = self.pending.get(key)
         if res is None:
             return
-        self.pace.observe(res.predicted_first_token - res.reserved_at, t - res.reserved_at)
+        if self._stale_at is not None:
+            self.settle()  # the pace observation reads this reservation's prediction
+        del self.pending[key]
+        self.pace.observe(res._predicted_first_token - res.reserved_at, t - res.reserved_at)
         res.first_token_at = t
         self.decoding[key] = res
-        self._recompute(t)
+        self._decode_ends[key] = t + res.decode_s
+        self._stale_at = t
 
     def complete(self, key: int, t: float) -> None:
-        self.decoding.pop(key, None)
-        if self.pending.pop(key, None) is not None:
-            self._recompute(t)
+        if key in self.decoding:
+            if self._stale_at is not None:
+                self.settle()  # the slot it held is in the owed re-anchoring's state
+            del self.decoding[key]
+            del self._decode_ends[key]
+        elif self.pending.pop(key, None) is not None:
+            self._stale_at = t
 
     def drop(self, keys: set[int], t: float) -> None:
         for key in keys:
             self.decoding.pop(key, None)
+            self._decode_ends.pop(key, None)
             self.pending.pop(key, None)
-        self._recompute(t)
+        self._stale_at = t
 
     def _recompute(self, now: float) -> None:
-        """Re-anchor every pending reservation on `now` (service times are not re-predicted)."""
-        busy = [max(now, r.predicted_end) for r in self.decoding.values()]
-        if len(busy) >= self.ready_slots:
-            slots = heapq.nsmallest(self.ready_slots, busy)  # sorted, so already a heap
-        else:
-            slots = [now] * (self.ready_slots - len(busy)) + sorted(busy)
+        """Re-anchor every pending reservation on `now` (service times are not re-predicted).
+        The same arithmetic, in the same order, as a reservation's: equal floats."""
+        busy = sorted([end if end > now else now for end in self._decode_ends.values()])
+        free = self.ready_slots - len(busy)
+        # A sorted list is a heap: the idle slots (free at `now`) first, then the busy ones.
+        slots = [now] * free + busy if free > 0 else busy[:self.ready_slots]
+        replace = heapq.heapreplace
         cursor = now
         for res in self.pending.values():
-            res.predicted_first_token = max(slots[0], cursor) + res.service_s
-            heapq.heapreplace(slots, res.predicted_end)
-            cursor = res.predicted_first_token
-        self.slot_free = slots
-        self.prefill_free = cursor
+            start = slots[0]
+            if cursor > start:
+                start = cursor
+            res._predicted_first_token = cursor = start + res.service_s
+            replace(slots, cursor + res.decode_s)
+        self._slot_free = slots
+        self._prefill_free = cursor
 
     def _remember_durations(self, res: Reservation) -> None:
         if not self.recent_service_s and not self.recent_decode_s:
@@ -125,14 +187,12 @@ class InstanceTimeline:
                    (self.recent_service_s + self.recent_decode_s) / self.ready_slots)
 
     def pressure(self, generation: int) -> Pressure:
-        ends = [r.predicted_end for r in self.decoding.values()]
-        return Pressure(generation=generation,
-                        pending_prefill_count=len(self.pending),
-                        active_decode_count=len(self.decoding),
-                        next_slot_free_at_us=int(self.slot_free[0] * 1e6),
-                        prefill_free_at_us=int(self.prefill_free * 1e6),
-                        decode_free_at_us=int(max(ends, default=0.0) * 1e6),
-                        marginal_backlog_us=int(self.marginal_backlog_s() * 1e6))
+        if self._stale_at is not None:
+            self.settle()
+        ends = self._decode_ends
+        return Pressure(generation, len(self.pending), len(ends), int(self._slot_free[0] * 1e6),
+                        int(self._prefill_free * 1e6), int(max(ends.values(), default=0.0) * 1e6),
+                        int(self.marginal_backlog_s() * 1e6))
 
     def expire(self, older_than: float, now: float) -> int:
         """Drop reservations whose completion was never reported (a lost event)."""
