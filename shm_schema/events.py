@@ -11,27 +11,29 @@ is an event dropped, and then it is counted in the row (`events_dropped`, shown 
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
 
-The writer has one method per kind, with that kind's payload as named parameters; the reader
-yields `Event`s with the payload by name (RESIDENT and PREFIX carry records.ResidencyPayload in
-the four payload words: `residency(event)` names them). Both pack the record in EventRecord's field order
-with the EventTag / SlotGeneration formats inlined: three events per request, so no record
-object is built on the write path.
+The writer has one method per kind, with that kind's payload as named parameters. The
+sidecar reads with `EventReader.consume`: one struct call per contiguous span of the ring, then
+one loop that decodes each record's words and calls the handler of its kind (EventHandlers),
+building no object per event; `drain` yields `Event`s with the payload by name, for the rare
+kinds and for tests (RESIDENT and PREFIX carry records.ResidencyPayload in the four payload
+words: `residency(event)` names them). Both sides pack the record in EventRecord's field order
+with the EventTag / SlotGeneration formats inlined: three events per streamed request, so no
+record object is built on either path.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from . import layout
 from .bitfields import EventTag, SlotGeneration
 from .records import EVENT, EventKind, ResidencyPayload
 from .segment import Segment
 
-__all__ = ["Event", "EventKind", "EventReader", "EventWriter", "residency"]
+__all__ = ["Event", "EventHandlers", "EventKind", "EventReader", "EventWriter", "residency"]
 
 _PACK_INTO = EVENT.struct.pack_into
-_UNPACK_FROM = EVENT.struct.unpack_from
 _SIZE = EVENT.size
 _EPOCH_SHIFT = EventTag.EPOCH_SHIFT
 _KIND_MASK = EventTag.KIND_MASK
@@ -177,38 +179,81 @@ def residency(event: Event) -> ResidencyPayload:
                             event.prompt_tokens)
 
 
+class EventHandlers(NamedTuple):
+    """What `EventReader.consume` calls, per kind, with the fields decoded: times in seconds
+    (t_us / 1e6), durations in seconds. `other` receives RESIDENT and PREFIX as `Event`s."""
+    reserve: Callable[[int, int, int, float, float, float], None]  # slot, gen, key, t, service, decode
+    first_token: Callable[[int, float], None]                       # key, t
+    complete: Callable[[int, float], None]                          # key, t
+    other: Callable[[Event], None]
+
+
 class EventReader:
     """The sidecar side (single consumer) of every row's ring."""
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
+        self._iter_unpack = EVENT.struct.iter_unpack
 
-    def drain(self, row: int, limit: int | None = None) -> Iterator[Event]:
-        """Yield the row's unread events in order and mark them consumed."""
+    def take(self, row: int, limit: int | None = None) -> list[tuple[int, ...]]:
+        """The row's unread records as raw EventRecord word tuples, in order, marked consumed.
+        One struct call per contiguous span of the ring (two when it wraps)."""
         seg = self._seg
         geometry = seg.geometry
         base = geometry.row_offset(row)
         head = seg.load(base + layout.R_RING_HEAD)
         tail = seg.load(base + layout.R_RING_TAIL)
-        if limit is not None:
-            tail = min(tail, head + limit)
-        ring = geometry.ring_offset(row)
-        capacity = geometry.ring_capacity
-        # Locals, not module globals, inside the loop: the sidecar decodes every event. An Event
-        # is built by tuple.__new__ on all its fields (what Event(...) does, minus a Python frame).
-        buf, unpack, size, new = seg.buf, _UNPACK_FROM, _SIZE, tuple.__new__
-        kind_mask, epoch_shift, complete = _KIND_MASK, _EPOCH_SHIFT, _COMPLETE
+        if limit is not None and tail - head > limit:
+            tail = head + limit
+        if tail <= head:
+            return []
+        ring, capacity = geometry.ring_offset(row), geometry.ring_capacity
+        first = head % capacity
+        count = tail - head
+        end = min(capacity, first + count)
+        buf = seg.buf
+        records = list(self._iter_unpack(buf[ring + _SIZE * first:ring + _SIZE * end]))
+        if end - first < count:  # wrapped: the rest from the ring's start
+            records += self._iter_unpack(buf[ring:ring + _SIZE * (count - (end - first))])
+        seg.store(base + layout.R_RING_HEAD, tail)
+        return records
+
+    def consume(self, row: int, epoch: int, handlers: EventHandlers,
+                limit: int | None = None) -> tuple[int, int]:
+        """Take the row's unread events and hand those of `epoch` to `handlers`, in order, in
+        one loop with no per-event object; returns (taken, of another epoch)."""
+        records = self.take(row, limit)
+        reserve, first_token, complete, other = handlers
+        kind_mask, epoch_shift = _KIND_MASK, _EPOCH_SHIFT
         slot_shift, generation_mask = _SLOT_SHIFT, _GENERATION_MASK
-        try:
-            while head < tail:
-                tag, key, where, t_us, p0, p1, p2, p3 = unpack(buf, ring + size * (head % capacity))
-                head += 1
-                kind = tag & kind_mask
-                if kind == complete:
-                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
-                                      where & generation_mask, t_us, 0, 0, 0, 0, p0 != 0))
-                else:
-                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
-                                      where & generation_mask, t_us, p0, p1, p2, p3, False))
-        finally:
-            seg.store(base + layout.R_RING_HEAD, head)
+        stale = 0
+        for record in records:
+            tag, key, where, t_us, p0, p1, _, _ = record
+            if tag >> epoch_shift != epoch:
+                stale += 1  # written for a sidecar that has since restarted
+                continue
+            kind = tag & kind_mask
+            if kind == _FIRST_TOKEN:
+                first_token(key, t_us / 1e6)
+            elif kind == _COMPLETE:
+                complete(key, t_us / 1e6)
+            elif kind == _RESERVE or kind == _RESYNC:
+                reserve(where >> slot_shift, where & generation_mask, key, t_us / 1e6,
+                        p0 / 1e6, p1 / 1e6)
+            else:
+                other(_decode(record))
+        return len(records), stale
+
+    def drain(self, row: int, limit: int | None = None) -> Iterator[Event]:
+        """The row's unread events in order, decoded, marked consumed."""
+        return iter([_decode(record) for record in self.take(row, limit)])
+
+
+def _decode(record: tuple[int, ...]) -> Event:
+    tag, key, where, t_us, p0, p1, p2, p3 = record
+    kind = tag & _KIND_MASK
+    if kind == _COMPLETE:
+        return Event(kind, tag >> _EPOCH_SHIFT, key, where >> _SLOT_SHIFT, where & _GENERATION_MASK,
+                     t_us, failed=p0 != 0)
+    return Event(kind, tag >> _EPOCH_SHIFT, key, where >> _SLOT_SHIFT, where & _GENERATION_MASK,
+                 t_us, p0, p1, p2, p3)

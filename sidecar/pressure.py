@@ -15,7 +15,7 @@ from typing import Any
 
 from shm_schema import DirectoryReader, Segment, header, read_all, read_rows
 from shm_schema.bitfields import RequestKey
-from shm_schema.events import Event, EventKind, EventReader
+from shm_schema.events import Event, EventHandlers, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 from .affinity import AffinityModels
@@ -54,6 +54,9 @@ class PressurePublisher:
         self._max_age = reservation_max_age_s
         self._next_expiry = time.monotonic() + 10.0
         self.stats = ChannelStats()
+        timelines = self.timelines
+        self._handlers = EventHandlers(timelines.reserve, timelines.first_token,
+                                       timelines.complete, self._apply_other)
 
     def tick(self) -> None:
         now = time.time()
@@ -80,26 +83,17 @@ class PressurePublisher:
 
     # --- internals ------------------------------------------------------------------------
     def _drain(self, row: int) -> None:
-        for event in self._reader.drain(row, limit=4096):
-            self.stats.consumed += 1
-            if event.epoch != self.epoch:
-                self.stats.stale_epoch += 1  # written for a sidecar that has since restarted
-                continue
-            self._apply(event)
-            self._dirty = True
+        taken, stale = self._reader.consume(row, self.epoch, self._handlers, limit=4096)
+        if taken:
+            self.stats.consumed += taken
+            self.stats.stale_epoch += stale  # written for a sidecar that has since restarted
+            if taken > stale:
+                self._dirty = True
 
-    def _apply(self, event: Event) -> None:
-        t = event.t_us / 1e6
-        if event.kind in (EventKind.RESERVE, EventKind.RESYNC):
-            self.timelines.reserve(event.slot, event.generation, event.request_key, t,
-                                   event.service_us / 1e6, event.decode_us / 1e6)
-        elif event.kind == EventKind.FIRST_TOKEN:
-            self.timelines.first_token(event.request_key, t)
-        elif event.kind == EventKind.COMPLETE:
-            self.timelines.complete(event.request_key, t)
-        elif event.kind in (EventKind.RESIDENT, EventKind.PREFIX):
-            if self.affinity is not None:
-                self.affinity.apply(event)
+    def _apply_other(self, event: Event) -> None:
+        """RESIDENT and PREFIX feed the affinity index."""
+        if self.affinity is not None:
+            self.affinity.apply(event)
 
     def _max_num_seqs(self, slot: int, generation: int) -> int:
         for instance in self._directory.snapshot().instances:
