@@ -21,6 +21,8 @@ All times are wall-clock seconds; snapshots publish them as absolute microsecond
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,7 +38,7 @@ class Reservation:
     through the timeline, which brings a deferred re-anchoring up to date first."""
 
     __slots__ = ("key", "service_s", "decode_s", "reserved_at", "_predicted_first_token",
-                 "first_token_at", "_timeline")
+                 "first_token_at", "late", "_timeline")
 
     def __init__(self, key: int, service_s: float, decode_s: float, reserved_at: float,
                  timeline: "InstanceTimeline | None" = None) -> None:
@@ -46,6 +48,7 @@ class Reservation:
         self.reserved_at = reserved_at
         self._predicted_first_token = 0.0
         self.first_token_at: float | None = None
+        self.late = -1  # the timeline's anchor count if reserved while a re-anchoring was owed
         self._timeline = timeline
 
     @property
@@ -66,13 +69,21 @@ class InstanceTimeline:
 
     Re-anchoring (`_recompute(now)`) is a pure function of the decoding set, the pending
     reservations in order and `now`: a later one overwrites everything an earlier one wrote.
-    So a first token or an early completion only records `now` (`_stale_at`), and the
-    re-anchoring runs once, when something next reads or builds on the predictions: a
-    reservation, a first token (its pace observation reads the prediction), the completion of
-    a decoding request (the slots it held are part of the state), the published pressure, or
-    a reader of `slot_free` / `prefill_free` / a reservation's prediction. Every reader sees
-    exactly what re-anchoring on every event would have produced (tests/test_timelines.py
-    holds the two to equal results on random event sequences)."""
+    So it is owed, not run: a first token or an early completion records its time as the
+    anchor (`_stale_at`), and what happens before the owed re-anchoring runs is recorded in
+    the form it would act on it:
+    - a reservation joins the pending order, marked as made after the anchor: re-anchoring
+      gives it what reserving on the re-anchored state would (its own time as a floor);
+    - a decoding request that completes leaves the slot it held to the owed state (a
+      completion never re-anchors, so that slot stays in the predictions until the next one);
+    - a first token of the oldest pending request (the common case) needs only that
+      request's prediction for its pace observation: the earliest slot of the owed state,
+      computed on its own. Any other first token settles first.
+    `settle()` runs the owed re-anchoring: before a pressure is published, or when anything
+    reads `slot_free`, `prefill_free` or a reservation's prediction. Every reader sees exactly
+    what re-anchoring on every event would produce (tests/test_timelines.py holds the two to
+    equal floats on random event sequences); the sidecar re-anchors about once per published
+    snapshot instead of once per request."""
     ready_slots: int
     pace: Pace = field(default_factory=lambda: Pace(step=0.0))
     # When each ready slot frees up, as a min-heap: only the multiset matters (the earliest
@@ -88,7 +99,9 @@ class InstanceTimeline:
     # Predicted ends of the decoding requests (first token + decode), by key: the slots they
     # hold, read as plain floats by every re-anchoring.
     _decode_ends: dict[int, float] = field(default_factory=dict)
-    _stale_at: float | None = None  # a re-anchoring on this time is owed
+    _stale_at: float | None = None  # the anchor of the owed re-anchoring, if one is owed
+    _anchors: int = 0               # anchors so far: a reservation made after the last one
+    _ghost_ends: list[float] = field(default_factory=list)  # slots of decodes since completed
 
     def __post_init__(self) -> None:
         if not self._slot_free:
@@ -107,15 +120,24 @@ class InstanceTimeline:
     def settle(self) -> None:
         """Run the owed re-anchoring, if any."""
         if self._stale_at is not None:
-            now, self._stale_at = self._stale_at, None
-            self._recompute(now)
+            self._recompute(self._stale_at)
+            self._stale_at = None
+            self._ghost_ends.clear()
+
+    def _owe(self, now: float) -> None:
+        """Re-anchoring on `now` is owed: it replaces whatever was owed before."""
+        self._stale_at = now
+        self._anchors += 1
+        self._ghost_ends.clear()
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
-        if self._stale_at is not None:
-            self.settle()
         factor = self.pace.factor
         res = Reservation(key, service_s * factor, decode_s * factor, t, self)
         self._remember_durations(res)
+        self.pending[key] = res
+        if self._stale_at is not None:
+            res.late = self._anchors  # placed when the owed re-anchoring runs
+            return res
         slot_free, prefill_free = self._slot_free, self._prefill_free
         prefill_start = t if t > slot_free[0] else slot_free[0]
         if prefill_free > prefill_start:
@@ -123,51 +145,77 @@ class InstanceTimeline:
         res._predicted_first_token = first = prefill_start + res.service_s
         heapq.heapreplace(slot_free, first + res.decode_s)
         self._prefill_free = first
-        self.pending[key] = res
         return res
 
     def first_token(self, key: int, t: float) -> None:
-        res = self.pending.get(key)
+        pending = self.pending
+        res = pending.get(key)
         if res is None:
             return
-        if self._stale_at is not None:
-            self.settle()  # the pace observation reads this reservation's prediction
-        del self.pending[key]
-        self.pace.observe(res._predicted_first_token - res.reserved_at, t - res.reserved_at)
+        if self._stale_at is None:
+            predicted = res._predicted_first_token
+        elif next(iter(pending)) == key:
+            predicted = self._owed_first_prediction(res)
+        else:
+            self.settle()
+            predicted = res._predicted_first_token
+        del pending[key]
+        self.pace.observe(predicted - res.reserved_at, t - res.reserved_at)
         res.first_token_at = t
         self.decoding[key] = res
         self._decode_ends[key] = t + res.decode_s
-        self._stale_at = t
+        self._owe(t)
+
+    def _owed_first_prediction(self, res: Reservation) -> float:
+        """The prediction the owed re-anchoring gives the oldest pending reservation: it
+        starts at the earliest slot of the re-anchored state (or its own time, if reserved
+        after the anchor), the same arithmetic as `_recompute`'s first step."""
+        now = self._stale_at
+        assert now is not None
+        ends, ghosts = self._decode_ends, self._ghost_ends
+        start = now
+        if len(ends) + len(ghosts) >= self.ready_slots:  # no slot idle: the earliest busy one
+            earliest = min(min(ends.values(), default=math.inf), min(ghosts, default=math.inf))
+            if earliest > start:
+                start = earliest
+        if res.late == self._anchors and res.reserved_at > start:
+            start = res.reserved_at
+        return start + res.service_s
 
     def complete(self, key: int, t: float) -> None:
         if key in self.decoding:
-            if self._stale_at is not None:
-                self.settle()  # the slot it held is in the owed re-anchoring's state
             del self.decoding[key]
-            del self._decode_ends[key]
+            end = self._decode_ends.pop(key)
+            if self._stale_at is not None:
+                self._ghost_ends.append(end)  # its slot is part of the owed state
         elif self.pending.pop(key, None) is not None:
-            self._stale_at = t
+            self._owe(t)
 
     def drop(self, keys: set[int], t: float) -> None:
         for key in keys:
             self.decoding.pop(key, None)
             self._decode_ends.pop(key, None)
             self.pending.pop(key, None)
-        self._stale_at = t
+        self._owe(t)
 
     def _recompute(self, now: float) -> None:
-        """Re-anchor every pending reservation on `now` (service times are not re-predicted).
-        The same arithmetic, in the same order, as a reservation's: equal floats."""
-        busy = sorted([end if end > now else now for end in self._decode_ends.values()])
+        """Re-anchor every pending reservation on `now` (service times are not re-predicted):
+        the slots are those of the decoding requests (and of decodes completed since the
+        anchor), a reservation made after the anchor starts no earlier than its own time.
+        The same arithmetic, in the same order, as reserving one by one: equal floats."""
+        busy = sorted([end if end > now else now
+                       for end in itertools.chain(self._decode_ends.values(), self._ghost_ends)])
         free = self.ready_slots - len(busy)
         # A sorted list is a heap: the idle slots (free at `now`) first, then the busy ones.
         slots = [now] * free + busy if free > 0 else busy[:self.ready_slots]
-        replace = heapq.heapreplace
+        replace, anchors = heapq.heapreplace, self._anchors
         cursor = now
         for res in self.pending.values():
             start = slots[0]
             if cursor > start:
                 start = cursor
+            if res.late == anchors and res.reserved_at > start:
+                start = res.reserved_at
             res._predicted_first_token = cursor = start + res.service_s
             replace(slots, cursor + res.decode_s)
         self._slot_free = slots
