@@ -28,7 +28,7 @@ from typing import Callable, Iterator, NamedTuple
 
 from . import layout
 from .bitfields import EventTag, SlotGeneration
-from .records import EVENT, EventKind, ResidencyPayload
+from .records import EVENT, WORD, EventKind, ResidencyPayload
 from .segment import Segment
 
 __all__ = ["Event", "EventHandlers", "EventKind", "EventReader", "EventWriter", "residency"]
@@ -44,6 +44,11 @@ _FIRST_TOKEN = int(EventKind.FIRST_TOKEN)
 _COMPLETE = int(EventKind.COMPLETE)
 _RESYNC = int(EventKind.RESYNC)
 _RESIDENT = int(EventKind.RESIDENT)
+# A row header's words the sidecar scans on every poll, as word indexes within the row.
+_IDENTITY = layout.R_IDENTITY // WORD
+_TAIL = layout.R_RING_TAIL // WORD
+_HEAD = layout.R_RING_HEAD // WORD
+_DROPPED = layout.R_EVENTS_DROPPED // WORD
 _PREFIX = int(EventKind.PREFIX)
 
 
@@ -188,12 +193,41 @@ class EventHandlers(NamedTuple):
     other: Callable[[Event], None]
 
 
+class RingScan(NamedTuple):
+    """Every worker row's ring at one glance (EventReader.scan)."""
+    identities: tuple[int, ...]  # per row: its owner's ProcessIdentity, 0 = free
+    unread: list[int]            # the claimed rows with events to take
+    dropped: int                 # events the claimed rows' workers had to drop, summed
+
+
 class EventReader:
     """The sidecar side (single consumer) of every row's ring."""
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
         self._iter_unpack = EVENT.struct.iter_unpack
+        geometry = seg.geometry
+        self._rows = (geometry.worker_rows_offset,
+                      geometry.worker_rows_offset + geometry.row_size * geometry.worker_capacity)
+        self._stride = geometry.row_size // WORD  # rows are whole cache lines apart
+
+    def scan(self) -> RingScan:
+        """Identity, ring tail and head and drop count of every row: the sidecar looks at every
+        row on every poll, and most rows are free or have nothing. The rows' region as native
+        words: the identities of all rows by one strided slice (one C call, though it touches
+        one page per row), then the other words of the claimed rows only."""
+        start, end = self._rows
+        stride = self._stride
+        unread, lost = [], 0
+        with self._seg.buf[start:end] as region, region.cast("Q") as words:
+            identities = tuple(words[_IDENTITY::stride].tolist())
+            for row, identity in enumerate(identities):
+                if identity:
+                    base = stride * row
+                    if words[base + _TAIL] != words[base + _HEAD]:
+                        unread.append(row)
+                    lost += words[base + _DROPPED]
+        return RingScan(identities, unread, lost)
 
     def take(self, row: int, limit: int | None = None) -> list[tuple[int, ...]]:
         """The row's unread records as raw EventRecord word tuples, in order, marked consumed.

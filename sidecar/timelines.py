@@ -86,6 +86,7 @@ class InstanceTimeline:
     snapshot instead of once per request."""
     ready_slots: int
     pace: Pace = field(default_factory=lambda: Pace(step=0.0))
+    where: tuple[int, int] = (0, 0)  # the instance: (slot, generation)
     # When each ready slot frees up, as a min-heap: only the multiset matters (the earliest
     # free slot is taken), and READY_CONCURRENCY may be 64, where a linear min per event was
     # most of the sidecar's CPU.
@@ -206,10 +207,20 @@ class InstanceTimeline:
         busy = sorted([end if end > now else now
                        for end in itertools.chain(self._decode_ends.values(), self._ghost_ends)])
         free = self.ready_slots - len(busy)
-        # A sorted list is a heap: the idle slots (free at `now`) first, then the busy ones.
+        anchors, cursor = self._anchors, now
+        if len(self.pending) < free:
+            # Every reservation takes an idle slot (free at `now`, never later than the chain)
+            # and one stays idle: each starts when the prefill chain is free, no heap needed.
+            for res in self.pending.values():
+                start = res.reserved_at if res.late == anchors and res.reserved_at > cursor else cursor
+                res._predicted_first_token = cursor = start + res.service_s
+                busy.append(cursor + res.decode_s)
+            self._slot_free = [now] * (free - len(self.pending)) + sorted(busy)
+            self._prefill_free = cursor
+            return
+        # A sorted list is a heap: the idle slots first, then the busy ones.
         slots = [now] * free + busy if free > 0 else busy[:self.ready_slots]
-        replace, anchors = heapq.heapreplace, self._anchors
-        cursor = now
+        replace = heapq.heapreplace
         for res in self.pending.values():
             start = slots[0]
             if cursor > start:
@@ -262,7 +273,7 @@ class Timelines:
         self.pace_step = pace_step
         self._max_num_seqs = max_num_seqs
         self._by_instance: dict[tuple[int, int], InstanceTimeline] = {}
-        self._where: dict[int, tuple[int, int]] = {}  # request key -> instance
+        self._where: dict[int, InstanceTimeline] = {}  # request key -> its instance's timeline
 
     def timeline(self, slot: int, generation: int) -> InstanceTimeline:
         key = (slot, generation)
@@ -270,30 +281,37 @@ class Timelines:
         if timeline is None:
             limit = self._max_num_seqs(slot, generation)
             slots = min(self.ready_slots, limit) if limit > 0 else self.ready_slots
-            timeline = self._by_instance[key] = InstanceTimeline(slots, Pace(self.pace_step))
+            timeline = self._by_instance[key] = InstanceTimeline(slots, Pace(self.pace_step),
+                                                                 where=key)
         return timeline
 
+    # The three per-request events: the sidecar's hottest code (one call per event).
     def reserve(self, slot: int, generation: int, key: int, t: float, service_s: float,
                 decode_s: float) -> None:
-        self.complete(key, t)  # a re-sent reservation replaces the old one
-        self.timeline(slot, generation).reserve(key, t, service_s, decode_s)
-        self._where[key] = (slot, generation)
+        where = self._where
+        previous = where.get(key)
+        if previous is not None:  # a re-sent reservation replaces the old one
+            del where[key]
+            previous.complete(key, t)
+        timeline = self._by_instance.get((slot, generation)) or self.timeline(slot, generation)
+        timeline.reserve(key, t, service_s, decode_s)
+        where[key] = timeline
 
     def first_token(self, key: int, t: float) -> None:
-        where = self._where.get(key)
-        if where is not None:
-            self._by_instance[where].first_token(key, t)
+        timeline = self._where.get(key)
+        if timeline is not None:
+            timeline.first_token(key, t)
 
     def complete(self, key: int, t: float) -> None:
-        where = self._where.pop(key, None)
-        if where is not None:
-            self._by_instance[where].complete(key, t)
+        timeline = self._where.pop(key, None)
+        if timeline is not None:
+            timeline.complete(key, t)
 
     def drop_keys(self, predicate: Callable[[int], bool], t: float) -> int:
         doomed = [k for k in self._where if predicate(k)]
         by_instance: dict[tuple[int, int], set[int]] = {}
         for key in doomed:
-            by_instance.setdefault(self._where.pop(key), set()).add(key)
+            by_instance.setdefault(self._where.pop(key).where, set()).add(key)
         for where, keys in by_instance.items():
             self._by_instance[where].drop(keys, t)
         return len(doomed)
@@ -302,14 +320,14 @@ class Timelines:
         """Drop the timelines of instances that are gone (slot freed or reused)."""
         for where in [w for w in self._by_instance if w not in live]:
             del self._by_instance[where]
-        self._where = {k: w for k, w in self._where.items() if w in live}
+        self._where = {k: tl for k, tl in self._where.items() if tl.where in live}
 
     def expire(self, max_age_s: float, now: float) -> int:
         expired = 0
         for timeline in self._by_instance.values():
             expired += timeline.expire(now - max_age_s, now)
         live_keys = {k for t in self._by_instance.values() for k in (*t.pending, *t.decoding)}
-        self._where = {k: w for k, w in self._where.items() if k in live_keys}
+        self._where = {k: tl for k, tl in self._where.items() if k in live_keys}
         return expired
 
     def by_instance(self) -> dict[tuple[int, int], InstanceTimeline]:

@@ -140,3 +140,29 @@ def test_dropped_events_stay_counted_after_the_worker_is_gone(seg_name):
     WorkerRow.claim(seg, 1)  # and another takes its row, starting from 0
     publisher.tick()
     assert publisher.stats.dropped_by_workers == 20
+
+
+def test_one_scan_sees_every_rows_owner_unread_events_and_drops(seg_name):
+    """What the sidecar reads of every row on every poll, in one struct call, against the
+    rows' own headers (read_rows) and the rings themselves, ring wrap included."""
+    _, seg = seg_name
+    reader = EventReader(seg)
+    assert reader.scan() == ((0,) * 8, [], 0)
+    quiet, busy, lossy = (WorkerRow.claim(seg, index, identity=1000 + index) for index in range(3))
+    busy_writer = EventWriter(seg, busy.row)
+    for seq in range(1000):  # most of the ring, then taken, then past its end: a wrap
+        busy_writer.first_token(1, seq, 0, 1, seq)
+    assert len(reader.take(busy.row)) == 1000
+    for seq in range(100):
+        busy_writer.first_token(1, seq, 0, 1, seq)
+    lossy_writer = EventWriter(seg, lossy.row, spill_limit=0)
+    results = [lossy_writer.complete(1, i, 0, 1, i, failed=False) for i in range(1024 + 5)]
+    assert results.count(False) == 5
+    scan = reader.scan()
+    assert scan.identities == tuple(r.identity for r in sorted(read_rows(seg), key=lambda r: r.row)) \
+        + (0,) * 5
+    assert scan.identities[:3] == (quiet.identity, busy.identity, lossy.identity)
+    assert scan.unread == [busy.row, lossy.row] and scan.dropped == 5
+    assert [e.request_key for e in reader.drain(busy.row)] == list(range(100))  # across the wrap
+    lossy.release()
+    assert reader.scan() == ((quiet.identity, busy.identity) + (0,) * 6, [], 0)
