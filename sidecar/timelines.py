@@ -129,12 +129,18 @@ class InstanceTimeline:
         """Re-anchoring on `now` is owed: it replaces whatever was owed before."""
         self._stale_at = now
         self._anchors += 1
-        self._ghost_ends.clear()
+        if self._ghost_ends:
+            self._ghost_ends.clear()
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
         factor = self.pace.factor
         res = Reservation(key, service_s * factor, decode_s * factor, t, self)
-        self._remember_durations(res)
+        # The moving averages of the marginal backlog (the first reservation seeds them).
+        if not self.recent_service_s and not self.recent_decode_s:
+            self.recent_service_s, self.recent_decode_s = res.service_s, res.decode_s
+        else:
+            self.recent_service_s += RECENT_WEIGHT * (res.service_s - self.recent_service_s)
+            self.recent_decode_s += RECENT_WEIGHT * (res.decode_s - self.recent_decode_s)
         self.pending[key] = res
         if self._stale_at is not None:
             res.late = self._anchors  # placed when the owed re-anchoring runs
@@ -232,13 +238,6 @@ class InstanceTimeline:
         self._slot_free = slots
         self._prefill_free = cursor
 
-    def _remember_durations(self, res: Reservation) -> None:
-        if not self.recent_service_s and not self.recent_decode_s:
-            self.recent_service_s, self.recent_decode_s = res.service_s, res.decode_s
-            return
-        self.recent_service_s += RECENT_WEIGHT * (res.service_s - self.recent_service_s)
-        self.recent_decode_s += RECENT_WEIGHT * (res.decode_s - self.recent_decode_s)
-
     def marginal_backlog_s(self) -> float:
         """What one more request adds to the backlog: its prefill on the serial chain, or its
         share of the slots it occupies through decode when that is more."""
@@ -246,11 +245,23 @@ class InstanceTimeline:
                    (self.recent_service_s + self.recent_decode_s) / self.ready_slots)
 
     def pressure(self, generation: int) -> Pressure:
-        if self._stale_at is not None:
-            self.settle()
         ends = self._decode_ends
-        return Pressure(generation, len(self.pending), len(ends), int(self._slot_free[0] * 1e6),
-                        int(self._prefill_free * 1e6), int(max(ends.values(), default=0.0) * 1e6),
+        now = self._stale_at
+        if now is not None and len(self.pending) < self.ready_slots - len(ends) - len(self._ghost_ends):
+            # What the owed re-anchoring would give, without running it: an idle slot remains
+            # (the earliest free is `now`), and the chain is the pending reservations' prefill
+            # one after another, as `_recompute` chains them; the predictions stay owed.
+            anchors = self._anchors
+            for res in self.pending.values():
+                if res.late == anchors and res.reserved_at > now:
+                    now = res.reserved_at
+                now += res.service_s
+            next_slot_free, prefill_free = self._stale_at, now
+        else:
+            self.settle()
+            next_slot_free, prefill_free = self._slot_free[0], self._prefill_free
+        return Pressure(generation, len(self.pending), len(ends), int(next_slot_free * 1e6),
+                        int(prefill_free * 1e6), int(max(ends.values(), default=0.0) * 1e6),
                         int(self.marginal_backlog_s() * 1e6))
 
     def expire(self, older_than: float, now: float) -> int:
