@@ -116,13 +116,14 @@ class Scenario:
         self.tick_number += 1
         return completed
 
-    def run(self, warmup: int, measured: int) -> dict[str, Any]:
-        """Ticks at the real poll interval; the CPU of the measured ticks per request."""
+    def run(self, warmup: int, measured: int, poll_s: float = POLL_S) -> dict[str, Any]:
+        """Ticks at the poll interval (the real one by default; 0 = back to back, caches
+        warm); the CPU of the measured ticks per request."""
         cpu_ns = completed = consumed_before = 0
         deadline = time.monotonic()
         for index in range(warmup + measured):
             done = self.produce()
-            deadline += POLL_S
+            deadline += poll_s
             pause = deadline - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
@@ -153,10 +154,10 @@ class Scenario:
 
 
 def run_case(instances: int, mode: str, seed: int, warmup: int = WARMUP_TICKS,
-             measured: int = MEASURED_TICKS) -> dict[str, Any]:
+             measured: int = MEASURED_TICKS, poll_s: float = POLL_S) -> dict[str, Any]:
     scenario = Scenario(instances, mode, seed)
     try:
-        return scenario.run(warmup, measured)
+        return scenario.run(warmup, measured, poll_s)
     finally:
         scenario.close()
 
@@ -169,7 +170,7 @@ def serve() -> None:
     for line in sys.stdin:
         ask = json.loads(line)
         print(json.dumps(run_case(ask["instances"], ask["mode"], ask["seed"], ask["warmup"],
-                                  ask["measured"])), flush=True)
+                                  ask["measured"], ask["poll_s"])), flush=True)
 
 
 class Tree:
@@ -217,7 +218,8 @@ def git_commit(ref: str = "HEAD") -> str | None:
     return done.stdout.strip() or None
 
 
-def measure(trees: list[Tree], repeats: int, warmup: int, measured: int) -> dict[str, Any]:
+def measure(trees: list[Tree], repeats: int, warmup: int, measured: int,
+            poll_s: float) -> dict[str, Any]:
     samples: dict[str, dict[str, list[dict]]] = {t.label: defaultdict(list) for t in trees}
     for repeat in range(repeats):
         for instances in INSTANCE_COUNTS:
@@ -225,7 +227,7 @@ def measure(trees: list[Tree], repeats: int, warmup: int, measured: int) -> dict
                 order = trees if repeat % 2 == 0 else trees[::-1]
                 for tree in order:  # A/B interleaved, alternating who goes first
                     result = tree.run(instances=instances, mode=mode, seed=repeat,
-                                      warmup=warmup, measured=measured)
+                                      warmup=warmup, measured=measured, poll_s=poll_s)
                     samples[tree.label][case_name(instances, mode)].append(result)
                     print(f"repeat {repeat} {tree.label:9s} {case_name(instances, mode):14s} "
                           f"{result['us_per_request']:7.2f} µs/request", file=sys.stderr)
@@ -279,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=WARMUP_TICKS)
     p.add_argument("--measured", type=int, default=MEASURED_TICKS, help="ticks per repeat")
+    p.add_argument("--poll-ms", type=float, default=POLL_S * 1000,
+                   help="tick interval (default: PROXY_EVENT_POLL_MS' default; 0 = back to back, "
+                        "caches warm: the code's own cost without what a 5 ms sleep evicts)")
     p.add_argument("--baseline", metavar="GIT_REF", default=None,
                    help="also measure the product as it was at GIT_REF, interleaved")
     p.add_argument("--profile", metavar="INSTANCES:MODE", default=None,
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if args.baseline:
                 trees.append(Tree("baseline", baseline_tree(args.baseline, Path(tmp))))
-            results = measure(trees, args.repeats, args.warmup, args.measured)
+            results = measure(trees, args.repeats, args.warmup, args.measured, args.poll_ms / 1000)
         finally:
             for tree in trees:
                 tree.close()
@@ -309,14 +314,14 @@ def main(argv: list[str] | None = None) -> None:
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "baseline_ref": args.baseline,
             "baseline_commit": git_commit(args.baseline) if args.baseline else None,
-            "machine": info, "results": results, "speedup_vs_baseline": ratios(results),
+            "poll_ms": args.poll_ms, "machine": info, "results": results, "speedup_vs_baseline": ratios(results),
             "method": {
                 "scenario": f"{'/'.join(map(str, INSTANCE_COUNTS))} instances, READY_CONCURRENCY "
                             f"{READY_CONCURRENCY}, ~{IN_FLIGHT_PER_INSTANCE} in flight per instance, "
                             f"{REQUESTS_PER_S} requests/s over {WORKER_ROWS} worker rows",
                 "producer": "proxy_workers.tracker.RequestTracker (the workers' own writer); "
                             "stream: reserve, first token, complete; non_stream: reserve, complete",
-                "measured": f"thread CPU of PressurePublisher.tick() every {POLL_S * 1000:g} ms "
+                "measured": f"thread CPU of PressurePublisher.tick() every {args.poll_ms:g} ms "
                             f"(drain + apply + publish), over {args.measured} ticks after "
                             f"{args.warmup}, divided by the requests completed in them",
                 "repeats": f"{args.repeats}, interleaved across cases and A/B; medians"}}

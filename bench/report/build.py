@@ -46,6 +46,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
         ("affinity.json", affinity.section),
         ("select.json", others.select_section),
+        ("events.json", others.events_section),
         ("pressure.json", others.pressure_section),
         ("pressure_vllm.json", others.pressure_vllm_section),
     ]
