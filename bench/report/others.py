@@ -30,12 +30,14 @@ def select_section(data: dict[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def events_section(data: dict[str, Any]) -> str:
-    """bench/results/events.json (bench/bench_events.py): the sidecar's CPU per request."""
+def events_section(data: dict[str, Any], file_name: str = "events.json",
+                   title: str = "Sidecar event cost (µs of CPU per request)") -> str:
+    """bench/results/events.json (bench/bench_events.py): the sidecar's CPU per request;
+    events_warm.json is the same benchmark ticking back to back (--poll-ms 0)."""
     results = data.get("results") or {}
     current, baseline = results.get("current") or {}, results.get("baseline") or {}
     speedup = data.get("speedup_vs_baseline") or {}
-    parts = ["## Sidecar event cost (µs of CPU per request)", *blocks.header_blocks(data, "events.json")]
+    parts = [f"## {title}", *blocks.header_blocks(data, file_name)]
     if data.get("poll_ms") is not None:
         parts.append(f"Tick interval: {num(data['poll_ms'])} ms"
                      + ("" if data.get("baseline_commit") is None else
