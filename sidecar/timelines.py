@@ -76,9 +76,10 @@ class InstanceTimeline:
       gives it what reserving on the re-anchored state would (its own time as a floor);
     - a decoding request that completes leaves the slot it held to the owed state (a
       completion never re-anchors, so that slot stays in the predictions until the next one);
-    - a first token of the oldest pending request (the common case) needs only that
-      request's prediction for its pace observation: the earliest slot of the owed state,
-      computed on its own. Any other first token settles first.
+    - a first token needs only its request's prediction for its pace observation: for the
+      oldest pending request, the earliest slot of the owed state; for another, while the
+      reservations before it each take an idle slot (READY_CONCURRENCY is rarely full), the
+      prefill chain up to it. Otherwise it settles first.
     `settle()` runs the owed re-anchoring: before a pressure is published, or when anything
     reads `slot_free`, `prefill_free` or a reservation's prediction. Every reader sees exactly
     what re-anchoring on every event would produce (tests/test_timelines.py holds the two to
@@ -164,8 +165,10 @@ class InstanceTimeline:
         elif next(iter(pending)) == key:
             predicted = self._owed_first_prediction(res)
         else:
-            self.settle()
-            predicted = res._predicted_first_token
+            predicted = self._owed_chain(until=key)
+            if predicted is None:
+                self.settle()
+                predicted = res._predicted_first_token
         del pending[key]
         self.pace.observe(predicted - res.reserved_at, t - res.reserved_at)
         res.first_token_at = t
@@ -188,6 +191,25 @@ class InstanceTimeline:
         if res.late == self._anchors and res.reserved_at > start:
             start = res.reserved_at
         return start + res.service_s
+
+    def _owed_chain(self, until: int | None = None) -> float | None:
+        """Where the owed re-anchoring ends the prefill chain: after reservation `until`, or
+        after every pending one (None) - if each up to there takes an idle slot: then each
+        starts when the chain is free (or at its own time, if reserved after the anchor), as
+        `_recompute` chains them. None when the slots run out first."""
+        cursor = self._stale_at
+        assert cursor is not None
+        idle = self.ready_slots - len(self._decode_ends) - len(self._ghost_ends)
+        anchors = self._anchors
+        for position, (key, res) in enumerate(self.pending.items()):
+            if position >= idle:
+                return None
+            if res.late == anchors and res.reserved_at > cursor:
+                cursor = res.reserved_at
+            cursor += res.service_s
+            if key == until:
+                return cursor
+        return cursor
 
     def complete(self, key: int, t: float) -> None:
         if key in self.decoding:
@@ -246,17 +268,11 @@ class InstanceTimeline:
 
     def pressure(self, generation: int) -> Pressure:
         ends = self._decode_ends
-        now = self._stale_at
-        if now is not None and len(self.pending) < self.ready_slots - len(ends) - len(self._ghost_ends):
-            # What the owed re-anchoring would give, without running it: an idle slot remains
-            # (the earliest free is `now`), and the chain is the pending reservations' prefill
-            # one after another, as `_recompute` chains them; the predictions stay owed.
-            anchors = self._anchors
-            for res in self.pending.values():
-                if res.late == anchors and res.reserved_at > now:
-                    now = res.reserved_at
-                now += res.service_s
-            next_slot_free, prefill_free = self._stale_at, now
+        # What the owed re-anchoring would give, without running it, while an idle slot
+        # remains after the chain (the earliest free is then the anchor); it stays owed.
+        owed = self._stale_at
+        if owed is not None and len(self.pending) < self.ready_slots - len(ends) - len(self._ghost_ends):
+            next_slot_free, prefill_free = owed, self._owed_chain()
         else:
             self.settle()
             next_slot_free, prefill_free = self._slot_free[0], self._prefill_free
