@@ -166,3 +166,28 @@ def test_one_scan_sees_every_rows_owner_unread_events_and_drops(seg_name):
     assert [e.request_key for e in reader.drain(busy.row)] == list(range(100))  # across the wrap
     lossy.release()
     assert reader.scan() == ((quiet.identity, busy.identity) + (0,) * 6, [], 0)
+
+
+def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_full_scan(seg_name):
+    """A scan reads up to one past the highest claimed row (each row is a page of its own) and
+    further while the last one read is claimed: rows claimed together since the last scan are
+    all seen at once. The one claim it can miss (above a row claimed and freed again between
+    two scans) is seen by the next full scan, every FULL_SCAN_EVERY scans."""
+    from shm_schema.events import FULL_SCAN_EVERY
+
+    _, seg = seg_name
+    reader = EventReader(seg)
+    assert reader.scan().identities == (0,) * 8   # the first scan reads every row
+    rows = [WorkerRow.claim(seg, index, identity=2000 + index) for index in range(6)]
+    assert reader.scan().identities == tuple(r.identity for r in rows) + (0, 0)  # one scan
+    for row in rows[2:]:
+        row.release()
+    reader.scan()  # rows 0 and 1 remain: the next scans read rows 0..2
+    hole, above = (WorkerRow.claim(seg, index, identity=3000 + index) for index in range(2))
+    assert (hole.row, above.row) == (2, 3)
+    EventWriter(seg, above.row).first_token(1, 7, 0, 1, 7)
+    hole.release()  # between two scans: row 3 is claimed above a free row 2
+    scans = [reader.scan() for _ in range(FULL_SCAN_EVERY)]
+    first_seen = next(i for i, scan in enumerate(scans) if scan.identities[3] == above.identity)
+    assert first_seen < FULL_SCAN_EVERY and scans[first_seen].unread == [above.row]
+    assert reader.scan().identities[:4] == (rows[0].identity, rows[1].identity, 0, above.identity)
