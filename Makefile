@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
+.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,12 @@ test-vllm: install-vllm
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_select --out bench/results/select.json
+	$(PY) -m bench.bench_events --out bench/results/events.json
+
+# The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
+# BASELINE=<git ref> the same scenarios against that ref too, interleaved).
+bench-events: $(STAMP)
+	$(PY) -m bench.bench_events --out bench/results/events.json $(if $(BASELINE),--baseline $(BASELINE),)
 
 # TTFT prediction error and snapshot age against simulated instances at real time (~1 min).
 bench-pressure: $(STAMP)

@@ -11,27 +11,29 @@ is an event dropped, and then it is counted in the row (`events_dropped`, shown 
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
 
-The writer has one method per kind, with that kind's payload as named parameters; the reader
-yields `Event`s with the payload by name (RESIDENT and PREFIX carry records.ResidencyPayload in
-the four payload words: `residency(event)` names them). Both pack the record in EventRecord's field order
-with the EventTag / SlotGeneration formats inlined: three events per request, so no record
-object is built on the write path.
+The writer has one method per kind, with that kind's payload as named parameters. The
+sidecar reads with `EventReader.consume`: one struct call per contiguous span of the ring, then
+one loop that decodes each record's words and calls the handler of its kind (EventHandlers),
+building no object per event; `drain` yields `Event`s with the payload by name, for the rare
+kinds and for tests (RESIDENT and PREFIX carry records.ResidencyPayload in the four payload
+words: `residency(event)` names them). Both sides pack the record in EventRecord's field order
+with the EventTag / SlotGeneration formats inlined: three events per streamed request, so no
+record object is built on either path.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from . import layout
 from .bitfields import EventTag, SlotGeneration
-from .records import EVENT, EventKind, ResidencyPayload
+from .records import EVENT, WORD, EventKind, ResidencyPayload
 from .segment import Segment
 
-__all__ = ["Event", "EventKind", "EventReader", "EventWriter", "residency"]
+__all__ = ["Event", "EventHandlers", "EventKind", "EventReader", "EventWriter", "residency"]
 
 _PACK_INTO = EVENT.struct.pack_into
-_UNPACK_FROM = EVENT.struct.unpack_from
 _SIZE = EVENT.size
 _EPOCH_SHIFT = EventTag.EPOCH_SHIFT
 _KIND_MASK = EventTag.KIND_MASK
@@ -42,6 +44,11 @@ _FIRST_TOKEN = int(EventKind.FIRST_TOKEN)
 _COMPLETE = int(EventKind.COMPLETE)
 _RESYNC = int(EventKind.RESYNC)
 _RESIDENT = int(EventKind.RESIDENT)
+# A row header's words the sidecar scans on every poll, as word indexes within the row.
+_IDENTITY = layout.R_IDENTITY // WORD
+_TAIL = layout.R_RING_TAIL // WORD
+_HEAD = layout.R_RING_HEAD // WORD
+_DROPPED = layout.R_EVENTS_DROPPED // WORD
 _PREFIX = int(EventKind.PREFIX)
 
 
@@ -177,38 +184,134 @@ def residency(event: Event) -> ResidencyPayload:
                             event.prompt_tokens)
 
 
+class EventHandlers(NamedTuple):
+    """What `EventReader.consume` calls, per kind, with the fields decoded: times in seconds
+    (t_us / 1e6), durations in seconds. `other` receives RESIDENT and PREFIX as `Event`s."""
+    reserve: Callable[[int, int, int, float, float, float], None]  # slot, gen, key, t, service, decode
+    first_token: Callable[[int, float], None]                       # key, t
+    complete: Callable[[int, float], None]                          # key, t
+    other: Callable[[Event], None]
+
+
+FULL_SCAN_EVERY = 20  # scans (100 ms at the default 5 ms poll): see EventReader.scan
+SCAN_STEP = 8         # rows a scan reads further while the last one it read is claimed
+
+
+class RingScan(NamedTuple):
+    """Every worker row's ring at one glance (EventReader.scan)."""
+    identities: tuple[int, ...]  # per row: its owner's ProcessIdentity, 0 = free
+    unread: list[int]            # the claimed rows with events to take
+    dropped: int                 # events the claimed rows' workers had to drop, summed
+
+
 class EventReader:
     """The sidecar side (single consumer) of every row's ring."""
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
+        self._iter_unpack = EVENT.struct.iter_unpack
+        geometry = seg.geometry
+        self._rows = (geometry.worker_rows_offset,
+                      geometry.worker_rows_offset + geometry.row_size * geometry.worker_capacity)
+        self._stride = geometry.row_size // WORD  # rows are whole cache lines apart
+        self._capacity = geometry.worker_capacity
+        self._identities = [0] * geometry.worker_capacity  # as last seen, every row
+        self._span = geometry.worker_capacity  # rows the next scan reads: all, the first time
+        self._scans = 0
 
-    def drain(self, row: int, limit: int | None = None) -> Iterator[Event]:
-        """Yield the row's unread events in order and mark them consumed."""
+    def scan(self) -> RingScan:
+        """Identity, ring tail and head and drop count of every row the sidecar must look at,
+        on every poll. Each row is a page of its own (its ring follows its header), and on a
+        shared machine touching 64 pages every 5 ms cost more than the events; so a scan reads
+        the rows up to one past the highest claimed one, and further while the last row read is
+        claimed: a worker claims the lowest free row (WorkerRow.claim), so a new row is there.
+        Every FULL_SCAN_EVERY-th scan reads all rows, for the one way around that (a row
+        claimed above another that was claimed and freed again between two scans). The
+        identities are read by strided slices of the rows' region as native words (one C call
+        a slice), the other words for the claimed rows only."""
+        start, end = self._rows
+        stride, capacity = self._stride, self._capacity
+        self._scans += 1
+        rows = capacity if self._scans % FULL_SCAN_EVERY == 0 else min(self._span, capacity)
+        unread, lost = [], 0
+        known = self._identities
+        with self._seg.buf[start:end] as region, region.cast("Q") as words:
+            known[:rows] = words[_IDENTITY:stride * rows:stride].tolist()
+            while rows < capacity and known[rows - 1]:  # a run of claims may go on
+                more = min(capacity, rows + SCAN_STEP)
+                known[rows:more] = words[stride * rows + _IDENTITY:stride * more:stride].tolist()
+                rows = more
+            highest = -1
+            for row in range(rows):
+                if known[row]:
+                    highest = row
+                    base = stride * row
+                    if words[base + _TAIL] != words[base + _HEAD]:
+                        unread.append(row)
+                    lost += words[base + _DROPPED]
+        self._span = highest + 2
+        identities = tuple(known)
+        return RingScan(identities, unread, lost)
+
+    def take(self, row: int, limit: int | None = None) -> list[tuple[int, ...]]:
+        """The row's unread records as raw EventRecord word tuples, in order, marked consumed.
+        One struct call per contiguous span of the ring (two when it wraps)."""
         seg = self._seg
         geometry = seg.geometry
         base = geometry.row_offset(row)
         head = seg.load(base + layout.R_RING_HEAD)
         tail = seg.load(base + layout.R_RING_TAIL)
-        if limit is not None:
-            tail = min(tail, head + limit)
-        ring = geometry.ring_offset(row)
-        capacity = geometry.ring_capacity
-        # Locals, not module globals, inside the loop: the sidecar decodes every event. An Event
-        # is built by tuple.__new__ on all its fields (what Event(...) does, minus a Python frame).
-        buf, unpack, size, new = seg.buf, _UNPACK_FROM, _SIZE, tuple.__new__
-        kind_mask, epoch_shift, complete = _KIND_MASK, _EPOCH_SHIFT, _COMPLETE
+        if limit is not None and tail - head > limit:
+            tail = head + limit
+        if tail <= head:
+            return []
+        ring, capacity = geometry.ring_offset(row), geometry.ring_capacity
+        first = head % capacity
+        count = tail - head
+        end = min(capacity, first + count)
+        buf = seg.buf
+        records = list(self._iter_unpack(buf[ring + _SIZE * first:ring + _SIZE * end]))
+        if end - first < count:  # wrapped: the rest from the ring's start
+            records += self._iter_unpack(buf[ring:ring + _SIZE * (count - (end - first))])
+        seg.store(base + layout.R_RING_HEAD, tail)
+        return records
+
+    def consume(self, row: int, epoch: int, handlers: EventHandlers,
+                limit: int | None = None) -> tuple[int, int]:
+        """Take the row's unread events and hand those of `epoch` to `handlers`, in order, in
+        one loop with no per-event object; returns (taken, of another epoch)."""
+        records = self.take(row, limit)
+        reserve, first_token, complete, other = handlers
+        kind_mask, epoch_shift = _KIND_MASK, _EPOCH_SHIFT
         slot_shift, generation_mask = _SLOT_SHIFT, _GENERATION_MASK
-        try:
-            while head < tail:
-                tag, key, where, t_us, p0, p1, p2, p3 = unpack(buf, ring + size * (head % capacity))
-                head += 1
-                kind = tag & kind_mask
-                if kind == complete:
-                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
-                                      where & generation_mask, t_us, 0, 0, 0, 0, p0 != 0))
-                else:
-                    yield new(Event, (kind, tag >> epoch_shift, key, where >> slot_shift,
-                                      where & generation_mask, t_us, p0, p1, p2, p3, False))
-        finally:
-            seg.store(base + layout.R_RING_HEAD, head)
+        stale = 0
+        for record in records:
+            tag, key, where, t_us, p0, p1, _, _ = record
+            if tag >> epoch_shift != epoch:
+                stale += 1  # written for a sidecar that has since restarted
+                continue
+            kind = tag & kind_mask
+            if kind == _FIRST_TOKEN:
+                first_token(key, t_us / 1e6)
+            elif kind == _COMPLETE:
+                complete(key, t_us / 1e6)
+            elif kind == _RESERVE or kind == _RESYNC:
+                reserve(where >> slot_shift, where & generation_mask, key, t_us / 1e6,
+                        p0 / 1e6, p1 / 1e6)
+            else:
+                other(_decode(record))
+        return len(records), stale
+
+    def drain(self, row: int, limit: int | None = None) -> Iterator[Event]:
+        """The row's unread events in order, decoded, marked consumed."""
+        return iter([_decode(record) for record in self.take(row, limit)])
+
+
+def _decode(record: tuple[int, ...]) -> Event:
+    tag, key, where, t_us, p0, p1, p2, p3 = record
+    kind = tag & _KIND_MASK
+    if kind == _COMPLETE:
+        return Event(kind, tag >> _EPOCH_SHIFT, key, where >> _SLOT_SHIFT, where & _GENERATION_MASK,
+                     t_us, failed=p0 != 0)
+    return Event(kind, tag >> _EPOCH_SHIFT, key, where >> _SLOT_SHIFT, where & _GENERATION_MASK,
+                 t_us, p0, p1, p2, p3)

@@ -13,6 +13,7 @@ A record is a `records.SnapshotRecord` (`Pressure` here, its name on the publish
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 import time
 from typing import Callable, Sequence
@@ -43,18 +44,30 @@ def record_at(records: Sequence[int], slot: int, generation: int) -> SnapshotRec
 
 
 class SnapshotWriter:
+    """The sidecar's side. Writes the records of slots 0 .. the highest it publishes in one
+    struct call, and clears what a buffer held above that; a new writer (a restarted sidecar)
+    does not know what its predecessor left, so it clears each buffer's whole capacity once."""
+
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
+        capacity = seg.geometry.instance_capacity
+        self._written = [capacity, capacity]  # per buffer: slots that may hold a record
+        self._structs: dict[int, struct.Struct] = {}
 
     def publish(self, records: dict[int, Pressure]) -> int:
         """Write every slot's record (absent slots are cleared) and make them visible."""
         seg = self._seg
-        geometry = seg.geometry
         generation = seg.load(layout.H_SNAPSHOT_GEN)
         buffer = (generation + 1) % 2
-        for slot in range(geometry.instance_capacity):
-            SNAPSHOT.pack_into(seg.buf, geometry.snapshot_record_offset(buffer, slot),
-                               records.get(slot, _EMPTY))
+        span = 1 + max(records, default=-1)
+        width = max(span, self._written[buffer])
+        packer = self._structs.get(width)
+        if packer is None:
+            packer = self._structs[width] = SNAPSHOT.array(width)
+        get = records.get
+        packer.pack_into(seg.buf, seg.geometry.snapshot_record_offset(buffer, 0),
+                         *itertools.chain.from_iterable([get(slot, _EMPTY) for slot in range(width)]))
+        self._written[buffer] = span
         seg.store(layout.H_SNAPSHOT_PUBLISHED_US, time.time_ns() // 1000)
         seg.store(layout.H_SNAPSHOT_GEN, generation + 1)
         return generation + 1

@@ -26,9 +26,17 @@ class Pace:
     observations: int = 0
 
     def observe(self, predicted_s: float, observed_s: float) -> None:
+        # Called for every first token: the clamps are comparisons, not min/max calls (the
+        # same floats).
         if self.step <= 0.0 or predicted_s < MIN_PREDICTED_S:
             return
-        ratio = min(max(max(observed_s, 0.0) / predicted_s, RATIO_LIMITS[0]), RATIO_LIMITS[1])
+        ratio = observed_s / predicted_s if observed_s > 0.0 else 0.0
+        low, high = RATIO_LIMITS
+        if ratio < low:
+            ratio = low
+        elif ratio > high:
+            ratio = high
         learned = self.factor * math.exp(self.step * math.log(ratio))
-        self.factor = min(max(learned, FACTOR_LIMITS[0]), FACTOR_LIMITS[1])
+        low, high = FACTOR_LIMITS
+        self.factor = low if learned < low else high if learned > high else learned
         self.observations += 1

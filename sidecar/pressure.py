@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shm_schema import DirectoryReader, Segment, header, read_all, read_rows
+from shm_schema import DirectoryReader, Segment, header, read_all
 from shm_schema.bitfields import RequestKey
-from shm_schema.events import Event, EventKind, EventReader
+from shm_schema.events import Event, EventHandlers, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 from .affinity import AffinityModels
@@ -47,6 +47,7 @@ class PressurePublisher:
         self._directory = DirectoryReader(seg)
         self.timelines = Timelines(ready_slots, pace_step, self._max_num_seqs)
         self._owners: dict[int, int] = {}  # row -> identity whose reservations we hold
+        self._identities: tuple[int, ...] = ()  # every row's owner at the last tick
         self._dirty = True
         self._last_publish = 0.0
         self._min_interval = min_publish_interval_s
@@ -54,15 +55,20 @@ class PressurePublisher:
         self._max_age = reservation_max_age_s
         self._next_expiry = time.monotonic() + 10.0
         self.stats = ChannelStats()
+        timelines = self.timelines
+        self._handlers = EventHandlers(timelines.reserve, timelines.first_token,
+                                       timelines.complete, self._apply_other)
 
     def tick(self) -> None:
         now = time.time()
-        rows = read_rows(self._seg)
-        self._forget_departed_rows({r.row: r.identity for r in rows}, now)
-        for row in rows:
-            self._drain(row.row)
-        self.stats.dropped_by_workers = (sum(r.events_dropped for r in rows)
-                                         + header.events_dropped_gone(self._seg))
+        scan = self._reader.scan()
+        if scan.identities != self._identities:  # a row was claimed, released or reused
+            self._identities = scan.identities
+            self._forget_departed_rows({row: identity for row, identity in enumerate(scan.identities)
+                                        if identity}, now)
+        for row in scan.unread:
+            self._drain(row)
+        self.stats.dropped_by_workers = scan.dropped + header.events_dropped_gone(self._seg)
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             self._housekeeping(now)
@@ -80,26 +86,17 @@ class PressurePublisher:
 
     # --- internals ------------------------------------------------------------------------
     def _drain(self, row: int) -> None:
-        for event in self._reader.drain(row, limit=4096):
-            self.stats.consumed += 1
-            if event.epoch != self.epoch:
-                self.stats.stale_epoch += 1  # written for a sidecar that has since restarted
-                continue
-            self._apply(event)
-            self._dirty = True
+        taken, stale = self._reader.consume(row, self.epoch, self._handlers, limit=4096)
+        if taken:
+            self.stats.consumed += taken
+            self.stats.stale_epoch += stale  # written for a sidecar that has since restarted
+            if taken > stale:
+                self._dirty = True
 
-    def _apply(self, event: Event) -> None:
-        t = event.t_us / 1e6
-        if event.kind in (EventKind.RESERVE, EventKind.RESYNC):
-            self.timelines.reserve(event.slot, event.generation, event.request_key, t,
-                                   event.service_us / 1e6, event.decode_us / 1e6)
-        elif event.kind == EventKind.FIRST_TOKEN:
-            self.timelines.first_token(event.request_key, t)
-        elif event.kind == EventKind.COMPLETE:
-            self.timelines.complete(event.request_key, t)
-        elif event.kind in (EventKind.RESIDENT, EventKind.PREFIX):
-            if self.affinity is not None:
-                self.affinity.apply(event)
+    def _apply_other(self, event: Event) -> None:
+        """RESIDENT and PREFIX feed the affinity index."""
+        if self.affinity is not None:
+            self.affinity.apply(event)
 
     def _max_num_seqs(self, slot: int, generation: int) -> int:
         for instance in self._directory.snapshot().instances:
@@ -133,14 +130,13 @@ class PressurePublisher:
     def _publish(self, now: float) -> None:
         # Every registered instance gets a record: an idle one is a measured zero, not unknown.
         now_us = int(now * 1e6)
-        records = {i.slot: Pressure(generation=i.generation, pending_prefill_count=0,
-                                    active_decode_count=0, next_slot_free_at_us=now_us,
-                                    prefill_free_at_us=now_us, decode_free_at_us=now_us)
-                   for i in self._directory.snapshot().instances}
-        for slot, pressure in self.timelines.pressures().items():
-            current = records.get(slot)
-            if current is not None and current.generation == pressure.generation:
-                records[slot] = pressure
+        pressures = self.timelines.pressures()
+        records = {}
+        for instance in self._directory.snapshot().instances:
+            pressure = pressures.get(instance.slot)
+            if pressure is None or pressure.generation != instance.generation:
+                pressure = Pressure(instance.generation, 0, 0, now_us, now_us, now_us)
+            records[instance.slot] = pressure
         self._writer.publish(records)
         self._last_publish = now
         self._dirty = False

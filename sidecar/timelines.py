@@ -21,6 +21,8 @@ All times are wall-clock seconds; snapshots publish them as absolute microsecond
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,14 +33,29 @@ from .pace import Pace
 RECENT_WEIGHT = 0.2  # of the newest reservation in the moving averages of service and decode
 
 
-@dataclass
 class Reservation:
-    key: int
-    service_s: float
-    decode_s: float
-    reserved_at: float
-    predicted_first_token: float = 0.0
-    first_token_at: float | None = None
+    """One request's place on its instance's timeline. Its predicted first token is read
+    through the timeline, which brings a deferred re-anchoring up to date first."""
+
+    __slots__ = ("key", "service_s", "decode_s", "reserved_at", "_predicted_first_token",
+                 "first_token_at", "late", "_timeline")
+
+    def __init__(self, key: int, service_s: float, decode_s: float, reserved_at: float,
+                 timeline: "InstanceTimeline | None" = None) -> None:
+        self.key = key
+        self.service_s = service_s
+        self.decode_s = decode_s
+        self.reserved_at = reserved_at
+        self._predicted_first_token = 0.0
+        self.first_token_at: float | None = None
+        self.late = -1  # the timeline's anchor count if reserved while a re-anchoring was owed
+        self._timeline = timeline
+
+    @property
+    def predicted_first_token(self) -> float:
+        if self._timeline is not None:
+            self._timeline.settle()
+        return self._predicted_first_token
 
     @property
     def predicted_end(self) -> float:
@@ -48,75 +65,200 @@ class Reservation:
 
 @dataclass
 class InstanceTimeline:
+    """One instance's slots and prefill chain.
+
+    Re-anchoring (`_recompute(now)`) is a pure function of the decoding set, the pending
+    reservations in order and `now`: a later one overwrites everything an earlier one wrote.
+    So it is owed, not run: a first token or an early completion records its time as the
+    anchor (`_stale_at`), and what happens before the owed re-anchoring runs is recorded in
+    the form it would act on it:
+    - a reservation joins the pending order, marked as made after the anchor: re-anchoring
+      gives it what reserving on the re-anchored state would (its own time as a floor);
+    - a decoding request that completes leaves the slot it held to the owed state (a
+      completion never re-anchors, so that slot stays in the predictions until the next one);
+    - a first token needs only its request's prediction for its pace observation: for the
+      oldest pending request, the earliest slot of the owed state; for another, while the
+      reservations before it each take an idle slot (READY_CONCURRENCY is rarely full), the
+      prefill chain up to it. Otherwise it settles first.
+    `settle()` runs the owed re-anchoring: before a pressure is published, or when anything
+    reads `slot_free`, `prefill_free` or a reservation's prediction. Every reader sees exactly
+    what re-anchoring on every event would produce (tests/test_timelines.py holds the two to
+    equal floats on random event sequences); the sidecar re-anchors about once per published
+    snapshot instead of once per request."""
     ready_slots: int
     pace: Pace = field(default_factory=lambda: Pace(step=0.0))
+    where: tuple[int, int] = (0, 0)  # the instance: (slot, generation)
     # When each ready slot frees up, as a min-heap: only the multiset matters (the earliest
     # free slot is taken), and READY_CONCURRENCY may be 64, where a linear min per event was
     # most of the sidecar's CPU.
-    slot_free: list[float] = field(default_factory=list)
-    prefill_free: float = 0.0
+    _slot_free: list[float] = field(default_factory=list)
+    _prefill_free: float = 0.0
     pending: dict[int, Reservation] = field(default_factory=dict)   # reservation order
     decoding: dict[int, Reservation] = field(default_factory=dict)
     # Recent pace-scaled service and decode times (moving averages), for the marginal backlog.
     recent_service_s: float = 0.0
     recent_decode_s: float = 0.0
+    # Predicted ends of the decoding requests (first token + decode), by key: the slots they
+    # hold, read as plain floats by every re-anchoring.
+    _decode_ends: dict[int, float] = field(default_factory=dict)
+    _stale_at: float | None = None  # the anchor of the owed re-anchoring, if one is owed
+    _anchors: int = 0               # anchors so far: a reservation made after the last one
+    _ghost_ends: list[float] = field(default_factory=list)  # slots of decodes since completed
 
     def __post_init__(self) -> None:
-        if not self.slot_free:
-            self.slot_free = [0.0] * self.ready_slots
+        if not self._slot_free:
+            self._slot_free = [0.0] * self.ready_slots
+
+    @property
+    def slot_free(self) -> list[float]:
+        self.settle()
+        return self._slot_free
+
+    @property
+    def prefill_free(self) -> float:
+        self.settle()
+        return self._prefill_free
+
+    def settle(self) -> None:
+        """Run the owed re-anchoring, if any."""
+        if self._stale_at is not None:
+            self._recompute(self._stale_at)
+            self._stale_at = None
+            self._ghost_ends.clear()
+
+    def _owe(self, now: float) -> None:
+        """Re-anchoring on `now` is owed: it replaces whatever was owed before."""
+        self._stale_at = now
+        self._anchors += 1
+        if self._ghost_ends:
+            self._ghost_ends.clear()
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
         factor = self.pace.factor
-        res = Reservation(key, service_s * factor, decode_s * factor, reserved_at=t)
-        self._remember_durations(res)
-        prefill_start = max(t, self.slot_free[0], self.prefill_free)
-        res.predicted_first_token = prefill_start + res.service_s
-        heapq.heapreplace(self.slot_free, res.predicted_end)
-        self.prefill_free = res.predicted_first_token
+        res = Reservation(key, service_s * factor, decode_s * factor, t, self)
+        # The moving averages of the marginal backlog (the first reservation seeds them).
+        if not self.recent_service_s and not self.recent_decode_s:
+            self.recent_service_s, self.recent_decode_s = res.service_s, res.decode_s
+        else:
+            self.recent_service_s += RECENT_WEIGHT * (res.service_s - self.recent_service_s)
+            self.recent_decode_s += RECENT_WEIGHT * (res.decode_s - self.recent_decode_s)
         self.pending[key] = res
+        if self._stale_at is not None:
+            res.late = self._anchors  # placed when the owed re-anchoring runs
+            return res
+        slot_free, prefill_free = self._slot_free, self._prefill_free
+        prefill_start = t if t > slot_free[0] else slot_free[0]
+        if prefill_free > prefill_start:
+            prefill_start = prefill_free
+        res._predicted_first_token = first = prefill_start + res.service_s
+        heapq.heapreplace(slot_free, first + res.decode_s)
+        self._prefill_free = first
         return res
 
     def first_token(self, key: int, t: float) -> None:
-        res = self.pending.pop(key, None)
+        pending = self.pending
+        res = pending.get(key)
         if res is None:
             return
-        self.pace.observe(res.predicted_first_token - res.reserved_at, t - res.reserved_at)
+        if self._stale_at is None:
+            predicted = res._predicted_first_token
+        elif next(iter(pending)) == key:
+            predicted = self._owed_first_prediction(res)
+        else:
+            predicted = self._owed_chain(until=key)
+            if predicted is None:
+                self.settle()
+                predicted = res._predicted_first_token
+        del pending[key]
+        self.pace.observe(predicted - res.reserved_at, t - res.reserved_at)
         res.first_token_at = t
         self.decoding[key] = res
-        self._recompute(t)
+        self._decode_ends[key] = t + res.decode_s
+        self._owe(t)
+
+    def _owed_first_prediction(self, res: Reservation) -> float:
+        """The prediction the owed re-anchoring gives the oldest pending reservation: it
+        starts at the earliest slot of the re-anchored state (or its own time, if reserved
+        after the anchor), the same arithmetic as `_recompute`'s first step."""
+        now = self._stale_at
+        assert now is not None
+        ends, ghosts = self._decode_ends, self._ghost_ends
+        start = now
+        if len(ends) + len(ghosts) >= self.ready_slots:  # no slot idle: the earliest busy one
+            earliest = min(min(ends.values(), default=math.inf), min(ghosts, default=math.inf))
+            if earliest > start:
+                start = earliest
+        if res.late == self._anchors and res.reserved_at > start:
+            start = res.reserved_at
+        return start + res.service_s
+
+    def _owed_chain(self, until: int | None = None) -> float | None:
+        """Where the owed re-anchoring ends the prefill chain: after reservation `until`, or
+        after every pending one (None) - if each up to there takes an idle slot: then each
+        starts when the chain is free (or at its own time, if reserved after the anchor), as
+        `_recompute` chains them. None when the slots run out first."""
+        cursor = self._stale_at
+        assert cursor is not None
+        idle = self.ready_slots - len(self._decode_ends) - len(self._ghost_ends)
+        anchors = self._anchors
+        for position, (key, res) in enumerate(self.pending.items()):
+            if position >= idle:
+                return None
+            if res.late == anchors and res.reserved_at > cursor:
+                cursor = res.reserved_at
+            cursor += res.service_s
+            if key == until:
+                return cursor
+        return cursor
 
     def complete(self, key: int, t: float) -> None:
-        self.decoding.pop(key, None)
-        if self.pending.pop(key, None) is not None:
-            self._recompute(t)
+        if key in self.decoding:
+            del self.decoding[key]
+            end = self._decode_ends.pop(key)
+            if self._stale_at is not None:
+                self._ghost_ends.append(end)  # its slot is part of the owed state
+        elif self.pending.pop(key, None) is not None:
+            self._owe(t)
 
     def drop(self, keys: set[int], t: float) -> None:
         for key in keys:
             self.decoding.pop(key, None)
+            self._decode_ends.pop(key, None)
             self.pending.pop(key, None)
-        self._recompute(t)
+        self._owe(t)
 
     def _recompute(self, now: float) -> None:
-        """Re-anchor every pending reservation on `now` (service times are not re-predicted)."""
-        busy = [max(now, r.predicted_end) for r in self.decoding.values()]
-        if len(busy) >= self.ready_slots:
-            slots = heapq.nsmallest(self.ready_slots, busy)  # sorted, so already a heap
-        else:
-            slots = [now] * (self.ready_slots - len(busy)) + sorted(busy)
-        cursor = now
-        for res in self.pending.values():
-            res.predicted_first_token = max(slots[0], cursor) + res.service_s
-            heapq.heapreplace(slots, res.predicted_end)
-            cursor = res.predicted_first_token
-        self.slot_free = slots
-        self.prefill_free = cursor
-
-    def _remember_durations(self, res: Reservation) -> None:
-        if not self.recent_service_s and not self.recent_decode_s:
-            self.recent_service_s, self.recent_decode_s = res.service_s, res.decode_s
+        """Re-anchor every pending reservation on `now` (service times are not re-predicted):
+        the slots are those of the decoding requests (and of decodes completed since the
+        anchor), a reservation made after the anchor starts no earlier than its own time.
+        The same arithmetic, in the same order, as reserving one by one: equal floats."""
+        busy = sorted([end if end > now else now
+                       for end in itertools.chain(self._decode_ends.values(), self._ghost_ends)])
+        free = self.ready_slots - len(busy)
+        anchors, cursor = self._anchors, now
+        if len(self.pending) < free:
+            # Every reservation takes an idle slot (free at `now`, never later than the chain)
+            # and one stays idle: each starts when the prefill chain is free, no heap needed.
+            for res in self.pending.values():
+                start = res.reserved_at if res.late == anchors and res.reserved_at > cursor else cursor
+                res._predicted_first_token = cursor = start + res.service_s
+                busy.append(cursor + res.decode_s)
+            self._slot_free = [now] * (free - len(self.pending)) + sorted(busy)
+            self._prefill_free = cursor
             return
-        self.recent_service_s += RECENT_WEIGHT * (res.service_s - self.recent_service_s)
-        self.recent_decode_s += RECENT_WEIGHT * (res.decode_s - self.recent_decode_s)
+        # A sorted list is a heap: the idle slots first, then the busy ones.
+        slots = [now] * free + busy if free > 0 else busy[:self.ready_slots]
+        replace = heapq.heapreplace
+        for res in self.pending.values():
+            start = slots[0]
+            if cursor > start:
+                start = cursor
+            if res.late == anchors and res.reserved_at > start:
+                start = res.reserved_at
+            res._predicted_first_token = cursor = start + res.service_s
+            replace(slots, cursor + res.decode_s)
+        self._slot_free = slots
+        self._prefill_free = cursor
 
     def marginal_backlog_s(self) -> float:
         """What one more request adds to the backlog: its prefill on the serial chain, or its
@@ -125,14 +267,18 @@ class InstanceTimeline:
                    (self.recent_service_s + self.recent_decode_s) / self.ready_slots)
 
     def pressure(self, generation: int) -> Pressure:
-        ends = [r.predicted_end for r in self.decoding.values()]
-        return Pressure(generation=generation,
-                        pending_prefill_count=len(self.pending),
-                        active_decode_count=len(self.decoding),
-                        next_slot_free_at_us=int(self.slot_free[0] * 1e6),
-                        prefill_free_at_us=int(self.prefill_free * 1e6),
-                        decode_free_at_us=int(max(ends, default=0.0) * 1e6),
-                        marginal_backlog_us=int(self.marginal_backlog_s() * 1e6))
+        ends = self._decode_ends
+        # What the owed re-anchoring would give, without running it, while an idle slot
+        # remains after the chain (the earliest free is then the anchor); it stays owed.
+        owed = self._stale_at
+        if owed is not None and len(self.pending) < self.ready_slots - len(ends) - len(self._ghost_ends):
+            next_slot_free, prefill_free = owed, self._owed_chain()
+        else:
+            self.settle()
+            next_slot_free, prefill_free = self._slot_free[0], self._prefill_free
+        return Pressure(generation, len(self.pending), len(ends), int(next_slot_free * 1e6),
+                        int(prefill_free * 1e6), int(max(ends.values(), default=0.0) * 1e6),
+                        int(self.marginal_backlog_s() * 1e6))
 
     def expire(self, older_than: float, now: float) -> int:
         """Drop reservations whose completion was never reported (a lost event)."""
@@ -154,7 +300,7 @@ class Timelines:
         self.pace_step = pace_step
         self._max_num_seqs = max_num_seqs
         self._by_instance: dict[tuple[int, int], InstanceTimeline] = {}
-        self._where: dict[int, tuple[int, int]] = {}  # request key -> instance
+        self._where: dict[int, InstanceTimeline] = {}  # request key -> its instance's timeline
 
     def timeline(self, slot: int, generation: int) -> InstanceTimeline:
         key = (slot, generation)
@@ -162,30 +308,37 @@ class Timelines:
         if timeline is None:
             limit = self._max_num_seqs(slot, generation)
             slots = min(self.ready_slots, limit) if limit > 0 else self.ready_slots
-            timeline = self._by_instance[key] = InstanceTimeline(slots, Pace(self.pace_step))
+            timeline = self._by_instance[key] = InstanceTimeline(slots, Pace(self.pace_step),
+                                                                 where=key)
         return timeline
 
+    # The three per-request events: the sidecar's hottest code (one call per event).
     def reserve(self, slot: int, generation: int, key: int, t: float, service_s: float,
                 decode_s: float) -> None:
-        self.complete(key, t)  # a re-sent reservation replaces the old one
-        self.timeline(slot, generation).reserve(key, t, service_s, decode_s)
-        self._where[key] = (slot, generation)
+        where = self._where
+        previous = where.get(key)
+        if previous is not None:  # a re-sent reservation replaces the old one
+            del where[key]
+            previous.complete(key, t)
+        timeline = self._by_instance.get((slot, generation)) or self.timeline(slot, generation)
+        timeline.reserve(key, t, service_s, decode_s)
+        where[key] = timeline
 
     def first_token(self, key: int, t: float) -> None:
-        where = self._where.get(key)
-        if where is not None:
-            self._by_instance[where].first_token(key, t)
+        timeline = self._where.get(key)
+        if timeline is not None:
+            timeline.first_token(key, t)
 
     def complete(self, key: int, t: float) -> None:
-        where = self._where.pop(key, None)
-        if where is not None:
-            self._by_instance[where].complete(key, t)
+        timeline = self._where.pop(key, None)
+        if timeline is not None:
+            timeline.complete(key, t)
 
     def drop_keys(self, predicate: Callable[[int], bool], t: float) -> int:
         doomed = [k for k in self._where if predicate(k)]
         by_instance: dict[tuple[int, int], set[int]] = {}
         for key in doomed:
-            by_instance.setdefault(self._where.pop(key), set()).add(key)
+            by_instance.setdefault(self._where.pop(key).where, set()).add(key)
         for where, keys in by_instance.items():
             self._by_instance[where].drop(keys, t)
         return len(doomed)
@@ -194,14 +347,14 @@ class Timelines:
         """Drop the timelines of instances that are gone (slot freed or reused)."""
         for where in [w for w in self._by_instance if w not in live]:
             del self._by_instance[where]
-        self._where = {k: w for k, w in self._where.items() if w in live}
+        self._where = {k: tl for k, tl in self._where.items() if tl.where in live}
 
     def expire(self, max_age_s: float, now: float) -> int:
         expired = 0
         for timeline in self._by_instance.values():
             expired += timeline.expire(now - max_age_s, now)
         live_keys = {k for t in self._by_instance.values() for k in (*t.pending, *t.decoding)}
-        self._where = {k: w for k, w in self._where.items() if k in live_keys}
+        self._where = {k: tl for k, tl in self._where.items() if k in live_keys}
         return expired
 
     def by_instance(self) -> dict[tuple[int, int], InstanceTimeline]:

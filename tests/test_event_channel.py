@@ -140,3 +140,54 @@ def test_dropped_events_stay_counted_after_the_worker_is_gone(seg_name):
     WorkerRow.claim(seg, 1)  # and another takes its row, starting from 0
     publisher.tick()
     assert publisher.stats.dropped_by_workers == 20
+
+
+def test_one_scan_sees_every_rows_owner_unread_events_and_drops(seg_name):
+    """What the sidecar reads of every row on every poll, in one struct call, against the
+    rows' own headers (read_rows) and the rings themselves, ring wrap included."""
+    _, seg = seg_name
+    reader = EventReader(seg)
+    assert reader.scan() == ((0,) * 8, [], 0)
+    quiet, busy, lossy = (WorkerRow.claim(seg, index, identity=1000 + index) for index in range(3))
+    busy_writer = EventWriter(seg, busy.row)
+    for seq in range(1000):  # most of the ring, then taken, then past its end: a wrap
+        busy_writer.first_token(1, seq, 0, 1, seq)
+    assert len(reader.take(busy.row)) == 1000
+    for seq in range(100):
+        busy_writer.first_token(1, seq, 0, 1, seq)
+    lossy_writer = EventWriter(seg, lossy.row, spill_limit=0)
+    results = [lossy_writer.complete(1, i, 0, 1, i, failed=False) for i in range(1024 + 5)]
+    assert results.count(False) == 5
+    scan = reader.scan()
+    assert scan.identities == tuple(r.identity for r in sorted(read_rows(seg), key=lambda r: r.row)) \
+        + (0,) * 5
+    assert scan.identities[:3] == (quiet.identity, busy.identity, lossy.identity)
+    assert scan.unread == [busy.row, lossy.row] and scan.dropped == 5
+    assert [e.request_key for e in reader.drain(busy.row)] == list(range(100))  # across the wrap
+    lossy.release()
+    assert reader.scan() == ((quiet.identity, busy.identity) + (0,) * 6, [], 0)
+
+
+def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_full_scan(seg_name):
+    """A scan reads up to one past the highest claimed row (each row is a page of its own) and
+    further while the last one read is claimed: rows claimed together since the last scan are
+    all seen at once. The one claim it can miss (above a row claimed and freed again between
+    two scans) is seen by the next full scan, every FULL_SCAN_EVERY scans."""
+    from shm_schema.events import FULL_SCAN_EVERY
+
+    _, seg = seg_name
+    reader = EventReader(seg)
+    assert reader.scan().identities == (0,) * 8   # the first scan reads every row
+    rows = [WorkerRow.claim(seg, index, identity=2000 + index) for index in range(6)]
+    assert reader.scan().identities == tuple(r.identity for r in rows) + (0, 0)  # one scan
+    for row in rows[2:]:
+        row.release()
+    reader.scan()  # rows 0 and 1 remain: the next scans read rows 0..2
+    hole, above = (WorkerRow.claim(seg, index, identity=3000 + index) for index in range(2))
+    assert (hole.row, above.row) == (2, 3)
+    EventWriter(seg, above.row).first_token(1, 7, 0, 1, 7)
+    hole.release()  # between two scans: row 3 is claimed above a free row 2
+    scans = [reader.scan() for _ in range(FULL_SCAN_EVERY)]
+    first_seen = next(i for i, scan in enumerate(scans) if scan.identities[3] == above.identity)
+    assert first_seen < FULL_SCAN_EVERY and scans[first_seen].unread == [above.row]
+    assert reader.scan().identities[:4] == (rows[0].identity, rows[1].identity, 0, above.identity)

@@ -418,6 +418,25 @@ def test_segment_error_is_the_common_base():
     assert issubclass(SegmentLayoutError, SegmentError)
 
 
+def test_a_snapshot_publish_writes_only_up_to_its_highest_slot_and_clears_what_it_held(seg):
+    """The writer packs slots 0 .. the highest it publishes in one call: a slot published
+    before and absent now reads as cleared in both buffers, and a new writer (a restarted
+    sidecar) clears whatever its predecessor left above its own span."""
+    from shm_schema.records import SnapshotRecord
+    from shm_schema.snapshot import SnapshotReader, SnapshotWriter
+
+    full = {slot: SnapshotRecord(slot + 1, 1, 2, 3, 4, 5, 6) for slot in range(4)}
+    writer, reader = SnapshotWriter(seg), SnapshotReader(seg)
+    writer.publish(full)
+    writer.publish(full)  # both buffers hold four slots
+    for _ in range(3):  # then only slot 0, through both buffers and back
+        writer.publish({0: full[0]})
+        assert [reader.pressure(slot, slot + 1) for slot in range(4)] == [full[0], None, None, None]
+    writer.publish(full)
+    SnapshotWriter(seg).publish({1: full[1]})  # a new writer, over a buffer holding four slots
+    assert [reader.pressure(slot, slot + 1) for slot in range(4)] == [None, full[1], None, None]
+
+
 def test_a_snapshot_read_that_overlaps_a_publish_never_returns_fewer_slots_than_asked(seg):
     """The pressure reader keeps its previous records when the writer moves on mid-read, but
     only if they cover the span asked for: the fast scorer indexes every slot below it (a

@@ -249,3 +249,59 @@ def test_marginal_backlog_is_the_prefill_or_the_slot_share_whichever_is_more():
     for key in range(2, 40):
         t.reserve(key, 100.0, service_s=0.4, decode_s=4.0)       # long decodes fill the slots
     assert t.pressure(1).marginal_backlog_us == pytest.approx((0.4 + 4.0) / 4 * 1e6, rel=0.01)
+
+
+# --- deferred re-anchoring ----------------------------------------------------------------------
+def _observed(t: InstanceTimeline) -> tuple:
+    """Everything a reader of a timeline can see (reading it brings a deferral up to date)."""
+    return (t.pressure(3), sorted(r.predicted_first_token for r in t.pending.values()),
+            sorted(r.predicted_end for r in t.decoding.values()), t.slot_free[0], t.prefill_free,
+            t.pace.factor, t.pace.observations)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_deferred_reanchoring_gives_what_reanchoring_on_every_event_gives(seed, monkeypatch):
+    """The same random event sequence into two timelines: one settles after every event (what
+    re-anchoring on every first token and early completion did), the other only when something
+    reads it, at random moments. Every reading must be equal, float for float."""
+    rng = random.Random(seed)
+    slots = rng.choice([1, 2, 8, 64])
+    eager = InstanceTimeline(slots, Pace(step=0.3))
+    deferred = InstanceTimeline(slots, Pace(step=0.3))
+    recomputes = {"eager": 0, "deferred": 0}
+    original = InstanceTimeline._recompute
+
+    def counting(self: InstanceTimeline, now: float) -> None:
+        recomputes["eager" if self is eager else "deferred"] += 1
+        original(self, now)
+
+    monkeypatch.setattr(InstanceTimeline, "_recompute", counting)
+    live: list[int] = []
+    now = 100.0
+    for key in range(400):
+        now += rng.expovariate(50.0)
+        at = now - rng.uniform(0.0, 0.01)  # rows' clocks and drain order: not monotone
+        choice = rng.random()
+        if choice < 0.4 or not live:
+            service, decode = rng.uniform(0.005, 0.3), rng.uniform(0.0, 1.0)
+            eager.reserve(key, at, service, decode)
+            deferred.reserve(key, at, service, decode)
+            live.append(key)
+        elif choice < 0.75:
+            target = rng.choice(live)
+            eager.first_token(target, at)
+            deferred.first_token(target, at)
+        elif choice < 0.97:
+            target = live.pop(rng.randrange(len(live)))
+            eager.complete(target, at)
+            deferred.complete(target, at)
+        else:
+            doomed = {k for k in live if rng.random() < 0.3}
+            live = [k for k in live if k not in doomed]
+            eager.drop(doomed, at)
+            deferred.drop(doomed, at)
+        eager.settle()
+        if rng.random() < 0.1:
+            assert _observed(deferred) == _observed(eager), f"after event {key}"
+    assert _observed(deferred) == _observed(eager)
+    assert recomputes["deferred"] < recomputes["eager"]  # the deferral did defer

@@ -47,6 +47,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity.json", affinity.section),
         ("affinity_vllm.json", affinity_vllm.section),
         ("select.json", others.select_section),
+        ("events.json", others.events_section),
+        ("events_warm.json", lambda d: others.events_section(
+            d, "events_warm.json", "Sidecar event cost, ticks back to back (caches warm)")),
         ("pressure.json", others.pressure_section),
         ("pressure_vllm.json", others.pressure_vllm_section),
     ]

@@ -30,6 +30,35 @@ def select_section(data: dict[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def events_section(data: dict[str, Any], file_name: str = "events.json",
+                   title: str = "Sidecar event cost (µs of CPU per request)") -> str:
+    """bench/results/events.json (bench/bench_events.py): the sidecar's CPU per request;
+    events_warm.json is the same benchmark ticking back to back (--poll-ms 0)."""
+    results = data.get("results") or {}
+    current, baseline = results.get("current") or {}, results.get("baseline") or {}
+    speedup = data.get("speedup_vs_baseline") or {}
+    parts = [f"## {title}", *blocks.header_blocks(data, file_name)]
+    if data.get("poll_ms") is not None:
+        parts.append(f"Tick interval: {num(data['poll_ms'])} ms"
+                     + ("" if data.get("baseline_commit") is None else
+                        f"; baseline: `{data.get('baseline_ref')}` ({data['baseline_commit']}), "
+                        f"current: {data.get('commit')}"))
+    rows = []
+    for case, now in current.items():
+        before = baseline.get(case) or {}
+        ratio = speedup.get(case) or {}
+        rows.append([f"`{case}`", num(before.get("median_us_per_request")),
+                     num(now.get("median_us_per_request")), num(ratio.get("median_ratio")),
+                     num(ratio.get("per_repeat")), num(now.get("events_per_request"))])
+    if rows:
+        parts.append("Median µs of sidecar CPU per request (drain + apply + publish), by "
+                     "instances:mode:\n\n" + table(
+                         ["case", "baseline", "current", "× (median of repeats)", "× per repeat",
+                          "events / request"], rows))
+    parts.append(blocks.method(data))
+    return "\n\n".join(p for p in parts if p)
+
+
 def pressure_section(data: dict[str, Any]) -> str:
     return _pressure("Predicted pressure against reality", "pressure.json", data)
 
