@@ -1,6 +1,6 @@
-"""Run a role's server and tell systemd what it does (the sidecar and every worker): uvicorn's,
-or any server that says the same four things (`NativeServer`: a worker under
-PROXY_DP_SERVER=native, proxy_workers/http1_server.py).
+"""Run a role's server and tell systemd what it does (the sidecar and every worker): uvicorn's
+(the sidecar), or any server that says the same four things (`NativeServer`: a worker's
+proxy_workers/http1_server.py).
 
 Outside systemd ($NOTIFY_SOCKET unset) this is `server.run(sockets=...)`. Under systemd a small
 task on the server's own event loop says READY=1 once every listener is open, refreshes STATUS=
