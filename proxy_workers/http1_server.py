@@ -350,7 +350,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self._writable: asyncio.Future[None] | None = None
         self._reading_paused = False
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = None  # loop time the connection became idle
         self._url = b""
         self._headers: list[Header] = []
         self._expect_continue = False
@@ -528,16 +528,17 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        self._idle_timer = self.loop.call_later(self.server.keepalive_timeout_s, self._idle_timeout)
+        self.idle_since = self.loop.time()
 
     def _cancel_idle_timer(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self.idle_since = None
 
-    def _idle_timeout(self) -> None:
-        self._idle_timer = None
+    def close_if_idle_since(self, before: float) -> None:
+        """The keep-alive timeout (the server's sweep): close if idle since before `before`."""
+        since = self.idle_since
+        if since is None or since > before:
+            return
+        self.idle_since = None
         idle = self.parsing is None or self.parsing.complete
         if self.cycle is None and idle and self.transport is not None:
             self.transport.close()
@@ -621,6 +622,7 @@ class Http1Server:
         for signum in self._signals:
             self.loop.add_signal_handler(signum, self.request_exit)
         servers: list[asyncio.AbstractServer] = []
+        sweep: asyncio.Task[None] | None = None
         lifespan = _Lifespan(self.app)
         try:
             if not await lifespan.startup():
@@ -631,16 +633,30 @@ class Http1Server:
                 servers.append(await self.loop.create_server(lambda: Connection(self), sock=sock,
                                                              backlog=2048))
             self.started = True
+            sweep = self.loop.create_task(self._close_idle_connections())
             await self._exit.wait()
             for server in servers:
                 server.close()
             await self._drain()
         finally:
+            if sweep is not None:
+                sweep.cancel()
             for server in servers:
                 server.close()
             await lifespan.shutdown()
             for signum in self._signals:  # ignored from now on: the caller's cleanup must run
                 self.loop.add_signal_handler(signum, _ignore)
+
+    async def _close_idle_connections(self) -> None:
+        """The keep-alive timeout of every connection, by one sweep a fraction of it apart
+        instead of a timer per connection re-armed on every request."""
+        timeout = self.keepalive_timeout_s
+        every = min(1.0, timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            before = self.loop.time() - timeout
+            for conn in list(self.connections):
+                conn.close_if_idle_since(before)
 
     async def _drain(self) -> None:
         drain = self.drain
