@@ -13,7 +13,6 @@ import socket
 import time
 from typing import AsyncIterator
 
-import uvloop
 
 from cacheroute_proxy import exits, logs, serving
 from cacheroute_proxy.auth import load_token
@@ -26,7 +25,7 @@ from proxy_workers.predictors import get_predictors
 from .affinity import AffinityScorer, make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
-from .http1_server import Http1Server
+from cacheroute_proxy.http1_server import Http1Server
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
@@ -198,6 +197,6 @@ def _serve(app: WorkerApp, settings: Settings, sockets: list[socket.socket], ind
     def describe(server: Http1Server) -> str:  # systemd's STATUS= line, every few seconds
         return f"worker {index}: {server.requests_in_flight()} requests in flight"
     logs.keep_control_after_signals()
-    serving.serve_native(server, lambda: server.serve(sockets), describe, uvloop.new_event_loop)
+    serving.serve(server, sockets, describe)
     logs.keep_control_after_signals()  # the loop gave its handlers back: still no kill before cleanup
     return 0 if server.has_started() else exits.SERVER_FAILED

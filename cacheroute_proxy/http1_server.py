@@ -1,7 +1,8 @@
-"""The worker's HTTP/1.1 server: one asyncio Protocol per connection, requests parsed by
-httptools. The two proxied routes are handlers given the request's :class:`Cycle` itself
-(`routes`); every other request goes to the worker's ASGI app (Starlette) through a minimal
-scope/receive/send of the same Cycle.
+"""The product's HTTP/1.1 server, for every role (the workers' data plane, the sidecar's
+control plane): one asyncio Protocol per connection, requests parsed by httptools. A worker's
+two proxied routes are handlers given the request's :class:`Cycle` itself (`routes`); every
+other request goes to the role's ASGI app (Starlette) through a minimal scope/receive/send of
+the same Cycle.
 
 Why its own: under uvicorn, its protocol callbacks, the ASGI messages of every chunk and the
 private attributes the worker had to reach into for a one-write answer and a disconnect
@@ -35,7 +36,7 @@ from typing import Any, Callable, Coroutine, Protocol
 
 import httptools
 
-log = logging.getLogger("cacheroute.worker")
+log = logging.getLogger("cacheroute.http")
 
 ASGIApp = Callable[..., Any]
 Header = tuple[bytes, bytes]
@@ -92,7 +93,8 @@ def _plain(status: int, text: bytes) -> bytes:
 
 
 class Draining(Protocol):
-    """What the server asks of the worker's drain (proxy_workers/drain.py: Drain)."""
+    """What the server asks of the role's drain: a worker's proxy_workers/drain.py Drain, or
+    :class:`GracefulExit`."""
 
     timeout_s: float
 
@@ -107,6 +109,27 @@ class Draining(Protocol):
 
     async def run(self, cycle: Cycle, request: Coroutine[Any, Any, None]) -> None:
         """Run one request's handling, knowing it is in flight (and ending it if it is cut)."""
+
+
+class GracefulExit:
+    """The plain drain (the sidecar's): stop accepting, give what is in flight `timeout_s`,
+    then the server closes what is left; nothing to finish by hand, nothing to report."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.draining = False
+
+    def begin(self, connections: int) -> None:
+        self.draining = True
+
+    def cut_remaining(self) -> None:
+        pass
+
+    def report(self) -> None:
+        pass
+
+    async def run(self, cycle: Cycle, request: Coroutine[Any, Any, None]) -> None:
+        await request
 
 
 class BodyTooLarge(Exception):
@@ -457,7 +480,7 @@ class Connection(asyncio.Protocol):
                                    else server.app(cycle.scope, cycle.receive, cycle.send))
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
-                log.error("exception in the worker's app", exc_info=exc)
+                log.error("exception in the app", exc_info=exc)
             self._app_failed(cycle)
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -618,7 +641,7 @@ class Http1Server:
         if self._exit_asked:
             self._exit.set()
         # Before the app starts: a SIGTERM during its startup is a clean exit, not a kill that
-        # leaves the worker's row and leases behind.
+        # leaves what the role holds (a worker's row and leases) behind.
         for signum in self._signals:
             self.loop.add_signal_handler(signum, self.request_exit)
         servers: list[asyncio.AbstractServer] = []
@@ -704,7 +727,7 @@ class _Lifespan:
         await self._inbox.put({"type": "lifespan.startup"})
         await self._started.wait()
         if self._failed:
-            log.error("the worker's app failed to start")
+            log.error("the app failed to start")
         return not self._failed
 
     async def shutdown(self) -> None:
