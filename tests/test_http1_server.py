@@ -44,7 +44,9 @@ class App:
         self.release = asyncio.Event()
         self.routes = {("POST", b"/echo"): self.echo, ("POST", b"/whole"): self.whole,
                        ("POST", b"/hang"): self.hang, ("POST", b"/big-direct"): self.big,
-                       ("POST", b"/boom-direct"): self.boom}
+                       ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late}
+        self.late_go = asyncio.Event()
+        self.ran: list[str] = []
 
     async def echo(self, cycle: Cycle) -> None:
         try:
@@ -69,6 +71,16 @@ class App:
         else:
             cycle.start(200, [(b"content-length", b"2")])
             cycle.end(b"ok")
+
+    async def late(self, cycle: Cycle) -> None:
+        """Reaches run_until_disconnect only once the test says (after the client left)."""
+        await self.late_go.wait()
+
+        async def work() -> None:
+            self.ran.append("late")
+
+        if await run_until_disconnect(work(), cycle) is None:
+            self.gone.append("late")
 
     async def big(self, cycle: Cycle) -> None:
         cycle.start(200, [(b"content-type", b"application/octet-stream")])
@@ -282,6 +294,18 @@ def test_a_client_that_leaves_while_waiting_cancels_the_work(srv: Running) -> No
     wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
     sock.close()
     wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_work_is_not_started_for_a_client_already_gone(srv: Running) -> None:
+    sock = connect(srv.port)
+    sock.sendall(post("/late", b""))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    sock.close()
+    wait_until(lambda: not srv.server.connections, 5, message="the server saw the client leave")
+    srv.call(srv.app.late_go.set)
+    wait_until(lambda: srv.app.gone == ["late"], 5, message="run_until_disconnect returned None")
+    assert srv.app.ran == []  # the work was closed, never run
     wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
 
 
