@@ -103,9 +103,12 @@ bench-peers: $(STAMP)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
 # three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over
-# 200 knowledge ids with shared system prompts (~6 min: five contenders, 40 s of load each).
+# 200 knowledge ids with shared system prompts, twice: each instance's KV holding a third of the
+# corpus (the three together hold all of it), then a ninth (together a third) (~12 min: five
+# contenders, 40 s of load each, per run).
 bench-affinity: $(STAMP)
 	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(DURATION_S),--duration $(DURATION_S),)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity_ninth.json --capacity-share 0.1111 $(if $(DURATION_S),--duration $(DURATION_S),)
 
 # BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.
 bench-report: $(STAMP)
