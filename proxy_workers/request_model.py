@@ -151,12 +151,12 @@ def recover(endpoint: Endpoint, body: bytes) -> ProxyRequest:
     if _SCHEDULER_KEY in body:
         try:
             return _scheduler_request(endpoint, _typed[SchedulerRequest].decode(body))
-        except msgspec.DecodeError:  # not one after all ("Prompt" as a value), or invalid
+        except (msgspec.DecodeError, RecursionError):  # not one after all ("Prompt" as a value), or invalid
             pass
     else:
         try:
             return _openai_request(endpoint, _typed[_OPENAI_SCHEMA[endpoint]].decode(body), body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             pass
     return _recover_slowly(endpoint, body)
 

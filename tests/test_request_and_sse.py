@@ -130,3 +130,13 @@ def test_decoding_straight_into_the_struct_answers_as_the_general_path(case, pla
         raw = raw.rstrip()[:-1] + (b"," if raw.strip() != b"{}" else b"") + extra + b"}"
     endpoint = Endpoint.CHAT if case.path == fz.CHAT else Endpoint.COMPLETIONS
     assert _outcome(recover, endpoint, raw) == _outcome(_recover_slowly, endpoint, raw)
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("key", ["x", "Prompt"])
+def test_nesting_too_deep_for_the_typed_decode_is_the_general_paths_400(endpoint, key) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    body = f'{{"messages": [{{"role": "user", "content": "x"}}], "prompt": "x", "{key}": {deep}}}'
+    with pytest.raises(HTTPError) as refused:
+        recover(endpoint, body.encode())
+    assert (refused.value.status, refused.value.code) == (400, "invalid_json")
