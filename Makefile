@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm run-workers test test-native test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
+.PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,13 +29,6 @@ run-workers: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
-
-# The end-to-end files whose contract the worker's own HTTP/1.1 server must keep, run with
-# PROXY_DP_SERVER=native (tests/harness.py's Cluster checks the workers really run it).
-NATIVE_TESTS ?= tests/test_http1_server.py tests/test_e2e_api.py tests/test_e2e_inflight.py \
-	tests/test_e2e_headers.py tests/test_request_and_sse.py tests/test_rolling_restart.py
-test-native: $(STAMP)
-	PROXY_DP_SERVER=native $(PY) -m pytest $(NATIVE_TESTS) $(PYTEST_ARGS)
 
 # The real-engine suite (tests/real_engine, pytest marker real_engine, left out of `make test`):
 # a CPU build of vLLM in its own venv (.venv-vllm, ~3.4 GB, ~8 min the first time; every package
@@ -126,9 +119,12 @@ bench-peers: $(STAMP)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
 # three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over
-# 200 knowledge ids with shared system prompts (~6 min: five contenders, 40 s of load each).
+# 200 knowledge ids with shared system prompts, twice: each instance's KV holding a third of the
+# corpus (the three together hold all of it), then a ninth (together a third) (~12 min: five
+# contenders, 40 s of load each, per run).
 bench-affinity: $(STAMP)
 	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(DURATION_S),--duration $(DURATION_S),)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity_ninth.json --capacity-share 0.1111 $(if $(DURATION_S),--duration $(DURATION_S),)
 
 # BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.
 bench-report: $(STAMP)

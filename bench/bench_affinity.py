@@ -334,15 +334,15 @@ def run_one(contender: Contender, args: argparse.Namespace, planned: list[Planne
         stack.stop()
 
 
-def capacity_for(time_scale: float) -> int:
-    """A third of the corpus, measured on a KDN of the same seed."""
+def capacity_for(time_scale: float, share: float) -> int:
+    """`share` of the corpus's tokens, measured on a KDN of the same seed."""
     port = free_port()
     kdn = ChildProcess(["-m", "cacheroute_sim.kdn", "--port", str(port), "--time-scale", str(time_scale),
                         "--kv-ready-ratio", "1", "--knowledge-count", str(KNOWLEDGE_IDS)], {},
                        Path(tempfile.mkdtemp(prefix="bench-affinity-kdn-")) / "kdn.log")
     try:
         _wait(lambda: _get(f"http://127.0.0.1:{port}/healthz") is not None, 30, "kdn")
-        return sum(corpus_tokens(f"http://127.0.0.1:{port}").values()) // 3
+        return int(sum(corpus_tokens(f"http://127.0.0.1:{port}").values()) * share)
     finally:
         kdn.stop(signal.SIGTERM, 10)
 
@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--low-rate", type=float, default=3.0, help="requests/s between bursts")
     parser.add_argument("--time-scale", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--capacity-share", type=float, default=1 / 3,
+                        help="the share of the corpus's tokens each instance's KV holds (1/3: the "
+                             "three together hold it all; 1/9: together a third)")
     parser.add_argument("--only", default=None, help="run only the contenders whose name contains this")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a proxy setting for every contender (e.g. PROXY_KV_AWARE_CREDIT_PER_MS=0.003)")
@@ -366,9 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     machine = machine_info()
     planned = plan(args.seed, args.duration, args.high_rate, args.low_rate)
-    args.capacity_tokens = capacity_for(args.time_scale)
+    if not 0 < args.capacity_share <= 1:
+        raise SystemExit("--capacity-share must be in (0, 1]")
+    args.capacity_tokens = capacity_for(args.time_scale, args.capacity_share)
     print(f"{len(planned)} requests over {args.duration:g}s; instance KV capacity "
-          f"{args.capacity_tokens} tokens (a third of the corpus)", flush=True)
+          f"{args.capacity_tokens} tokens ({args.capacity_share:.3f} of the corpus)", flush=True)
     results = []
     for contender in CONTENDERS:
         if args.only and args.only not in contender.name:
@@ -379,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": "python -m bench.bench_affinity " + " ".join(argv if argv is not None else sys.argv[1:]),
               "seed": args.seed, "duration_s": args.duration, "time_scale": args.time_scale,
               "requests": len(planned), "capacity_tokens": args.capacity_tokens,
+              "capacity_share": round(args.capacity_share, 4),
               "knowledge_ids": KNOWLEDGE_IDS, "zipf_s": ZIPF_S, "instances": INSTANCES,
               "slow_factor": SLOW_FACTOR, "proxy_env": dict(item.split("=", 1) for item in args.env),
               "started_at": started_at,

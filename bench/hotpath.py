@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra environment for the proxy contenders")
     p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
                    help="for the --baseline contenders only, over --proxy-env (e.g. one setting "
-                        "A/B on the same tree: --baseline HEAD --base-env PROXY_DP_SERVER=uvicorn)")
+                        "A/B on the same tree: --baseline HEAD --base-env NAME=VALUE)")
     p.add_argument("--budget", type=float, default=300.0, help="stop measuring after this many s")
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     p.add_argument("--serve-floor", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)

@@ -45,7 +45,6 @@ ENV_NAMES: dict[str, str] = {
     "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
     "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
     "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
-    "dp_server": "PROXY_DP_SERVER",
     "log_level": "PROXY_LOG_LEVEL",
     "log_format": "PROXY_LOG_FORMAT",
     "log_each_request": "PROXY_ACCESS_LOG",
@@ -128,7 +127,6 @@ STRATEGY_ALIASES: dict[str, str] = {
 LOAD_VIEWS = ("shared", "per_worker")
 AFFINITY_VIEWS = ("shared", "per_worker")
 LOG_FORMATS = ("text", "json")
-DP_SERVERS = ("uvicorn", "native")
 RELEASE_POLICIES = ("ordered", "text_bypass")
 INJECTION_STRATEGIES = ("default", "iws")
 
@@ -169,9 +167,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # A worker closes a keep-alive connection idle this long (clients must use a shorter idle
     # timeout, or they may send on a connection the worker is closing).
     keepalive_timeout_s: float = 5.0
-    # What serves a worker's data plane: "uvicorn", or "native" (experimental: the worker's own
-    # HTTP/1.1 server, proxy_workers/http1_server.py).
-    dp_server: str = "uvicorn"
     log_level: str = "info"
     # "text": time role[pid] level logger: message; "json": one object per line (cacheroute_proxy/logs.py).
     log_format: str = "text"
@@ -282,7 +277,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
         _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
         _check(self.log_format in LOG_FORMATS, "log_format", f"must be one of {LOG_FORMATS}")
-        _check(self.dp_server in DP_SERVERS, "dp_server", f"must be one of {DP_SERVERS}")
         for name in ("dp_port", "cp_port", "worker_private_port_base"):
             _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
         _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")

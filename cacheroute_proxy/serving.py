@@ -1,8 +1,7 @@
-"""Run a role's server and tell systemd what it does (the sidecar and every worker): uvicorn's,
-or any server that says the same four things (`NativeServer`: a worker under
-PROXY_DP_SERVER=native, proxy_workers/http1_server.py).
+"""Run a role's server (the sidecar's, every worker's: cacheroute_proxy/http1_server.py) on
+uvloop and tell systemd what it does.
 
-Outside systemd ($NOTIFY_SOCKET unset) this is `server.run(sockets=...)`. Under systemd a small
+Outside systemd ($NOTIFY_SOCKET unset) this is `server.serve(sockets)`. Under systemd a small
 task on the server's own event loop says READY=1 once every listener is open, refreshes STATUS=
 every few seconds, pings WATCHDOG=1 every WatchdogSec/2 (a blocked loop stops pinging, and
 systemd restarts the process) and says STOPPING=1 as soon as shutdown begins. Nothing here runs
@@ -16,19 +15,20 @@ import contextlib
 import socket
 from typing import Any, Callable, Coroutine, Protocol
 
-import uvicorn
+import uvloop
 
-from . import uvicorn_seam as seam
 from .systemd import Notifier, watchdog_interval_s
 
-TICK_S = 0.1  # how often the reporter looks at the server (as often as uvicorn's own loop)
+TICK_S = 0.1  # how often the reporter looks at the server
 STATUS_EVERY_S = 5.0
 
 Describe = Callable[[Any], str]
 
 
-class NativeServer(Protocol):
-    """What the reporter reads of a server that is not uvicorn's."""
+class Server(Protocol):
+    """What is run, and what the reporter reads of it (http1_server.Http1Server)."""
+
+    def serve(self, sockets: list[socket.socket]) -> Coroutine[Any, Any, None]: ...
 
     def has_started(self) -> bool: ...
 
@@ -39,65 +39,24 @@ class NativeServer(Protocol):
     def open_connections(self) -> int: ...
 
 
-class _UvicornView:
-    """uvicorn's server, seen as a NativeServer (through the seam)."""
-
-    def __init__(self, server: uvicorn.Server) -> None:
-        self.server = server
-
-    def has_started(self) -> bool:
-        return seam.has_started(self.server)
-
-    def exit_requested(self) -> bool:
-        return seam.exit_requested(self.server)
-
-    def requests_in_flight(self) -> int:
-        return seam.requests_in_flight(self.server)
-
-    def open_connections(self) -> int:
-        return seam.open_connections(self.server)
-
-
-
-
-def serve(server: uvicorn.Server, describe: Describe, sockets: list[socket.socket] | None = None,
+def serve(server: Server, sockets: list[socket.socket], describe: Describe,
           notifier: Notifier | None = None) -> None:
-    """`server.run(sockets=sockets)`, telling systemd what the server does when it asks."""
-    notifier = notifier or Notifier()
-    if not notifier.enabled:
-        server.run(sockets=sockets)
-        return
-    try:
-        seam.run_with(server, lambda: _serve(server, describe, notifier, sockets))
-    finally:
-        notifier.close()
-
-
-def serve_native(server: NativeServer, serve_forever: Callable[[], Coroutine[Any, Any, None]],
-                 describe: Describe, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
-                 notifier: Notifier | None = None) -> None:
-    """Run `serve_forever()` (the native server's serve) on a loop from `loop_factory`, telling
-    systemd what `server` does, as `serve` does for uvicorn."""
+    """Serve on `sockets` until the server stops, telling systemd what it does when it asks
+    (`describe(server)` is the STATUS= line)."""
     notifier = notifier or Notifier()
     try:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             if not notifier.enabled:
-                runner.run(serve_forever())
+                runner.run(server.serve(sockets))
             else:
-                runner.run(_report_while(server, server, serve_forever(), describe, notifier))
+                runner.run(_report_while(server, server.serve(sockets), describe, notifier))
     finally:
         notifier.close()
 
 
-async def _serve(server: uvicorn.Server, describe: Describe, notifier: Notifier,
-                 sockets: list[socket.socket] | None) -> None:
-    await _report_while(_UvicornView(server), server, server.serve(sockets=sockets), describe,
-                        notifier)
-
-
-async def _report_while(view: NativeServer, described: Any, serving: Coroutine[Any, Any, None],
-                        describe: Describe, notifier: Notifier) -> None:
-    reporter = _Reporter(view, described, describe, notifier, watchdog_interval_s())
+async def _report_while(server: Server, serving: Coroutine[Any, Any, None], describe: Describe,
+                        notifier: Notifier) -> None:
+    reporter = _Reporter(server, describe, notifier, watchdog_interval_s())
     task = asyncio.create_task(reporter.run())
     try:
         await serving
@@ -105,17 +64,17 @@ async def _report_while(view: NativeServer, described: Any, serving: Coroutine[A
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        if view.has_started():
+        if server.has_started():
             reporter.stopping()  # a shutdown faster than one tick still says STOPPING=1
 
 
 class _Reporter:
     """Looks at the server every TICK_S on its own event loop and tells systemd."""
 
-    def __init__(self, view: NativeServer, server: Any, describe: Describe, notifier: Notifier,
+    def __init__(self, server: Server, describe: Describe, notifier: Notifier,
                  watchdog_s: float | None) -> None:
-        # `view` is read; `server` is what `describe` is given (uvicorn's, or the native one).
-        self._view, self._server, self._describe, self._notifier = view, server, describe, notifier
+        self._view = self._server = server
+        self._describe, self._notifier = describe, notifier
         self._watchdog_s = watchdog_s
         self._ready = self._stopping = False
 

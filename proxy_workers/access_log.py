@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import logging
 
-from starlette.types import Scope
-
 from cacheroute_proxy import logs
 
+from .headers import Header
 from .trace import Trace
 
 _log = logging.getLogger(logs.ACCESS_LOGGER)
 _REQUEST_ID_HEADER = b"x-request-id"
 
 
-def client_request_id(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
+def client_request_id(headers: list[Header]) -> str | None:
+    for name, value in headers:
         if name == _REQUEST_ID_HEADER:
             return value.decode("latin-1")
     return None
@@ -35,8 +34,7 @@ def tag_from_body(trace: Trace) -> None:
         logs.REQUEST_ID.set(str(trace.request_id))
 
 
-def write(scope: Scope, status: int, duration_s: float, trace: Trace) -> None:
-    method, path = scope["method"], scope["path"]
+def write(method: str, path: str, status: int, duration_s: float, trace: Trace) -> None:
     duration_ms = round(duration_s * 1000, 1)
     instance = trace.instance_id
     request_id = logs.REQUEST_ID.get()

@@ -1,14 +1,16 @@
 """The data plane of one worker: OpenAI-compatible routes plus per-worker debug endpoints.
 
-The two proxied routes (POST /v1/chat/completions and /v1/completions) are served by a plain
-ASGI callable, `DataPlane`, in front of Starlette: no Request object, no middleware stack, no
-route matching, because on a proxy that forwards a small JSON body those cost as much as the
-forwarding itself (measured with bench/hotpath.py: docs/architecture.md §8). Every
-other route, and other methods on the proxied paths (405), go through Starlette as before.
+The two proxied routes (POST /v1/chat/completions and /v1/completions) are `DataPlane`'s
+handlers, which the worker's server (cacheroute_proxy/http1_server.py) calls with the request's
+Cycle: no ASGI scope or messages, no Request object, no middleware stack, no route matching,
+because on a proxy that forwards a small JSON body those cost as much as the forwarding itself
+(measured with bench/hotpath.py: docs/architecture.md §8). Every other route, and other
+methods on the proxied paths (405), go through Starlette.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -36,6 +38,7 @@ from cacheroute_proxy.routing.report import instance_loads
 
 from . import access_log, metrics
 from .exchange import ProxyExchange, Responder
+from cacheroute_proxy.http1_server import BodyTooLarge, ClientGone, Cycle, Handler
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
@@ -70,7 +73,15 @@ def worker_name(index: int) -> str:
     return f"w{index}-pid{os.getpid()}"
 
 
-def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
+@dataclass(frozen=True)
+class WorkerApp:
+    """What the worker's server serves: its own handlers for the proxied routes, by (method,
+    path), and the ASGI app for everything else (and for its lifespan)."""
+    routes: dict[tuple[str, bytes], Handler]
+    asgi: ASGIApp
+
+
+def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
     settings = ctx.settings
     debug_guard = TokenGuard(load_token(settings.cp_token, settings.cp_token_file)
                              if settings.debug_requires_token else None)
@@ -100,7 +111,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe()})
 
-    async def post_only(request: Request) -> Response:  # DataPlane answers every POST first
+    async def post_only(request: Request) -> Response:  # DataPlane's handlers answer every POST
         raise AssertionError("unreachable")
 
     routes = [
@@ -113,7 +124,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> ASGIApp:
         *(Route(path, sidecar_read(settings, debug_guard), methods=["GET"]) for path in SIDECAR_READS),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
-    return DataPlane(ctx, ResponseObserver(app, ctx.name))
+    return WorkerApp(DataPlane(ctx).routes(), ResponseObserver(app, ctx.name))
 
 
 _DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS}
@@ -122,12 +133,10 @@ _DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETIONS.path: End
 class DataPlane:
     """POST on a proxied path: read the body (413 past the limit), recover the request (400/422)
     and run the exchange; the worker header on every answer; the request counted by status
-    (499: the client left before any answer) and instance, with its duration. Anything else:
-    `rest`."""
+    (499: the client left before any answer) and instance, with its duration."""
 
-    def __init__(self, ctx: WorkerContext, rest: ASGIApp) -> None:
+    def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
-        self._rest = rest
         self._limit = ctx.settings.max_body_bytes
         self._retries = ctx.settings.retry_attempts
         self._worker_header = (b"x-cacheroute-worker", ctx.name.encode())
@@ -136,41 +145,41 @@ class DataPlane:
         self._tag_requests = ctx.settings.log_each_request or ctx.settings.log_format == "json"
         self._tracing = ctx.tracing  # None: no spans, and the off path is this one check
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = _DATA_PATHS.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None or scope["method"] != "POST":
-            await self._rest(scope, receive, send)
-            return
+    def routes(self) -> dict[tuple[str, bytes], Handler]:
+        return {("POST", endpoint.path.encode()): functools.partial(self.serve, endpoint)
+                for endpoint in _DATA_PATHS.values()}
+
+    async def serve(self, endpoint: Endpoint, cycle: Cycle) -> None:
         started = time.perf_counter()
-        responder = Responder(send, self._worker_header)
+        responder = Responder(cycle, self._worker_header)
         trace = Trace(proxy_recv_ms=now_ms(), worker=self._ctx.name)
         if self._tag_requests:  # this request's own task: the id does not outlive it
-            logs.REQUEST_ID.set(access_log.client_request_id(scope))
+            logs.REQUEST_ID.set(access_log.client_request_id(cycle.headers))
         try:
-            await self._proxy(endpoint, scope, receive, responder, trace)
+            await self._proxy(endpoint, cycle, responder, trace)
         except Exception as exc:  # a bug: one logged line with the traceback, a JSON 500
-            log.error("unhandled error on POST %s", scope["path"], exc_info=exc)
+            log.error("unhandled error on POST %s", endpoint.path, exc_info=exc)
             if responder.started:
                 raise  # the server closes the connection: the client sees a cut response
-            await responder.json(500, {"error": "internal_error",
-                                       "detail": f"{type(exc).__name__} (details in the log)"})
+            responder.json(500, {"error": "internal_error",
+                                 "detail": f"{type(exc).__name__} (details in the log)"})
         finally:
             elapsed = time.perf_counter() - started
             metrics.observe_request(endpoint.value, responder.status, elapsed, responder.instance_id)
             if self._access_log:
-                access_log.write(scope, responder.status, elapsed, trace)
+                access_log.write(cycle.method, cycle.path, responder.status, elapsed, trace)
             if responder.spans is not None:
                 self._tracing.finish(responder.spans, responder.status)
 
-    async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive,
-                     responder: Responder, trace: Trace) -> None:
+    async def _proxy(self, endpoint: Endpoint, cycle: Cycle, responder: Responder,
+                     trace: Trace) -> None:
         ctx = self._ctx
         if self._tracing is not None:
-            responder.spans = self._tracing.begin(scope["path"], scope["headers"], trace)
+            responder.spans = self._tracing.begin(endpoint.path, cycle.headers, trace)
         try:
-            proxy_request = recover(endpoint, await read_body(scope, receive, self._limit))
+            proxy_request = recover(endpoint, await read_body(cycle, self._limit))
         except HTTPError as exc:
-            await responder.error(exc)
+            responder.error(exc)
             return
         except ClientGone:  # counted as 499, nothing to answer
             return
@@ -178,44 +187,24 @@ class DataPlane:
         if self._tag_requests:
             access_log.tag_from_body(trace)
         exchange = ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
-                                 retries=self._retries, client_headers=scope["headers"],
+                                 retries=self._retries, client_headers=cycle.headers,
                                  spans=responder.spans)
-        await exchange.run(receive, responder)
+        await exchange.run(responder)
 
 
-class ClientGone(Exception):
-    """The client disconnected before its body was complete."""
-
-
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(cycle: Cycle, limit: int) -> bytes:
     """The whole body, refusing (413) from the declared length before reading, or as soon as
     what arrives passes `limit` bytes."""
-    for name, value in scope["headers"]:
+    for name, value in cycle.headers:
         if name == b"content-length":
             if value.isdigit() and int(value) > limit:
                 raise HTTPError(413, "payload_too_large",
                                 f"body of {value.decode()} bytes exceeds the {limit}-byte limit")
             break
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise ClientGone
-    body = message.get("body", b"")
-    if not message.get("more_body", False):  # the usual case: one message
-        if len(body) > limit:
-            raise HTTPError(413, "payload_too_large", f"body exceeds the {limit}-byte limit")
-        return body
-    chunks = [body]
-    size = len(body)
-    while message.get("more_body", False):
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, "payload_too_large", f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await cycle.read_body(limit)
+    except BodyTooLarge:
+        raise HTTPError(413, "payload_too_large", f"body exceeds the {limit}-byte limit") from None
 
 
 class ResponseObserver:

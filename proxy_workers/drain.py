@@ -1,49 +1,51 @@
 """Graceful drain of one worker on SIGTERM: stop accepting, let what is in flight finish up to
 `PROXY_DRAIN_TIMEOUT_S`, then cut what is left cleanly, and say what happened.
 
-The mechanics that reach into uvicorn (a protocol that never closes a connection under a request
-that may be on its way, a server that says when its shutdown begins and acts at the deadline)
-are in cacheroute_proxy/uvicorn_seam.py; this module decides what they do:
-
-- :class:`Drain` is the worker's state of leaving: whether it drains, the requests in flight,
-  what finished and what was cut; the seam's `DrainingServer` calls `begin` when the listeners
-  close, `cut_remaining` at the deadline and `report` at the end. Under PROXY_DP_SERVER=native
-  the worker's own server (proxy_workers/http1_server.py: Http1Server) makes the same three
-  calls at the same moments.
-- :class:`DrainGate` (ASGI) knows every request in flight. At the deadline it cancels them (their
-  leases end in the exchange's `finally`) and finishes each response itself: a stream gets a
-  `cacheroute_meta` event whose `error` is `worker_drain_deadline` and no `[DONE]`, a request
-  not yet answered gets 503 `worker_draining`, so no client hangs on a worker that is leaving.
+:class:`Drain` is the worker's state of leaving: whether it drains, the requests in flight,
+what finished and what was cut. The worker's server (cacheroute_proxy/http1_server.py) runs every
+request through `Drain.run`, calls `begin` when its listeners close, `cut_remaining` at the
+deadline and `report` at the end. At the deadline every request still running is cancelled
+(its lease ends in the exchange's `finally`) and its response finished here: a stream gets a
+`cacheroute_meta` event whose `error` is `worker_drain_deadline` and no `[DONE]`, a request not
+yet answered gets 503 `worker_draining`, so no client hangs on a worker that is leaving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Coroutine, Protocol
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-
-from .response_hooks import response_progress
 from .sse import cut_meta_event
 from .trace import Trace
 
 log = logging.getLogger("cacheroute.worker")
 
 DRAIN_CUT_ERROR = "worker_drain_deadline"
-# uvicorn's own deadline comes this long after ours: cut streams get to send their last event.
+# The server's backstop comes this long after our deadline: cut streams send their last event.
 CUT_FLUSH_S = 2.0
 
 _CUT_BODY = (b'{"error": "worker_draining", "detail": "the worker stopped at its drain deadline '
              b'before answering; retry"}')
+_CUT_HEAD = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+             (b"content-length", b"%d" % len(_CUT_BODY))]
 
 
-def _under_way(send: Send) -> bool:
+class Response(Protocol):
+    """What the drain needs of a request's response (http1_server.Cycle)."""
+
+    started: bool
+    complete: bool
+
+    def start(self, status: int, headers: Any) -> None: ...
+
+    def end(self, body: bytes = b"") -> None: ...
+
+
+def _under_way(response: Response) -> bool:
     # A JSON answer goes out in one go (head and body back to back), so a response that has
     # started and not ended is, in practice, a stream.
-    started, complete = response_progress(send)
-    return started and not complete
+    return response.started and not response.complete
 
 
 class Drain:
@@ -52,7 +54,7 @@ class Drain:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.draining = False
-        self.active: dict[asyncio.Task[Any], Send] = {}  # request task -> uvicorn's send
+        self.active: dict[asyncio.Task[Any], Response] = {}  # request task -> its response
         self.cutting: set[asyncio.Task[Any]] = set()
         self.in_flight_at_start = 0
         self.streams_at_start = 0
@@ -69,14 +71,13 @@ class Drain:
                  self.timeout_s)
 
     def cut_remaining(self) -> None:
-        """The deadline: cancel every request still running; DrainGate ends each response."""
-        for task, send in list(self.active.items()):
-            started, complete = response_progress(send)
-            if complete:
+        """The deadline: cancel every request still running; `run` ends each response."""
+        for task, response in list(self.active.items()):
+            if response.complete:
                 continue
             self.cutting.add(task)
             self.cut += 1
-            self.cut_streams += started
+            self.cut_streams += response.started
             task.cancel(msg=DRAIN_CUT_ERROR)
         if self.cut:
             log.warning("drain deadline (%.0fs) reached: cutting %d requests (%d streams)",
@@ -88,55 +89,37 @@ class Drain:
                  self.in_flight_at_start, self.streams_at_start, self.cut, self.cut_streams)
 
 
-async def finish_cut(send: Send) -> None:
-    """End a response the deadline cut: a stream gets its error event and no [DONE]; a request
-    not yet answered gets 503."""
-    started, complete = response_progress(send)
-    if complete:
-        return
-    if started:
-        body = cut_meta_event(Trace(), DRAIN_CUT_ERROR)
-    else:
-        await send({"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json"), (b"retry-after", b"1")]})
-        body = _CUT_BODY
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-class DrainGate:
-    """ASGI middleware: registers each HTTP request with the Drain, finishes it if it is cut."""
-
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
-        self._app = app
-        self._drain = drain
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        drain = self._drain
+    async def run(self, response: Response, request: Coroutine[Any, Any, None]) -> None:
+        """Await `request` (one request's handling) in its task, known to be in flight; if the
+        deadline cuts it, finish its response and return normally."""
         task = asyncio.current_task()
         assert task is not None
-        drain.active[task] = send
+        self.active[task] = response
         cut = False
         try:
-            await self._app(scope, receive, send)
+            await request
         except asyncio.CancelledError:
-            if task not in drain.cutting:
+            if task not in self.cutting:
                 raise
-            # Our own cancellation, handled once (a second one, from uvicorn's backstop or the
-            # loop's shutdown, goes through): answer the client, then end normally.
-            drain.cutting.discard(task)
+            # Our own cancellation, handled once (a second one, from the server's backstop or
+            # the loop's shutdown, goes through): answer the client, then end normally.
+            self.cutting.discard(task)
             cut = True
             task.uncancel()
-            await finish_cut(send)
+            finish_cut(response)
         finally:
-            del drain.active[task]
-            if drain.draining and not cut:
-                drain.finished += 1
+            del self.active[task]
+            if self.draining and not cut:
+                self.finished += 1
 
 
-def uvicorn_graceful_timeout(drain_timeout_s: float) -> float:
-    """uvicorn's own backstop, after our deadline and the flush of the cut responses."""
-    return drain_timeout_s + CUT_FLUSH_S
-
+def finish_cut(response: Response) -> None:
+    """End a response the deadline cut: a stream gets its error event and no [DONE]; a request
+    not yet answered gets 503."""
+    if response.complete:
+        return
+    if response.started:
+        response.end(cut_meta_event(Trace(), DRAIN_CUT_ERROR))
+        return
+    response.start(503, _CUT_HEAD)
+    response.end(_CUT_BODY)

@@ -12,14 +12,14 @@ included.
 Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's
 bytes (only a `[DONE]` line is looked for); a JSON answer gets `_cacheroute_meta` spliced in
 after a validating decode that builds no values, and leaves in one write; a disconnect is a
-callback from the protocol that cancels the request's own task (proxy_workers/response_hooks.py).
+callback from the server's Cycle that cancels the request's own task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Any, Coroutine, TypeVar
 
 import msgspec
 
@@ -30,15 +30,13 @@ from . import metrics
 from .headers import KV_KNOWLEDGE_IDS, KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
-from .response_hooks import send_whole, watch_disconnect
+from cacheroute_proxy.http1_server import Cycle
 from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
 from .trace import Trace, encode_meta
 from .http1_client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 T = TypeVar("T")
 log = logging.getLogger("cacheroute.worker")
 
@@ -59,24 +57,23 @@ class Responder:
     remembered for the metrics (499 while no head was sent: the client left first), with the
     instance of the last attempt ("" before one was chosen)."""
 
-    __slots__ = ("send", "status", "started", "instance_id", "spans", "_tail")
+    __slots__ = ("cycle", "status", "started", "instance_id", "spans", "_tail")
 
-    def __init__(self, send: Send, worker_header: tuple[bytes, bytes]) -> None:
-        self.send = send
+    def __init__(self, cycle: Cycle, worker_header: tuple[bytes, bytes]) -> None:
+        self.cycle = cycle
         self.status = 499
         self.started = False
         self.instance_id = metrics.NO_INSTANCE
         self.spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
         self._tail = worker_header
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.started = True
         headers.append(self._tail)
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        self.cycle.start(status, headers)
 
-    async def whole(self, status: int, raw: list[Header], body: bytes,
-                    lease: Lease | None = None) -> None:
+    def whole(self, status: int, raw: list[Header], body: bytes, lease: Lease | None = None) -> None:
         """The whole answer in one go, with the headers `raw` (lower-case names, a content-type
         among them, no content-length). A `lease` names the instance in a header and ends before
         the answer leaves: whoever reads the shared table after seeing the answer sees the
@@ -84,23 +81,22 @@ class Responder:
         if lease is not None:
             raw.append(_instance_header(lease))
             lease.release()
-        if send_whole(self.send, status, [*raw, self._tail], body):
-            self.status = status
-            self.started = True
-            return
-        raw.append((b"content-length", b"%d" % len(body)))
-        await self.start(status, raw)
-        await self.send({"type": "http.response.body", "body": body})
+        self.status = status
+        self.started = True
+        raw.append(self._tail)
+        if not self.cycle.send_whole(status, raw, body):  # the client left: nothing to write
+            self.cycle.start(status, raw)
+            self.cycle.end()
 
-    async def json(self, status: int, content: Any, lease: Lease | None = None,
-                   headers: dict[str, str] | None = None) -> None:
+    def json(self, status: int, content: Any, lease: Lease | None = None,
+             headers: dict[str, str] | None = None) -> None:
         raw = [_JSON]
         if headers:
             raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-        await self.whole(status, raw, _encoder.encode(content), lease)
+        self.whole(status, raw, _encoder.encode(content), lease)
 
-    async def error(self, exc: HTTPError, lease: Lease | None = None) -> None:
-        await self.json(exc.status, {"error": exc.code, "detail": exc.detail}, lease, exc.headers)
+    def error(self, exc: HTTPError, lease: Lease | None = None) -> None:
+        self.json(exc.status, {"error": exc.code, "detail": exc.detail}, lease, exc.headers)
 
 
 class ProxyExchange:
@@ -117,12 +113,12 @@ class ProxyExchange:
         self._attempt = 0
         self._tried: frozenset[tuple[int, int]] = frozenset()
 
-    async def run(self, receive: Receive, out: Responder) -> None:
+    async def run(self, out: Responder) -> None:
         trace = self._job.trace
         try:
             self._forwarded = self._upstream.forwarded(self._client_headers)
         except HTTPError as exc:  # a header no instance may see: refused before any selection
-            await out.error(exc)
+            out.error(exc)
             return
         for attempt in range(1 + self._retries):
             self._attempt = attempt
@@ -130,7 +126,7 @@ class ProxyExchange:
             try:
                 lease = self._router.acquire(self._tried, self._job.request)
             except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
-                await out.error(exc)
+                out.error(exc)
                 return
             trace.route_select_end_ms = now_ms()
             age = lease.snapshot_age_ms
@@ -142,7 +138,7 @@ class ProxyExchange:
                 trace.affinity_guard = lease.guard_fired
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
-                retry = await run_until_disconnect(self._run(lease, out), out.send, receive)
+                retry = await run_until_disconnect(self._run(lease, out), out.cycle)
             finally:
                 lease.release()
             if not retry:
@@ -164,7 +160,7 @@ class ProxyExchange:
             return await self._pipeline.run_admitted(lease, self._job,
                                                      lambda: self._forward(lease, out))
         except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
-            await out.error(exc, lease)
+            out.error(exc, lease)
             return False
 
     async def _forward(self, lease: Lease, out: Responder) -> bool:
@@ -189,7 +185,7 @@ class ProxyExchange:
             self._failed(lease)
             if exc.code == "upstream_unavailable" and self._can_retry():
                 return True
-            await out.error(exc, lease)
+            out.error(exc, lease)
             return False
         if spans is not None:
             spans.answer_head(response.status)
@@ -218,17 +214,17 @@ class ProxyExchange:
         try:
             body = await self._upstream.read_all(response)
         except UpstreamFailure as exc:
-            await out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
+            out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
-        await out.whole(response.status, with_defaults(relayed(response.headers), _JSON), body, lease)
+        out.whole(response.status, with_defaults(relayed(response.headers), _JSON), body, lease)
 
     async def _relay_stream(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
         job = self._job
         trace = job.trace
-        send = out.send
+        cycle = out.cycle
         headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
         headers.append(_instance_header(lease))
-        await out.start(200, headers)
+        out.start(200, headers)
         stripper = DoneStripper()
         error: str | None = None
         first = True
@@ -238,11 +234,11 @@ class ProxyExchange:
                     first = False
                     self._first_token(job)
                 data = stripper.feed(chunk)
-                if data:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                if data and cycle.write(data):
+                    await cycle.writable()
             tail = stripper.flush()
             if tail:
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
+                cycle.write(tail)
         except UpstreamFailure as exc:
             error = exc.reason
             if job.spans is not None:
@@ -253,7 +249,7 @@ class ProxyExchange:
         final = (meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT if error is None
                  else cut_meta_event(trace, error, job.knowledge))
         lease.release()  # before the end of the stream leaves, as for a whole answer
-        await send({"type": "http.response.body", "body": final, "more_body": False})
+        cycle.end(final)
 
     async def _relay_whole(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
         job = self._job
@@ -262,7 +258,7 @@ class ProxyExchange:
             body = await self._upstream.read_all(response)
         except UpstreamFailure as exc:
             self._account(lease, False)
-            await out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
+            out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
             return
         self._account(lease, True)
         trace.forward_end_ms = now_ms()
@@ -271,7 +267,7 @@ class ProxyExchange:
         # The instance's content type describes its JSON object, still there; a wrapped answer
         # is the proxy's JSON.
         headers = with_defaults(headers, _JSON) if kept else replaced(headers, _JSON)
-        await out.whole(200, headers, body, lease)
+        out.whole(200, headers, body, lease)
 
     def _account(self, lease: Lease, ok: bool) -> None:
         if ok:
@@ -328,15 +324,17 @@ def meta_spliced(body: bytes, meta: bytes) -> tuple[bytes, bool]:
     return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}", True
 
 
-async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
-                               receive: Receive) -> T | None:
+async def run_until_disconnect(work: Coroutine[Any, Any, T], cycle: Cycle) -> T | None:
     """Await `work` in this task; if the client disconnects first, cancel it and return None.
 
     The CancelledError this causes is recognised here and absorbed; any other cancellation
-    (server shutdown, drain) goes on up. The protocol calls back on disconnect
-    (response_hooks.watch_disconnect); elsewhere one watcher task reads `receive()`."""
+    (server shutdown, drain) goes on up. The server calls back on disconnect (Cycle.on_disconnect),
+    so a silent upstream stall is noticed too, with no task per request waiting on the socket."""
     task = asyncio.current_task()
     assert task is not None
+    if cycle.disconnected:  # gone before we started watching
+        work.close()
+        return None
     state = {"done": False, "gone": False}
 
     def on_client_gone() -> None:
@@ -344,19 +342,7 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
             state["gone"] = True
             task.cancel()
 
-    hook = watch_disconnect(send, on_client_gone)
-    if hook is not None and hook.client_gone():  # gone before we started watching
-        hook.unwatch()
-        work.close()
-        return None
-    watcher = None
-    if hook is None:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            on_client_gone()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+    cycle.on_disconnect = on_client_gone
     try:
         result = await work
     except asyncio.CancelledError:
@@ -366,10 +352,7 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], send: Send,
         return None
     finally:
         state["done"] = True
-        if hook is not None:
-            hook.unwatch()
-        if watcher is not None:
-            watcher.cancel()
+        cycle.on_disconnect = None
     return result
 
 

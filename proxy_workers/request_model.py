@@ -130,8 +130,38 @@ class ProxyRequest(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
+_SCHEDULER_KEY = b'"Prompt"'
+_typed = {schema: msgspec.json.Decoder(schema)
+          for schema in (SchedulerRequest, OpenAIChatBody, OpenAICompletionBody)}
+_OPENAI_SCHEMA = {Endpoint.CHAT: OpenAIChatBody, Endpoint.COMPLETIONS: OpenAICompletionBody}
+
+
 def recover(endpoint: Endpoint, body: bytes) -> ProxyRequest:
-    """Validate and normalise a body; HTTPError 400/422 naming the problem otherwise."""
+    """Validate and normalise a body; HTTPError 400/422 naming the problem otherwise.
+
+    A valid body is decoded once, straight into the Struct of its shape (a Scheduler request
+    names the key "Prompt"; anything else is a plain OpenAI body). A body that does not decode
+    so takes the general path, which says exactly what is wrong with it. (A typed decode skips
+    the keys its Struct does not name without checking their strings' UTF-8: checked here.)"""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            return _recover_slowly(endpoint, body)
+    if _SCHEDULER_KEY in body:
+        try:
+            return _scheduler_request(endpoint, _typed[SchedulerRequest].decode(body))
+        except (msgspec.DecodeError, RecursionError):  # not one after all ("Prompt" as a value), or invalid
+            pass
+    else:
+        try:
+            return _openai_request(endpoint, _typed[_OPENAI_SCHEMA[endpoint]].decode(body), body)
+        except (msgspec.DecodeError, RecursionError):
+            pass
+    return _recover_slowly(endpoint, body)
+
+
+def _recover_slowly(endpoint: Endpoint, body: bytes) -> ProxyRequest:
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -141,7 +171,7 @@ def recover(endpoint: Endpoint, body: bytes) -> ProxyRequest:
     if not isinstance(raw, dict):
         raise HTTPError(400, "invalid_request_payload", "body must be a JSON object")
     if "Prompt" in raw:
-        return _from_scheduler(endpoint, raw)
+        return _scheduler_request(endpoint, _convert(raw, SchedulerRequest))
     return _from_openai(endpoint, raw, body)
 
 
@@ -152,8 +182,7 @@ def _convert(raw: Any, schema: type[Any]) -> Any:
         raise HTTPError(422, "invalid_request_payload", str(exc)) from None
 
 
-def _from_scheduler(endpoint: Endpoint, raw: dict[str, Any]) -> ProxyRequest:
-    req: SchedulerRequest = _convert(raw, SchedulerRequest)
+def _scheduler_request(endpoint: Endpoint, req: SchedulerRequest) -> ProxyRequest:
     prompt = req.Prompt
     # Completions answer JSON (docs/protocol.md §2.2): the Scheduler's stream flag is for chat.
     stream = prompt.stream if endpoint is Endpoint.CHAT else False
@@ -183,24 +212,26 @@ def _from_scheduler(endpoint: Endpoint, raw: dict[str, Any]) -> ProxyRequest:
 
 
 def _from_openai(endpoint: Endpoint, raw: dict[str, Any], body: bytes) -> ProxyRequest:
+    required = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    if required not in raw:
+        raise HTTPError(422, "invalid_request_payload",
+                        f"Object missing required field `{required}` (or a CacheRoute `Prompt`)")
+    return _openai_request(endpoint, _convert(raw, _OPENAI_SCHEMA[endpoint]), body)
+
+
+def _openai_request(endpoint: Endpoint, parsed: Any, body: bytes) -> ProxyRequest:
     if endpoint is Endpoint.CHAT:
-        if "messages" not in raw:
-            raise HTTPError(422, "invalid_request_payload",
-                            "Object missing required field `messages` (or a CacheRoute `Prompt`)")
-        parsed: Any = _convert(raw, OpenAIChatBody)
         chars = sum(len(m.content) if isinstance(m.content, str) else len(str(m.content))
                     for m in parsed.messages)
+        prompt = parsed.messages
     else:
-        if "prompt" not in raw:
-            raise HTTPError(422, "invalid_request_payload",
-                            "Object missing required field `prompt` (or a CacheRoute `Prompt`)")
-        parsed = _convert(raw, OpenAICompletionBody)
-        chars = len(parsed.prompt) if isinstance(parsed.prompt, str) else len(str(parsed.prompt))
+        prompt = parsed.prompt
+        chars = len(prompt) if isinstance(prompt, str) else len(str(prompt))
     return ProxyRequest(endpoint=endpoint, upstream_body=body, stream=parsed.stream,
                         model=parsed.model, request_id=0, token_length=None, source="openai",
                         prompt_tokens=_estimate_tokens(chars),
                         decode_tokens=parsed.max_tokens or DEFAULT_DECODE_TOKENS,
-                        parsed_prompt=parsed.messages if endpoint is Endpoint.CHAT else parsed.prompt)
+                        parsed_prompt=prompt)
 
 
 def _estimate_tokens(chars: int) -> int:

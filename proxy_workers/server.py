@@ -13,23 +13,19 @@ import socket
 import time
 from typing import AsyncIterator
 
-import uvicorn
-import uvloop
-from starlette.types import ASGIApp
 
 from cacheroute_proxy import exits, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import KvAwareStrategy
-from cacheroute_proxy.uvicorn_seam import DrainingServer, draining_protocol, has_started, requests_in_flight
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from proxy_workers.predictors import get_predictors
 
 from .affinity import AffinityScorer, make_index
-from .app import WorkerContext, build_app, worker_name
-from .drain import Drain, DrainGate, uvicorn_graceful_timeout
-from .http1_server import Http1Server
+from .app import WorkerApp, WorkerContext, build_app, worker_name
+from .drain import Drain
+from cacheroute_proxy.http1_server import Http1Server
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
@@ -185,12 +181,7 @@ def run(settings: Settings, index: int) -> int:
                  exits.host_port(settings.worker_private_host, settings.worker_private_port(index)),
                  row.row, ctx.router.strategy.name, settings.load_view)
 
-        if settings.dp_server == "native":
-            return _serve_native(app, settings, [shared, private], index)
-
-        def describe(server: uvicorn.Server) -> str:  # systemd's STATUS= line, every few seconds
-            return f"worker {index}: {requests_in_flight(server)} requests in flight"
-        return _serve(app, settings, [shared, private], describe=describe)
+        return _serve(app, settings, [shared, private], index)
     finally:
         leftover = row.release()
         if leftover:
@@ -198,29 +189,14 @@ def run(settings: Settings, index: int) -> int:
         seg.close()
 
 
-def _serve(app: ASGIApp, settings: Settings, sockets: list[socket.socket], *,
-           describe: serving.Describe) -> int:
-    drain = Drain(settings.drain_timeout_s)  # SIGTERM: drain, then cut at the deadline (drain.py)
-    config = uvicorn.Config(DrainGate(app, drain), loop="uvloop", http=draining_protocol(drain),
-                            lifespan="on", log_config=None, log_level=settings.log_level,
-                            access_log=False, timeout_keep_alive=settings.keepalive_timeout_s,
-                            # nothing reads X-Forwarded-*: skip uvicorn's per-request middleware
-                            proxy_headers=False,
-                            timeout_graceful_shutdown=uvicorn_graceful_timeout(settings.drain_timeout_s))
-    logs.keep_control_after_signals()
-    server = DrainingServer(config, drain)
-    serving.serve(server, describe, sockets)  # READY once listening (segment and row are ours by now)
-    return 0 if has_started(server) else exits.SERVER_FAILED
-
-
-def _serve_native(app: ASGIApp, settings: Settings, sockets: list[socket.socket], index: int) -> int:
-    """The same lifecycle on the worker's own HTTP/1.1 server (PROXY_DP_SERVER=native)."""
+def _serve(app: WorkerApp, settings: Settings, sockets: list[socket.socket], index: int) -> int:
+    """Serve until SIGTERM/SIGINT, drain (proxy_workers/drain.py), tell systemd what it does."""
     drain = Drain(settings.drain_timeout_s)
-    server = Http1Server(DrainGate(app, drain), drain, settings.keepalive_timeout_s)
+    server = Http1Server(app.asgi, drain, settings.keepalive_timeout_s, routes=app.routes)
 
-    def describe(server: Http1Server) -> str:
+    def describe(server: Http1Server) -> str:  # systemd's STATUS= line, every few seconds
         return f"worker {index}: {server.requests_in_flight()} requests in flight"
     logs.keep_control_after_signals()
-    serving.serve_native(server, lambda: server.serve(sockets), describe, uvloop.new_event_loop)
+    serving.serve(server, sockets, describe)
     logs.keep_control_after_signals()  # the loop gave its handlers back: still no kill before cleanup
     return 0 if server.has_started() else exits.SERVER_FAILED

@@ -11,7 +11,6 @@ import signal
 import socket
 from typing import AsyncIterator, Awaitable, Callable
 
-import uvicorn
 from starlette.applications import Starlette
 
 from cacheroute_proxy import exits, host_checks, logs, serving
@@ -20,7 +19,7 @@ from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
-from cacheroute_proxy.uvicorn_seam import has_started
+from cacheroute_proxy.http1_server import GracefulExit, Http1Server
 from shm_schema import Segment, SegmentError, header
 
 from .affinity import AffinityModels, kv_capacity_tokens
@@ -35,6 +34,9 @@ from .static_prober import StaticProber
 from .topology import Topology
 from .ui_listener import ByListener, ui_app
 
+# What a request in flight at SIGTERM gets before the control plane closes (a registration, a
+# heartbeat, a dashboard read: all short).
+SHUTDOWN_GRACE_S = 5.0
 log = logging.getLogger("cacheroute.sidecar")
 
 
@@ -148,7 +150,7 @@ def status_line(state: SidecarState) -> str:
 
 def bind_control_plane(settings: Settings) -> socket.socket:
     """Bound before anything else: a taken port is then exit 6 (cannot start, not restarted by
-    the supervisor or systemd) with the reason, instead of uvicorn's exit 3 after the segment."""
+    the supervisor or systemd) with the reason, before the segment is touched."""
     return bind_listener(settings.cp_host, settings.cp_port)
 
 
@@ -201,15 +203,12 @@ def run(settings: Settings) -> int:
         if ui_socket is not None and settings.ui_address is not None:
             served = ByListener(served, ui_app(app.state.dashboard_routes, settings, not tokened),
                                 settings.ui_address[1])
-        config = uvicorn.Config(served, loop="uvloop", http="httptools", lifespan="on", log_config=None,
-                                log_level=settings.log_level, access_log=False,
-                                timeout_graceful_shutdown=5)
+        server = Http1Server(served, GracefulExit(SHUTDOWN_GRACE_S), settings.keepalive_timeout_s)
         logs.keep_control_after_signals()
-        server = uvicorn.Server(config)
-        # plain server.run() outside systemd
-        serving.serve(server, lambda _server: status_line(state),
-                      [control] if ui_socket is None else [control, ui_socket])
-        return 0 if has_started(server) else exits.SERVER_FAILED
+        serving.serve(server, [control] if ui_socket is None else [control, ui_socket],
+                      lambda _server: status_line(state))
+        logs.keep_control_after_signals()  # the loop gave its handlers back: no kill before cleanup
+        return 0 if server.has_started() else exits.SERVER_FAILED
     finally:
         header.release_sidecar(seg)
         seg.close()

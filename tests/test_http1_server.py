@@ -1,9 +1,9 @@
-"""The worker's own HTTP/1.1 server (proxy_workers/http1_server.py) against raw sockets on
+"""The worker's own HTTP/1.1 server (cacheroute_proxy/http1_server.py) against raw sockets on
 127.0.0.1: framing, keep-alive, pipelining, limits, malformed input, disconnects, drain.
 
-The app under it is a small ASGI app (not the worker's), behind the real DrainGate, so what is
-tested is the server's own behaviour; the worker's routes under it are tested end to end by
-running the e2e files with PROXY_DP_SERVER=native (docs/testing.md)."""
+Under it: small routes of the test's own, given the Cycle as the worker's proxied routes are,
+and a small ASGI app (as Starlette is behind them), with the real Drain, so what is tested is
+the server's own behaviour; the worker's routes on it are tested end to end by every e2e file."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from proxy_workers.app import ClientGone, read_body
-from proxy_workers.drain import Drain, DrainGate
+from proxy_workers.app import read_body
+from proxy_workers.drain import Drain
 from proxy_workers.exchange import run_until_disconnect
-from proxy_workers.http1_server import Http1Server
-from proxy_workers.response_hooks import response_progress, send_whole
+from cacheroute_proxy.http import HTTPError
+from cacheroute_proxy.http1_server import ClientGone, Cycle, Http1Server
 from tests.harness import wait_until
 
 LIMIT = 1000
@@ -29,15 +29,69 @@ BIG_CHUNKS = 200  # 13 MB: far more than the kernel's socket buffers hold on loo
 
 
 class App:
-    """/echo: the body back (413 past LIMIT, as the worker's read_body); /stream?n: n chunks;
-    /hang: waits until the client leaves (run_until_disconnect), and records it; /whole: one
-    write through send_whole; /boom: raises."""
+    """The server's own routes, given the Cycle (as the worker's proxied routes are): /echo the
+    body back (413 past LIMIT, by the worker's read_body); /whole one write through send_whole;
+    /hang waits until the client leaves (run_until_disconnect), and records it; /big-direct
+    BIG_CHUNKS chunks by `write`; /boom-direct raises.
+
+    And an ASGI app behind them (as Starlette is in the worker): /stream?n n chunks, /big
+    BIG_CHUNKS chunks, /boom raises."""
 
     def __init__(self) -> None:
         self.gone: list[str] = []
         self.sent = 0  # /big: chunks whose send returned
         self.progress: list[tuple[bool, bool]] = []
         self.release = asyncio.Event()
+        self.routes = {("POST", b"/echo"): self.echo, ("POST", b"/whole"): self.whole,
+                       ("POST", b"/hang"): self.hang, ("POST", b"/big-direct"): self.big,
+                       ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late}
+        self.late_go = asyncio.Event()
+        self.ran: list[str] = []
+
+    async def echo(self, cycle: Cycle) -> None:
+        try:
+            body = await read_body(cycle, LIMIT)
+        except ClientGone:
+            self.gone.append("body")
+            return
+        except HTTPError as exc:  # 413
+            cycle.start(exc.status, [(b"content-length", b"0")])
+            cycle.end()
+            return
+        cycle.start(200, [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))])
+        cycle.end(body)
+
+    async def whole(self, cycle: Cycle) -> None:
+        assert cycle.send_whole(201, [(b"content-type", b"application/json")], b'{"a":1}')
+
+    async def hang(self, cycle: Cycle) -> None:
+        result = await run_until_disconnect(self.release.wait(), cycle)
+        if result is None:
+            self.gone.append("hang")
+        else:
+            cycle.start(200, [(b"content-length", b"2")])
+            cycle.end(b"ok")
+
+    async def late(self, cycle: Cycle) -> None:
+        """Reaches run_until_disconnect only once the test says (after the client left)."""
+        await self.late_go.wait()
+
+        async def work() -> None:
+            self.ran.append("late")
+
+        if await run_until_disconnect(work(), cycle) is None:
+            self.gone.append("late")
+
+    async def big(self, cycle: Cycle) -> None:
+        cycle.start(200, [(b"content-type", b"application/octet-stream")])
+        for _ in range(BIG_CHUNKS):
+            if cycle.write(BIG_CHUNK):
+                await cycle.writable()
+            self.sent += 1
+        cycle.end()
+
+    async def boom(self, cycle: Cycle) -> None:
+        raise RuntimeError("boom")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -49,31 +103,17 @@ class App:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path = scope["path"]
-        if path == "/echo":
-            try:
-                body = await read_body(scope, receive, LIMIT)
-            except ClientGone:
-                self.gone.append("body")
-                return
-            except Exception as exc:  # HTTPError 413
-                await send({"type": "http.response.start", "status": exc.status,
-                            "headers": [(b"content-length", b"0")]})
-                await send({"type": "http.response.body", "body": b""})
-                return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/plain"),
-                                    (b"content-length", b"%d" % len(body))]})
-            await send({"type": "http.response.body", "body": body})
-        elif path == "/stream":
+        cycle = send.__self__  # the server's Cycle: how far its response is
+        if path == "/stream":
             n = int(scope["query_string"] or b"3")
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
-            self.progress.append(response_progress(send))
+            self.progress.append((cycle.started, cycle.complete))
             for i in range(n):
                 await send({"type": "http.response.body", "body": b"data: %d\n\n" % i,
                             "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self.progress.append(response_progress(send))
+            self.progress.append((cycle.started, cycle.complete))
         elif path == "/big":
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/octet-stream")]})
@@ -81,16 +121,6 @@ class App:
                 await send({"type": "http.response.body", "body": BIG_CHUNK, "more_body": True})
                 self.sent += 1
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        elif path == "/whole":
-            assert send_whole(send, 201, [(b"content-type", b"application/json")], b'{"a":1}')
-        elif path == "/hang":
-            result = await run_until_disconnect(self.release.wait(), send, receive)
-            if result is None:
-                self.gone.append("hang")
-            else:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-length", b"2")]})
-                await send({"type": "http.response.body", "body": b"ok"})
         else:
             raise RuntimeError("boom")
 
@@ -99,7 +129,7 @@ class Running:
     def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0) -> None:
         self.app = App()
         self.drain = Drain(drain_s)
-        self.server = Http1Server(DrainGate(self.app, self.drain), self.drain, keepalive_s,
+        self.server = Http1Server(self.app, self.drain, keepalive_s, routes=self.app.routes,
                                   handle_signals=False)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -242,9 +272,10 @@ def test_a_malformed_request_gets_400_and_close(srv: Running) -> None:
     assert closed(sock)
 
 
-def test_an_app_failure_before_answering_is_500(srv: Running) -> None:
+@pytest.mark.parametrize("path", ["/boom", "/boom-direct"])
+def test_an_app_failure_before_answering_is_500(srv: Running, path: str) -> None:
     sock, buf = connect(srv.port), bytearray()
-    sock.sendall(post("/boom", b""))
+    sock.sendall(post(path, b""))
     assert read_response(sock, buf)[0] == 500
     assert closed(sock)
 
@@ -263,6 +294,18 @@ def test_a_client_that_leaves_while_waiting_cancels_the_work(srv: Running) -> No
     wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
     sock.close()
     wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_work_is_not_started_for_a_client_already_gone(srv: Running) -> None:
+    sock = connect(srv.port)
+    sock.sendall(post("/late", b""))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    sock.close()
+    wait_until(lambda: not srv.server.connections, 5, message="the server saw the client leave")
+    srv.call(srv.app.late_go.set)
+    wait_until(lambda: srv.app.gone == ["late"], 5, message="run_until_disconnect returned None")
+    assert srv.app.ran == []  # the work was closed, never run
     wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
 
 
@@ -313,20 +356,11 @@ def test_drain_deadline_cuts_a_request_with_503() -> None:
             running.stop()
 
 
-# --- the setting, and a real cluster on the native server ------------------------------------------
-def test_the_setting_is_validated_and_defaults_to_uvicorn() -> None:
-    from cacheroute_proxy.config import Settings
-
-    assert Settings.from_env({}).dp_server == "uvicorn"
-    assert Settings.from_env({"PROXY_DP_SERVER": "native"}).dp_server == "native"
-    with pytest.raises(ValueError, match="PROXY_DP_SERVER"):
-        Settings.from_env({"PROXY_DP_SERVER": "nginx"})
-
-
-def test_a_cluster_on_the_native_server_answers_on_both_ports(make_cluster: Any) -> None:
+# --- a real cluster ----------------------------------------------------------------------------------
+def test_a_cluster_answers_on_both_ports(make_cluster: Any) -> None:
     from tests.harness import http
 
-    cluster = make_cluster(workers=2, env={"PROXY_DP_SERVER": "native"})  # checks the server header
+    cluster = make_cluster(workers=2)  # checks the server header
     inst = cluster.add_instance()
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for url in (cluster.dp_url, cluster.worker_url(0), cluster.worker_url(1)):
@@ -349,10 +383,11 @@ def test_expect_100_continue_is_answered_before_the_body(srv: Running) -> None:
     assert read_response(sock, buf)[2] == b"later"
 
 
-def test_a_client_that_does_not_read_holds_back_the_sender(srv: Running) -> None:
+@pytest.mark.parametrize("path", ["/big", "/big-direct"])
+def test_a_client_that_does_not_read_holds_back_the_sender(srv: Running, path: str) -> None:
     sock, buf = connect(srv.port), bytearray()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-    sock.sendall(post("/big", b""))
+    sock.sendall(post(path, b""))
     wait_until(lambda: any(c.write_paused for c in list(srv.server.connections)), 10,
                message="the transport paused writing")
     assert srv.app.sent < BIG_CHUNKS  # waiting in send, not buffering the whole answer

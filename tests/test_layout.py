@@ -172,7 +172,7 @@ def test_no_shift_or_mask_of_a_shared_word_outside_shm_schema(package: str) -> N
 
 
 # --- one seam to uvicorn -------------------------------------------------------------------------
-SEAM = ROOT / "cacheroute_proxy" / "uvicorn_seam.py"
+SEAM = ROOT / "cacheroute_sim" / "common" / "uvicorn_seam.py"
 # Attributes of uvicorn's Server, its protocols and its request cycle that uvicorn does not
 # document: only the seam (and the test that pins it) may touch them.
 UVICORN_INTERNALS = {
@@ -196,4 +196,12 @@ def test_only_the_seam_reaches_into_uvicorn() -> None:
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Attribute) and node.attr in UVICORN_INTERNALS:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses .{node.attr}")
-    assert not found, "uvicorn internals outside cacheroute_proxy/uvicorn_seam.py:\n" + "\n".join(found)
+    assert not found, "uvicorn internals outside cacheroute_sim/common/uvicorn_seam.py:\n" + "\n".join(found)
+
+
+def test_the_product_does_not_run_on_uvicorn() -> None:
+    """Every role serves on cacheroute_proxy/http1_server.py; uvicorn is the simulators'."""
+    found = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+             for package in PRODUCT for path in python_files(package)
+             for line, name in imported_modules(path) if name.split(".")[0] == "uvicorn"]
+    assert not found, "\n".join(found)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.request_model import Endpoint, recover
+from proxy_workers.request_model import Endpoint, _recover_slowly, recover
+from tests import fuzz_strategies as fz
 from proxy_workers.sse import DONE_EVENT, DoneStripper, meta_event
 from proxy_workers.trace import Trace
 
@@ -102,3 +105,38 @@ def test_no_authorization_header_without_a_key():
 
     assert b"uthorization" not in Upstream(Settings())._own  # never "Bearer None"
     assert b"Authorization: Bearer k\r\n" in Upstream(Settings(openai_api_key="k"))._own
+
+
+# --- the one-decode path against the general one -----------------------------------------------
+def _outcome(recovering, endpoint: Endpoint, raw: bytes):
+    try:
+        return recovering(endpoint, raw)
+    except HTTPError as exc:
+        return ("refused", exc.status, exc.code, exc.detail)
+
+
+@settings(max_examples=400, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=fz.data_case("127.0.0.1:9", branches=tuple(b for f in fz.FAMILIES.values() for b in f)),
+       plant=st.sampled_from([None, "value", "nested"]))
+def test_decoding_straight_into_the_struct_answers_as_the_general_path(case, plant) -> None:
+    """Whatever the body, `recover` (one typed decode, the general path only when that fails)
+    gives what the general path gives: the same request, or the same refusal word for word.
+    Some bodies also carry the string "Prompt" as a value, which sends them to the Scheduler
+    decode first."""
+    raw = case.raw
+    if plant and raw.startswith(b"{") and raw.rstrip().endswith(b"}"):
+        extra = b'"x":"Prompt"' if plant == "value" else b'"x":{"Prompt":1}'
+        raw = raw.rstrip()[:-1] + (b"," if raw.strip() != b"{}" else b"") + extra + b"}"
+    endpoint = Endpoint.CHAT if case.path == fz.CHAT else Endpoint.COMPLETIONS
+    assert _outcome(recover, endpoint, raw) == _outcome(_recover_slowly, endpoint, raw)
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("key", ["x", "Prompt"])
+def test_nesting_too_deep_for_the_typed_decode_is_the_general_paths_400(endpoint, key) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    body = f'{{"messages": [{{"role": "user", "content": "x"}}], "prompt": "x", "{key}": {deep}}}'
+    with pytest.raises(HTTPError) as refused:
+        recover(endpoint, body.encode())
+    assert (refused.value.status, refused.value.code) == (400, "invalid_json")

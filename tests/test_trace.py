@@ -21,6 +21,7 @@ from proxy_workers.exchange import with_meta
 from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.pipeline import Pipeline
 from proxy_workers.predictors import get_predictors
+from proxy_workers.request_model import Endpoint
 from proxy_workers.router import Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
 from proxy_workers.trace import Knowledge, Trace, encode_meta
@@ -236,25 +237,42 @@ def _scheduler_body(stream: bool) -> bytes:
         "Task": {"KDN_server_addr": "127.0.0.1:9101"}}).encode()
 
 
+class _Cycle:
+    """What DataPlane is given by the worker's server, recording what it writes; the client
+    stays connected and the body has arrived whole."""
+
+    def __init__(self, body: bytes) -> None:
+        self.method, self.path, self.headers = "POST", "/v1/chat/completions", []
+        self.disconnected, self.started, self.complete = False, False, False
+        self.on_disconnect = None
+        self.status = 0
+        self.sent: list[bytes] = []
+        self._body = body
+
+    async def read_body(self, limit: int) -> bytes:
+        return self._body
+
+    def send_whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        self.start(status, headers)
+        self.end(body)
+        return True
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.started = status, True
+
+    def write(self, body: bytes) -> bool:
+        self.sent.append(body)
+        return False
+
+    def end(self, body: bytes = b"") -> None:
+        self.sent.append(body)
+        self.complete = True
+
+
 async def _serve(plane: DataPlane, body: bytes) -> tuple[int, bytes]:
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client stays
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    await plane(scope, receive, send)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    cycle = _Cycle(body)
+    await plane.serve(Endpoint.CHAT, cycle)  # type: ignore[arg-type]
+    return cycle.status, b"".join(cycle.sent)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
@@ -272,7 +290,7 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     pipeline = Pipeline(settings, RequestTracker(segment, row),
                         KnowledgePreparer(settings, upstream, predictors), predictors,
                         pressure_of=lambda instance: 40.0)
-    plane = DataPlane(WorkerContext(settings, 0, router, upstream, pipeline), rest=None)  # type: ignore[arg-type]
+    plane = DataPlane(WorkerContext(settings, 0, router, upstream, pipeline))
 
     status, body = asyncio.run(_serve(plane, _scheduler_body(stream)))
 

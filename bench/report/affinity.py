@@ -12,17 +12,27 @@ SHARED, PER_WORKER, ONE = "kv_aware shared x4", "kv_aware per_worker x4", "kv_aw
 LEAST_LOAD = "least_load x4"
 
 
-def section(data: dict[str, Any]) -> str:
+def _share_words(share: float) -> str:
+    for n, word in ((3, "a third"), (9, "a ninth"), (2, "a half"), (6, "a sixth")):
+        if abs(share - 1 / n) < 1e-3:
+            return word
+    return f"{share:.2f}"
+
+
+def section(data: dict[str, Any], source: str = "affinity.json") -> str:
     rows = {r["contender"]: r for r in data.get("results") or []}
-    parts = ["## kv_aware: a host-wide affinity index against per-worker ones and load-only routing",
-             *blocks.header_blocks(data, "affinity.json")]
+    share = data.get("capacity_share") or 1 / 3
+    title = "## kv_aware: a host-wide affinity index against per-worker ones and load-only routing"
+    if abs(share - 1 / 3) > 1e-3:
+        title += f", instances holding {_share_words(share)} of the corpus each"
+    parts = [title, *blocks.header_blocks(data, source)]
     parts.append(
         f"Scenario: {num(data.get('requests'))} streaming requests over {num(data.get('duration_s'))} s "
         f"(seed {num(data.get('seed'))}, bursts of 2 s), 75 % kvcache requests naming 1–3 of "
         f"{num(data.get('knowledge_ids'))} knowledge ids drawn Zipf({num(data.get('zipf_s'))}), "
         f"25 % plain chats over 4 shared system prompts; {num(data.get('instances'))} simulated "
         f"instances (one at {num(data.get('slow_factor'))}× the time), each keeping "
-        f"{num(data.get('capacity_tokens'))} tokens of KV (a third of the corpus) with prefix "
+        f"{num(data.get('capacity_tokens'))} tokens of KV ({_share_words(share)} of the corpus) with prefix "
         f"caching and heartbeat reports of its resident ids; time scale {num(data.get('time_scale'))}. "
         f"Every contender starts from empty caches.")
     header = ["contender", "resident-hit rate", "of the avoidable", "KDN GB moved", "TTFT p50 (ms)", "TTFT p99 (ms)",

@@ -45,6 +45,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
         ("affinity.json", affinity.section),
+        ("affinity_ninth.json", lambda d: affinity.section(d, "affinity_ninth.json")),
         ("affinity_vllm.json", affinity_vllm.section),
         ("select.json", others.select_section),
         ("events.json", others.events_section),

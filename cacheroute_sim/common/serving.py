@@ -13,7 +13,7 @@ from typing import Protocol
 import uvicorn
 from starlette.types import ASGIApp
 
-from cacheroute_proxy.uvicorn_seam import SignalFreeServer, exit_requested, request_exit
+from cacheroute_sim.common.uvicorn_seam import SignalFreeServer, exit_requested, request_exit
 
 
 class ServeConfig(Protocol):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 import uvloop
 
-from cacheroute_proxy.uvicorn_seam import SignalFreeServer, has_started, request_exit
+from cacheroute_sim.common.uvicorn_seam import SignalFreeServer, has_started, request_exit
 from cacheroute_sim.common.serving import uvicorn_config
 from cacheroute_sim.instance.app import SimState, create_app
 from cacheroute_sim.instance.config import SimConfig

@@ -10,7 +10,7 @@ import logging
 
 import uvloop
 
-from cacheroute_proxy.uvicorn_seam import SignalFreeServer
+from cacheroute_sim.common.uvicorn_seam import SignalFreeServer
 from cacheroute_sim.common.serving import serve_until_signalled, uvicorn_config
 from cacheroute_sim.kdn.app import create_app
 from cacheroute_sim.kdn.config import KdnConfig

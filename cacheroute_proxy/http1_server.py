@@ -1,13 +1,15 @@
-"""The worker's own HTTP/1.1 server (PROXY_DP_SERVER=native): one asyncio Protocol per
-connection, requests parsed by httptools, the worker's ASGI app called through a minimal
-scope/receive/send of its own.
+"""The product's HTTP/1.1 server, for every role (the workers' data plane, the sidecar's
+control plane): one asyncio Protocol per connection, requests parsed by httptools. A worker's
+two proxied routes are handlers given the request's :class:`Cycle` itself (`routes`); every
+other request goes to the role's ASGI app (Starlette) through a minimal scope/receive/send of
+the same Cycle.
 
-Why: uvicorn's protocol callbacks and the private attributes the worker reached into
-(cacheroute_proxy/uvicorn_seam.py) were a large share of a request's CPU (issue 15). Here the
-fast paths those attributes gave are plain methods of :class:`Cycle`: a whole answer in one
-write (`send_whole`), a callback when the client leaves (`watch_disconnect`), whether a
-response has started or ended (`progress`). proxy_workers/response_hooks.py finds them from
-the `send` an app is given.
+Why its own: under uvicorn, its protocol callbacks, the ASGI messages of every chunk and the
+private attributes the worker had to reach into for a one-write answer and a disconnect
+callback were a large share of a request's CPU. Here those are plain methods of the Cycle:
+`read_body`, `start`/`write`/`end`, `send_whole` (head and body in one write),
+`on_disconnect` (called once when the client leaves before the answer is complete), `started`
+and `complete`.
 
 What it keeps from uvicorn's behaviour, on purpose, because clients and tests depend on it:
 HTTP/1.1 keep-alive by default, `Connection: close` and HTTP/1.0 honoured, pipelined requests
@@ -30,14 +32,15 @@ import socket
 import time
 from collections import deque
 from http import HTTPStatus
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Coroutine, Protocol
 
 import httptools
 
-log = logging.getLogger("cacheroute.worker")
+log = logging.getLogger("cacheroute.http")
 
 ASGIApp = Callable[..., Any]
 Header = tuple[bytes, bytes]
+Handler = Callable[["Cycle"], Coroutine[Any, Any, None]]
 
 SERVER_HEADER = (b"server", b"cacheroute-proxy")
 # Request body buffered before reading pauses until the app takes it (as uvicorn: 64 KiB).
@@ -90,7 +93,8 @@ def _plain(status: int, text: bytes) -> bytes:
 
 
 class Draining(Protocol):
-    """What the server asks of the worker's drain (proxy_workers/drain.py: Drain)."""
+    """What the server asks of the role's drain: a worker's proxy_workers/drain.py Drain, or
+    :class:`GracefulExit`."""
 
     timeout_s: float
 
@@ -103,18 +107,61 @@ class Draining(Protocol):
 
     def report(self) -> None: ...
 
+    async def run(self, cycle: Cycle, request: Coroutine[Any, Any, None]) -> None:
+        """Run one request's handling, knowing it is in flight (and ending it if it is cut)."""
+
+
+class GracefulExit:
+    """The plain drain (the sidecar's): stop accepting, give what is in flight `timeout_s`,
+    then the server closes what is left; nothing to finish by hand, nothing to report."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.draining = False
+
+    def begin(self, connections: int) -> None:
+        self.draining = True
+
+    def cut_remaining(self) -> None:
+        pass
+
+    def report(self) -> None:
+        pass
+
+    async def run(self, cycle: Cycle, request: Coroutine[Any, Any, None]) -> None:
+        await request
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the limit `read_body` was given."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
 
 class Cycle:
-    """One request and its response: what ASGI calls `receive` and `send`, and the fast paths."""
+    """One request and its response: what a route handler reads and writes (`read_body`,
+    `start`/`write`/`end`, `send_whole`, `on_disconnect`), and what ASGI calls `scope`,
+    `receive` and `send` for the app behind the routes."""
 
-    __slots__ = ("conn", "scope", "keep_alive", "body", "body_size", "more_body", "disconnected",
-                 "started", "complete", "chunked", "head_only", "on_disconnect", "expect_continue",
-                 "_body_event")
+    __slots__ = ("conn", "method", "path", "raw_path", "query_string", "headers", "http_version",
+                 "keep_alive", "body", "body_size", "more_body", "disconnected", "started",
+                 "complete", "chunked", "head_only", "on_disconnect", "expect_continue",
+                 "handler", "_body_event", "_scope")
 
-    def __init__(self, conn: Connection, scope: dict[str, Any], keep_alive: bool) -> None:
+    def __init__(self, conn: Connection, method: str, raw_path: bytes, query_string: bytes,
+                 headers: list[Header], http_version: str, keep_alive: bool,
+                 handler: Handler | None = None) -> None:
         self.conn = conn
-        self.scope = scope
+        self.method = method
+        self.raw_path = raw_path
+        self.path = raw_path.decode("latin-1")
+        self.query_string = query_string
+        self.headers = headers
+        self.http_version = http_version
         self.keep_alive = keep_alive
+        self.handler = handler  # a route of the server's own; None: the ASGI app answers
         self.body: list[bytes] = []
         self.body_size = 0
         self.more_body = True
@@ -122,10 +169,25 @@ class Cycle:
         self.started = False
         self.complete = False
         self.chunked = False
-        self.head_only = scope["method"] == "HEAD"
+        self.head_only = method == "HEAD"
         self.on_disconnect: Callable[[], None] | None = None
         self.expect_continue = False  # `Expect: 100-continue`: say so when the body is asked for
         self._body_event: asyncio.Event | None = None
+        self._scope: dict[str, Any] | None = None
+
+    @property
+    def scope(self) -> dict[str, Any]:
+        """The ASGI scope, built only for a request the ASGI app answers."""
+        if self._scope is None:
+            conn = self.conn
+            self._scope = {
+                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": self.http_version, "method": self.method, "scheme": "http",
+                "path": self.path, "raw_path": self.raw_path, "query_string": self.query_string,
+                "root_path": "", "headers": self.headers, "client": conn.client,
+                "server": conn.local,
+            }
+        return self._scope
 
     # --- request body ------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -153,25 +215,47 @@ class Cycle:
         if self._body_event is not None:
             self._body_event.set()
 
-    async def receive(self) -> dict[str, Any]:
-        if self.disconnected or self.complete:
-            return _DISCONNECT
+    async def _more(self) -> None:
+        """Wait for more of the body (or its end, or the client leaving)."""
         if self.expect_continue:
             self.expect_continue = False
             if not self.started:
                 self.conn.write(_CONTINUE)
-        if self.more_body and not self.body:
-            self._body_event = event = asyncio.Event()
-            self.conn.resume_reading()
-            await event.wait()
-            self._body_event = None
-            if self.disconnected:
-                return _DISCONNECT
+        self._body_event = event = asyncio.Event()
+        self.conn.resume_reading()
+        await event.wait()
+        self._body_event = None
+
+    def _take_body(self) -> bytes:
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
         self.body.clear()
         self.body_size = 0
         if self.more_body:
             self.conn.resume_reading()
+        return body
+
+    async def read_body(self, limit: int) -> bytes:
+        """The whole body; BodyTooLarge as soon as what arrived passes `limit` bytes (the rest
+        is then dropped as it comes), ClientGone if the client leaves first."""
+        while self.more_body and not self.disconnected:
+            if self.body_size > limit:
+                break
+            await self._more()
+        if self.disconnected:
+            raise ClientGone
+        if self.body_size > limit:
+            self.body.clear()
+            raise BodyTooLarge
+        return self._take_body()
+
+    async def receive(self) -> dict[str, Any]:
+        if self.disconnected or self.complete:
+            return _DISCONNECT
+        if self.more_body and not self.body:
+            await self._more()
+            if self.disconnected:
+                return _DISCONNECT
+        body = self._take_body()
         return {"type": "http.request", "body": body, "more_body": self.more_body}
 
     # --- response ------------------------------------------------------------------------------
@@ -180,31 +264,54 @@ class Cycle:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.started:
-                raise RuntimeError("response already started")
-            self._write_head(message["status"], message.get("headers", ()))
+            self.start(message["status"], message.get("headers", ()))
         elif kind == "http.response.body":
-            if not self.started or self.complete:
-                raise RuntimeError("response body without a head, or after its end")
             body = message.get("body", b"")
-            more = message.get("more_body", False)
-            conn = self.conn
-            if self.head_only:
-                pass
-            elif self.chunked:
-                if body:
-                    conn.write(b"%x\r\n%b\r\n" % (len(body), body) if more
-                               else b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
-                elif not more:
-                    conn.write(b"0\r\n\r\n")
-            elif body:
-                conn.write(body)
-            if not more:
-                self._completed()
-            elif conn.write_paused:
-                await conn.writable()
+            if message.get("more_body", False):
+                if self.write(body):
+                    await self.conn.writable()
+            else:
+                self.end(body)
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def start(self, status: int, headers: Any) -> None:
+        """The response head; the body follows by `write` and `end`."""
+        if self.started:
+            raise RuntimeError("response already started")
+        if self.disconnected:
+            self.started = True  # nobody reads it: the handler goes on to its end regardless
+            return
+        self._write_head(status, headers)
+
+    def write(self, body: bytes) -> bool:
+        """A part of the body (framed as a chunk when the head gave no length). True when the
+        client's socket is full: await `writable()` before writing more."""
+        if not self.started or self.complete:
+            raise RuntimeError("response body without a head, or after its end")
+        conn = self.conn
+        if body and not self.head_only and not self.disconnected:
+            conn.write(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+        return conn.write_paused
+
+    def end(self, body: bytes = b"") -> None:
+        """The last part of the body: the response is complete."""
+        if not self.started or self.complete:
+            raise RuntimeError("response body without a head, or after its end")
+        if not self.head_only and not self.disconnected:
+            if not self.chunked:
+                if body:
+                    self.conn.write(body)
+            elif body:
+                self.conn.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+            else:
+                self.conn.write(b"0\r\n\r\n")
+        self._completed()
+
+    async def writable(self) -> None:
+        """Return once the client's socket takes more (at once unless writes are paused)."""
+        if self.conn.write_paused:
+            await self.conn.writable()
 
     def _write_head(self, status: int, headers: Any) -> None:
         parts = [status_line(status), _DATE.current(), b"server: cacheroute-proxy\r\n"]
@@ -266,7 +373,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self._writable: asyncio.Future[None] | None = None
         self._reading_paused = False
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = None  # loop time the connection became idle
         self._url = b""
         self._headers: list[Header] = []
         self._expect_continue = False
@@ -330,17 +437,17 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        url = httptools.parse_url(self._url)
-        path = url.path.decode("latin-1")
-        scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": parser.get_http_version(), "method": parser.get_method().decode("ascii"),
-            "scheme": "http", "path": path, "raw_path": url.path,
-            "query_string": url.query or b"", "root_path": "", "headers": self._headers,
-            "client": self.client, "server": self.local,
-        }
-        keep_alive = parser.should_keep_alive() and not self.server.drain.draining
-        cycle = Cycle(self, scope, keep_alive)
+        url = self._url
+        if b"?" in url or not url.startswith(b"/"):
+            parsed = httptools.parse_url(url)
+            path, query = parsed.path, parsed.query or b""
+        else:  # the usual proxied request: no query, nothing to parse
+            path, query = url, b""
+        method = parser.get_method().decode("ascii")
+        server = self.server
+        keep_alive = parser.should_keep_alive() and not server.drain.draining
+        cycle = Cycle(self, method, path, query, self._headers, parser.get_http_version(),
+                      keep_alive, server.routes.get((method, path)))
         cycle.expect_continue = self._expect_continue
         self.parsing = cycle
         if self.cycle is None:
@@ -366,11 +473,14 @@ class Connection(asyncio.Protocol):
         task.add_done_callback(self.server.tasks.discard)
 
     async def _call_app(self, cycle: Cycle) -> None:
+        server = self.server
+        handler = cycle.handler
         try:
-            await self.server.app(cycle.scope, cycle.receive, cycle.send)
+            await server.drain.run(cycle, handler(cycle) if handler is not None
+                                   else server.app(cycle.scope, cycle.receive, cycle.send))
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
-                log.error("exception in the worker's app", exc_info=exc)
+                log.error("exception in the app", exc_info=exc)
             self._app_failed(cycle)
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -441,16 +551,17 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        self._idle_timer = self.loop.call_later(self.server.keepalive_timeout_s, self._idle_timeout)
+        self.idle_since = self.loop.time()
 
     def _cancel_idle_timer(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self.idle_since = None
 
-    def _idle_timeout(self) -> None:
-        self._idle_timer = None
+    def close_if_idle_since(self, before: float) -> None:
+        """The keep-alive timeout (the server's sweep): close if idle since before `before`."""
+        since = self.idle_since
+        if since is None or since > before:
+            return
+        self.idle_since = None
         idle = self.parsing is None or self.parsing.complete
         if self.cycle is None and idle and self.transport is not None:
             self.transport.close()
@@ -480,13 +591,17 @@ class Connection(asyncio.Protocol):
 
 
 class Http1Server:
-    """Serves an ASGI app on given sockets until SIGTERM/SIGINT, then drains (see module doc).
+    """Serves its `routes` and, for every other request, an ASGI app on given sockets until
+    SIGTERM/SIGINT, then drains (see module doc).
 
     Also runs the app's lifespan (startup before listening, shutdown after the drain)."""
 
     def __init__(self, app: ASGIApp, drain: Draining, keepalive_timeout_s: float, *,
+                 routes: dict[tuple[str, bytes], Handler] | None = None,
                  handle_signals: bool = True) -> None:
         self.app = app
+        # (method, path) -> a handler given the Cycle itself: the hot routes, without ASGI.
+        self.routes = routes or {}
         self._signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         self.drain = drain
         self.keepalive_timeout_s = keepalive_timeout_s
@@ -526,10 +641,11 @@ class Http1Server:
         if self._exit_asked:
             self._exit.set()
         # Before the app starts: a SIGTERM during its startup is a clean exit, not a kill that
-        # leaves the worker's row and leases behind.
+        # leaves what the role holds (a worker's row and leases) behind.
         for signum in self._signals:
             self.loop.add_signal_handler(signum, self.request_exit)
         servers: list[asyncio.AbstractServer] = []
+        sweep: asyncio.Task[None] | None = None
         lifespan = _Lifespan(self.app)
         try:
             if not await lifespan.startup():
@@ -540,16 +656,30 @@ class Http1Server:
                 servers.append(await self.loop.create_server(lambda: Connection(self), sock=sock,
                                                              backlog=2048))
             self.started = True
+            sweep = self.loop.create_task(self._close_idle_connections())
             await self._exit.wait()
             for server in servers:
                 server.close()
             await self._drain()
         finally:
+            if sweep is not None:
+                sweep.cancel()
             for server in servers:
                 server.close()
             await lifespan.shutdown()
             for signum in self._signals:  # ignored from now on: the caller's cleanup must run
                 self.loop.add_signal_handler(signum, _ignore)
+
+    async def _close_idle_connections(self) -> None:
+        """The keep-alive timeout of every connection, by one sweep a fraction of it apart
+        instead of a timer per connection re-armed on every request."""
+        timeout = self.keepalive_timeout_s
+        every = min(1.0, timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            before = self.loop.time() - timeout
+            for conn in list(self.connections):
+                conn.close_if_idle_since(before)
 
     async def _drain(self) -> None:
         drain = self.drain
@@ -597,7 +727,7 @@ class _Lifespan:
         await self._inbox.put({"type": "lifespan.startup"})
         await self._started.wait()
         if self._failed:
-            log.error("the worker's app failed to start")
+            log.error("the app failed to start")
         return not self._failed
 
     async def shutdown(self) -> None:
