@@ -45,8 +45,10 @@ from typing import Any
 
 import aiohttp
 
+from bench.contenders import wait_for
 from bench.machine import machine_info
 from bench.stats import percentile
+from bench.streamed import stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
 KNOWLEDGE_IDS = 200
@@ -142,27 +144,10 @@ class Outcome:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], knowledge: bool) -> Outcome:
-    outcome = Outcome(knowledge)
-    start = time.monotonic()
-    try:
-        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-            outcome.instance = response.headers.get("x-cacheroute-instance")
-            if response.status != 200:
-                outcome.error = f"status {response.status}"
-                await response.read()
-                return outcome
-            received = b""
-            async for chunk in response.content.iter_any():
-                if outcome.ttft_ms is None:
-                    outcome.ttft_ms = (time.monotonic() - start) * 1000
-                received += chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
-        return outcome
-    marker = b"event: cacheroute_meta\ndata: "
-    at = received.rfind(marker)
-    if at >= 0:
-        meta = json.loads(received[at + len(marker):received.index(b"\n", at + len(marker))])
+    streamed = await stream_chat(session, url, body)
+    outcome = Outcome(knowledge, streamed.ttft_ms, streamed.instance, error=streamed.error)
+    meta = streamed.meta
+    if meta is not None:
         outcome.kv_ready = len(meta.get("kv_ready_kids") or [])
         outcome.resident = len(meta.get("resident_kids") or [])
         outcome.guard = meta["trace"].get("affinity_guard")
@@ -198,17 +183,6 @@ def _post(url: str, body: Any) -> Any:
         return json.loads(response.read())
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{what}: not ready after {timeout:.0f} s")
-
 
 @dataclass
 class Stack:
@@ -234,8 +208,8 @@ class Stack:
                # The capacity each instance registers (meta.kv_mem_gb) is in tokens x 1 MB.
                "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1", "PROXY_PREDICTOR_PROFILE": "sim"}
         self._spawn(["-m", "cacheroute_proxy", "run"], "proxy", env)
-        _wait(lambda: _get(f"{self.kdn_url}/healthz") is not None, 30, "kdn")
-        _wait(lambda: all(_get(f"{ports.worker_url(i)}/healthz")["ok"] for i in range(c.workers)),
+        wait_for(lambda: _get(f"{self.kdn_url}/healthz") is not None, 30, "kdn")
+        wait_for(lambda: all(_get(f"{ports.worker_url(i)}/healthz")["ok"] for i in range(c.workers)),
               60, "workers")
         for i in range(INSTANCES):
             port = free_port()
@@ -247,7 +221,7 @@ class Stack:
                          "--kv-mem-gb", str(self.capacity_tokens / 1024),
                          "--prefix-caching", "--report-resident", "--heartbeat-interval", "2",
                          "--default-max-tokens", "8"], f"inst-{i}")
-        _wait(lambda: sum(r["is_alive"] for r in _get(f"{ports.cp_url}/debug/instance_loads")["instances"])
+        wait_for(lambda: sum(r["is_alive"] for r in _get(f"{ports.cp_url}/debug/instance_loads")["instances"])
               == INSTANCES, 30, "instances registered")
 
     @property
@@ -341,7 +315,7 @@ def capacity_for(time_scale: float, share: float) -> int:
                         "--kv-ready-ratio", "1", "--knowledge-count", str(KNOWLEDGE_IDS)], {},
                        Path(tempfile.mkdtemp(prefix="bench-affinity-kdn-")) / "kdn.log")
     try:
-        _wait(lambda: _get(f"http://127.0.0.1:{port}/healthz") is not None, 30, "kdn")
+        wait_for(lambda: _get(f"http://127.0.0.1:{port}/healthz") is not None, 30, "kdn")
         return int(sum(corpus_tokens(f"http://127.0.0.1:{port}").values()) * share)
     finally:
         kdn.stop(signal.SIGTERM, 10)

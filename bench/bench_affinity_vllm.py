@@ -47,8 +47,10 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from bench.contenders import wait_for
 from bench.machine import machine_info
 from bench.stats import percentile
+from bench.streamed import stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts
 from tests.real_engine.engines import metric_sum  # the real-engine suite's /metrics reader
 
@@ -157,31 +159,15 @@ class Outcome:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Outcome:
-    outcome = Outcome()
-    start = time.monotonic()
-    try:
-        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-            outcome.instance = response.headers.get("x-cacheroute-instance")
-            if response.status != 200:
-                outcome.error = f"status {response.status}: {(await response.text())[:120]}"
-                return outcome
-            received = b""
-            async for chunk in response.content.iter_any():
-                if outcome.ttft_ms is None:
-                    outcome.ttft_ms = (time.monotonic() - start) * 1000
-                received += chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
-        return outcome
-    marker = b"event: cacheroute_meta\ndata: "
-    at = received.rfind(marker)
-    if at < 0:
+    streamed = await stream_chat(session, url, body)
+    outcome = Outcome(streamed.ttft_ms, streamed.instance, error=streamed.error)
+    meta = streamed.meta
+    if outcome.error is None and meta is None:
         outcome.error = "no cacheroute_meta"
-        return outcome
-    meta = json.loads(received[at + len(marker):received.index(b"\n", at + len(marker))])
-    outcome.guard = meta["trace"].get("affinity_guard")
-    outcome.credit = meta["trace"].get("affinity_credit")
-    outcome.error = meta.get("error")
+    elif meta is not None:
+        outcome.guard = meta["trace"].get("affinity_guard")
+        outcome.credit = meta["trace"].get("affinity_credit")
+        outcome.error = meta.get("error")
     return outcome
 
 
@@ -209,21 +195,10 @@ def _post_json(url: str) -> Any:
         return json.loads(response.read())
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what}: not ready after {timeout:.0f} s")
-
 
 def reset_prefix_cache(engine_url: str) -> None:
     """vLLM refuses (success false) while blocks are held by running requests: retry a while."""
-    _wait(lambda: _post_json(f"{engine_url}/reset_prefix_cache").get("success") is True, 60,
+    wait_for(lambda: _post_json(f"{engine_url}/reset_prefix_cache").get("success") is True, 60,
           f"{engine_url}/reset_prefix_cache")
 
 
@@ -240,7 +215,7 @@ def proxy_for(strategy: str, engines: Sequence[Any], log_dir: Path, env: dict[st
     registrations: list[Any] = []
     try:
         for url in (ports.cp_url, *(ports.worker_url(i) for i in range(WORKERS)), ports.dp_url):
-            _wait(lambda url=url: _get_text(f"{url}/healthz") is not None, 30, url)
+            wait_for(lambda url=url: _get_text(f"{url}/healthz") is not None, 30, url)
         registrations = [AgentRegistration(ports.cp_url, engine, f"vllm-{i}", log_dir / f"agent-{i}.log")
                          for i, engine in enumerate(engines)]
 
@@ -251,7 +226,7 @@ def proxy_for(strategy: str, engines: Sequence[Any], log_dir: Path, env: dict[st
                     return False
             return True
 
-        _wait(every_worker_sees_both, 30, "both engines registered with every worker")
+        wait_for(every_worker_sees_both, 30, "both engines registered with every worker")
         yield ports.dp_url
     finally:
         for registration in registrations:

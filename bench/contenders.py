@@ -70,8 +70,8 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
         try:
             if predicate():
                 return
-        except (OSError, ValueError):
-            pass  # not listening yet
+        except (OSError, ValueError, KeyError):
+            pass  # not listening yet, or not answering in full yet
         time.sleep(0.1)
     raise StartError(f"{what}: not ready after {timeout:.0f} s\n{log()}")
 

@@ -29,6 +29,22 @@ def unique_name() -> str:
 
 
 @contextlib.contextmanager
+def segment_with_row(instance_capacity: int = 64, worker_capacity: int = 2,
+                     ring_capacity: int = 64) -> Iterator[tuple[str, Segment, WorkerRow]]:
+    """(name, segment, worker row 0) of a new private segment; the row released, the segment
+    closed and unlinked on exit."""
+    name = unique_name()
+    seg = Segment.create_or_attach(name, instance_capacity, worker_capacity, ring_capacity)
+    row = WorkerRow.claim(seg, 0)
+    try:
+        yield name, seg, row
+    finally:
+        row.release()
+        seg.close()
+        Segment.unlink(name)
+
+
+@contextlib.contextmanager
 def fresh_segment(instance_capacity: int = 8, worker_capacity: int = 8) -> Iterator[Segment]:
     """A newly created segment under a unique name; closed and unlinked on exit."""
     name = unique_name()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 
 import pytest
 
@@ -15,22 +14,16 @@ from proxy_workers import fast_score
 from proxy_workers.fast_score import compile_scorer
 from proxy_workers import router as router_module
 from proxy_workers.router import Router
-from shm_schema import CounterWord, DirectoryWriter, Segment, WorkerRow, layout
+from shm_schema import CounterWord, DirectoryWriter, layout
 from shm_schema.records import COUNTER_LANES, SNAPSHOT, CounterLanes, SnapshotRecord
 from shm_schema.snapshot import Pressure, SnapshotWriter
+from tests.shm_helpers import segment_with_row
 
 
 @pytest.fixture
 def table():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
-    seg = Segment.create_or_attach(name, 64, 2, 64)
-    row = WorkerRow.claim(seg, 0)
-    try:
-        yield name, seg, row
-    finally:
-        row.release()
-        seg.close()
-        Segment.unlink(name)
+    with segment_with_row() as made:
+        yield made
 
 
 def _random_load(seg, row, instances, rng: random.Random, publish: bool) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import random
 import time
-import uuid
 
 import pytest
 
@@ -16,24 +15,18 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrategy
 from proxy_workers.fast_score import SelectionPlan, compile_scorer
 from proxy_workers.router import Router
-from shm_schema import (CandidateLanes, CountersReader, DirectoryWriter, Segment, WorkerRow,
+from shm_schema import (CandidateLanes, CountersReader, DirectoryWriter,
                         counter_value, layout)
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
+from tests.shm_helpers import segment_with_row
 
 STALE_US = 2_000_000
 
 
 @pytest.fixture
 def table():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
-    seg = Segment.create_or_attach(name, 64, 2, 64)
-    row = WorkerRow.claim(seg, 0)
-    try:
-        yield name, seg, row
-    finally:
-        row.release()
-        seg.close()
-        Segment.unlink(name)
+    with segment_with_row() as made:
+        yield made
 
 
 def _weights(rng: random.Random) -> dict[str, float]:

@@ -1,0 +1,46 @@
+"""One streaming chat through the proxy, as the affinity benchmarks send it: which instance
+answered, the time to the first chunk, and the stream's `cacheroute_meta`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+_META_MARKER = b"event: cacheroute_meta\ndata: "
+
+
+@dataclass
+class Streamed:
+    instance: str | None = None
+    ttft_ms: float | None = None
+    meta: dict[str, Any] | None = None  # None: the stream carried none
+    error: str | None = None  # a non-200 status or a client error; None otherwise
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Streamed:
+    out = Streamed()
+    start = time.monotonic()
+    received = b""
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            out.instance = response.headers.get("x-cacheroute-instance")
+            if response.status != 200:
+                out.error = f"status {response.status}: {(await response.text())[:120]}"
+                return out
+            async for chunk in response.content.iter_any():
+                if out.ttft_ms is None:
+                    out.ttft_ms = (time.monotonic() - start) * 1000
+                received += chunk
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    at = received.rfind(_META_MARKER)
+    if at >= 0:
+        begin = at + len(_META_MARKER)
+        out.meta = json.loads(received[begin:received.index(b"\n", begin)])
+    return out
