@@ -44,6 +44,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        ("peers_repeat.json", lambda d: peers.section(
+            d, charts_dir, link_base, "peers_repeat.json",
+            "This proxy against nginx and an LLM router: the same run repeated")),
         ("affinity.json", affinity.section),
         ("affinity_ninth.json", lambda d: affinity.section(d, "affinity_ninth.json")),
         ("affinity_vllm.json", affinity_vllm.section),

@@ -21,11 +21,14 @@ MIN_SAMPLES = 3
 MAX_DEPTH = 3
 
 
-def section(data: dict[str, Any], charts_dir: Path | None, link_base: str) -> str:
-    """charts_dir None: no charts (matplotlib is missing)."""
-    parts = ["## This proxy against nginx and an LLM router", *blocks.header_blocks(data, FILE)]
+def section(data: dict[str, Any], charts_dir: Path | None, link_base: str, file_name: str = FILE,
+            title: str = "This proxy against nginx and an LLM router") -> str:
+    """charts_dir None: no charts (matplotlib is missing). Another run of the same harness
+    (`file_name`) gets its own title and charts."""
+    parts = [f"## {title}", *blocks.header_blocks(data, file_name)]
+    tag = "" if file_name == FILE else "_" + Path(file_name).stem
     for name, backend in backends(data):
-        parts += backend_parts(name, backend, charts_dir, link_base)
+        parts += backend_parts(name, backend, charts_dir, link_base, tag)
     parts += [blocks.method(data), blocks.notes(data)]
     return "\n\n".join(p for p in parts if p)
 
@@ -38,10 +41,10 @@ def backends(data: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
 
 
 def backend_parts(name: str | None, backend: dict[str, Any], charts_dir: Path | None,
-                  link_base: str) -> list[str]:
+                  link_base: str, tag: str = "") -> list[str]:
     contenders = backend.get("contenders", [])
     heading = f"### Backend `{name}`: {BACKEND_TITLES.get(name, name)}" if name else ""
-    chart = f"peers_latency_{name}.png" if name else "peers_latency.png"
+    chart = f"peers_latency_{name}{tag}.png" if name else f"peers_latency{tag}.png"
     parts = [heading, targets_table(backend.get("targets") or []), medians(contenders),
              ratios(backend.get("ratios_to_nginx") or {}, "nginx"),
              ratios(backend.get("ratios_to_router") or {}, "vllm-router (power_of_two)"),
