@@ -97,6 +97,9 @@ class Draining(Protocol):
     :class:`GracefulExit`."""
 
     timeout_s: float
+    # True: an idle connection stays open through the drain (a request may be on its way,
+    # and a peer on the same port takes the next one); False: it is closed at once.
+    keeps_idle_connections: bool
 
     @property
     def draining(self) -> bool: ...
@@ -112,8 +115,11 @@ class Draining(Protocol):
 
 
 class GracefulExit:
-    """The plain drain (the sidecar's): stop accepting, give what is in flight `timeout_s`,
-    then the server closes what is left; nothing to finish by hand, nothing to report."""
+    """The plain drain (the sidecar's): stop accepting, close idle connections (no peer takes
+    over the port, so nothing is gained by waiting on them), give what is in flight
+    `timeout_s`, then the server closes what is left; nothing to finish by hand or report."""
+
+    keeps_idle_connections = False
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -557,7 +563,8 @@ class Connection(asyncio.Protocol):
         self.idle_since = None
 
     def close_if_idle_since(self, before: float) -> None:
-        """The keep-alive timeout (the server's sweep): close if idle since before `before`."""
+        """Close if idle since `before` or earlier: the keep-alive sweep, or a drain that keeps
+        no idle connection."""
         since = self.idle_since
         if since is None or since > before:
             return
@@ -684,8 +691,11 @@ class Http1Server:
     async def _drain(self) -> None:
         drain = self.drain
         drain.begin(len(self.connections))
+        now = self.loop.time()
         for conn in list(self.connections):
             conn.shutdown()
+            if not drain.keeps_idle_connections:
+                conn.close_if_idle_since(now)
         deadline = self.loop.call_later(drain.timeout_s, self._at_deadline)
         try:
             end = self.loop.time() + drain.timeout_s + CUT_FLUSH_S

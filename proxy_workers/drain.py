@@ -51,6 +51,10 @@ def _under_way(response: Response) -> bool:
 class Drain:
     """What the worker is doing about its exit: draining or not, the requests in flight, counts."""
 
+    # A request may already be on its way on an idle keep-alive connection: it is answered
+    # (with `Connection: close`), and the other workers on the port take the next one.
+    keeps_idle_connections = True
+
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.draining = False

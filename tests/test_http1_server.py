@@ -20,7 +20,7 @@ from proxy_workers.app import read_body
 from proxy_workers.drain import Drain
 from proxy_workers.exchange import run_until_disconnect
 from cacheroute_proxy.http import HTTPError
-from cacheroute_proxy.http1_server import ClientGone, Cycle, Http1Server
+from cacheroute_proxy.http1_server import ClientGone, Cycle, GracefulExit, Http1Server
 from tests.harness import wait_until
 
 LIMIT = 1000
@@ -126,9 +126,9 @@ class App:
 
 
 class Running:
-    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0) -> None:
+    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0, graceful: bool = False) -> None:
         self.app = App()
-        self.drain = Drain(drain_s)
+        self.drain = GracefulExit(drain_s) if graceful else Drain(drain_s)
         self.server = Http1Server(self.app, self.drain, keepalive_s, routes=self.app.routes,
                                   handle_signals=False)
         self.sock = socket.socket()
@@ -335,6 +335,24 @@ def test_drain_finishes_the_request_in_flight_with_connection_close() -> None:
         assert (status, body, headers["connection"]) == (200, b"ok", "close")
         running.thread.join(timeout=10)
         assert not running.thread.is_alive() and running.drain.finished == 1
+    finally:
+        if running.thread.is_alive():
+            running.stop()
+
+
+def test_a_graceful_exit_closes_idle_connections_at_once() -> None:
+    """The sidecar's drain: no peer takes over its port, so an idle keep-alive connection is
+    closed when the exit begins, not at the keep-alive timeout or the drain deadline (30 s
+    here, the socket's own timeout 5 s: only the exit can close it in time)."""
+    running = Running(keepalive_s=30.0, drain_s=30.0, graceful=True)
+    try:
+        sock, buf = connect(running.port), bytearray()
+        sock.sendall(post("/echo", b"a"))
+        assert read_response(sock, buf)[2] == b"a"
+        running.call(running.server.request_exit)
+        assert closed(sock)
+        running.thread.join(timeout=10)
+        assert not running.thread.is_alive()
     finally:
         if running.thread.is_alive():
             running.stop()
