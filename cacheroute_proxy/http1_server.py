@@ -151,7 +151,7 @@ class Cycle:
     `start`/`write`/`end`, `send_whole`, `on_disconnect`), and what ASGI calls `scope`,
     `receive` and `send` for the app behind the routes."""
 
-    __slots__ = ("conn", "method", "path", "raw_path", "query_string", "headers", "http_version",
+    __slots__ = ("conn", "method", "raw_path", "query_string", "headers", "http_version",
                  "keep_alive", "body", "body_size", "more_body", "disconnected", "started",
                  "complete", "chunked", "head_only", "on_disconnect", "expect_continue",
                  "handler", "_body_event", "_scope")
@@ -162,7 +162,6 @@ class Cycle:
         self.conn = conn
         self.method = method
         self.raw_path = raw_path
-        self.path = raw_path.decode("latin-1")
         self.query_string = query_string
         self.headers = headers
         self.http_version = http_version
@@ -180,6 +179,10 @@ class Cycle:
         self.expect_continue = False  # `Expect: 100-continue`: say so when the body is asked for
         self._body_event: asyncio.Event | None = None
         self._scope: dict[str, Any] | None = None
+
+    @property
+    def path(self) -> str:
+        return self.raw_path.decode("latin-1")
 
     @property
     def scope(self) -> dict[str, Any]:

@@ -57,19 +57,21 @@ class Responder:
     remembered for the metrics (499 while no head was sent: the client left first), with the
     instance of the last attempt ("" before one was chosen)."""
 
-    __slots__ = ("cycle", "status", "started", "instance_id", "spans", "_tail")
+    __slots__ = ("cycle", "status", "instance_id", "spans", "_tail")
 
     def __init__(self, cycle: Cycle, worker_header: tuple[bytes, bytes]) -> None:
         self.cycle = cycle
         self.status = 499
-        self.started = False
         self.instance_id = metrics.NO_INSTANCE
         self.spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
         self._tail = worker_header
 
+    @property
+    def started(self) -> bool:
+        return self.cycle.started
+
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
-        self.started = True
         headers.append(self._tail)
         self.cycle.start(status, headers)
 
@@ -82,7 +84,6 @@ class Responder:
             raw.append(_instance_header(lease))
             lease.release()
         self.status = status
-        self.started = True
         raw.append(self._tail)
         if not self.cycle.send_whole(status, raw, body):  # the client left: nothing to write
             self.cycle.start(status, raw)

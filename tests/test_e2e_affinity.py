@@ -8,11 +8,12 @@ KDN counts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import urllib.parse
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 
@@ -239,6 +240,21 @@ async def _hold(cluster, count: int) -> list[OpenStream]:
     return streams
 
 
+@contextlib.asynccontextmanager
+async def _held_streams(sim) -> AsyncIterator[list[OpenStream]]:
+    """Streams the caller adds (by _hold) while `sim` holds their answers; at the end the sim
+    lets them go, each is read to its end and every session is closed."""
+    held: list[OpenStream] = []
+    try:
+        yield held
+    finally:
+        sim.release()
+        for stream in held:
+            await stream.finish()
+        for session in {id(s.session): s.session for s in held}.values():  # type: ignore[attr-defined]
+            await session.close()
+
+
 def _prompt_query() -> dict[str, str]:
     rendered = f"<|system|>{SYSTEM}<|user|>x"
     return {"prompt": rendered}
@@ -259,8 +275,8 @@ def test_the_credit_beats_load_only_within_its_bound(make_cluster):
     warm_sim.configure(hold_streams=True)
 
     async def scenario() -> None:
-        held = await _hold(cluster, 1)  # warm: inflight 0 - credit 1.5 < cold's 0
-        try:
+        async with _held_streams(warm_sim) as held:
+            held += await _hold(cluster, 1)  # warm: inflight 0 - credit 1.5 < cold's 0
             rows = affinity_rows(cluster, 0, **_prompt_query())
             assert rows[warm]["credit"] == 1.5 and rows[cold]["credit"] == 0
             held += await _hold(cluster, 1)  # still warm: 1 - 1.5 < 0
@@ -268,11 +284,6 @@ def test_the_credit_beats_load_only_within_its_bound(make_cluster):
             assert cluster.inflight() == {warm: 2, cold: 0}
             # Now 2 - 1.5 > 0: the cold idle instance beats the hot one.
             assert served_by(cluster, prefix_body("third", stream=False)) == cold
-        finally:
-            warm_sim.release()
-            for stream in held:
-                await stream.finish()
-            await held[0].session.close()  # type: ignore[attr-defined]
     asyncio.run(scenario())
 
 
@@ -290,8 +301,8 @@ def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_clus
     warm_sim.configure(hold_streams=True)
 
     async def scenario() -> None:
-        held = await _hold(cluster, 1)  # goes warm (spread 0: no guard)
-        try:
+        async with _held_streams(warm_sim) as held:
+            held += await _hold(cluster, 1)  # goes warm (spread 0: no guard)
             assert held[0].response.headers["x-cacheroute-instance"] == warm
             loads = get(f"{cluster.worker_url(1)}/debug/instance_loads?"
                         f"{urllib.parse.urlencode(_prompt_query())}")
@@ -300,11 +311,6 @@ def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_clus
             # The credit (1.5) would beat inflight 1, but the spread is past the bound.
             trace = ask(cluster.dp_url, prefix_body("second", stream=False))["trace"]
             assert (trace["instance_id"], trace["affinity_guard"]) == (cold, True)
-        finally:
-            warm_sim.release()
-            for stream in held:
-                await stream.finish()
-            await held[0].session.close()  # type: ignore[attr-defined]
     asyncio.run(scenario())
 
 
@@ -319,13 +325,9 @@ def test_a_prefix_is_resident_once_sent_not_once_its_answer_ends(make_cluster):
         return affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["resident_prefix_blocks"]
 
     async def scenario() -> None:
-        held = await _hold(cluster, 1)  # its first chunk arrived; the rest of the answer is held
-        try:
+        async with _held_streams(inst) as held:
+            held += await _hold(cluster, 1)  # its first chunk arrived; the rest of the answer is held
             for worker in range(cluster.workers):
                 wait_until(lambda: resident_blocks(worker) == 3, 10,
                            message=f"worker {worker} sees the prefix resident while its answer streams")
-        finally:
-            inst.release()
-            await held[0].finish()
-            await held[0].session.close()  # type: ignore[attr-defined]
     asyncio.run(scenario())
