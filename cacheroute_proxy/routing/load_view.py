@@ -107,12 +107,6 @@ class LoadView:
     def lanes(self, span: int) -> tuple[int, ...]:
         return self._counters.lanes(span)
 
-    def fresh_records(self, span: int, now_us: int) -> tuple[int, ...] | None:
-        """The snapshot records if the predicted layer is fresh and published, else None."""
-        if self.predicted_source(now_us) != "fresh":
-            return None
-        return self.snapshots.records(span) or None
-
     def words(self, span: int) -> Sequence[int]:
         if self.mode == "shared" or self._own_row is None:
             return self._counters.words(span)
