@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(600)]
 
 BODY = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 LONG_STREAM = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "tell me"}],
-               "max_tokens": 600, "stream": True, "ignore_eos": True}
+               "max_tokens": 900, "stream": True, "ignore_eos": True}
 
 
 def out_of_every_candidate_set(cluster: Cluster, instance_id: str) -> bool:
@@ -47,12 +47,13 @@ def test_an_engine_killed_mid_stream_and_restarted(make_cluster: Callable[..., C
         request = urllib.request.Request(f"{cluster.dp_url}/v1/chat/completions",
                                          data=json.dumps(LONG_STREAM).encode(),
                                          headers={"content-type": "application/json"})
+        engine.note_shared_memory()  # now, not between the first tokens and the kill
         with urllib.request.urlopen(request, timeout=60) as stream:
             received = stream.read1(4096)  # the stream is under way: tokens are coming
             assert b"data: " in received, received
             pgid = engine.popen.pid
             killed_at = time.monotonic()
-            engine.kill()
+            engine.kill(note_shared_memory=False)
             assert not group_alive(pgid), "a process of the killed engine is still running"
             received += stream.read()  # the proxy ends the stream once the engine is gone
         tail = received.decode(errors="replace")
