@@ -23,6 +23,11 @@ p50/p99 (all requests, and knowledge ones alone), the prefix-cache hit rate of t
 requests' prompt tokens, each instance's share of the requests with their coefficient of
 variation, and how often kv_aware's balance guard fired (`affinity_guard` in the trace).
 Everything started is stopped, by pid, at the end.
+
+Before the contenders run, the workload is replayed offline against LRU caches of the same
+capacity (bench/affinity_ceiling.py): the hit rate of routing at random and of routing to the
+instance that holds most of a request's knowledge with no regard for load. Their ratio is about
+as far as any affinity can get ahead of load-only routing on this workload.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.affinity_ceiling import ceilings
 from bench.contenders import wait_for
 from bench.machine import machine_info
 from bench.stats import percentile
@@ -308,15 +314,17 @@ def run_one(contender: Contender, args: argparse.Namespace, planned: list[Planne
         stack.stop()
 
 
-def capacity_for(time_scale: float, share: float) -> int:
-    """`share` of the corpus's tokens, measured on a KDN of the same seed."""
+def capacity_for(time_scale: float, share: float) -> tuple[int, dict[str, int]]:
+    """`share` of the corpus's tokens, measured on a KDN of the same seed, and the tokens of
+    each id."""
     port = free_port()
     kdn = ChildProcess(["-m", "cacheroute_sim.kdn", "--port", str(port), "--time-scale", str(time_scale),
                         "--kv-ready-ratio", "1", "--knowledge-count", str(KNOWLEDGE_IDS)], {},
                        Path(tempfile.mkdtemp(prefix="bench-affinity-kdn-")) / "kdn.log")
     try:
         wait_for(lambda: _get(f"http://127.0.0.1:{port}/healthz") is not None, 30, "kdn")
-        return int(sum(corpus_tokens(f"http://127.0.0.1:{port}").values()) * share)
+        tokens = corpus_tokens(f"http://127.0.0.1:{port}")
+        return int(sum(tokens.values()) * share), tokens
     finally:
         kdn.stop(signal.SIGTERM, 10)
 
@@ -345,9 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     planned = plan(args.seed, args.duration, args.high_rate, args.low_rate)
     if not 0 < args.capacity_share <= 1:
         raise SystemExit("--capacity-share must be in (0, 1]")
-    args.capacity_tokens = capacity_for(args.time_scale, args.capacity_share)
+    args.capacity_tokens, tokens = capacity_for(args.time_scale, args.capacity_share)
+    ceiling = ceilings([p.kids for p in planned if p.kids], tokens, args.capacity_tokens, INSTANCES)
     print(f"{len(planned)} requests over {args.duration:g}s; instance KV capacity "
-          f"{args.capacity_tokens} tokens ({args.capacity_share:.3f} of the corpus)", flush=True)
+          f"{args.capacity_tokens} tokens ({args.capacity_share:.3f} of the corpus); replayed "
+          f"without load: {json.dumps(ceiling)}", flush=True)
     results = []
     for contender in CONTENDERS:
         if args.only and args.only not in contender.name:
@@ -360,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
               "requests": len(planned), "capacity_tokens": args.capacity_tokens,
               "capacity_share": round(args.capacity_share, 4),
               "knowledge_ids": KNOWLEDGE_IDS, "zipf_s": ZIPF_S, "instances": INSTANCES,
-              "slow_factor": SLOW_FACTOR, "proxy_env": dict(item.split("=", 1) for item in args.env),
+              "slow_factor": SLOW_FACTOR, "replayed_without_load": ceiling, "proxy_env": dict(item.split("=", 1) for item in args.env),
               "started_at": started_at,
               "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine, "results": results}

@@ -56,7 +56,15 @@ def section(data: dict[str, Any], source: str = "affinity.json") -> str:
             f"The first request for each id misses wherever it goes: {num(first.get('compulsory_misses'))} "
             f"of the {num(first.get('kv_ids_requested'))} ids requested, so no contender can pass "
             f"{pct(first.get('hit_rate_bound'))}. \"Of the avoidable\" is the hit rate over the others.")
-    checks = targets(rows)
+    replayed = data.get("replayed_without_load")
+    if replayed:
+        parts.append(
+            f"Replayed offline against LRU caches of the same capacity, with no load to yield to "
+            f"(bench/affinity_ceiling.py): routing at random reaches {pct(replayed['random'])}, "
+            f"routing to the instance that holds most of the request's knowledge "
+            f"{pct(replayed['holder_first'])}, {num(replayed['holder_first_over_random'])}× as much. "
+            f"That ratio is about the most affinity can gain over load-only routing here.")
+    checks = targets(rows, replayed)
     if checks:
         parts.append("Targets (issue 16):\n\n" + table(
             ["target", "value", "result"], [[name, value, verdict(ok)] for name, value, ok in checks]))
@@ -68,7 +76,7 @@ def _rate(rows: dict[str, Any], name: str, key: str) -> float | None:
     return None if row is None else row.get(key)
 
 
-def targets(rows: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+def targets(rows: dict[str, Any], replayed: dict[str, float] | None = None) -> list[tuple[str, str, bool | None]]:
     shared, ll = _rate(rows, SHARED, "resident_hit_rate"), _rate(rows, LEAST_LOAD, "resident_hit_rate")
     one, per = _rate(rows, ONE, "resident_hit_rate"), _rate(rows, PER_WORKER, "resident_hit_rate")
     p50, ll_p50 = _rate(rows, SHARED, "ttft_p50_ms"), _rate(rows, LEAST_LOAD, "ttft_p50_ms")
@@ -81,6 +89,10 @@ def targets(rows: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
     check("shared kv_aware hit rate / least_load's >= 1.5", shared / ll if shared and ll else None,
           bool(shared and ll and shared / ll >= 1.5))
+    if replayed:
+        ceiling = replayed.get("holder_first_over_random")
+        check("(can routing alone reach 1.5x here? replayed holder_first / random >= 1.5)",
+              ceiling, bool(ceiling and ceiling >= 1.5))
     check("shared kv_aware hit rate within 5 % of the 1-worker reference (shared / x1 >= 0.95)",
           shared / one if shared and one else None, bool(shared and one and shared / one >= 0.95))
     check("TTFT p50: shared kv_aware at least 30 % below least_load (ratio <= 0.70)",

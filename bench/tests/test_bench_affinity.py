@@ -34,3 +34,8 @@ def test_the_section_checks_the_issue_targets_from_the_rows():
     assert list(checks.values()) == [True, True, True, False, True, True]  # p99 900 > 800
     text = affinity.section({"results": list(rows.values()), "requests": 10})
     assert "60%" in text and "**FAIL**" in text and "1 of 10" in text
+    replayed = {"random": 0.5, "holder_first": 0.62, "holder_first_over_random": 1.24}
+    with_ceiling = affinity.targets(rows, replayed)
+    assert with_ceiling[1][1:] == ("1.24", False) and len(with_ceiling) == 7
+    text = affinity.section({"results": list(rows.values()), "replayed_without_load": replayed})
+    assert "routing at random reaches 50%" in text and "1.24× as much" in text
