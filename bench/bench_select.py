@@ -43,6 +43,7 @@ from proxy_workers.router import Router
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
 from shm_schema.atomic import BACKEND
+from shm_schema.counters import NATIVE_UPDATES
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 SIZES = (4, 16, 64, 256)
@@ -73,6 +74,7 @@ def machine() -> dict:
         "machine": platform.machine(),
         "atomicshm": atomicshm.__version__,
         "atomic_backend": BACKEND,
+        "lane_updates": "C (shm_schema/_lanes.c)" if NATIVE_UPDATES else "Python closures",
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -131,8 +133,9 @@ class Table:
 
     def close(self) -> None:
         try:
-            if hasattr(self, "row"):
-                self.row.release()
+            for row in (getattr(self, "row", None), getattr(self, "python_row", None)):
+                if row is not None:
+                    row.release()
             self.seg.close()
         finally:
             Segment.unlink(self.name)
@@ -198,6 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                 begin(slot, gen)
                 end(slot, gen)
         cases[("begin_end_pair", None)] = begin_end
+        # The same pair through the Python closures (no compiler at install), on a second row.
+        python_row = tables[16].python_row = WorkerRow.claim(tables[16].seg, 1)
+        python_row._bind_updates(native=False)
+        py_begin, py_end = python_row.begin, python_row.end
+
+        def python_begin_end(n: int) -> None:
+            for _ in range(n):
+                py_begin(slot, gen)
+                py_end(slot, gen)
+        cases[("begin_end_pair_python", None)] = python_begin_end
         loads = {"instance-000": 0}
 
         def dict_begin(key: str) -> None:
@@ -268,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(report: dict) -> None:
     res = report["results"]
     m = report["machine"]
-    print(f"# {m['cpu_model']} | nproc {m['nproc']} | Python {m['python']} | {m['atomic_backend']}")
+    print(f"# {m['cpu_model']} | nproc {m['nproc']} | Python {m['python']} | {m['atomic_backend']} | "
+          f"updates in {m.get('lane_updates', 'Python closures')}")
     print(f"# median us per call over {res['begin_end_pair']['any']['repeats']} repeats; "
           f"loadavg {m['loadavg_at_start']} -> {report['loadavg_at_end']}")
     header = f"{'case':<36}" + "".join(f"{'n=' + str(n):>10}" for n in report["sizes"])
@@ -277,7 +291,7 @@ def print_table(report: dict) -> None:
     for case in ("least_load_router_choose", "least_load_inflight_only", "round_robin_router_choose",
                  "dict_least_load_baseline"):
         print(f"{case:<36}" + "".join(f"{res[case][str(n)]['median_us']:>10.2f}" for n in report["sizes"]))
-    for case in ("begin_end_pair", "dict_begin_end_pair_baseline"):
+    for case in ("begin_end_pair", "begin_end_pair_python", "dict_begin_end_pair_baseline"):
         print(f"{case:<36}{res[case]['any']['median_us']:>10.2f}   (size-independent)")
     t = report["targets"]
     print(f"target select(16) <= {t['select_16_instances_us']} us: least_load "

@@ -17,6 +17,13 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import layout, process_identity
+
+try:  # the update path in C (shm_schema/_lanes.c), built by `pip install` where a compiler is
+    from ._lanes import Updater as _NativeUpdater
+except ImportError:  # pragma: no cover - no compiler at install: the Python closures below
+    _NativeUpdater = None
+
+NATIVE_UPDATES = _NativeUpdater is not None
 from .bitfields import CounterWord, JournalWord
 from .records import run_lengths
 from .repair import free_row, subtract_row
@@ -151,8 +158,10 @@ class WorkerRow:
         self._contrib_base = geometry.contributions_base(row)
         # JournalWord.idle(1), idle(2), ...: the journal between operations, one more each time.
         self._next_journal = itertools.count(JournalWord.idle(1), JournalWord.idle(1)).__next__
-        # Process-local mirror of this row's contribution words (single writer: this process).
+        # Process-local mirror of this row's contribution words (single writer: this process),
+        # for the Python closures; the C updater reads the words themselves.
         self._mirror: list[int] = [0] * (geometry.instance_capacity * _LANES)
+        self._own_inflight: dict[int, struct.Struct] = {}
         self._bind_updates()
 
     @classmethod
@@ -206,13 +215,28 @@ class WorkerRow:
         exceed it."""
         return self._admits[lane](slot, generation, limit)
 
-    def _bind_updates(self) -> None:
-        self.begin = self._update(_INFLIGHT, 1, _APPLIED)
-        self.end = self._update(_INFLIGHT, -1, _APPLIED)
+    def _bind_updates(self, native: bool = NATIVE_UPDATES) -> None:
+        """Every lane's updates, from one journal sequence: the C updater's ops where it was
+        built (`native`), the Python closures of `_update` otherwise. Both do the same steps
+        in the same order (tests/test_counters.py runs the suite on each)."""
+        update = self._native_update if native else self._update
+        self.begin = update(_INFLIGHT, 1, _APPLIED)
+        self.end = update(_INFLIGHT, -1, _APPLIED)
         lanes = range(layout.LANES_USED)
-        self._adds = tuple(self._update(lane, 1, _APPLIED) for lane in lanes)
-        self._removes = tuple(self._update(lane, -1, _APPLIED) for lane in lanes)
-        self._admits = tuple(self._update(lane, 1, _ADMISSION_OF_RESULT) for lane in lanes)
+        self._adds = tuple(update(lane, 1, _APPLIED) for lane in lanes)
+        self._removes = tuple(update(lane, -1, _APPLIED) for lane in lanes)
+        self._admits = tuple(update(lane, 1, _ADMISSION_OF_RESULT) for lane in lanes)
+
+    def _native_update(self, lane: int, delta: int, results: tuple) -> Callable[..., Any]:
+        updater = getattr(self, "_updater", None)
+        if updater is None:
+            assert _NativeUpdater is not None
+            updater = self._updater = _NativeUpdater(
+                self._seg.buf, self._journal_offset, self._contrib_base, _COUNTERS,
+                JournalWord.idle(0), JournalWord.idle(1), _LANES, _GEN_SHIFT, _COUNT_MASK,
+                _LANE_SHIFT, _JOURNAL_END)
+            self._seg.on_close(updater.close)  # it holds the segment's buffer
+        return updater.bind(lane, delta, results)
 
     def _update(self, lane: int, delta: int, results: tuple) -> Callable[..., Any]:
         """`update(slot, generation, limit=COUNT_MASK)`: `delta` on (slot, lane) and on this
@@ -271,8 +295,12 @@ class WorkerRow:
         return update
 
     def own_words(self, span: int) -> tuple[int, ...]:
-        """This worker's own inflight contribution words (the per-worker ablation view)."""
-        return tuple(self._mirror[_INFLIGHT:span * _LANES:_LANES])
+        """This worker's own inflight contribution words (the per-worker ablation view): plain
+        reads of words only this process writes."""
+        unpacker = self._own_inflight.get(span)
+        if unpacker is None:
+            unpacker = self._own_inflight[span] = layout.inflight_struct(span)
+        return unpacker.unpack_from(self._seg.buf, self._contrib_base)
 
     def heartbeat(self) -> None:
         self._atomic.store_u64(self._base + layout.R_HEARTBEAT_NS, time.time_ns())

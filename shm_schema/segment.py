@@ -14,6 +14,7 @@ import os
 import secrets
 import struct
 import time
+from typing import Callable
 
 import posix_ipc
 
@@ -50,6 +51,7 @@ class Segment:
         self._mmap = mapping
         self.buf = memoryview(mapping)
         self.atomic: AtomicView = open_view(self.buf)
+        self._closers: list[Callable[[], None]] = []
         self._check_header()
         self.geometry = layout.Geometry(self.load(layout.H_INSTANCE_CAPACITY),
                                         self.load(layout.H_WORKER_CAPACITY),
@@ -147,7 +149,13 @@ class Segment:
         except FileNotFoundError:
             return False
 
+    def on_close(self, release: Callable[[], None]) -> None:
+        """Call `release` first when the segment closes: something that holds its buffer."""
+        self._closers.append(release)
+
     def close(self) -> None:
+        for release in getattr(self, "_closers", ()):
+            release()
         atomic = getattr(self, "atomic", None)
         if atomic is not None:
             atomic.close()
