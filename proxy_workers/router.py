@@ -168,11 +168,6 @@ class Router:
         choice = strategy.select_by_totals(candidates, scores)
         return choice, next(a for c, a in zip(candidates, assessments) if c is choice), guard.fired
 
-    def _fast_totals(self, snapshot: DirectorySnapshot) -> list[float] | None:
-        now = now_us()  # before a plan is built: its time is not the request's
-        plan = self._plan_for(snapshot)
-        return None if plan is None else plan.totals(now)
-
     def _plan_for(self, snapshot: DirectorySnapshot) -> SelectionPlan | None:
         planned_for, plan = self._plan
         if planned_for is not snapshot:

@@ -41,6 +41,12 @@ def _random_load(seg, row, instances, rng: random.Random, publish: bool) -> None
             for i in instances})
 
 
+def _fast_totals(router: Router, snapshot) -> list[float] | None:
+    """The selection plan's totals for `snapshot`, or None where the router takes the generic path."""
+    plan = router._plan_for(snapshot)
+    return None if plan is None else plan.totals(router_module.now_us())
+
+
 @pytest.mark.parametrize("publish", [True, False])
 @pytest.mark.parametrize("seed", range(5))
 def test_fast_totals_equal_generic_totals(table, seed, publish, monkeypatch):
@@ -57,7 +63,7 @@ def test_fast_totals_equal_generic_totals(table, seed, publish, monkeypatch):
     router = Router(Settings(shm_name=name, instance_strategy="least_load", snapshot_stale_ms=60_000),
                     seg, row)
     snapshot = router.view.directory.snapshot()
-    fast = router._fast_totals(snapshot)
+    fast = _fast_totals(router, snapshot)
     components = router.view.components(snapshot.alive, snapshot.slot_span)
     generic = router.scorer.totals(len(snapshot.alive), components)
     assert fast is not None
@@ -85,7 +91,7 @@ def test_weights_outside_the_compiled_set_use_the_generic_path(table):
     router = Router(Settings(shm_name=name, instance_strategy="least_load",
                              least_load_weights={"qps_1m": 0.5}), seg, row)
     snapshot = router.view.directory.snapshot()
-    assert router._fast_totals(snapshot) is None
+    assert _fast_totals(router, snapshot) is None
     assert router.choose().instance_id == "a"
 
 
@@ -108,7 +114,7 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
     weights = router.scorer.weights
     expected = (3 * weights["inflight"] + weights["pending_prefill_count"]
                 + backlog * weights["predicted_total_backlog_ms"])
-    assert router._fast_totals(snapshot) == pytest.approx([expected])
+    assert _fast_totals(router, snapshot) == pytest.approx([expected])
 
 
 # --- the scorer's raw indices are shm_schema's ----------------------------------------------------

@@ -51,6 +51,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_ninth.json", lambda d: affinity.section(d, "affinity_ninth.json")),
         ("affinity_vllm.json", affinity_vllm.section),
         ("select.json", others.select_section),
+        ("pipeline_cost.json", others.pipeline_cost_section),
         ("events.json", others.events_section),
         ("events_warm.json", lambda d: others.events_section(
             d, "events_warm.json", "Sidecar event cost, ticks back to back (caches warm)")),

@@ -1,5 +1,6 @@
 """Sections for the older results files, in their own shapes: the selection path
-(bench/results/select.json, bench/bench_select.py) and predicted pressure
+(bench/results/select.json, bench/bench_select.py), a worker's own CPU per request
+(pipeline_cost.json, bench/pipeline_cost.py) and predicted pressure
 (bench/results/pressure.json and pressure_vllm.json, bench/bench_pressure.py: simulated
 instances, and real vLLM engines)."""
 
@@ -26,6 +27,21 @@ def select_section(data: dict[str, Any]) -> str:
     if targets:
         met = [[label(k), verdict(v) if isinstance(v, bool) else num(v)] for k, v in targets.items()]
         parts.append("Targets:\n\n" + table(["target", "value / met"], met))
+    parts.append(blocks.method(data))
+    return "\n\n".join(p for p in parts if p)
+
+
+def pipeline_cost_section(data: dict[str, Any]) -> str:
+    """bench/results/pipeline_cost.json (bench/pipeline_cost.py): a worker's own CPU per request."""
+    results = data.get("results") or {}
+    rows = [[name, num(r.get("min_us")), num(r.get("median_us")),
+             "–" if r.get("part_us") is None else num(r["part_us"])] for name, r in results.items()]
+    parts = ["## A worker's own CPU per request, without the client socket",
+             *blocks.header_blocks(data, "pipeline_cost.json")]
+    if rows:
+        parts.append(f"{num(data.get('repeats'))} interleaved blocks of {num(data.get('requests_per_block'))} "
+                     f"requests, {num(data.get('concurrency'))} at a time:\n\n" +
+                     table(["variant", "fastest block (µs)", "median (µs)", "full − this, fastest (µs)"], rows))
     parts.append(blocks.method(data))
     return "\n\n".join(p for p in parts if p)
 

@@ -1,0 +1,284 @@
+"""Where a worker's CPU goes on one proxied request, measured in one process with no client
+socket (`python -m bench.pipeline_cost`).
+
+The worker's real parts over a private segment with two instances registered: DataPlane.serve
+(body recovery, selection, lease, pipeline, trace, forward, meta, metrics, events) and the real
+upstream client over loopback to canned upstreams on the same event loop. The client side is a
+fake connection that counts the bytes it is given, so nothing of the HTTP server's parsing or
+socket writes is in the figures: this is the part of a request that is this product's own.
+
+Variants, interleaved block by block in the same process (CPU time per request; the median
+and the fastest of the repeats, a part's cost being the difference of the fastest blocks):
+- `full`: every part;
+- `without metrics`, `without events`, `without meta`: the same with one part replaced by a
+  no-op (prometheus writes; the reserve/complete events to the sidecar; encoding the trace and
+  splicing it into the answer), so the difference is that part's cost;
+- `relay floor`: read the body, open the upstream, read its answer, send it whole: what any
+  proxy on this client and server pays.
+
+The event ring is drained between blocks, as the sidecar would. Bounded: `--requests` per
+block, `--repeats` blocks per variant; everything it creates (the segment, the metrics
+directory) is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import gc
+import itertools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from bench.machine import machine_info
+
+BODY = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
+                   "max_tokens": 4, "stream": False}, separators=(",", ":")).encode()
+ANSWER = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+                     "model": "sim-model", "choices": [{"index": 0, "message": {
+                         "role": "assistant", "content": "Hello there, friend."}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}}).encode()
+RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"date: Tue, 01 Dec 2026 17:00:00 GMT\r\nserver: uvicorn\r\nx-request-id: 1\r\n\r\n%s"
+            % (len(ANSWER), ANSWER))
+HEADERS = [(b"host", b"127.0.0.1:8001"), (b"user-agent", b"wrk"), (b"content-type", b"application/json"),
+           (b"content-length", str(len(BODY)).encode())]
+CONCURRENCY = 32
+
+
+class CannedUpstream(asyncio.Protocol):
+    """Answers every complete request on the connection with RESPONSE at once."""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport, self.pending = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        self.pending += data
+        while (end := self.pending.find(b"\r\n\r\n")) >= 0:
+            head = self.pending[:end].lower()
+            at = head.find(b"content-length:")
+            length = int(head[at + 15:].split(b"\r\n", 1)[0]) if at >= 0 else 0
+            if len(self.pending) < end + 4 + length:
+                return
+            self.pending = self.pending[end + 4 + length:]
+            self.transport.write(RESPONSE)
+
+
+class CountingConnection:
+    """What a Cycle writes to and tells: a client that takes everything at once."""
+    write_paused = False
+    client, local = ("127.0.0.1", 1), ("127.0.0.1", 8001)
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+
+    def response_done(self, cycle: Any) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    async def writable(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def replaced(target: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        setattr(target, name, original)
+
+
+class Worker:
+    """A worker's parts as proxy_workers/server.py assembles them, over a private segment."""
+
+    def __init__(self, ports: list[int]) -> None:
+        from cacheroute_proxy.config import Settings
+        from cacheroute_proxy.routing.strategies import KvAwareStrategy
+        from proxy_workers.affinity import AffinityScorer, make_index
+        from proxy_workers.app import DataPlane, WorkerContext
+        from proxy_workers.kdn_links import LinkTable
+        from proxy_workers.knowledge import KnowledgePreparer
+        from proxy_workers.pipeline import Pipeline
+        from proxy_workers.predictors import get_predictors
+        from proxy_workers.router import Router, kv_aware_settings
+        from proxy_workers.tracker import RequestTracker
+        from proxy_workers.upstream import Upstream
+        from shm_schema import DirectoryWriter, Segment, WorkerRow
+        from shm_schema.events import EventReader
+
+        self.name = f"/cacheroute_cost_{uuid.uuid4().hex[:10]}"
+        settings = Settings(instance_strategy="least_load", ready_concurrency=64, prepare_concurrency=64)
+        self.seg = Segment.create_or_attach(self.name, 64, 2, 4096)
+        writer = DirectoryWriter(self.seg)
+        for i, port in enumerate(ports):
+            writer.allocate(f"inst-{i}", "127.0.0.1", port)
+        self.row = WorkerRow.claim(self.seg, 0)
+        tracker = RequestTracker(self.seg, self.row)
+        predictors = get_predictors(settings.predictor_profile)
+        links = LinkTable.from_settings(settings)
+        affinity = make_index(settings, self.seg, tracker)
+        router = Router(settings, self.seg, self.row, AffinityScorer(
+            settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
+        self.upstream = Upstream(settings)
+        pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, self.upstream, predictors, links),
+                            predictors, router.view.ready_wait_ms, affinity)
+        self.plane = DataPlane(WorkerContext(settings=settings, index=0, router=router,
+                                             upstream=self.upstream, pipeline=pipeline))
+        self.events = EventReader(self.seg)
+        self._ports = itertools.cycle(ports)
+
+    async def full(self, cycle: Any) -> None:
+        from proxy_workers.request_model import Endpoint
+        await self.plane.serve(Endpoint.CHAT, cycle)
+
+    async def floor(self, cycle: Any) -> None:
+        from proxy_workers.headers import relayed
+        body = await cycle.read_body(1 << 20)
+        response = await self.upstream.open("127.0.0.1", next(self._ports), "/v1/chat/completions", body)
+        answer = await self.upstream.read_all(response)
+        response.release()
+        cycle.send_whole(200, relayed(response.headers), answer)
+
+    def drain_events(self) -> None:
+        for _ in self.events.drain(self.row.row):
+            pass
+
+    def close(self) -> None:
+        from shm_schema import Segment
+        self.row.release()
+        self.seg.close()
+        Segment.unlink(self.name)
+
+
+def a_cycle() -> Any:
+    from cacheroute_proxy.http1_server import Cycle
+    cycle = Cycle(CountingConnection(), "POST", b"/v1/chat/completions", b"", list(HEADERS), "1.1", True)
+    cycle.feed(BODY)
+    cycle.end_of_body()
+    return cycle
+
+
+def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
+    from proxy_workers import exchange, metrics, tracker
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+    return {
+        "full": (worker.full, contextlib.nullcontext),
+        "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
+        "without events": (worker.full, lambda: _without_events(tracker.RequestTracker, nothing)),
+        "without meta": (worker.full, lambda: _without_meta(exchange)),
+        "relay floor": (worker.floor, contextlib.nullcontext),
+    }
+
+
+@contextlib.contextmanager
+def _without_events(cls: Any, nothing: Callable[..., None]) -> Iterator[None]:
+    with replaced(cls, "reserve", nothing), replaced(cls, "complete", nothing):
+        yield
+
+
+@contextlib.contextmanager
+def _without_meta(exchange: Any) -> Iterator[None]:
+    with replaced(exchange, "encode_meta", lambda *a, **k: b"{}"), \
+            replaced(exchange, "meta_spliced", lambda body, meta: (body, True)):
+        yield
+
+
+async def measure(requests: int, repeats: int) -> dict[str, list[float]]:
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(CannedUpstream, "127.0.0.1", 0) for _ in range(2)]
+    worker = Worker([s.sockets[0].getsockname()[1] for s in servers])
+    try:
+        runs = variants(worker)
+        samples: dict[str, list[float]] = {name: [] for name in runs}
+        batches = max(1, requests // CONCURRENCY)
+        for handler, _ in runs.values():  # warm every path (pools, plans, caches)
+            for _ in range(10):
+                await asyncio.gather(*(handler(a_cycle()) for _ in range(CONCURRENCY)))
+        for _ in range(repeats):
+            for name, (handler, context) in runs.items():
+                gc.collect()
+                with context():
+                    started = time.process_time()
+                    for _ in range(batches):
+                        await asyncio.gather(*(handler(a_cycle()) for _ in range(CONCURRENCY)))
+                        worker.drain_events()
+                    elapsed = time.process_time() - started
+                samples[name].append(elapsed / (batches * CONCURRENCY) * 1e6)
+        return samples
+    finally:
+        worker.close()
+        for server in servers:
+            server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2048, help="requests per block")
+    parser.add_argument("--repeats", type=int, default=9, help="blocks per variant")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    machine = machine_info()
+    metrics_dir = tempfile.mkdtemp(prefix="cacheroute-cost-metrics-")
+    # As in a worker, if prometheus_client is imported only now (run as a program, it is).
+    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        samples = uvloop.run(measure(args.requests, args.repeats))
+    finally:
+        if previous is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    # A part's cost from the fastest blocks: on a shared machine other tenants only ever add.
+    full = min(samples["full"])
+    results = {name: {"median_us": round(statistics.median(values), 1), "min_us": round(min(values), 1),
+                      "part_us": round(full - min(values), 1) if name != "full" else None}
+               for name, values in samples.items()}
+    print(f"# CPU us per request, median of {args.repeats} blocks of {args.requests} "
+          f"(loadavg {os.getloadavg()[0]:.2f})")
+    for name, r in results.items():
+        part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
+        print(f"{name:<18}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
+    if args.out:
+        report = {"command": "python -m bench.pipeline_cost " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "started_at": started_at,
+                  "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": machine, "requests_per_block": args.requests, "repeats": args.repeats,
+                  "concurrency": CONCURRENCY, "results": results,
+                  "method": ("CPU time (time.process_time) per request of each variant, blocks "
+                             "interleaved in one process; a part is the fastest full block minus "
+                             "the fastest block without it")}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
