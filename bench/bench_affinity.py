@@ -52,7 +52,7 @@ import aiohttp
 
 from bench.affinity_ceiling import ceilings
 from bench.contenders import wait_for
-from bench.machine import machine_info
+from bench.machine import machine_info, write_report
 from bench.stats import percentile
 from bench.streamed import stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
@@ -374,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
               "started_at": started_at,
               "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from bench.contenders import wait_for
-from bench.machine import machine_info
+from bench.machine import machine_info, write_report
 from bench.stats import percentile
 from bench.streamed import stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts
@@ -351,9 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**machine, "at_end": {"loadavg": os.getloadavg()}},
         "results": aggregate(runs), "runs": runs, "logs": str(log_dir),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

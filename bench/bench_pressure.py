@@ -44,6 +44,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.machine import write_report
 from bench.stats import percentile
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_range
 
@@ -241,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
     return 0
 
 

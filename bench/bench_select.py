@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import random
@@ -38,6 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from bench.machine import write_report
 from cacheroute_proxy.config import Settings
 from proxy_workers.router import Router
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
@@ -272,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(report)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_report(args.out, report)
     return 0
 
 

@@ -1,13 +1,22 @@
 """What a results file records about where it ran, and what a contender costs: the CPU seconds
-and resident memory of its process trees, the machine, the tools' versions."""
+and resident memory of its process trees, the machine, the tools' versions; and the writing of
+the file."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """A benchmark's results file: indented JSON, its directory made if needed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def process_tree(pids: list[int]) -> list["psutil.Process"]:

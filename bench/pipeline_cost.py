@@ -43,7 +43,7 @@ from typing import Any
 
 import uvloop
 
-from bench.machine import machine_info
+from bench.machine import machine_info, write_report
 
 BODY = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
                    "max_tokens": 4, "stream": False}, separators=(",", ":")).encode()
@@ -274,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                   "method": ("CPU time (time.process_time) per request of each variant, blocks "
                              "interleaved in one process; a part is the fastest full block minus "
                              "the fastest block without it")}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_report(args.out, report)
     return 0
 
 
