@@ -61,8 +61,8 @@ static int apply(Updater *u, unsigned lane, int delta, Py_ssize_t slot, uint64_t
             result = -1;
             break;
         }
-        uint64_t count = word - tag;
-        if ((delta < 0 && count == 0) || (delta > 0 && count + 1 > limit))
+        uint64_t count = word - tag;  /* then count + delta must be 0 .. limit */
+        if (delta < 0 ? (count == 0 || count - 1 > limit) : count + 1 > limit)
             break;
         uint64_t wanted = delta < 0 ? word - 1 : word + 1;
         if (__atomic_compare_exchange_n(lane_word, &word, wanted, 0, __ATOMIC_SEQ_CST,
@@ -145,6 +145,18 @@ static PyObject *Updater_journal(Updater *self, void *unused) {
     return PyLong_FromUnsignedLongLong(self->journal);
 }
 
+static int Updater_set_journal(Updater *self, PyObject *value, void *unused) {
+    unsigned long long journal = value == NULL ? (unsigned long long)-1 : PyLong_AsUnsignedLongLong(value);
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the journal cannot be deleted");
+        return -1;
+    }
+    if (PyErr_Occurred())
+        return -1;
+    self->journal = journal;
+    return 0;
+}
+
 static PyObject *LaneOp_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                    PyObject *kwnames);
 
@@ -180,7 +192,8 @@ static PyMethodDef Updater_methods[] = {
 };
 
 static PyGetSetDef Updater_getset[] = {
-    {"journal", (getter)Updater_journal, NULL, "the idle journal word of the last operation", NULL},
+    {"journal", (getter)Updater_journal, (setter)Updater_set_journal,
+     "the idle journal word of the last operation (the next one is one step on)", NULL},
     {NULL}
 };
 

@@ -17,6 +17,10 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import layout, process_identity
+from .bitfields import CounterWord, JournalWord
+from .records import run_lengths
+from .repair import free_row, subtract_row
+from .segment import Segment
 
 try:  # the update path in C (shm_schema/_lanes.c), built by `pip install` where a compiler is
     from ._lanes import Updater as _NativeUpdater
@@ -24,10 +28,6 @@ except ImportError:  # pragma: no cover - no compiler at install: the Python clo
     _NativeUpdater = None
 
 NATIVE_UPDATES = _NativeUpdater is not None
-from .bitfields import CounterWord, JournalWord
-from .records import run_lengths
-from .repair import free_row, subtract_row
-from .segment import Segment
 
 # The hot path (WorkerRow._update) inlines these instead of calling the bitfields methods.
 _WORD = layout.WORD
@@ -218,7 +218,16 @@ class WorkerRow:
     def _bind_updates(self, native: bool = NATIVE_UPDATES) -> None:
         """Every lane's updates, from one journal sequence: the C updater's ops where it was
         built (`native`), the Python closures of `_update` otherwise. Both do the same steps
-        in the same order (tests/test_counters.py runs the suite on each)."""
+        in the same order (tests/test_lane_updates.py holds them word for word); a row that
+        changes path carries the sequence over."""
+        updater = getattr(self, "_updater", None)
+        if updater is not None and getattr(self, "_native", native) != native:
+            step = JournalWord.idle(1)  # one sequence for both paths
+            if native:
+                updater.journal = self._next_journal() - step
+            else:
+                self._next_journal = itertools.count(updater.journal + step, step).__next__
+        self._native = native
         update = self._native_update if native else self._update
         self.begin = update(_INFLIGHT, 1, _APPLIED)
         self.end = update(_INFLIGHT, -1, _APPLIED)
@@ -231,9 +240,10 @@ class WorkerRow:
         updater = getattr(self, "_updater", None)
         if updater is None:
             assert _NativeUpdater is not None
+            step = JournalWord.idle(1)
             updater = self._updater = _NativeUpdater(
                 self._seg.buf, self._journal_offset, self._contrib_base, _COUNTERS,
-                JournalWord.idle(0), JournalWord.idle(1), _LANES, _GEN_SHIFT, _COUNT_MASK,
+                self._next_journal() - step, step, _LANES, _GEN_SHIFT, _COUNT_MASK,
                 _LANE_SHIFT, _JOURNAL_END)
             self._seg.on_close(updater.close)  # it holds the segment's buffer
         return updater.bind(lane, delta, results)

@@ -37,7 +37,7 @@ def _operations(rng: random.Random, generations: dict[int, int], count: int):
         slot = rng.randrange(SLOTS)
         generation = generations[slot] + (1 if rng.random() < 0.05 else 0)  # now and then stale
         lane = rng.randrange(layout.LANES_USED)
-        kind = rng.choice(("begin", "end", "add", "remove", "admit", "admit"))
+        kind = rng.choice(("begin", "end", "add", "remove", "admit", "admit", "remove_limited"))
         yield kind, lane, slot, generation, rng.randint(0, 4)
 
 
@@ -50,6 +50,8 @@ def _apply(row: WorkerRow, kind: str, lane: int, slot: int, generation: int, lim
         return row.add(lane, slot, generation)
     if kind == "remove":
         return row.remove(lane, slot, generation)
+    if kind == "remove_limited":  # a decrement told a limit: refused above it, as an increment
+        return row._removes[lane](slot, generation, limit)
     return row.try_admit(lane, slot, generation, limit)
 
 
@@ -77,6 +79,17 @@ def test_c_and_python_updates_agree_word_for_word(seed):
 
 def _generations(seg) -> dict[int, int]:
     return {instance.slot: instance.generation for instance in read_all(seg)}
+
+
+def test_a_row_that_changes_path_carries_its_journal_sequence_over():
+    with fresh_segment(SLOTS, 2) as seg:
+        slot = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9000)
+        row = WorkerRow.claim(seg, 0)
+        journal = seg.geometry.row_offset(row.row) + layout.R_JOURNAL
+        for native in (True, False, True, False):
+            row._bind_updates(native=native)
+            assert row.begin(slot.slot, slot.generation) and row.end(slot.slot, slot.generation)
+        assert seg.load(journal) == JournalWord.idle(8)
 
 
 def test_try_admit_answers_with_the_admission_members():
