@@ -219,14 +219,16 @@ class WorkerRow:
         """Every lane's updates, from one journal sequence: the C updater's ops where it was
         built (`native`), the Python closures of `_update` otherwise. Both do the same steps
         in the same order (tests/test_lane_updates.py holds them word for word); a row that
-        changes path carries the sequence over."""
+        changes path carries the sequence and its shares over."""
         updater = getattr(self, "_updater", None)
         if updater is not None and getattr(self, "_native", native) != native:
             step = JournalWord.idle(1)  # one sequence for both paths
             if native:
                 updater.journal = self._next_journal() - step
-            else:
+            else:  # and the closures' mirror of the shares, which the C ops wrote
                 self._next_journal = itertools.count(updater.journal + step, step).__next__
+                self._mirror[:] = struct.unpack_from(f"@{len(self._mirror)}Q", self._seg.buf,
+                                                     self._contrib_base)
         self._native = native
         update = self._native_update if native else self._update
         self.begin = update(_INFLIGHT, 1, _APPLIED)

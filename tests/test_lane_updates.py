@@ -12,7 +12,7 @@ import pytest
 from shm_schema import DirectoryWriter, WorkerRow, layout, read_all
 from shm_schema.bitfields import JournalWord
 from shm_schema.counters import NATIVE_UPDATES, Admission
-from tests.shm_helpers import fresh_segment
+from tests.shm_helpers import count_of, fresh_segment, share_of
 
 SLOTS = 4
 
@@ -81,15 +81,21 @@ def _generations(seg) -> dict[int, int]:
     return {instance.slot: instance.generation for instance in read_all(seg)}
 
 
-def test_a_row_that_changes_path_carries_its_journal_sequence_over():
+def test_a_row_that_changes_path_carries_its_journal_sequence_and_shares_over():
     with fresh_segment(SLOTS, 2) as seg:
         slot = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9000)
         row = WorkerRow.claim(seg, 0)
         journal = seg.geometry.row_offset(row.row) + layout.R_JOURNAL
-        for native in (True, False, True, False):
+        for native in (True, False, True, False):  # two begins a path, then one end
             row._bind_updates(native=native)
-            assert row.begin(slot.slot, slot.generation) and row.end(slot.slot, slot.generation)
-        assert seg.load(journal) == JournalWord.idle(8)
+            assert row.begin(slot.slot, slot.generation) and row.begin(slot.slot, slot.generation)
+            assert row.end(slot.slot, slot.generation)
+        assert seg.load(journal) == JournalWord.idle(12)
+        assert count_of(seg, slot.slot) == 4 and share_of(seg, row.row, slot.slot, slot.generation) == 4
+        row._bind_updates(native=True)
+        for _ in range(4):
+            assert row.end(slot.slot, slot.generation)
+        assert count_of(seg, slot.slot) == 0 and share_of(seg, row.row, slot.slot, slot.generation) == 0
 
 
 def test_try_admit_answers_with_the_admission_members():
