@@ -112,20 +112,12 @@ def replaced(target: Any, name: str, value: Any) -> Iterator[None]:
 
 
 class Worker:
-    """A worker's parts as proxy_workers/server.py assembles them, over a private segment."""
+    """A worker's parts, assembled as proxy_workers/server.py does it, over a private segment."""
 
     def __init__(self, ports: list[int]) -> None:
         from cacheroute_proxy.config import Settings
-        from cacheroute_proxy.routing.strategies import KvAwareStrategy
-        from proxy_workers.affinity import AffinityScorer, make_index
-        from proxy_workers.app import DataPlane, WorkerContext
-        from proxy_workers.kdn_links import LinkTable
-        from proxy_workers.knowledge import KnowledgePreparer
-        from proxy_workers.pipeline import Pipeline
-        from proxy_workers.predictors import get_predictors
-        from proxy_workers.router import Router, kv_aware_settings
-        from proxy_workers.tracker import RequestTracker
-        from proxy_workers.upstream import Upstream
+        from proxy_workers.app import DataPlane
+        from proxy_workers.server import assemble
         from shm_schema import DirectoryWriter, Segment, WorkerRow
         from shm_schema.events import EventReader
 
@@ -136,17 +128,9 @@ class Worker:
         for i, port in enumerate(ports):
             writer.allocate(f"inst-{i}", "127.0.0.1", port)
         self.row = WorkerRow.claim(self.seg, 0)
-        tracker = RequestTracker(self.seg, self.row)
-        predictors = get_predictors(settings.predictor_profile)
-        links = LinkTable.from_settings(settings)
-        affinity = make_index(settings, self.seg, tracker)
-        router = Router(settings, self.seg, self.row, AffinityScorer(
-            settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
-        self.upstream = Upstream(settings)
-        pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, self.upstream, predictors, links),
-                            predictors, router.view.ready_wait_ms, affinity)
-        self.plane = DataPlane(WorkerContext(settings=settings, index=0, router=router,
-                                             upstream=self.upstream, pipeline=pipeline))
+        ctx = assemble(settings, self.seg, self.row, 0).ctx
+        self.upstream = ctx.upstream
+        self.plane = DataPlane(ctx)
         self.events = EventReader(self.seg)
         self._ports = itertools.cycle(ports)
 

@@ -11,7 +11,7 @@ import gc
 import logging
 import socket
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 
 from cacheroute_proxy import exits, logs, serving
@@ -142,6 +142,29 @@ def bind_addresses(settings: Settings, index: int) -> tuple[socket.socket, socke
     return shared, private
 
 
+class WorkerParts(NamedTuple):
+    ctx: WorkerContext
+    tracker: RequestTracker
+    links: LinkTable
+
+
+def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
+             tracing: Any = None) -> WorkerParts:
+    """A worker's request path over its claimed row: router, upstream client, pipeline."""
+    tracker = RequestTracker(seg, row)
+    predictors = get_predictors(settings.predictor_profile)
+    links = LinkTable.from_settings(settings)
+    affinity = make_index(settings, seg, tracker)
+    router = Router(settings, seg, row, AffinityScorer(
+        settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
+    upstream = Upstream(settings, replace_trace_context=tracing is not None)
+    pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
+                        predictors, router.view.ready_wait_ms, affinity)
+    ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
+                        pipeline=pipeline, tracing=tracing)
+    return WorkerParts(ctx, tracker, links)
+
+
 def run(settings: Settings, index: int) -> int:
     bound = bind_addresses(settings, index)
     if isinstance(bound, int):
@@ -159,22 +182,12 @@ def run(settings: Settings, index: int) -> int:
         seg.close()
         return exits.CANNOT_START
     try:
-        tracing = start_tracing(settings, worker_name(index), index)
-        tracker = RequestTracker(seg, row)
-        predictors = get_predictors(settings.predictor_profile)
-        links = LinkTable.from_settings(settings)
-        affinity = make_index(settings, seg, tracker)
-        router = Router(settings, seg, row, AffinityScorer(
-            settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
-        upstream = Upstream(settings, replace_trace_context=tracing is not None)
-        refresher = LinkRefresher(links, lambda: upstream.session, sidecar_links_url(settings),
+        parts = assemble(settings, seg, row, index, start_tracing(settings, worker_name(index), index))
+        ctx, upstream = parts.ctx, parts.ctx.upstream
+        refresher = LinkRefresher(parts.links, lambda: upstream.session, sidecar_links_url(settings),
                                   load_token(settings.cp_token, settings.cp_token_file),
                                   settings.kdn_links_refresh_s)
-        pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
-                            predictors, router.view.ready_wait_ms, affinity)
-        ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
-                            pipeline=pipeline, tracing=tracing)
-        app = build_app(ctx, lifespan=_Lifespan(ctx, tracker, refresher))
+        app = build_app(ctx, lifespan=_Lifespan(ctx, parts.tracker, refresher))
         shared.listen(BACKLOG)
         log.info("worker %d serving %s (shared) and %s (private), row %d, strategy %s, view %s",
                  index, exits.host_port(settings.dp_host, settings.dp_port),

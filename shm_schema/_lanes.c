@@ -146,11 +146,11 @@ static PyObject *Updater_journal(Updater *self, void *unused) {
 }
 
 static int Updater_set_journal(Updater *self, PyObject *value, void *unused) {
-    unsigned long long journal = value == NULL ? (unsigned long long)-1 : PyLong_AsUnsignedLongLong(value);
     if (value == NULL) {
         PyErr_SetString(PyExc_TypeError, "the journal cannot be deleted");
         return -1;
     }
+    unsigned long long journal = PyLong_AsUnsignedLongLong(value);
     if (PyErr_Occurred())
         return -1;
     self->journal = journal;
