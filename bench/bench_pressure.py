@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,17 +117,18 @@ async def _drive(url: str, workload: Workload, seed: int) -> tuple[list[dict], l
 def simulated_proxy() -> Iterator[str]:
     """The demo launcher: the proxy (2 workers) and its two simulated instances. Yields the
     data plane's URL."""
-    dp, cp, private = free_port(), free_port(), free_port_range(2)
-    env = {"PROXY_DP_PORT": str(dp), "PROXY_CP_PORT": str(cp),
-           "PROXY_WORKER_PRIVATE_PORT_BASE": str(private), "PROXY_WORKERS": "2",
+    ports = SupervisorPorts(2, "cacheroute_bench")
+    cp = ports.cp_port
+    env = {"PROXY_DP_PORT": str(ports.dp_port), "PROXY_CP_PORT": str(cp),
+           "PROXY_WORKER_PRIVATE_PORT_BASE": str(ports.private_base), "PROXY_WORKERS": "2",
            "PROXY_SIM_INSTANCES": "2", "PROXY_SIM_INSTANCE_PORT_BASE": str(free_port_range(12)),  # base+10i, +1
            "PROXY_SIM_KDN_PORT": str(free_port()),
            "PROXY_INSTANCE_STRATEGY": "least_load",
-           "PROXY_SHM_NAME": f"/cacheroute_bench_{uuid.uuid4().hex[:8]}"}
+           "PROXY_SHM_NAME": ports.shm_name}
     supervisor = ChildProcess(["-m", "cacheroute_sim.demo"], env, Path("/tmp/bench_pressure_supervisor.log"))
     try:
         _wait_ready(f"http://127.0.0.1:{cp}/debug/instance_loads", 2, 30)
-        yield f"http://127.0.0.1:{dp}"
+        yield ports.dp_url
     finally:
         supervisor.stop(signal.SIGINT, 60)
 

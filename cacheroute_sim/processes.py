@@ -77,8 +77,11 @@ class SupervisorPorts:
 
     def __init__(self, workers: int, shm_prefix: str) -> None:
         self.workers = workers
-        self.dp_port, self.cp_port = free_port(), free_port()
-        self.private_base = free_port_range(workers)  # worker i answers on private_base + i
+        # One range for all of them: ports picked one by one can collide with each other (seen:
+        # the control plane on worker 1's private port, whose bind then waited behind it).
+        base = free_port_range(workers + 2)
+        self.dp_port, self.cp_port = base, base + 1
+        self.private_base = base + 2  # worker i answers on private_base + i
         self.shm_name = f"/{shm_prefix}_{uuid.uuid4().hex[:10]}"
 
     def supervisor_env(self, strategy: str) -> dict[str, str]:

@@ -110,7 +110,7 @@ class Cluster(SupervisorPorts):
     def start(self) -> Cluster:
         self.launcher = Process(["-m", "cacheroute_proxy", "run"], self.env, self.tmp_path / "launcher.log")
         for index in range(self.workers):
-            wait_until(lambda i=index: get(f"{self.worker_url(i)}/healthz", timeout=1)["ok"], 30,
+            wait_until(lambda i=index: self._healthz(i, timeout=1)["role"] == "worker", 30,
                        message=f"worker {index} healthy\n{self.launcher_log()}")
         return self
 
@@ -147,7 +147,10 @@ class Cluster(SupervisorPorts):
         return get(f"{self.cp_url}/debug/status")
 
     def worker_pids(self) -> dict[int, int]:
-        return {i: get(f"{self.worker_url(i)}/healthz", timeout=2)["pid"] for i in range(self.workers)}
+        return {i: self._healthz(i, timeout=2)["pid"] for i in range(self.workers)}
+
+    def _healthz(self, worker: int, timeout: float) -> dict[str, Any]:
+        return get(f"{self.worker_url(worker)}/healthz", timeout=timeout)
 
 
 def chat_body(content: str = "hello there", stream: bool = True, max_tokens: int = 8) -> dict[str, Any]:
