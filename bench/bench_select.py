@@ -10,6 +10,9 @@ WorkerRow):
   `Settings(instance_strategy="least_load", ...)`: cached directory snapshot, the three layers
   (inflight words, queue lanes, the sidecar's pressure snapshot, published fresh with random
   values), score, tie-break through the shared header cursor.
+  The plan's choice is one C call (proxy_workers/_select.c) where the install built it;
+  `least_load_router_choose_python` is the same Router on the generated Python plan, in the
+  same run.
 - least_load, inflight only: the same with every other weight 0 (only inflight is read).
 - round_robin select: the same Router with the default strategy.
 - dict least_load (baseline): what one process of the original does, a dict
@@ -39,6 +42,7 @@ from typing import Callable
 
 from bench.machine import write_report
 from cacheroute_proxy.config import Settings
+from proxy_workers.fast_score import NATIVE_SELECTION
 from proxy_workers.router import Router
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
@@ -75,6 +79,7 @@ def machine() -> dict:
         "atomicshm": atomicshm.__version__,
         "atomic_backend": BACKEND,
         "lane_updates": "C (shm_schema/_lanes.c)" if NATIVE_UPDATES else "Python closures",
+        "selection": "C (proxy_workers/_select.c)" if NATIVE_SELECTION else "generated Python",
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -109,6 +114,8 @@ class Table:
             self.least_load = Router(Settings(instance_strategy="least_load", **common),
                                      self.seg, self.row)
             only_inflight = {name: 0.0 for name in DEFAULT_WEIGHTS if name != "inflight"}
+            self.least_load_python = Router(Settings(instance_strategy="least_load", **common),
+                                            self.seg, self.row, native_selection=False)
             self.least_load_inflight = Router(Settings(instance_strategy="least_load",
                                                        least_load_weights=only_inflight, **common),
                                               self.seg, self.row)
@@ -124,6 +131,7 @@ class Table:
         best = min(counts.values())
         for _ in range(8):
             assert counts[self.least_load.choose().instance_id] == best
+            assert counts[self.least_load_python.choose().instance_id] == best
         picked = {self.round_robin.choose().instance_id for _ in range(len(self.instances))}
         assert len(picked) == len(self.instances)
 
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in SIZES:
             table = tables[n] = Table(n, rng)
             cases[("least_load_router_choose", n)] = loop_of(table.least_load.choose)
+            cases[("least_load_router_choose_python", n)] = loop_of(table.least_load_python.choose)
             cases[("least_load_inflight_only", n)] = loop_of(table.least_load_inflight.choose)
             cases[("round_robin_router_choose", n)] = loop_of(table.round_robin.choose)
             cases[("dict_least_load_baseline", n)] = loop_of(dict_least_load(table.counts()))
@@ -280,13 +289,15 @@ def print_table(report: dict) -> None:
     res = report["results"]
     m = report["machine"]
     print(f"# {m['cpu_model']} | nproc {m['nproc']} | Python {m['python']} | {m['atomic_backend']} | "
-          f"updates in {m.get('lane_updates', 'Python closures')}")
+          f"updates in {m.get('lane_updates', 'Python closures')} | "
+          f"selection in {m.get('selection', 'generated Python')}")
     print(f"# median us per call over {res['begin_end_pair']['any']['repeats']} repeats; "
           f"loadavg {m['loadavg_at_start']} -> {report['loadavg_at_end']}")
     header = f"{'case':<36}" + "".join(f"{'n=' + str(n):>10}" for n in report["sizes"])
     print(header)
     print("-" * len(header))
-    for case in ("least_load_router_choose", "least_load_inflight_only", "round_robin_router_choose",
+    for case in ("least_load_router_choose", "least_load_router_choose_python",
+                 "least_load_inflight_only", "round_robin_router_choose",
                  "dict_least_load_baseline"):
         print(f"{case:<36}" + "".join(f"{res[case][str(n)]['median_us']:>10.2f}" for n in report["sizes"]))
     for case in ("begin_end_pair", "begin_end_pair_python", "dict_begin_end_pair_baseline"):

@@ -29,7 +29,10 @@ built to cost a few microseconds for 16 candidates:
   (`_exact_scale`; the defaults do);
 - the generated function is the whole selection: it reads the lanes, picks the lowest total
   itself and builds the totals list only for a tie (the strategy's shared tie cursor decides
-  then, as before).
+  then, as before);
+- under an exact scale, its twin in C (proxy_workers/_select.c, where the install built it)
+  chooses instead: the same reads, checks and integer sums, each total converted and scaled
+  with the same float operations, in under a microsecond for 16 candidates (`pick`, `totals`).
 
 Either returns None whenever its assumptions do not hold (the directory moved, a slot changed
 generation, a record describes another generation), and the caller then takes the generic
@@ -41,7 +44,8 @@ component alone against the record read by name, and its totals against the gene
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 from shm_schema import CandidateLanes, DirectorySnapshot, InstanceSlot, Segment, layout
 from shm_schema.bitfields import CounterWord
@@ -49,6 +53,13 @@ from shm_schema.records import SNAPSHOT
 from shm_schema.snapshot import SnapshotReader, flat_index
 
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
+
+try:  # the plan's choice in C (proxy_workers/_select.c), built by `pip install` where a compiler is
+    from ._select import Plan as _NativePlan
+except ImportError:  # pragma: no cover - no compiler at install: the generated Python alone
+    _NativePlan = None
+
+NATIVE_SELECTION = _NativePlan is not None
 
 Scorer = Callable[[Sequence[int], Sequence[int] | None, int], list[float] | None]
 
@@ -128,15 +139,19 @@ _PLAN_FIELDS = {"pending_prefill_count": "p", "active_decode_count": "d", "scale
                 "free_at": "f", "announced": "n", "marginal": "m"}
 # Counts at most this large keep the scaled sums exact (see `_exact_scale`).
 _EXACT_COUNT_LIMIT = 2 ** 32
+# Derived values at most this large fit the C plan's int64 arithmetic; both plans step aside above.
+_PLAN_VALUE_LIMIT = 2 ** 62
 
 
 class SelectionPlan:
     """least_load over the candidates of one directory snapshot (see the module docstring).
 
-    `pick(now)` is the choice (None: take the generic path), `totals(now)` the scores."""
+    `pick(now)` is the choice (None: take the generic path), `totals(now)` the scores. Under an
+    exact scale both are proxy_workers/_select.c's where it was built (`native`): the same
+    steps and the same floats as the generated function, in one C call."""
 
     def __init__(self, strategy: LeastLoadStrategy, snapshot: DirectorySnapshot, seg: Segment,
-                 snapshots: SnapshotReader, stale_us: int) -> None:
+                 snapshots: SnapshotReader, stale_us: int, native: bool = NATIVE_SELECTION) -> None:
         self._weights = {name: w for name, w in strategy.weights.items() if w}
         self._candidates = snapshot.alive
         slots = [i.slot for i in self._candidates]
@@ -153,17 +168,44 @@ class SelectionPlan:
         self._pressure_usable = False
         self._plan = _generate(self._weights, self._scale, self._candidates, self._lanes,
                                self._fields, strategy.select_by_totals, self._fresh_pressure)
-        # The choice is the generated function itself: no method in front of it.
-        self.pick: Callable[[int], InstanceSlot | None] = self._plan
+        # The choice is the C plan's method or the generated function itself: nothing in front.
+        self._native: Any = self._native_plan(seg, strategy) if native and self._scale else None
+        self.pick: Callable[[int], InstanceSlot | None] = (
+            self._native.pick if self._native is not None else self._plan)
+        self.totals: Callable[[int], list[float] | None] = (
+            self._native.totals if self._native is not None
+            else functools.partial(self._plan, totals=True))
+
+    def _native_plan(self, seg: Segment, strategy: LeastLoadStrategy) -> Any:
+        """The generated function's twin in C: the same offsets, the same integer factors."""
+        assert _NativePlan is not None and self._scale
+        slots = [i.slot for i in self._candidates]
+        lanes = [(name, lane) for name, lane in LANE_FIELDS.items() if name in self._weights]
+        return _NativePlan(
+            seg.buf, tuple(self._candidates), strategy.select_by_totals, self._derive_native,
+            seq_offset=CandidateLanes.directory_seq_offset, seq=self._lanes.directory_seq,
+            pressure_generation_offset=SnapshotReader.generation_offset,
+            generation_offsets=[CandidateLanes.generation_offset(s) for s in slots],
+            generations=[i.generation for i in self._candidates],
+            inflight_offsets=[CandidateLanes.count_offset(s, layout.LANE_INFLIGHT) for s in slots],
+            term_offsets=[[CandidateLanes.count_offset(s, lane) for _, lane in lanes] for s in slots],
+            term_factors=[[int(self._weights[name] * self._scale) for name, _ in lanes] for _ in slots],
+            unscale=1 / self._scale, has_counts="scaled_counts" in self._fields,
+            backlog_weight=self._weights.get(BACKLOG, 0.0) / 1000)
+
+    def _derive_native(self) -> None:
+        """The C plan's snapshot moved on: derive its values here, hand them over."""
+        generation = self._snapshots.generation()
+        if generation != self._snapshot_gen:
+            self._derive(generation)
+        values = self._pressure if self._pressure_usable else False
+        self._native.set_pressure(generation, self._published, values, self._stale_us)
 
     @staticmethod
     def supports(strategy: LeastLoadStrategy, snapshot: DirectorySnapshot) -> bool:
         weights = {name for name, w in strategy.weights.items() if w}
         return bool(snapshot.alive) and snapshot.stable and not snapshot.seq & 1 \
             and weights <= _SUPPORTED
-
-    def totals(self, now: int) -> list[float] | None:
-        return self._plan(now, True)
 
     def _fresh_pressure(self, now: int) -> tuple[int | float, ...] | None | bool:
         """The per-candidate values of a fresh snapshot; None if it is stale or was never
@@ -192,6 +234,8 @@ class SelectionPlan:
         if self._scale and any(records[flat_index(i.slot, getattr(_R, name))] >= _EXACT_COUNT_LIMIT
                                for i in self._candidates for name in RECORD_FIELDS):
             self._pressure_usable = False  # beyond what the scaled sum is exact for: generic
+        if any(abs(v) >= _PLAN_VALUE_LIMIT for v in values):
+            self._pressure_usable = False  # beyond the C plan's 64-bit ints (no real record is)
         self._pressure = tuple(values)
 
     def _derived(self, records: Sequence[int], slot: int, base: int) -> list[int | float]:

@@ -12,7 +12,7 @@ from typing import Any
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.fast_score import SelectionPlan
+from proxy_workers.fast_score import NATIVE_SELECTION, SelectionPlan
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import (KvAwareStrategy, LeastLoadStrategy, Strategy,
                                                  build_strategy)
@@ -90,7 +90,8 @@ def kv_aware_settings(settings: Settings) -> dict[str, float]:
 
 class Router:
     def __init__(self, settings: Settings, seg: Segment, row: WorkerRow,
-                 affinity: AffinityScorer | None = None) -> None:
+                 affinity: AffinityScorer | None = None,
+                 native_selection: bool = NATIVE_SELECTION) -> None:
         self.row = row
         self._settings = settings
         self.view = LoadView(seg, settings.load_view, row, stale_ms=settings.snapshot_stale_ms)
@@ -113,6 +114,7 @@ class Router:
         # least_load over the shared table: one generated plan per directory snapshot.
         self._plan: tuple[object, SelectionPlan | None] = (None, None)
         self._fast = self._least_load and settings.load_view == "shared"
+        self._native_selection = native_selection  # the plan's choice in C (benchmarks compare)
         self._seg = seg
         self._directory_snapshot = self.view.directory.snapshot  # bound: once per selection
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
@@ -172,7 +174,7 @@ class Router:
         planned_for, plan = self._plan
         if planned_for is not snapshot:
             plan = (SelectionPlan(self.scorer, snapshot, self._seg, self.view.snapshots,
-                                  self.view.stale_us)
+                                  self.view.stale_us, native=self._native_selection)
                     if SelectionPlan.supports(self.scorer, snapshot) else None)
             self._plan = (snapshot, plan)
         return plan

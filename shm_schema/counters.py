@@ -33,6 +33,7 @@ NATIVE_UPDATES = _NativeUpdater is not None
 _WORD = layout.WORD
 _LANES = layout.LANES
 _COUNTERS = layout.COUNTERS_OFFSET
+_HALF = _WORD // 2  # a CounterWord's count and generation halves (CounterWord.HALVES)
 _GEN_SHIFT = CounterWord.GENERATION_SHIFT
 _COUNT_MASK = CounterWord.COUNT_MASK
 _SEQ_SHIFT = JournalWord.SEQUENCE_SHIFT
@@ -125,6 +126,24 @@ class CandidateLanes:
     @property
     def size(self) -> int:
         return len(self._index)
+
+    # Where `read`'s values are in the segment, for a reader in C (proxy_workers/_select.c).
+    directory_seq_offset = _DIRECTORY_SEQ
+
+    @property
+    def directory_seq(self) -> int:
+        return self._seq
+
+    @staticmethod
+    def count_offset(slot: int, lane: int) -> int:
+        """The byte offset of (slot, lane)'s count half."""
+        return _COUNTERS + _WORD * (_LANES * slot + lane) + _HALF * CounterWord.HALVES.index("count")
+
+    @staticmethod
+    def generation_offset(slot: int) -> int:
+        """The byte offset of the slot's generation half (its inflight word's)."""
+        return (_COUNTERS + _WORD * (_LANES * slot + _INFLIGHT)
+                + _HALF * CounterWord.HALVES.index("generation"))
 
     def read(self) -> tuple[int, ...] | None:
         """The values, or None if the directory changed (or is changing) since the snapshot."""

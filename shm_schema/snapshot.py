@@ -89,6 +89,9 @@ class SnapshotReader:
         self.generation: Callable[[], int] = functools.partial(seg.atomic.load_u64,
                                                                layout.H_SNAPSHOT_GEN)
 
+    # Where `generation` reads, for a reader in C (proxy_workers/_select.c).
+    generation_offset = layout.H_SNAPSHOT_GEN
+
     def published_us(self) -> int:
         return self._seg.load(layout.H_SNAPSHOT_PUBLISHED_US)
 

@@ -5,17 +5,19 @@ under it or the snapshot describes other generations."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import time
+import weakref
 
 import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrategy
-from proxy_workers.fast_score import SelectionPlan, compile_scorer
+from proxy_workers.fast_score import NATIVE_SELECTION, SelectionPlan, compile_scorer
 from proxy_workers.router import Router
-from shm_schema import (CandidateLanes, CountersReader, DirectoryWriter,
+from shm_schema import (CandidateLanes, CountersReader, DirectoryWriter, WorkerRow,
                         counter_value, layout)
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
 from tests.shm_helpers import segment_with_row
@@ -73,8 +75,9 @@ def _reference(strategy: LeastLoadStrategy, seg, snapshot, now: int):
     return scorer(CountersReader(seg).lanes(snapshot.slot_span), records, now)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python", "c"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_plan_decides_what_the_compiled_scorer_and_the_strategy_decide(table, seed):
+def test_the_plan_decides_what_the_compiled_scorer_and_the_strategy_decide(table, seed, native):
     name, seg, row = table
     rng = random.Random(seed)
     writer = DirectoryWriter(seg)
@@ -92,7 +95,7 @@ def test_the_plan_decides_what_the_compiled_scorer_and_the_strategy_decide(table
     reference_strategy = LeastLoadStrategy(weights, tie_cursor=itertools.count().__next__)
     snapshot = Router(Settings(shm_name=name), seg, row).view.directory.snapshot()
     assert SelectionPlan.supports(plan_strategy, snapshot)
-    plan = SelectionPlan(plan_strategy, snapshot, seg, SnapshotReader(seg), STALE_US)
+    plan = SelectionPlan(plan_strategy, snapshot, seg, SnapshotReader(seg), STALE_US, native=native)
     for offset_us in (0, 1_500_000, 2_500_000):  # fresh, still fresh, stale
         at = now + offset_us
         expected = _reference(reference_strategy, seg, snapshot, at)
@@ -159,3 +162,86 @@ def test_the_halves_are_the_counts_and_generations_of_the_words(table):
             expected = counter_value(seg, slot, inst.generation, lane)
             assert values[lanes.count_index(slot, lane)] == expected
         assert values[lanes.generation_index(slot)] == inst.generation
+
+
+def test_the_install_built_the_c_plan_and_the_router_runs_it(table):
+    """`make install` compiles proxy_workers/_select.c; with the default weights (an exact
+    scale) the router's plan is the C one."""
+    name, seg, row = table
+    assert NATIVE_SELECTION
+    DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+    router = Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
+    plan = router._plan_for(router.view.directory.snapshot())
+    assert plan is not None and plan._native is not None
+    assert plan.pick == plan._native.pick
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_c_plan_follows_the_python_plan_through_changing_load_and_snapshots(table, seed):
+    """One plan of each over the same table while it changes: lanes move, snapshots are
+    published (the C plan re-derives through the Python side), go stale, name another
+    generation. After every change the totals are equal, and so are the choices, ties included."""
+    name, seg, row = table
+    rng = random.Random(1000 + seed)
+    writer = DirectoryWriter(seg)
+    instances = [writer.allocate(f"i{n}", "127.0.0.1", 9000 + n) for n in range(rng.randint(1, 16))]
+    weights = rng.choice([{}, {n: rng.choice([0.0, 0.5, 1.0, 2.0]) for n in DEFAULT_WEIGHTS
+                               if n != "qps_1m"}])
+    strategies = [LeastLoadStrategy(weights, tie_cursor=itertools.count().__next__) for _ in range(2)]
+    snapshot = Router(Settings(shm_name=name), seg, row).view.directory.snapshot()
+    python, c = (SelectionPlan(strategy, snapshot, seg, SnapshotReader(seg), STALE_US, native=native)
+                 for strategy, native in zip(strategies, (False, True)))
+    assert c._native is not None and python._native is None
+    now = int(time.time() * 1e6)
+    for step in range(60):
+        action = rng.randrange(4)
+        if action == 0:
+            _load(seg, row, instances, rng, now, wrong_generation=rng.random() < 0.2)
+        elif action == 1:  # requests end: some lanes go down
+            for inst in rng.sample(instances, max(1, len(instances) // 2)):
+                lane = rng.randrange(layout.LANES_USED)
+                if counter_value(seg, inst.slot, inst.generation, lane):
+                    row.remove(lane, inst.slot, inst.generation)
+        elif action == 2:  # idle: every total equal, the tie cursor decides
+            for inst in instances:
+                for lane in range(layout.LANES_USED):
+                    while counter_value(seg, inst.slot, inst.generation, lane):
+                        row.remove(lane, inst.slot, inst.generation)
+        at = now + rng.choice([0, 10, 1_000_000, 3_000_000])
+        assert c.totals(at) == python.totals(at), step
+        for _ in range(2):
+            assert c.pick(at) is python.pick(at), step
+
+
+def test_the_c_plan_steps_aside_when_the_directory_moves_and_refuses_a_closed_segment():
+    from tests.shm_helpers import fresh_segment
+    with fresh_segment(8, 2) as seg:
+        writer = DirectoryWriter(seg)
+        a = writer.allocate("a", "127.0.0.1", 9001)
+        writer.allocate("b", "127.0.0.1", 9002)
+        row = WorkerRow.claim(seg, 0)
+        row.add(layout.LANE_INFLIGHT, a.slot, a.generation)
+        snapshot = Router(Settings(shm_name="/unused"), seg, row).view.directory.snapshot()
+        plan = SelectionPlan(LeastLoadStrategy({}), snapshot, seg, SnapshotReader(seg), STALE_US,
+                             native=True)
+        assert plan.pick(0).instance_id == "b"
+        writer.set_alive(a.slot, False)
+        assert plan.pick(0) is None and plan.totals(0) is None
+        row.release()
+    with pytest.raises(ValueError):  # the segment's memoryview is released: no dangling read
+        plan.pick(0)
+
+
+def test_a_replaced_c_plan_is_collected(table):
+    """The C plan and its SelectionPlan refer to each other; a router replaces its plan at
+    every directory change, so the collector must free the old pair (no leak per change)."""
+    name, seg, row = table
+    DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+    snapshot = Router(Settings(shm_name=name), seg, row).view.directory.snapshot()
+    plans = [SelectionPlan(LeastLoadStrategy({}), snapshot, seg, SnapshotReader(seg), STALE_US,
+                           native=True) for _ in range(3)]
+    assert all(p.pick(0) is not None for p in plans)
+    alive = [weakref.ref(p) for p in plans]
+    del plans
+    gc.collect()
+    assert [r() for r in alive] == [None, None, None]
