@@ -158,7 +158,7 @@ class Worker:
 
 
 def a_cycle() -> Any:
-    from cacheroute_proxy.http1_server import Cycle
+    from cacheroute_proxy.http1 import Cycle
     cycle = Cycle(CountingConnection(), "POST", b"/v1/chat/completions", b"", list(HEADERS), "1.1", True)
     cycle.feed(BODY)
     cycle.end_of_body()

@@ -1,4 +1,4 @@
-"""Run a role's server (the sidecar's, every worker's: cacheroute_proxy/http1_server.py) on
+"""Run a role's server (the sidecar's, every worker's: cacheroute_proxy/http1/) on
 uvloop and tell systemd what it does.
 
 Outside systemd ($NOTIFY_SOCKET unset) this is `server.serve(sockets)`. Under systemd a small
@@ -26,7 +26,7 @@ Describe = Callable[[Any], str]
 
 
 class Server(Protocol):
-    """What is run, and what the reporter reads of it (http1_server.Http1Server)."""
+    """What is run, and what the reporter reads of it (http1.Http1Server)."""
 
     def serve(self, sockets: list[socket.socket]) -> Coroutine[Any, Any, None]: ...
 

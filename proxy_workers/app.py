@@ -1,7 +1,7 @@
 """The data plane of one worker: OpenAI-compatible routes plus per-worker debug endpoints.
 
 The two proxied routes (POST /v1/chat/completions and /v1/completions) are `DataPlane`'s
-handlers, which the worker's server (cacheroute_proxy/http1_server.py) calls with the request's
+handlers, which the worker's server (cacheroute_proxy/http1/) calls with the request's
 Cycle: no ASGI scope or messages, no Request object, no middleware stack, no route matching,
 because on a proxy that forwards a small JSON body those cost as much as the forwarding itself
 (measured with bench/hotpath.py: docs/architecture.md §8). Every other route, and other
@@ -38,7 +38,7 @@ from cacheroute_proxy.routing.report import instance_loads
 
 from . import access_log, metrics
 from .exchange import ProxyExchange, Responder
-from cacheroute_proxy.http1_server import BodyTooLarge, ClientGone, Cycle, Handler
+from cacheroute_proxy.http1 import BodyTooLarge, ClientGone, Cycle, Handler
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router

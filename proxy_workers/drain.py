@@ -2,7 +2,7 @@
 `PROXY_DRAIN_TIMEOUT_S`, then cut what is left cleanly, and say what happened.
 
 :class:`Drain` is the worker's state of leaving: whether it drains, the requests in flight,
-what finished and what was cut. The worker's server (cacheroute_proxy/http1_server.py) runs every
+what finished and what was cut. The worker's server (cacheroute_proxy/http1/) runs every
 request through `Drain.run`, calls `begin` when its listeners close, `cut_remaining` at the
 deadline and `report` at the end. At the deadline every request still running is cancelled
 (its lease ends in the exchange's `finally`) and its response finished here: a stream gets a
@@ -32,7 +32,7 @@ _CUT_HEAD = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
 
 
 class Response(Protocol):
-    """What the drain needs of a request's response (http1_server.Cycle)."""
+    """What the drain needs of a request's response (http1.Cycle)."""
 
     started: bool
     complete: bool

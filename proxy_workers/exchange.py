@@ -30,7 +30,7 @@ from . import metrics
 from .headers import KV_KNOWLEDGE_IDS, KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
-from cacheroute_proxy.http1_server import Cycle
+from cacheroute_proxy.http1 import Cycle
 from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
 from .trace import Trace, encode_meta

@@ -25,7 +25,7 @@ from proxy_workers.predictors import get_predictors
 from .affinity import AffinityScorer, make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
-from cacheroute_proxy.http1_server import Http1Server
+from cacheroute_proxy.http1 import Http1Server
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline

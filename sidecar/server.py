@@ -19,7 +19,7 @@ from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
-from cacheroute_proxy.http1_server import GracefulExit, Http1Server
+from cacheroute_proxy.http1 import GracefulExit, Http1Server
 from shm_schema import Segment, SegmentError, header
 
 from .affinity import AffinityModels, kv_capacity_tokens

@@ -1,4 +1,4 @@
-"""The worker's own HTTP/1.1 server (cacheroute_proxy/http1_server.py) against raw sockets on
+"""The worker's own HTTP/1.1 server (cacheroute_proxy/http1/) against raw sockets on
 127.0.0.1: framing, keep-alive, pipelining, limits, malformed input, disconnects, drain.
 
 Under it: small routes of the test's own, given the Cycle as the worker's proxied routes are,
@@ -20,7 +20,7 @@ from proxy_workers.app import read_body
 from proxy_workers.drain import Drain
 from proxy_workers.exchange import run_until_disconnect
 from cacheroute_proxy.http import HTTPError
-from cacheroute_proxy.http1_server import ClientGone, Cycle, GracefulExit, Http1Server
+from cacheroute_proxy.http1 import ClientGone, Cycle, GracefulExit, Http1Server
 from tests.harness import wait_until
 
 LIMIT = 1000

@@ -200,7 +200,7 @@ def test_only_the_seam_reaches_into_uvicorn() -> None:
 
 
 def test_the_product_does_not_run_on_uvicorn() -> None:
-    """Every role serves on cacheroute_proxy/http1_server.py; uvicorn is the simulators'."""
+    """Every role serves on cacheroute_proxy/http1/; uvicorn is the simulators'."""
     found = [f"{path.relative_to(ROOT)}:{line} imports {name}"
              for package in PRODUCT for path in python_files(package)
              for line, name in imported_modules(path) if name.split(".")[0] == "uvicorn"]

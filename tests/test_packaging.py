@@ -57,7 +57,7 @@ def test_the_wheel_holds_the_product_and_its_data_only(wheel: Path) -> None:
     assert "sidecar/dashboard/index.html" in names
     for vendored in ("uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE", "VENDORED.md"):
         assert f"sidecar/dashboard/vendor/{vendored}" in names, vendored
-    assert "cacheroute_proxy/http1_server.py" in names
+    assert "cacheroute_proxy/http1/server.py" in names
     assert not any("uvicorn" in name for name in names)  # the simulators' server, not the product's
 
 

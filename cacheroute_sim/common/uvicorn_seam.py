@@ -1,5 +1,5 @@
 """The one module that knows uvicorn beyond `uvicorn.Config` and `uvicorn.Server(...).serve()`:
-the simulators run on uvicorn (the product serves on cacheroute_proxy/http1_server.py). What
+the simulators run on uvicorn (the product serves on cacheroute_proxy/http1/). What
 it reads or sets is not documented by uvicorn, so tests/test_uvicorn_seam.py runs each piece
 against a real uvicorn server on 127.0.0.1, and tests/test_layout.py checks that no other
 module reaches for uvicorn's internals: whether a server listens or was asked to exit, asking

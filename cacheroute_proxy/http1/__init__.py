@@ -1,0 +1,34 @@
+"""The product's HTTP/1.1 server, for every role (the workers' data plane, the sidecar's
+control plane): one asyncio Protocol per connection, requests parsed by httptools. A worker's
+two proxied routes are handlers given the request's :class:`Cycle` itself (`routes`); every
+other request goes to the role's ASGI app (Starlette) through a minimal scope/receive/send of
+the same Cycle.
+
+Why its own: under uvicorn, its protocol callbacks, the ASGI messages of every chunk and the
+private attributes the worker had to reach into for a one-write answer and a disconnect
+callback were a large share of a request's CPU. Here those are plain methods of the Cycle:
+`read_body`, `start`/`write`/`end`, `send_whole` (head and body in one write),
+`on_disconnect` (called once when the client leaves before the answer is complete), `started`
+and `complete`.
+
+What it keeps from uvicorn's behaviour, on purpose, because clients and tests depend on it:
+HTTP/1.1 keep-alive by default, `Connection: close` and HTTP/1.0 honoured, pipelined requests
+answered in order (reading pauses while one is answered), the idle keep-alive timeout,
+`transfer-encoding: chunked` for a response without a length, `date` and `server` headers, 400
+and close on a request that does not parse, 500 when the app fails before answering, and the
+drain of proxy_workers/drain.py (stop accepting, never close a connection under a request that
+may be on its way, cut at the deadline).
+
+The modules, one job each: `wire` (the bytes: status lines, `date`, header checks, the plain
+answers), `cycle` (one request and its response), `connection` (the Protocol of one client
+connection), `server` (listening, the lifespan, signals and the drain), `draining` (what the
+server asks of a role's drain), `lifespan` (the ASGI lifespan, for Starlette).
+"""
+
+from .cycle import BodyTooLarge, ClientGone, Cycle, Handler
+from .draining import Draining, GracefulExit
+from .server import Http1Server
+from .wire import Header, status_line
+
+__all__ = ["BodyTooLarge", "ClientGone", "Cycle", "Draining", "GracefulExit", "Handler", "Header",
+           "Http1Server", "status_line"]

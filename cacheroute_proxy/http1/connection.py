@@ -1,0 +1,261 @@
+"""One client connection (`Connection`, an asyncio Protocol): parses requests with httptools,
+answers them one at a time and in order, keeps the idle timer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Protocol
+
+import httptools
+
+from .cycle import Cycle, Handler
+from .draining import Draining
+from .lifespan import ASGIApp
+from .wire import Header, plain_answer
+
+log = logging.getLogger("cacheroute.http")
+
+
+class ServerSide(Protocol):
+    """What a Connection needs of the server that accepted it (server.Http1Server)."""
+
+    app: ASGIApp
+    routes: dict[tuple[str, bytes], Handler]
+    drain: Draining
+    loop: asyncio.AbstractEventLoop
+    connections: set[Connection]
+    tasks: set[asyncio.Task[None]]
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs one at a time, keeps the idle timer."""
+
+    def __init__(self, server: ServerSide) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.cycle: Cycle | None = None  # the request being answered
+        self.queued: deque[Cycle] = deque()  # pipelined requests waiting their turn
+        self.parsing: Cycle | None = None  # the request whose head or body is arriving
+        self.write_paused = False
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self.idle_since: float | None = None  # loop time the connection became idle
+        self._url = b""
+        self._headers: list[Header] = []
+        self._expect_continue = False
+        self.client: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+        self.server.connections.add(self)
+        peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("sockname")
+        self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
+        self.local = (sock[0], sock[1]) if isinstance(sock, tuple) else None
+        self._arm_idle_timer()
+        if self.server.drain.draining:  # accepted after the listeners closed
+            self.shutdown()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # as uvicorn without WebSockets: served as plain HTTP
+            log.warning("Unsupported upgrade request.")
+        except httptools.HttpParserError:
+            self._refuse(400, b"Invalid HTTP request received.")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self._cancel_idle_timer()
+        for cycle in (self.cycle, self.parsing, *self.queued):
+            if cycle is not None:
+                cycle.lost()
+        self.queued.clear()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # --- httptools callbacks ---------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._expect_continue = False
+        self._cancel_idle_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        self._headers.append((name, value))
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        url = self._url
+        if b"?" in url or not url.startswith(b"/"):
+            parsed = httptools.parse_url(url)
+            path, query = parsed.path, parsed.query or b""
+        else:  # the usual proxied request: no query, nothing to parse
+            path, query = url, b""
+        method = parser.get_method().decode("ascii")
+        server = self.server
+        keep_alive = parser.should_keep_alive() and not server.drain.draining
+        cycle = Cycle(self, method, path, query, self._headers, parser.get_http_version(),
+                      keep_alive, server.routes.get((method, path)))
+        cycle.expect_continue = self._expect_continue
+        self.parsing = cycle
+        if self.cycle is None:
+            self._run(cycle)
+        else:  # pipelined: answered after the one before it; read no more meanwhile
+            self.queued.append(cycle)
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        if self.parsing is not None:
+            self.parsing.feed(body)
+
+    def on_message_complete(self) -> None:
+        if self.parsing is not None:
+            self.parsing.end_of_body()
+            self.parsing = None
+
+    # --- running requests -------------------------------------------------------------------------
+    def _run(self, cycle: Cycle) -> None:
+        self.cycle = cycle
+        task = self.loop.create_task(self._call_app(cycle))
+        self.server.tasks.add(task)
+        task.add_done_callback(self.server.tasks.discard)
+
+    async def _call_app(self, cycle: Cycle) -> None:
+        server = self.server
+        handler = cycle.handler
+        try:
+            await server.drain.run(cycle, handler(cycle) if handler is not None
+                                   else server.app(cycle.scope, cycle.receive, cycle.send))
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("exception in the app", exc_info=exc)
+            self._app_failed(cycle)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        if not cycle.complete:  # returned without finishing its answer
+            self._app_failed(cycle)
+
+    def _app_failed(self, cycle: Cycle) -> None:
+        if cycle.disconnected or cycle.complete:
+            return
+        if not cycle.started:
+            cycle.keep_alive = False
+            cycle.started = True
+            self.write(plain_answer(500, b"Internal Server Error"))
+            cycle.complete = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def response_done(self, cycle: Cycle) -> None:
+        """The response of `cycle` is out: close, or go on with the next request."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not cycle.keep_alive:
+            transport.close()
+            return
+        # A body still arriving for an answered request is read and dropped (Cycle.feed), and
+        # the connection stays: the client then reads its answer instead of a reset.
+        self.cycle = None
+        if self.queued:
+            self._run(self.queued.popleft())
+            if not self.queued:
+                self.resume_reading()
+            return
+        self.resume_reading()
+        self._arm_idle_timer()
+
+    def _refuse(self, status: int, text: bytes) -> None:
+        if self.cycle is None or self.cycle.complete:
+            self.write(plain_answer(status, text))
+        if self.transport is not None:
+            self.transport.close()
+
+    # --- I/O ------------------------------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    async def writable(self) -> None:
+        if not self.write_paused or self.transport is None or self.transport.is_closing():
+            return
+        if self._writable is None:
+            self._writable = self.loop.create_future()
+        await self._writable
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and self.cycle is not None \
+                and self.queued:
+            return  # a pipelined request waits: stay paused
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def _arm_idle_timer(self) -> None:
+        self.idle_since = self.loop.time()
+
+    def _cancel_idle_timer(self) -> None:
+        self.idle_since = None
+
+    def close_if_idle_since(self, before: float) -> None:
+        """Close if idle since `before` or earlier: the keep-alive sweep, or a drain that keeps
+        no idle connection."""
+        since = self.idle_since
+        if since is None or since > before:
+            return
+        self.idle_since = None
+        idle = self.parsing is None or self.parsing.complete
+        if self.cycle is None and idle and self.transport is not None:
+            self.transport.close()
+
+    # --- drain ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """The drain began: an idle connection keeps its keep-alive timer (a request may be on
+        its way); a request not answered yet gets `Connection: close`; a stream under way keeps
+        going and the next request (if any) gets `Connection: close`."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.started:
+            cycle.keep_alive = False
+        for queued in self.queued:
+            queued.keep_alive = False
+
+    def end_at_deadline(self) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.complete:
+            if self.transport is not None:
+                self.transport.close()
+        else:
+            cycle.keep_alive = False
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
