@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the share of the corpus's tokens each instance's KV holds (1/3: the "
                              "three together hold it all; 1/9: together a third)")
     parser.add_argument("--only", default=None, help="run only the contenders whose name contains this")
+    parser.add_argument("--replay-only", action="store_true",
+                        help="print the offline replay of the workload (seconds) and stop: no load, no results file")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a proxy setting for every contender (e.g. PROXY_KV_AWARE_CREDIT_PER_MS=0.003)")
     return parser
@@ -358,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(planned)} requests over {args.duration:g}s; instance KV capacity "
           f"{args.capacity_tokens} tokens ({args.capacity_share:.3f} of the corpus); replayed "
           f"without load: {json.dumps(ceiling)}", flush=True)
+    if args.replay_only:
+        return 0
     results = []
     for contender in CONTENDERS:
         if args.only and args.only not in contender.name:

@@ -64,6 +64,13 @@ def section(data: dict[str, Any], source: str = "affinity.json") -> str:
             f"routing to the instance that holds most of the request's knowledge "
             f"{pct(replayed['holder_first'])}, {num(replayed['holder_first_over_random'])}× as much. "
             f"That ratio is about the most affinity can gain over load-only routing here.")
+        if "whole_random" in replayed:
+            parts.append(
+                f"Of the knowledge requests, {pct(replayed['whole_random'])} find every id already "
+                f"held where random routing sends them ({pct(replayed['whole_holder_first'])} "
+                f"routed to the holder): above half, the median knowledge request moves no KV "
+                f"under load-only routing either, so affinity can shorten its time to first token "
+                f"only through the queues.")
     checks = targets(rows, replayed)
     if checks:
         parts.append("Targets (issue 16):\n\n" + table(

@@ -39,3 +39,7 @@ def test_the_section_checks_the_issue_targets_from_the_rows():
     assert with_ceiling[1][1:] == ("1.24", False) and len(with_ceiling) == 7
     text = affinity.section({"results": list(rows.values()), "replayed_without_load": replayed})
     assert "routing at random reaches 50%" in text and "1.24× as much" in text
+    assert "find every id" not in text  # a results file from before the whole-hit count
+    replayed.update(whole_random=0.55, whole_holder_first=0.7)
+    text = affinity.section({"results": list(rows.values()), "replayed_without_load": replayed})
+    assert "55% find every id already held" in text and "(70% routed to the holder)" in text
