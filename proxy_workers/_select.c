@@ -379,18 +379,24 @@ static PyObject *totals_list(const double *totals, Py_ssize_t n) {
     return list;
 }
 
-/* pick(now): the candidate with the lowest total (ties: ties(candidates, totals)), or None. */
-static PyObject *Plan_pick(Plan *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The totals at the call's one argument, `now` (as compute): `usage` names the call. */
+static int totals_now(Plan *self, PyObject *const *args, Py_ssize_t nargs, const char *usage,
+                      double *totals) {
     if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "pick(now)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
     }
     int64_t now = PyLong_AsLongLong(args[0]);
     if (now == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
+    return compute(self, now, totals);
+}
+
+/* pick(now): the candidate with the lowest total (ties: ties(candidates, totals)), or None. */
+static PyObject *Plan_pick(Plan *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t n = self->n;
     double totals[n];
-    int outcome = compute(self, now, totals);
+    int outcome = totals_now(self, args, nargs, "pick(now)", totals);
     if (outcome < 0)
         return NULL;
     if (outcome > 0)
@@ -418,15 +424,8 @@ static PyObject *Plan_pick(Plan *self, PyObject *const *args, Py_ssize_t nargs) 
 
 /* totals(now): the list of totals, or None (as pick). */
 static PyObject *Plan_totals(Plan *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "totals(now)");
-        return NULL;
-    }
-    int64_t now = PyLong_AsLongLong(args[0]);
-    if (now == -1 && PyErr_Occurred())
-        return NULL;
     double totals[self->n];
-    int outcome = compute(self, now, totals);
+    int outcome = totals_now(self, args, nargs, "totals(now)", totals);
     if (outcome < 0)
         return NULL;
     if (outcome > 0)
