@@ -1,24 +1,13 @@
-"""The least_load score of every candidate: the compiled reference scorer, and the router's plan.
+"""The router's least_load plan: the score of every candidate and the choice, fast.
 
 The generic path (LoadView.components + LeastLoadStrategy.totals) builds a list per component
-and then sums them; in Python that is ~25 us for 16 instances. Selection runs on
-every request, and the candidate set changes only when the directory does, so this module
-compiles, once per directory snapshot and weight set, a function whose body is the whole
-weighted sum with every offset and weight as a constant, over the flat lane words L (one
-struct call) and the flat snapshot records R (cached on the snapshot generation):
+and then sums them; in Python that is ~25 us for 16 instances. Selection runs on every request,
+and the candidate set changes only when the directory does, so a plan is built once per
+directory snapshot and weight set. The reference it is held to is a function whose body is the
+whole weighted sum with every offset and weight as a constant (tests/reference_scorer.py).
 
-    [count(L[inflight of slot a]) * w + ... + R[pending_prefill_count of a] * w
-     + (max(R[next_slot_free_at_us of a], R[prefill_free_at_us of a], now) - now
-        + unannounced(a) * R[marginal_backlog_us of a]) * w_per_us, ...]
-
-(w_per_us: the backlog weight, which is per millisecond, over 1000.) Every index in it comes
-from shm_schema's declarations (layout.lane_index for the lanes, snapshot.flat_index with
-records.SNAPSHOT's field indices for the records), and a counter word is decoded by the source
-text CounterWord gives, so the scorer cannot drift from the format.
-
-`compile_scorer` is that function (the reference). `SelectionPlan` is what the router runs:
-the same weighted sum, with the same operations in the same order (so the same floats), but
-built to cost a few microseconds for 16 candidates:
+`SelectionPlan` is what the router runs: the same weighted sum, with the same operations in
+the same order (so the same floats), but built to cost a few microseconds for 16 candidates:
 - the lanes come from shm_schema's CandidateLanes, only the halves the sum reads, as small
   ints (no 64-bit int built or masked), and unpacked into locals by the generated code;
 - everything that depends only on the pressure snapshot (the weighted pending and decoding
@@ -34,12 +23,12 @@ built to cost a few microseconds for 16 candidates:
   chooses instead: the same reads, checks and integer sums, each total converted and scaled
   with the same float operations, in under a microsecond for 16 candidates (`pick`, `totals`).
 
-Either returns None whenever its assumptions do not hold (the directory moved, a slot changed
+The plan returns None whenever its assumptions do not hold (the directory moved, a slot changed
 generation, a record describes another generation), and the caller then takes the generic
-path, so both always agree. tests/test_selection_plan.py checks the plan against
-compile_scorer (bit for bit) and the strategy's choice on randomised tables;
-tests/test_fast_score.py checks compile_scorer: its tables against the declarations, each
-component alone against the record read by name, and its totals against the generic path's.
+path, so both always agree. tests/test_selection_plan.py checks the plan against the reference
+(bit for bit) and the strategy's choice on randomised tables; tests/test_fast_score.py checks
+the reference: its tables against the declarations, each component alone against the record
+read by name, and its totals against the generic path's.
 """
 
 from __future__ import annotations
@@ -48,7 +37,6 @@ import functools
 from typing import Any, Callable, Sequence
 
 from shm_schema import CandidateLanes, DirectorySnapshot, InstanceSlot, Segment, layout
-from shm_schema.bitfields import CounterWord
 from shm_schema.records import SNAPSHOT
 from shm_schema.snapshot import SnapshotReader, flat_index
 
@@ -61,70 +49,16 @@ except ImportError:  # pragma: no cover - no compiler at install: the generated 
 
 NATIVE_SELECTION = _NativePlan is not None
 
-Scorer = Callable[[Sequence[int], Sequence[int] | None, int], list[float] | None]
-
 # Component -> its lane (a word of L) or its snapshot field (a word of R), by name.
 LANE_FIELDS = {name: layout.LANE_NAMES.index(name) for name in layout.LANE_NAMES}
 RECORD_FIELDS = {name: getattr(SNAPSHOT.index, name)
                  for name in ("pending_prefill_count", "active_decode_count")}
 BACKLOG = "predicted_total_backlog_ms"
-_SUPPORTED = {*LANE_FIELDS, *RECORD_FIELDS, BACKLOG}
+SUPPORTED = {*LANE_FIELDS, *RECORD_FIELDS, BACKLOG}
 _R = SNAPSHOT.index
 
 
-def compile_scorer(strategy: LeastLoadStrategy, slots: Sequence[int],
-                   generations: Sequence[int]) -> Scorer | None:
-    """A scorer for these candidates, or None if the weights need the generic path."""
-    weights = {name: w for name, w in strategy.weights.items() if w}
-    if not slots or not set(weights) <= _SUPPORTED:
-        return None
-    lane_gens = ", ".join(CounterWord.generation_source(_lane(s, layout.LANE_INFLIGHT)) for s in slots)
-    record_gens = ", ".join(_record(s, _R.generation) for s in slots)
-    queue_terms, full_terms = [], []
-    for s in slots:
-        queue = [_weighted(CounterWord.count_source(_lane(s, lane)), weights[name])
-                 for name, lane in LANE_FIELDS.items() if name in weights]
-        predicted = [_weighted(_record(s, field), weights[name])
-                     for name, field in RECORD_FIELDS.items() if name in weights]
-        if BACKLOG in weights:
-            predicted.append(_backlog_term(s, weights[BACKLOG]))
-        queue_terms.append(" + ".join(queue) or "0")
-        full_terms.append(" + ".join(queue + predicted) or "0")
-    gens = tuple(generations)
-    source = (
-        "def scorer(L, R, now):\n"
-        f"    if ({lane_gens},) != GENS:\n"
-        "        return None\n"
-        "    if R is None:\n"
-        f"        return [{', '.join(queue_terms)}]\n"
-        f"    if ({record_gens},) != GENS:\n"
-        "        return None\n"
-        f"    return [{', '.join(full_terms)}]\n")
-    namespace: dict[str, object] = {"GENS": gens}
-    exec(compile(source, "<least_load scorer>", "exec"), namespace)
-    return namespace["scorer"]  # type: ignore[return-value]
-
-
-def _backlog_term(slot: int, weight_per_ms: float) -> str:
-    """Time until the instance is free, plus the requests in flight the snapshot has not seen
-    (inflight - pending - decoding) at the marginal cost each (load_view's
-    _unannounced_backlog_ms); the record is in microseconds, the weight per millisecond."""
-    inflight = CounterWord.count_source(_lane(slot, layout.LANE_INFLIGHT))
-    unseen = (f"max(0, {inflight} - {_record(slot, _R.pending_prefill_count)}"
-              f" - {_record(slot, _R.active_decode_count)}) * {_record(slot, _R.marginal_backlog_us)}")
-    free_at = f"max({_record(slot, _R.next_slot_free_at_us)}, {_record(slot, _R.prefill_free_at_us)}, now)"
-    return f"({free_at} - now + {unseen}) * {weight_per_ms / 1000!r}"
-
-
-def _lane(slot: int, lane: int) -> str:
-    return f"L[{layout.lane_index(slot, lane)}]"
-
-
-def _record(slot: int, field: int) -> str:
-    return f"R[{flat_index(slot, field)}]"
-
-
-def _weighted(term: str, weight: float) -> str:
+def weighted_term(term: str, weight: float) -> str:
     return term if weight == 1.0 else f"{term} * {weight!r}"
 
 
@@ -205,7 +139,7 @@ class SelectionPlan:
     def supports(strategy: LeastLoadStrategy, snapshot: DirectorySnapshot) -> bool:
         weights = {name for name, w in strategy.weights.items() if w}
         return bool(snapshot.alive) and snapshot.stable and not snapshot.seq & 1 \
-            and weights <= _SUPPORTED
+            and weights <= SUPPORTED
 
     def _fresh_pressure(self, now: int) -> tuple[int | float, ...] | None | bool:
         """The per-candidate values of a fresh snapshot; None if it is stale or was never
@@ -278,7 +212,7 @@ def _exact_scale(weights: dict[str, float]) -> int | None:
 
 
 def _product(value: int, weight: float | None) -> int | float:
-    """`value * weight` exactly as the generated sum spells it (`_weighted`: no product for 1)."""
+    """`value * weight` exactly as the generated sum spells it (`weighted_term`: no product for 1)."""
     return value if weight == 1.0 or weight is None else value * weight
 
 
@@ -299,7 +233,7 @@ def _generate(weights: dict[str, float], scale: int | None, candidates: Sequence
         if scale:
             queue, full = _scaled_counts(counts, weights, scale, k, "scaled_counts" in fields)
         else:
-            queue = [_weighted(value, weights[name]) for name, value in counts.items()]
+            queue = [weighted_term(value, weights[name]) for name, value in counts.items()]
             full = queue + [f"{_PLAN_FIELDS[name]}{k}" for name in RECORD_FIELDS if name in weights]
         predicted: list[str] = []
         if BACKLOG in weights:

@@ -11,12 +11,12 @@ from cacheroute_proxy import clock
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrategy
 from proxy_workers import fast_score
-from proxy_workers.fast_score import compile_scorer
 from proxy_workers import router as router_module
 from proxy_workers.router import Router
 from shm_schema import CounterWord, DirectoryWriter, layout
 from shm_schema.records import COUNTER_LANES, SNAPSHOT, CounterLanes, SnapshotRecord
 from shm_schema.snapshot import Pressure, SnapshotWriter
+from tests.reference_scorer import compile_scorer
 from tests.shm_helpers import segment_with_row
 
 
@@ -123,7 +123,7 @@ def test_the_scorer_tables_are_the_declarations() -> None:
     assert fast_score.LANE_FIELDS == COUNTER_LANES.index._asdict()
     assert fast_score.RECORD_FIELDS == {name: getattr(SNAPSHOT.index, name)
                                         for name in ("pending_prefill_count", "active_decode_count")}
-    assert fast_score._SUPPORTED == {*COUNTER_LANES.fields, "pending_prefill_count",
+    assert fast_score.SUPPORTED == {*COUNTER_LANES.fields, "pending_prefill_count",
                                      "active_decode_count", fast_score.BACKLOG}
 
 
@@ -155,7 +155,7 @@ def _expected(component: str, lanes: CounterLanes, record: SnapshotRecord, now: 
     return (free_at - now + unseen * record.marginal_backlog_us) / 1000
 
 
-@pytest.mark.parametrize("component", sorted(fast_score._SUPPORTED))
+@pytest.mark.parametrize("component", sorted(fast_score.SUPPORTED))
 def test_each_component_alone_reads_the_word_its_name_declares(component: str) -> None:
     """One weight at a time, so two components whose indices were swapped cannot hide behind
     equal weights."""

@@ -15,11 +15,12 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrategy
-from proxy_workers.fast_score import NATIVE_SELECTION, SelectionPlan, compile_scorer
+from proxy_workers.fast_score import NATIVE_SELECTION, SelectionPlan
 from proxy_workers.router import Router
 from shm_schema import (CandidateLanes, CountersReader, DirectoryWriter, WorkerRow,
                         counter_value, layout)
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
+from tests.reference_scorer import compile_scorer
 from tests.shm_helpers import segment_with_row
 
 STALE_US = 2_000_000
