@@ -13,7 +13,7 @@ from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS, LeastLoadStrate
 from proxy_workers import fast_score
 from proxy_workers import router as router_module
 from proxy_workers.router import Router
-from shm_schema import CounterWord, DirectoryWriter, layout
+from shm_schema import CountersReader, CounterWord, DirectoryWriter, layout
 from shm_schema.records import COUNTER_LANES, SNAPSHOT, CounterLanes, SnapshotRecord
 from shm_schema.snapshot import Pressure, SnapshotWriter
 from tests.reference_scorer import compile_scorer
@@ -79,10 +79,10 @@ def test_falls_back_when_a_slot_changed_generation(table):
     snapshot = router.view.directory.snapshot()
     scorer = compile_scorer(router.scorer, [i.slot for i in snapshot.alive],
                             [i.generation for i in snapshot.alive])
-    lanes = router.view.lanes(snapshot.slot_span)
-    assert scorer(lanes, None, 0) == [0.0, 0.0]
+    lanes = CountersReader(seg).lanes
+    assert scorer(lanes(snapshot.slot_span), None, 0) == [0.0, 0.0]
     writer.free(a.slot)
-    assert scorer(router.view.lanes(snapshot.slot_span), None, 0) is None  # generic path decides
+    assert scorer(lanes(snapshot.slot_span), None, 0) is None  # generic path decides
 
 
 def test_weights_outside_the_compiled_set_use_the_generic_path(table):

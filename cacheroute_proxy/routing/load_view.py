@@ -104,9 +104,6 @@ class LoadView:
     def candidates(self) -> tuple[InstanceSlot, ...]:
         return self.directory.snapshot().alive
 
-    def lanes(self, span: int) -> tuple[int, ...]:
-        return self._counters.lanes(span)
-
     def words(self, span: int) -> Sequence[int]:
         if self.mode == "shared" or self._own_row is None:
             return self._counters.words(span)
