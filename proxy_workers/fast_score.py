@@ -59,6 +59,7 @@ _R = SNAPSHOT.index
 
 
 def weighted_term(term: str, weight: float) -> str:
+    """`term * weight` as source text, with no product for a weight of 1 (as the reference)."""
     return term if weight == 1.0 else f"{term} * {weight!r}"
 
 
