@@ -13,7 +13,8 @@ from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
 .PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
-# setup.py builds the C parts (shm_schema/_lanes.c, proxy_workers/_select.c) into the checkout: an edit rebuilds them.
+# setup.py builds the C parts (shm_schema/_lanes.c, proxy_workers/_select.c) into the
+# checkout: an edit rebuilds them.
 $(STAMP): pyproject.toml setup.py shm_schema/_lanes.c proxy_workers/_select.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -42,9 +42,9 @@ from typing import Callable
 
 from bench.machine import write_report
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from proxy_workers.fast_score import NATIVE_SELECTION
 from proxy_workers.router import Router
-from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
 from shm_schema.atomic import BACKEND
 from shm_schema.counters import NATIVE_UPDATES

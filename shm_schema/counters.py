@@ -137,13 +137,12 @@ class CandidateLanes:
     @staticmethod
     def count_offset(slot: int, lane: int) -> int:
         """The byte offset of (slot, lane)'s count half."""
-        return _COUNTERS + _WORD * (_LANES * slot + lane) + _HALF * CounterWord.HALVES.index("count")
+        return layout.counter_offset(slot, lane) + _HALF * CounterWord.HALVES.index("count")
 
     @staticmethod
     def generation_offset(slot: int) -> int:
         """The byte offset of the slot's generation half (its inflight word's)."""
-        return (_COUNTERS + _WORD * (_LANES * slot + _INFLIGHT)
-                + _HALF * CounterWord.HALVES.index("generation"))
+        return layout.counter_offset(slot, _INFLIGHT) + _HALF * CounterWord.HALVES.index("generation")
 
     def read(self) -> tuple[int, ...] | None:
         """The values, or None if the directory changed (or is changing) since the snapshot."""

@@ -268,7 +268,7 @@ class Geometry:
         self.total_size = self.affinity_offset + AFFINITY_ROW_SIZE * instance_capacity
 
     def counter_offset(self, slot: int, lane: int = LANE_INFLIGHT) -> int:
-        return COUNTERS_OFFSET + WORD * (LANES * slot + lane)
+        return counter_offset(slot, lane)
 
     def inflight_offset(self, slot: int) -> int:
         return self.counter_offset(slot, LANE_INFLIGHT)
@@ -300,6 +300,11 @@ class Geometry:
 
     def affinity_entries_offset(self, slot: int) -> int:
         return self.affinity_row_offset(slot) + AFFINITY_ROW_HEADER.size
+
+
+def counter_offset(slot: int, lane: int = LANE_INFLIGHT) -> int:
+    """The byte offset of (slot, lane)'s counter word: the same in every geometry."""
+    return COUNTERS_OFFSET + WORD * (LANES * slot + lane)
 
 
 def lanes_struct(span: int) -> struct.Struct:
