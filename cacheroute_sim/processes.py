@@ -1,6 +1,7 @@
 """Processes on 127.0.0.1 for the demo, the tests and the benchmarks: free listening ports
-below the ephemeral range, the ports and segment name of one `cacheroute-proxy run`, and a child
-process started from the repository root and stopped by its pid."""
+outside the ephemeral range (none handed out twice), the ports and segment name of one
+`cacheroute-proxy run`, and a child process started from the repository root and stopped by
+its pid."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections import deque
 from pathlib import Path
 
 from cacheroute_proxy.supervisor import children
@@ -20,55 +22,71 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --- ports -----------------------------------------------------------------------------------
 LISTEN_PORTS_FROM = 10000  # listeners are picked from here up to the kernel's ephemeral range
+# The ports this process handed out lately, never handed out again: a port is free when it is
+# picked but taken only when its server binds it, and two picks in that gap (a supervisor's
+# ports, then an engine's, before either has started) could otherwise name the same port.
+_RECENT_LIMIT = 4096
+_recent: deque[int] = deque()
+_recent_set: set[int] = set()
 
 
-def _ephemeral_low() -> int:
+def _remember(ports: range) -> None:
+    for port in ports:
+        _recent.append(port)
+        _recent_set.add(port)
+    while len(_recent) > _RECENT_LIMIT:
+        _recent_set.discard(_recent.popleft())
+
+
+def _listen_window() -> range:
+    """Where listeners are picked: below the kernel's ephemeral range, or above it where the
+    range starts too low to leave room below."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+            low, high = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    if low - LISTEN_PORTS_FROM >= 1000:
+        return range(LISTEN_PORTS_FROM, low)
+    return range(high + 1, 65536)
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, below the ephemeral range: a port the
-    kernel hands out as port 0 can be taken by any outgoing connection's source port before our
-    server binds it (seen as "address already in use" under load); one below is not."""
-    rng = random.Random()  # not the tests' seeded global one
-    high = _ephemeral_low()
-    for _ in range(200):
-        port = rng.randrange(LISTEN_PORTS_FROM, high)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:  # an exotic port range: let the kernel choose
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now and was not handed out lately, outside the
+    ephemeral range: a port the kernel hands out as port 0 can be taken by any outgoing
+    connection's source port before our server binds it (seen as "address already in use"
+    under load); one outside it is not."""
+    return free_port_range(1)
 
 
 def free_port_range(count: int) -> int:
-    """A base port such that base .. base+count-1 are all free right now."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        base = free_port()
-        if base + count >= 65000 or base < low < base + count:  # not into the ephemeral range
+    """A base port such that base .. base+count-1 are all free right now, outside the ephemeral
+    range, and none of them handed out lately by this process."""
+    rng = random.Random()  # not the tests' seeded global one
+    window = _listen_window()
+    for _ in range(400):
+        base = rng.randrange(window.start, window.stop - count + 1)
+        ports = range(base, base + count)
+        if not _recent_set.isdisjoint(ports) or not _all_free(ports):
             continue
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
+        _remember(ports)
+        return base
+    raise RuntimeError(f"no {count} free ports in a row in {window.start}..{window.stop - 1}")
+
+
+def _all_free(ports: range) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 class SupervisorPorts:
