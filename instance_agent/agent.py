@@ -7,7 +7,8 @@
        without forgetting it), and an engine that comes back is described and registered again
        (an upsert: a restarted engine may serve another model)
     -> resource snapshots and topology reports on their own intervals
-    -> on stop: unregister.
+    -> on stop: unregister, whenever a registration was ever sent (even one cut short by the
+       stop, or an upsert still due: the proxy may hold the instance either way).
 
 The proxy may forget the instance (restarted without its segment, purged): a heartbeat answered
 "unknown" registers again at once; asked for capabilities (a restarted sidecar adopts the slot
@@ -64,8 +65,10 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.instance_id = config.resolved_instance_id
-        self.registered = False
+        self.registered = False  # the proxy accepted the registration and has not forgotten it
         self.healthy = False
+        self._upsert_due = False  # the engine was described anew: register it again
+        self._register_sent = False  # the proxy may hold this instance: unregister on the way out
         self._request: RegisterRequest | None = None
         self._fingerprint: str | None = None
         self._interval_s = config.heartbeat_interval_s or HEARTBEAT_FALLBACK_S
@@ -125,7 +128,7 @@ class Agent:
             if healthy:
                 log.info("the engine answers again: describing it and registering it again")
                 await self._describe()
-                self.registered = False  # an upsert with what the engine says now
+                self._upsert_due = True  # with what the engine says now; still registered meanwhile
             else:
                 log.warning("the engine stopped answering %s/health: telling the proxy",
                             self.config.instance_url)
@@ -136,7 +139,7 @@ class Agent:
         delay = BACKOFF_FIRST_S
         while True:
             try:
-                if not self.registered:
+                if not self.registered or self._upsert_due:
                     await self._register()
                 else:
                     await self._heartbeat()
@@ -149,8 +152,12 @@ class Agent:
                 await asyncio.wait_for(self._wake.wait(), wait)
 
     async def _register(self) -> None:
-        assert self._request is not None
-        reply = await self._proxy.register(self._request)
+        request = self._request
+        assert request is not None
+        self._register_sent = True
+        reply = await self._proxy.register(request)
+        if self._request is request:  # not described anew while this one was on its way
+            self._upsert_due = False
         self._fingerprint = reply.capability_fingerprint
         if self.config.heartbeat_interval_s is None and reply.heartbeat_interval_s > 0:
             self._interval_s = float(reply.heartbeat_interval_s)
@@ -206,7 +213,7 @@ class Agent:
                 self._set_state("failing", f"proxy control plane {self.config.proxy_cp_url}: {exc}; retrying")
 
     async def _leave(self) -> None:
-        if not self.registered:
+        if not self._register_sent:
             return
         try:
             left = await self._proxy.unregister(self.instance_id)

@@ -4,6 +4,7 @@ same against a real vLLM is in tests/real_engine/)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -15,8 +16,11 @@ from cacheroute_proxy.config import ConfigError
 from cacheroute_proxy.engine_probe import EngineInfo, kv_capacity_from_metrics
 from cacheroute_sim.processes import free_port
 from cacheroute_sim.scheduler.requests import scheduler_body
+from cacheroute_proxy.instance_wire import RegisterReply
+from instance_agent import agent as agent_module
 from instance_agent.agent import register_request
 from instance_agent.config import parse
+from instance_agent.proxy_client import Heartbeat
 from tests.harness import Agent, Engine, Process, alive, chat_body, get, http, listed, post, wait_until
 
 
@@ -203,3 +207,61 @@ def test_an_engine_that_stops_answering_is_out_within_two_seconds_and_back_when_
             agent.process.stop(signal.SIGTERM)
         for engine in engines:
             engine.stop()
+
+
+def test_a_stop_while_the_agent_registers_again_still_unregisters(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """The stop can come while the agent registers an engine that came back (the upsert is on
+    its way, or due): the proxy holds the instance all the while, so the agent must unregister
+    it on its way out (once, an agent that stopped in that window left its instance behind)."""
+    calls: list[str] = []
+
+    class ProxyHangingOnTheUpsert:  # the proxy client: the second register never answers
+        def __init__(self, *args: object) -> None:
+            pass
+
+        async def register(self, request: Any) -> RegisterReply:
+            calls.append("register")
+            if calls.count("register") > 1:
+                await asyncio.Event().wait()
+            return RegisterReply(request.instance_id, 1, 10.0, None)
+
+        async def heartbeat(self, request: Any) -> Heartbeat:
+            calls.append("heartbeat")
+            return Heartbeat.ACCEPTED
+
+        async def unregister(self, instance_id: str) -> bool:
+            calls.append("unregister")
+            return True
+
+        async def report(self, path: str, body: Any) -> bool:
+            return True
+
+    monkeypatch.setattr(agent_module, "ProxyClient", ProxyHangingOnTheUpsert)
+    engine = Engine(tmp_path).start()
+    config = parse(["--instance-url", engine.url, "--health-interval", "0.1", "--heartbeat-interval", "0.2"])
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        run = asyncio.create_task(agent_module.Agent(config).run(stop))
+
+        async def until(predicate: Any, what: str) -> None:
+            for _ in range(300):
+                if predicate():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"timed out waiting for {what}: {calls}")
+
+        await until(lambda: "heartbeat" in calls, "the first heartbeat")
+        engine.stop()  # the engine goes, comes back: the agent registers it again
+        await asyncio.sleep(0.5)
+        engine.start()
+        await until(lambda: calls.count("register") == 2, "the upsert")
+        stop.set()
+        await asyncio.wait_for(run, 10)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert calls[-1] == "unregister", calls
