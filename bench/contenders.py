@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Self
 
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_range
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 from bench.machine import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
 from cacheroute_sim.instance.registration import register_meta
 
@@ -483,8 +483,7 @@ class RouterContender(ProcessContender):
         self.instances = instances
         self.strategy = policy
         self.extra_args = extra_args
-        self.port = free_port_range(2)  # two picked one by one could be the same port
-        self.metrics_port = self.port + 1
+        self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://{HOST}:{self.port}"
 
     def argv(self) -> list[str]:

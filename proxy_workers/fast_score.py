@@ -90,8 +90,6 @@ class SelectionPlan:
         self._weights = {name: w for name, w in strategy.weights.items() if w}
         self._candidates = snapshot.alive
         slots = [i.slot for i in self._candidates]
-        self._lanes = CandidateLanes(seg, slots, [lane for name, lane in LANE_FIELDS.items()
-                                                  if name in self._weights], snapshot.seq)
         self._snapshots = snapshots
         self._stale_us = stale_us
         self._scale = _exact_scale(self._weights)
@@ -101,24 +99,29 @@ class SelectionPlan:
         self._published = 0
         self._pressure: tuple[int | float, ...] | None = None
         self._pressure_usable = False
-        self._plan = _generate(self._weights, self._scale, self._candidates, self._lanes,
-                               self._fields, strategy.select_by_totals, self._fresh_pressure)
         # The choice is the C plan's method or the generated function itself: nothing in front.
-        self._native: Any = self._native_plan(seg, strategy) if native and self._scale else None
-        self.pick: Callable[[int], InstanceSlot | None] = (
-            self._native.pick if self._native is not None else self._plan)
-        self.totals: Callable[[int], list[float] | None] = (
-            self._native.totals if self._native is not None
-            else functools.partial(self._plan, totals=True))
+        # Only one of the two is built (compiling the Python one is most of a plan's cost).
+        self._native: Any = None
+        self.pick: Callable[[int], InstanceSlot | None]
+        self.totals: Callable[[int], list[float] | None]
+        if native and self._scale:
+            self._native = self._native_plan(seg, strategy, snapshot.seq)
+            self.pick, self.totals = self._native.pick, self._native.totals
+        else:
+            lanes = CandidateLanes(seg, slots, [lane for name, lane in LANE_FIELDS.items()
+                                                if name in self._weights], snapshot.seq)
+            plan = _generate(self._weights, self._scale, self._candidates, lanes, self._fields,
+                             strategy.select_by_totals, self._fresh_pressure)
+            self.pick, self.totals = plan, functools.partial(plan, totals=True)
 
-    def _native_plan(self, seg: Segment, strategy: LeastLoadStrategy) -> Any:
+    def _native_plan(self, seg: Segment, strategy: LeastLoadStrategy, directory_seq: int) -> Any:
         """The generated function's twin in C: the same offsets, the same integer factors."""
         assert _NativePlan is not None and self._scale
         slots = [i.slot for i in self._candidates]
         lanes = [(name, lane) for name, lane in LANE_FIELDS.items() if name in self._weights]
         return _NativePlan(
             seg.buf, tuple(self._candidates), strategy.select_by_totals, self._derive_native,
-            seq_offset=CandidateLanes.directory_seq_offset, seq=self._lanes.directory_seq,
+            seq_offset=CandidateLanes.directory_seq_offset, seq=directory_seq,
             pressure_generation_offset=SnapshotReader.generation_offset,
             generation_offsets=[CandidateLanes.generation_offset(s) for s in slots],
             generations=[i.generation for i in self._candidates],
@@ -130,9 +133,7 @@ class SelectionPlan:
 
     def _derive_native(self) -> None:
         """The C plan's snapshot moved on: derive its values here, hand them over."""
-        generation = self._snapshots.generation()
-        if generation != self._snapshot_gen:
-            self._derive(generation)
+        generation = self._current_generation()
         values = self._pressure if self._pressure_usable else False
         self._native.set_pressure(generation, self._published, values, self._stale_us)
 
@@ -145,13 +146,18 @@ class SelectionPlan:
     def _fresh_pressure(self, now: int) -> tuple[int | float, ...] | None | bool:
         """The per-candidate values of a fresh snapshot; None if it is stale or was never
         published (the queue terms alone then); False if it describes other generations."""
-        generation = self._snapshots.generation()
-        if generation != self._snapshot_gen:
-            self._derive(generation)
+        self._current_generation()
         published = self._published
         if not published or now - published > self._stale_us:
             return None
         return self._pressure if self._pressure_usable else False
+
+    def _current_generation(self) -> int:
+        """The published snapshot generation, derived from anew if it moved since last asked."""
+        generation = self._snapshots.generation()
+        if generation != self._snapshot_gen:
+            self._derive(generation)
+        return generation
 
     def _derive(self, generation: int) -> None:
         records = self._snapshots.records(self._span)

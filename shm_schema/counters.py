@@ -130,10 +130,6 @@ class CandidateLanes:
     # Where `read`'s values are in the segment, for a reader in C (proxy_workers/_select.c).
     directory_seq_offset = _DIRECTORY_SEQ
 
-    @property
-    def directory_seq(self) -> int:
-        return self._seq
-
     @staticmethod
     def count_offset(slot: int, lane: int) -> int:
         """The byte offset of (slot, lane)'s count half."""
