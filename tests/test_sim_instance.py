@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from typing import Any
 
 import aiohttp
 import pytest
 
+from cacheroute_sim.common.knobs import KnobStore
 from cacheroute_sim.instance import timing
 from cacheroute_sim.instance.config import ConfigError, Knobs
+from cacheroute_sim.instance.engine import Engine
+from cacheroute_sim.instance.generation import GenerationResponse
 from cacheroute_sim.instance.request_model import (
+    GenerationRequest,
     InvalidJSON,
     InvalidRequest,
     parse_generation_request,
@@ -518,5 +523,38 @@ def test_disconnect_while_held_frees_the_slot(sim: SimProcess) -> None:
             return latency
 
     assert run(go()) < 0.5
+
+
+def test_a_freed_slot_is_never_seen_before_its_disconnect_is_counted() -> None:
+    """In process, one loop step at a time: whoever polls /sim/stats and sees the slot free
+    must also see the disconnect that freed it (the test above polls exactly that)."""
+    engine = Engine(time_scale=0.01, max_concurrency=1,
+                    knobs=KnobStore(Knobs(hold_streams=True)))
+    request = GenerationRequest(kind="chat", stream=True, include_usage=False, model="m",
+                                prompt_tokens=10, completion_tokens=4, finish_reason="length")
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def go() -> list[tuple[int, int]]:
+        response = GenerationResponse(request, engine, random.Random(0))
+        task = asyncio.create_task(response({"type": "http"}, receive, send))
+        while engine.stats.held == 0:
+            await asyncio.sleep(0.001)
+        gone.set()
+        seen = []
+        while not task.done():
+            seen.append((engine.stats.active, engine.stats.disconnected))
+            await asyncio.sleep(0)
+        await task
+        return seen
+
+    seen = asyncio.run(go())
+    assert (0, 0) not in seen and seen[-1] == (0, 1)
 
 

@@ -74,8 +74,10 @@ class GenerationResponse:
         if work.done():
             work.result()  # re-raises SimulatedDrop (wanted) or a genuine bug
             return
-        await _cancel(work)
+        # Counted before the cancel gives back the slot: whoever sees the slot free must
+        # already see why (a reader polling /sim/stats may run before this task resumes).
         self.engine.stats.disconnected += 1
+        await _cancel(work)
 
     async def _run(self, send: Send) -> None:
         if self._should_fail():
