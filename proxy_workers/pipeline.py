@@ -12,13 +12,15 @@ Every wait has a deadline (PROXY_QUEUE_TIMEOUT_S, 503 + Retry-After), every per-
 a bound (PROXY_MAX_QUEUE_PER_INSTANCE, 429 + Retry-After), and every counter entered is left
 in a `finally` (the Lease leaves whatever is still held). There is no dispatch spacing and no
 one-at-a-time gate: admission is the only limit.
+
+The release order is release_order.py, the wait for admission within the worker admission.py;
+this module runs the stages of one request through them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -30,9 +32,11 @@ from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
 from . import metrics
+from .admission import AdmissionQueue
 from .affinity import AffinityIndex, report_residency
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
+from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
 from .trace import Knowledge, Trace
@@ -40,90 +44,15 @@ from .tracker import RequestTracker
 
 T = TypeVar("T")
 
-ADMISSION_POLL_S = (0.001, 0.002, 0.005)  # cross-worker releases are seen by polling; local ones wake at once
-
-
-@dataclass
-class _Ticket:
-    seq: int
-    injection_type: str
-    released: asyncio.Future[None]
-    trace: Trace | None = None  # where the release is recorded (ready_release_seq, ...)
-
-
-class _Waiter:
-    __slots__ = ("wake",)
-
-    def __init__(self, wake: asyncio.Future[None]) -> None:
-        self.wake = wake
-
-
-class AdmissionQueue:
-    """This worker's requests waiting for ready admission to one instance, in arrival order.
-
-    Only the head polls the host-wide counter (another worker's release is seen only by
-    polling); a local release wakes the head, and a waiter that is admitted (or gives up) wakes
-    the next, so each release costs one wake-up however many wait -- not one per waiter.
-    The others also re-check every SAFETY_POLL_S, a guard only: no wake-up is lost, since
-    one that leaves (admitted, refused, cancelled) always wakes the next."""
-
-    SAFETY_POLL_S = 0.5
-
-    def __init__(self) -> None:
-        self._waiters: deque[_Waiter] = deque()
-
-    @property
-    def busy(self) -> bool:
-        """Someone waits: a new arrival queues behind them instead of taking a freed slot."""
-        return bool(self._waiters)
-
-    def wake(self) -> None:
-        if self._waiters:
-            _set(self._waiters[0].wake)
-
-    async def wait(self, try_admit: Callable[[], Admission]) -> Admission:
-        """Wait until `try_admit()` is not FULL; its last result."""
-        loop = asyncio.get_running_loop()
-        me = _Waiter(loop.create_future())
-        waiters = self._waiters
-        waiters.append(me)
-        attempt = 0
-        try:
-            while True:
-                if waiters[0] is me:
-                    delay = ADMISSION_POLL_S[min(attempt, len(ADMISSION_POLL_S) - 1)]
-                    attempt += 1
-                else:
-                    delay = self.SAFETY_POLL_S
-                timer = loop.call_later(delay, _set, me.wake)
-                try:
-                    await me.wake
-                finally:
-                    timer.cancel()
-                result = try_admit()
-                if result is not Admission.FULL:
-                    return result
-                me.wake = loop.create_future()
-        finally:
-            if waiters[0] is me:
-                waiters.popleft()
-            else:
-                waiters.remove(me)
-            self.wake()  # the next may be admitted too, or must take over polling
-
 
 @dataclass
 class InstanceStages:
     """This worker's per-instance state: prepare limit, release order, admission wake-ups."""
 
     prepare_slots: asyncio.Semaphore
+    order: ReleaseOrder
     queued: int = 0
-    next_seq: int = 1
-    next_release: int = 1
-    waiting: dict[int, _Ticket] = field(default_factory=dict)  # prepared, not yet released
-    done: set[int] = field(default_factory=set)  # released out of order, or abandoned
     admission: AdmissionQueue = field(default_factory=AdmissionQueue)
-    released: int = 0  # tickets released to ready so far (ready_release_seq)
     ready_places: set[int] = field(default_factory=set)  # ready_worker_idx values held now
 
 
@@ -162,7 +91,10 @@ class Pipeline:
         if stages is None:
             if len(self._stages) > 4 * 1024:  # forget instances long gone
                 self._stages = {k: v for k, v in self._stages.items() if v.queued}
-            stages = self._stages[key] = InstanceStages(asyncio.Semaphore(self._settings.prepare_concurrency))
+            settings = self._settings
+            stages = self._stages[key] = InstanceStages(
+                asyncio.Semaphore(settings.prepare_concurrency),
+                ReleaseOrder(settings.ready_release_policy, settings.text_bypass_max_per_flush))
         return stages
 
     async def run_admitted(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> T:
@@ -177,9 +109,7 @@ class Pipeline:
                             f"{stages.queued} requests already wait for {lease.instance.instance_id}",
                             {"Retry-After": "1"})
         stages.queued += 1
-        ticket = _Ticket(stages.next_seq, "text", asyncio.get_running_loop().create_future(),
-                         job.trace)
-        stages.next_seq += 1
+        ticket = stages.order.issue(job.trace)
         job.trace.prepare_seq = ticket.seq
         job.trace.proxy_enqueue_ms = now_ms()
         job.key = self._tracker.new_key()
@@ -194,7 +124,7 @@ class Pipeline:
                             job.prepared = True
                         elif _kv_elsewhere(lease, job):
                             await self._prepare(lease, stages, job, reinject=True)
-                        await self._wait_turn(stages, ticket)
+                        await stages.order.wait(ticket)
                         if not reserved:
                             self._reserve(lease, job)
                             reserved = True
@@ -206,8 +136,8 @@ class Pipeline:
                                 f"{settings.queue_timeout_s:g}s", {"Retry-After": "2"}) from None
             finally:
                 stages.queued -= 1
-                if not ticket.released.done():
-                    self._abandon(stages, ticket)
+                if not ticket.released:
+                    stages.order.abandon(ticket)
             failed = True
             try:
                 self._forwarding(lease, job)
@@ -247,7 +177,7 @@ class Pipeline:
 
     # --- stages ------------------------------------------------------------------------------
     def _without_waiting(self, lease: Lease, stages: InstanceStages, job: Job,
-                         ticket: _Ticket) -> tuple[bool, bool]:
+                         ticket: Ticket) -> tuple[bool, bool]:
         """The common case needs no await, so no timer for the queue timeout: nothing to
         prepare (and a free prepare slot), the turn at once, admission at once. Goes as far as
         it can without waiting; returns (reserved, admitted), and the waiting path goes on from
@@ -265,9 +195,8 @@ class Pipeline:
             job.prepared = True
         elif _kv_elsewhere(lease, job):
             return False, False  # a retry: this instance must pull the KV first
-        stages.waiting[ticket.seq] = ticket
-        self._flush(stages)
-        if not ticket.released.done():
+        stages.order.offer(ticket)
+        if not ticket.released:
             return False, False
         self._reserve(lease, job)
         if stages.admission.busy or lease.try_admit(layout.LANE_READY_ACTIVE,
@@ -278,7 +207,7 @@ class Pipeline:
         _take_ready_place(stages, trace)
         return True, True
 
-    def _decide_injection(self, lease: Lease, job: Job, ticket: _Ticket) -> None:
+    def _decide_injection(self, lease: Lease, job: Job, ticket: Ticket) -> None:
         """IWS picks text or kvcache by predicted cost; the choice sets the release class."""
         request, trace = job.request, job.trace
         spec = request.knowledge
@@ -339,40 +268,6 @@ class Pipeline:
             stages.prepare_slots.release()
             lease.leave(layout.LANE_PREPARE_ACTIVE)
 
-    async def _wait_turn(self, stages: InstanceStages, ticket: _Ticket) -> None:
-        if not ticket.released.done() and ticket.seq not in stages.waiting:
-            stages.waiting[ticket.seq] = ticket
-            self._flush(stages)
-        await asyncio.shield(ticket.released)
-
-    def _flush(self, stages: InstanceStages) -> None:
-        """Release in prepare order; with text_bypass, let text requests pass a blocked head."""
-        policy = self._settings.ready_release_policy
-        while True:
-            seq = stages.next_release
-            if seq in stages.done:
-                stages.done.discard(seq)
-            elif seq in stages.waiting:
-                _release(stages, stages.waiting.pop(seq), policy, None)
-            else:
-                break
-            stages.next_release += 1
-        if policy != "text_bypass" or not stages.waiting:
-            return
-        bypass = [t for s, t in sorted(stages.waiting.items()) if t.injection_type == "text"]
-        for ticket in bypass[:self._settings.text_bypass_max_per_flush]:
-            del stages.waiting[ticket.seq]
-            stages.done.add(ticket.seq)
-            _release(stages, ticket, policy, stages.next_release)
-
-    def _abandon(self, stages: InstanceStages, ticket: _Ticket) -> None:
-        """A request that leaves before its turn must not wedge the ones behind it."""
-        stages.waiting.pop(ticket.seq, None)
-        if ticket.seq >= stages.next_release:
-            stages.done.add(ticket.seq)
-        _set(ticket.released)
-        self._flush(stages)
-
     def _reserve(self, lease: Lease, job: Job) -> None:
         """Tell the sidecar the request is released to ready, with its predicted service."""
         request, trace, knowledge = job.request, job.trace, job.knowledge
@@ -418,18 +313,6 @@ class Pipeline:
         _take_ready_place(stages, job.trace)
 
 
-def _release(stages: InstanceStages, ticket: _Ticket, policy: str, blocked_seq: int | None) -> None:
-    """Release `ticket` to ready and record how: `blocked_seq` is the head a bypass passed."""
-    stages.released += 1
-    trace = ticket.trace
-    if trace is not None:
-        trace.ready_release_seq = stages.released
-        trace.ready_release_policy = policy
-        trace.ready_bypass = blocked_seq is not None
-        trace.ready_blocked_seq = blocked_seq
-    _set(ticket.released)
-
-
 def _take_ready_place(stages: InstanceStages, trace: Trace) -> None:
     """The lowest ready place of this worker's for the instance not held (ready_worker_idx)."""
     places = stages.ready_places
@@ -444,9 +327,4 @@ def _kv_elsewhere(lease: Lease, job: Job) -> bool:
     """A retry whose KV was pulled by another instance than this attempt's."""
     kv_instance = job.kv_instance
     return kv_instance is not None and kv_instance != (lease.instance.slot, lease.instance.generation)
-
-
-def _set(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 

@@ -1,4 +1,4 @@
-"""The per-instance admission queue of a worker (proxy_workers/pipeline.py): waiters are admitted
+"""The per-instance admission queue of a worker (proxy_workers/admission.py): waiters are admitted
 in arrival order, a release wakes one waiter (not all of them), a waiter that leaves hands the
 turn on, and only the head polls for releases made by other workers."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import uvloop
 
-from proxy_workers.pipeline import AdmissionQueue
+from proxy_workers.admission import AdmissionQueue
 from shm_schema import Admission
 
 

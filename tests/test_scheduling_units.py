@@ -13,7 +13,8 @@ from cacheroute_proxy.routing.strategies import LeastLoadStrategy, RoundRobinStr
 from proxy_workers.iws import decide
 from proxy_workers.kdn_links import KdnLink
 from proxy_workers.knowledge import KnowledgePreparer, LinkTimeline
-from proxy_workers.pipeline import InstanceStages, Job, Pipeline, _Ticket
+from proxy_workers.pipeline import Job, Pipeline
+from proxy_workers.release_order import ReleaseOrder, Ticket
 from proxy_workers.request_model import Endpoint, recover
 from proxy_workers.trace import Knowledge, Trace
 from types import SimpleNamespace
@@ -23,32 +24,22 @@ import json
 
 # --- release policies ---------------------------------------------------------------------------
 
-def _pipeline(policy: str) -> Pipeline:
-    return Pipeline(Settings(ready_release_policy=policy), tracker=None, preparer=None,  # type: ignore[arg-type]
-                    predictors=None, pressure_of=lambda _: None)
-
-
 def _scenario(policy: str, traces: dict[int, Trace] | None = None) -> list[int]:
     """Seq 1 (kvcache) is still preparing; 2 (text) and 3 (kvcache) are ready to go."""
     traces = traces if traces is not None else {}
-    async def run() -> list[int]:
-        pipeline = _pipeline(policy)
-        stages = InstanceStages(asyncio.Semaphore(8))
-        loop = asyncio.get_running_loop()
-        tickets = {seq: _Ticket(seq, kind, loop.create_future(), traces.setdefault(seq, Trace()))
-                   for seq, kind in ((1, "kvcache"), (2, "text"), (3, "kvcache"))}
-        stages.next_seq = 4
-        released: list[int] = []
-        for seq in (2, 3):
-            stages.waiting[seq] = tickets[seq]
-            pipeline._flush(stages)
-        released += [s for s, t in tickets.items() if t.released.done() and s not in released]
-        stages.waiting[1] = tickets[1]  # the slow head finishes preparing
-        pipeline._flush(stages)
-        released += [s for s, t in tickets.items() if t.released.done() and s not in released]
-        assert stages.next_release == 4 and not stages.waiting and not stages.done
-        return released
-    return asyncio.run(run())
+    order = ReleaseOrder(policy, Settings().text_bypass_max_per_flush)
+    tickets = {}
+    for seq, kind in ((1, "kvcache"), (2, "text"), (3, "kvcache")):
+        tickets[seq] = order.issue(traces.setdefault(seq, Trace()))
+        tickets[seq].injection_type = kind
+    released: list[int] = []
+    for seq in (2, 3):
+        order.offer(tickets[seq])
+    released += [s for s, t in tickets.items() if t.released and s not in released]
+    order.offer(tickets[1])  # the slow head finishes preparing
+    released += [s for s, t in tickets.items() if t.released and s not in released]
+    assert order.settled
+    return released
 
 
 def _released_as(traces: dict[int, Trace]) -> dict[int, tuple]:
@@ -73,18 +64,32 @@ def test_text_bypass_lets_a_text_request_pass_a_blocked_head():
 
 
 def test_abandoned_ticket_does_not_wedge_the_ones_behind():
-    async def run() -> bool:
-        pipeline = _pipeline("ordered")
-        stages = InstanceStages(asyncio.Semaphore(8))
-        loop = asyncio.get_running_loop()
-        first, second = (_Ticket(s, "kvcache", loop.create_future()) for s in (1, 2))
-        stages.next_seq = 3
-        stages.waiting[2] = second
-        pipeline._flush(stages)
-        assert not second.released.done()
-        pipeline._abandon(stages, first)  # the client of request 1 went away while it prepared
-        return second.released.done() and stages.next_release == 3
-    assert asyncio.run(run())
+    order = ReleaseOrder("ordered", 1)
+    first, second = order.issue(), order.issue()
+    order.offer(second)
+    assert not second.released
+    order.abandon(first)  # the client of request 1 went away while it prepared
+    assert second.released and order.settled
+
+
+def test_a_waiter_wakes_when_released_and_a_cancelled_one_stays_unreleased():
+    """A cancelled wait leaves its ticket unreleased, so the pipeline abandons it."""
+    async def run() -> ReleaseOrder:
+        order = ReleaseOrder("ordered", 1)
+        head, behind, cancelled = order.issue(), order.issue(), order.issue()
+        waiting = asyncio.create_task(order.wait(behind))
+        gone = asyncio.create_task(order.wait(cancelled))
+        await asyncio.sleep(0)
+        assert not waiting.done() and not gone.done()
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert not cancelled.released
+        order.abandon(cancelled)
+        order.offer(head)
+        await asyncio.wait_for(waiting, 1)
+        assert head.released and behind.released
+        return order
+    assert asyncio.run(run()).settled
 
 
 # --- IWS ------------------------------------------------------------------------------------------
@@ -132,7 +137,7 @@ def test_iws_forces_text_over_the_schedulers_kvcache_without_knowledge(tokens, k
     pipeline = Pipeline(Settings(injection_strategy="iws"), tracker=None, preparer=None,  # type: ignore[arg-type]
                         predictors=PREDICTORS, pressure_of=lambda _: None)
     job = Job(request, Trace())
-    ticket = _Ticket(1, "kvcache", None)  # type: ignore[arg-type]
+    ticket = Ticket(1, "kvcache")
     lease = SimpleNamespace(instance=SimpleNamespace(kv_inject=0, instance_id="i"))
     pipeline._decide_injection(lease, job, ticket)  # type: ignore[arg-type]
     assert (job.trace.injection_mode, job.trace.iws_reason, ticket.injection_type) == (
