@@ -193,17 +193,51 @@ class Http1Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._framed = False  # Content-Length or chunked: else the body ends when the connection does
         self._until_close = False
+        # The first-byte bound: one lazy timer per connection, not one per request (see request).
+        self._head_due = 0.0
+        self._head_timer: asyncio.TimerHandle | None = None
 
     # --- used by the pool and the response -------------------------------------------------
-    def request(self, data: bytes) -> UpstreamResponse:
+    def request(self, data: bytes, head_due: float) -> UpstreamResponse:
+        """Send `data`; the response fails with HeadTimeout if its head has not arrived by
+        `head_due` (loop time).
+
+        The timer is armed only when none is: when it fires it fails the request that waits
+        for its head too long, re-arms for the one that waits less, and otherwise lapses until
+        the next request. So a connection that carries thousands of requests within the bound
+        creates one timer, not one (and its cancel) per request."""
         response = UpstreamResponse(self, self.loop.create_future())
         self._response = response
         self._content_type = None
         self._headers = []
         self._framed = self._until_close = self.received_any = False
+        self._head_due = head_due
+        timer = self._head_timer
+        if timer is None or timer.when() > head_due:
+            self._arm_head_timer()
         assert self.transport is not None
         self.transport.write(data)
         return response
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_at(self._head_due, self._check_head)
+
+    def _check_head(self) -> None:
+        self._head_timer = None
+        response = self._response
+        if response is None or response._head.done():
+            return  # no head awaited: the next request arms the timer again
+        if self.loop.time() >= self._head_due:
+            response.time_out()
+        else:
+            self._arm_head_timer()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
     def finished(self) -> None:
         self._response = None
@@ -211,6 +245,7 @@ class Http1Connection(asyncio.Protocol):
         self.pool.put(self)
 
     def close(self) -> None:
+        self._stop_head_timer()
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -249,6 +284,7 @@ class Http1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_head_timer()
         response = self._response
         if response is None:  # idle in the pool: the instance's keep-alive ran out, or it went
             self.pool.discard(self)

@@ -89,17 +89,15 @@ class Upstream:
         `headers`: complete `name: value\r\n` lines (`forwarded`, and the request's own),
         written between the Host line and the proxy's own headers.
 
-        The first-byte bound is a plain timer that fails the head (no asyncio.timeout, which
-        costs several times more per request); only a new connection's connect has its own."""
+        The first-byte bound is the connection's own lazy timer (Http1Connection.request: no
+        asyncio.timeout, no timer per request); only a new connection's connect has its own."""
         settings = self._settings
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + settings.upstream_first_byte_timeout_s
+        deadline = asyncio.get_running_loop().time() + settings.upstream_first_byte_timeout_s
         request = b"%s%s%s%d\r\n\r\n%s" % (self._line(path, host, port), headers, self._own,
                                              len(body), body)
         conn = await self._connect(host, port, path)
         while True:
-            response = conn.request(request)
-            timer = loop.call_at(deadline, response.time_out)
+            response = conn.request(request, deadline)
             try:
                 await response.started()
                 return response
@@ -120,8 +118,6 @@ class Upstream:
             except BaseException:  # cancelled (the client left): the connection goes too
                 conn.close()
                 raise
-            finally:
-                timer.cancel()
 
     async def _connect(self, host: str, port: int, path: str, fresh: bool = False) -> Http1Connection:
         settings = self._settings
