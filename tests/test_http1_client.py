@@ -253,7 +253,8 @@ def test_open_maps_refused_and_silent_instances():
 def test_the_first_byte_bound_counts_from_each_request_on_one_lazy_timer():
     """Requests on one kept-alive connection share one timer: armed by the first, it outlives
     answered requests, and a request sent after it was armed gets its full bound (re-armed,
-    never failed early); the one that exceeds it fails with 504."""
+    never failed early); the one that exceeds it fails with 504. (Bounds of a second and more:
+    a loaded machine must not let the first timer fire before the second request is checked.)"""
     answers = 0
 
     async def answer_twice_then_hang(reader, writer):
@@ -267,20 +268,20 @@ def test_the_first_byte_bound_counts_from_each_request_on_one_lazy_timer():
     async def main():
         loop = asyncio.get_running_loop()
         async with Server(answer_twice_then_hang) as server:
-            upstream = Upstream(settings(first_byte=0.4))
+            upstream = Upstream(settings(first_byte=1.0))
             await post(upstream, server.port)
             (conn,) = upstream._pool._idle[("127.0.0.1", server.port)]
             timer = conn._head_timer
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.6)
             await post(upstream, server.port)
             assert conn._head_timer is timer  # no timer of its own for the second request
-            await asyncio.sleep(0.1)  # the first request's bound runs out 0.05 s into the third
+            await asyncio.sleep(0.3)  # the first request's bound runs out ~0.1 s into the third
             sent = loop.time()
             with pytest.raises(HTTPError) as hung:
                 await upstream.open("127.0.0.1", server.port, "/x", b"{}")
             waited = loop.time() - sent
         assert (hung.value.status, hung.value.code) == (504, "upstream_timeout")
-        assert 0.4 <= waited < 1.0, waited
+        assert 1.0 <= waited < 2.5, waited
         assert conn._head_timer is None and conn.closed
 
     run(main())
