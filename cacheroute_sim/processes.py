@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections import deque
 from pathlib import Path
 
 from cacheroute_proxy.supervisor import children
@@ -26,16 +25,13 @@ LISTEN_PORTS_FROM = 10000  # listeners are picked from here up to the kernel's e
 # picked but taken only when its server binds it, and two picks in that gap (a supervisor's
 # ports, then an engine's, before either has started) could otherwise name the same port.
 _RECENT_LIMIT = 4096
-_recent: deque[int] = deque()
-_recent_set: set[int] = set()
+_recent: dict[int, None] = {}  # in the order handed out (a dict: ordered, and a set)
 
 
 def _remember(ports: range) -> None:
-    for port in ports:
-        _recent.append(port)
-        _recent_set.add(port)
+    _recent.update(dict.fromkeys(ports))
     while len(_recent) > _RECENT_LIMIT:
-        _recent_set.discard(_recent.popleft())
+        del _recent[next(iter(_recent))]
 
 
 def _listen_window() -> range:
@@ -67,7 +63,7 @@ def free_port_range(count: int) -> int:
     for _ in range(400):
         base = rng.randrange(window.start, window.stop - count + 1)
         ports = range(base, base + count)
-        if not _recent_set.isdisjoint(ports) or not _all_free(ports):
+        if not _recent.keys().isdisjoint(ports) or not _all_free(ports):
             continue
         _remember(ports)
         return base

@@ -105,7 +105,7 @@ class SelectionPlan:
         self.pick: Callable[[int], InstanceSlot | None]
         self.totals: Callable[[int], list[float] | None]
         if native and self._scale:
-            self._native = self._native_plan(seg, strategy, snapshot.seq)
+            self._native = self._native_plan(seg, strategy, slots, snapshot.seq)
             self.pick, self.totals = self._native.pick, self._native.totals
         else:
             lanes = CandidateLanes(seg, slots, [lane for name, lane in LANE_FIELDS.items()
@@ -114,10 +114,10 @@ class SelectionPlan:
                              strategy.select_by_totals, self._fresh_pressure)
             self.pick, self.totals = plan, functools.partial(plan, totals=True)
 
-    def _native_plan(self, seg: Segment, strategy: LeastLoadStrategy, directory_seq: int) -> Any:
+    def _native_plan(self, seg: Segment, strategy: LeastLoadStrategy, slots: list[int],
+                     directory_seq: int) -> Any:
         """The generated function's twin in C: the same offsets, the same integer factors."""
         assert _NativePlan is not None and self._scale
-        slots = [i.slot for i in self._candidates]
         lanes = [(name, lane) for name, lane in LANE_FIELDS.items() if name in self._weights]
         return _NativePlan(
             seg.buf, tuple(self._candidates), strategy.select_by_totals, self._derive_native,

@@ -220,8 +220,7 @@ class Http1Connection(asyncio.Protocol):
         return response
 
     def _arm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
+        self._stop_head_timer()
         self._head_timer = self.loop.call_at(self._head_due, self._check_head)
 
     def _check_head(self) -> None:
