@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(PY) -m bench.bench_select --out bench/results/select.json
 	$(PY) -m bench.bench_events --out bench/results/events.json
 	$(PY) -m bench.pipeline_cost --out bench/results/pipeline_cost.json
+	$(PY) -m bench.bench_metrics --out bench/results/metrics.json
 
 # The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
 # BASELINE=<git ref> the same scenarios against that ref too, interleaved).

@@ -6,7 +6,8 @@ process, these contenders (bench/contenders.py starts and stops them by pid):
 - `direct`: the instance itself, the baseline for added latency;
 - `proxy-1w` / `proxy-2w`: this proxy through its supervisor with 1 and 2 workers;
 - `base-1w` / `base-2w` (--baseline REF): the same proxy as it was at git REF (the whole tree
-  at REF, exported), for a before/after in one interleaved run;
+  at REF, exported, with the C extensions built here where REF's source of them is the same),
+  for a before/after in one interleaved run;
 - `floor` (--floor): the cheapest proxy this stack allows, one uvicorn+httptools process whose
   plain ASGI callable forwards the body through one pooled aiohttp session and relays the
   answer -- no validation, selection, shared table or metrics: what is left is the stack;
@@ -213,7 +214,18 @@ def baseline_tree(ref: str, into: Path) -> Path:
     if archive.returncode != 0:
         raise SystemExit(f"--baseline {ref}: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(tree), "--exclude=bench/results"], input=archive.stdout, check=True)
+    _copy_built_extensions(tree)
     return tree
+
+
+def _copy_built_extensions(tree: Path) -> None:
+    """The C extensions built here, into the tree whose source of them is the same (an archive
+    has no build products: without them the tree would run the slower Python fallback)."""
+    for built in ROOT.glob("proxy_workers/*.so"):
+        source = built.with_name(built.name.split(".")[0] + ".c")
+        theirs = tree / source.relative_to(ROOT)
+        if source.exists() and theirs.exists() and theirs.read_bytes() == source.read_bytes():
+            shutil.copy2(built, tree / built.relative_to(ROOT))
 
 
 def launcher_module(tree: Path) -> str:

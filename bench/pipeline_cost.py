@@ -11,7 +11,7 @@ Variants, interleaved block by block in the same process (CPU time per request; 
 and the fastest of the repeats, a part's cost being the difference of the fastest blocks):
 - `full`: every part;
 - `without metrics`, `without events`, `without meta`: the same with one part replaced by a
-  no-op (prometheus writes; the reserve/complete events to the sidecar; encoding the trace and
+  no-op (the metric files' writes; the reserve/complete events to the sidecar; encoding the trace and
   splicing it into the answer), so the difference is that part's cost;
 - `relay floor`: read the body, open the upstream, read its answer, send it whole: what any
   proxy on this client and server pays.
@@ -228,16 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     machine = machine_info()
     metrics_dir = tempfile.mkdtemp(prefix="cacheroute-cost-metrics-")
-    # As in a worker, if prometheus_client is imported only now (run as a program, it is).
-    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    from proxy_workers import metrics
+    metrics.open_store(metrics_dir)  # as a worker does: its own file, real writes
     try:
         samples = uvloop.run(measure(args.requests, args.repeats))
     finally:
-        if previous is None:
-            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        else:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+        metrics.open_store(None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
     # A part's cost from the fastest blocks: on a shared machine other tenants only ever add.
     full = min(samples["full"])

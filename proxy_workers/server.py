@@ -22,6 +22,7 @@ from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from proxy_workers.predictors import get_predictors
 
+from . import metrics
 from .affinity import AffinityScorer, make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
@@ -185,6 +186,13 @@ def run(settings: Settings, index: int) -> int:
         seg.close()
         return exits.CANNOT_START
     try:
+        metrics_dir = settings.resolved_metrics_dir
+        try:
+            metrics.open_store(metrics_dir)
+        except OSError as exc:
+            log.error("cannot open this worker's metrics file in %s (PROXY_METRICS_DIR): %s",
+                      metrics_dir, exc.strerror or exc)
+            return exits.CANNOT_START
         parts = assemble(settings, seg, row, index, start_tracing(settings, worker_name(index), index))
         ctx, upstream = parts.ctx, parts.ctx.upstream
         refresher = LinkRefresher(parts.links, lambda: upstream.session, sidecar_links_url(settings),

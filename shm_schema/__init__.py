@@ -4,6 +4,8 @@
 `layout` places them in the segment (the byte map). The other modules speak in slots, rows
 and named fields: `segment` (create, attach, validate), `header`, `directory`, `counters`
 (the worker's path), `repair` (the sidecar's), `snapshot`, `events`, `process_identity`.
+Outside the segment, `metric_file` lays out the per-worker file of metric values that
+/metrics sums.
 """
 
 from . import layout

@@ -1,16 +1,17 @@
 """`/metrics` from any worker: host-wide gauges from the shared table, request counters and
-latency histograms summed over every worker (prometheus_client multiprocess mode)."""
+latency histograms summed over every worker's metrics file (shm_schema.metric_file)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.aio import OpenStream
-from tests.harness import chat_body, http
+from tests.harness import chat_body, http, wait_until
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -54,3 +55,22 @@ def test_any_worker_reports_the_same_host_wide_numbers(make_cluster):
     assert os.path.isdir(metrics_dir) and oct(os.stat(metrics_dir).st_mode & 0o777) == "0o700"
     cluster.stop()
     assert not os.path.exists(metrics_dir)
+
+
+def test_a_killed_workers_counts_stay_in_every_scrape(make_cluster):
+    """SIGKILL mid-life: its file stays, the replacement (a new pid) counts in a new one, and
+    the totals never go down."""
+    cluster = make_cluster(workers=2)
+    inst = cluster.add_instance()
+    ok = ("cacheroute_requests_total", (("instance_id", inst.instance_id), ("route", "chat/completions"),
+                                        ("status", "200")))
+    for _ in range(3):
+        assert http("POST", f"{cluster.worker_url(1)}/v1/chat/completions", chat_body(stream=False))[0] == 200
+    assert _scrape(cluster.worker_url(0))[ok] == 3
+    pid = cluster.worker_pids()[1]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: cluster.worker_pids()[1] != pid, 10, message="worker 1 replaced")
+    assert http("POST", f"{cluster.worker_url(1)}/v1/chat/completions", chat_body(stream=False))[0] == 200
+    assert _scrape(cluster.worker_url(0))[ok] == _scrape(cluster.worker_url(1))[ok] == 4
+    files = sorted(os.listdir(f"/tmp/cacheroute-metrics-{cluster.shm_name.strip('/')}"))
+    assert f"worker-{pid}.db" in files and len(files) == 3, files

@@ -334,7 +334,7 @@ def test_sidecar_and_worker_notify_systemd(tmp_path):
         assert worker.popen.wait(60) == 0, worker.tail()
         # The stream's counters went where PROXY_METRICS_DIR says (the systemd layout). Every
         # series is labelled by instance, so the files appear with the first request.
-        assert list((tmp_path / "metrics").glob("*.db")), "no prometheus multiprocess files"
+        assert list((tmp_path / "metrics").glob("*.db")), "no worker metrics file"
 
         sidecar.popen.send_signal(signal.SIGTERM)
         wait_until(lambda: side_sd.values("STOPPING"), 30, message="sidecar STOPPING=1")

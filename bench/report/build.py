@@ -52,6 +52,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_vllm.json", affinity_vllm.section),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
+        ("metrics.json", others.metrics_section),
         ("events.json", others.events_section),
         ("events_warm.json", lambda d: others.events_section(
             d, "events_warm.json", "Sidecar event cost, ticks back to back (caches warm)")),

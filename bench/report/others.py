@@ -46,6 +46,22 @@ def pipeline_cost_section(data: dict[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def metrics_section(data: dict[str, Any]) -> str:
+    """bench/results/metrics.json (bench/bench_metrics.py): a request's metrics, the product's
+    file against prometheus_client's multiprocess values."""
+    results = data.get("results") or {}
+    rows = [[f"`{name}`", num(r.get("median_ns")), num(r.get("min_ns"))] for name, r in results.items()]
+    parts = ["## A request's metrics (ns per call)", *blocks.header_blocks(data, "metrics.json")]
+    if rows:
+        ratios = data.get("prometheus_client_over_product") or {}
+        parts.append(f"{num(data.get('repeats'))} interleaved loops of {num(data.get('calls'))} calls:\n\n"
+                     + table(["case", "median (ns)", "fastest (ns)"], rows)
+                     + "\n\nprometheus_client's multiprocess values over the product's: "
+                     + "; ".join(f"`{k}` {num(v)}×" for k, v in ratios.items()))
+    parts.append(blocks.method(data))
+    return "\n\n".join(p for p in parts if p)
+
+
 def events_section(data: dict[str, Any], file_name: str = "events.json",
                    title: str = "Sidecar event cost (µs of CPU per request)") -> str:
     """bench/results/events.json (bench/bench_events.py): the sidecar's CPU per request;

@@ -17,7 +17,7 @@ import os
 import sys
 
 from .. import logs
-from ..config import ConfigError, Settings
+from ..config import ConfigError
 from ..supervisor import preflight
 from . import run_flags, shm
 from .commands import COMMANDS, execute
@@ -34,7 +34,6 @@ ROLES: dict[str, tuple[str, str]] = {
     "instance-agent": ("instance_agent", "run beside one engine and register it with the proxy: "
                                          "instance-agent --instance-url http://HOST:PORT [...]"),
 }
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # systemd variables meant for the process systemd started, not for the children of `run`.
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for name in SYSTEMD_ENV:  # else every child would report READY/WATCHDOG as if it were us
         os.environ.pop(name, None)
-    from ..supervisor.arbiter import Arbiter  # imports prometheus_client: only now (see _share_metrics_dir)
+    from ..supervisor.arbiter import Arbiter
     return Arbiter(settings).run()
 
 
@@ -82,34 +81,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_role(role: str, argv: list[str]) -> int:
-    if role == "worker":
-        problem = _share_metrics_dir()
-        if problem:
-            print(f"cacheroute-proxy worker: {problem}", file=sys.stderr)
-            return 2
     # -P: the working directory is not put on sys.path (a folder named like a role there
     # must not stand in for the installed one).
     os.execv(sys.executable, [sys.executable, "-P", "-m", ROLES[role][0], *argv])
-
-
-def _share_metrics_dir() -> str | None:
-    """prometheus_client picks its multiprocess mode once, when first imported: point it at the
-    directory every worker shares (PROXY_METRICS_DIR), as the arbiter does for its children,
-    before the worker imports it. Created if missing, never emptied here: the others write into
-    it too (whoever owns the deployment empties it: the arbiter at start, systemd's
-    RuntimeDirectory= of cacheroute-proxy-runtime.service). A problem is returned as text."""
-    if os.environ.get(MULTIPROC_ENV):
-        return None
-    try:
-        path = Settings.from_env().resolved_metrics_dir
-    except (ConfigError, ValueError):
-        return None  # the worker reports the configuration error itself, naming the variable
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create the metrics directory {path} (PROXY_METRICS_DIR): {exc.strerror}"
-    os.environ[MULTIPROC_ENV] = path
-    return None
 
 
 def _url_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

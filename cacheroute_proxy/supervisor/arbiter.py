@@ -12,7 +12,6 @@ import shutil
 import signal
 import time
 
-from prometheus_client.multiprocess import mark_process_dead
 
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
@@ -39,7 +38,7 @@ class Arbiter:
         self.settings = settings
         # Workers' request metrics live in per-process files here; a scrape sums them all.
         self.metrics_dir = settings.resolved_metrics_dir
-        env = {**settings.to_env(), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
+        env = settings.to_env()
         self.sidecar = Child("sidecar", ["-m", "sidecar"], env)
         self.workers = [Child(f"worker{i}", ["-m", "proxy_workers", "--index", str(i)], env)
                         for i in range(settings.workers)]
@@ -85,8 +84,7 @@ class Arbiter:
 
     def _roll_once(self) -> None:
         """Start, advance or finish a rolling restart; reap retired workers that exited."""
-        reap_retired(self.retired, self.stop_timeout_s,
-                     lambda pid: mark_process_dead(pid, self.metrics_dir))
+        reap_retired(self.retired, self.stop_timeout_s)
         if self._restart_requested:
             self._restart_requested = False
             if self._rolling is not None:
@@ -106,8 +104,6 @@ class Arbiter:
                 continue
             if child.next_start_at == 0.0:
                 child.exit_codes.append(code)
-                if child in self.workers and child.pid is not None:
-                    mark_process_dead(child.pid, self.metrics_dir)  # its live gauges go; totals stay
                 ran_for = now - child.started_at
                 if code in exits.NOT_RESTARTED and self._rolling is not None and self._rolling.replacing(child):
                     # e.g. its predecessor still holds the private port: the rest of the proxy

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 from cacheroute_proxy.config import Settings
 
@@ -124,8 +123,8 @@ def _healthz_pid(settings: Settings, index: int) -> int | None:
     return body.get("pid") if isinstance(body, dict) else None
 
 
-def reap_retired(retired: list[Retired], stop_timeout_s: float, on_exit: Callable[[int], None]) -> None:
-    """Forget retired processes that exited (calling on_exit(pid)); SIGKILL one that outlived
+def reap_retired(retired: list[Retired], stop_timeout_s: float) -> None:
+    """Forget retired processes that exited; SIGKILL one that outlived
     its drain by far (its own deadline should have ended it)."""
     now = time.monotonic()
     for item in list(retired):
@@ -137,7 +136,6 @@ def reap_retired(retired: list[Retired], stop_timeout_s: float, on_exit: Callabl
                 item.process.kill()
             continue
         retired.remove(item)
-        on_exit(item.process.pid)
         log.info("retired %s (pid %d) exited with code %d after draining %.1fs", item.name,
                  item.process.pid, code, now - item.signalled_at)
 
