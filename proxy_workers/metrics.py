@@ -100,7 +100,7 @@ class _Store:
 
 _store = _Store(None)
 # Series looked up once; bounded, as instances come and go (the file's series stay).
-_CHILDREN_CAP = 4096
+_CACHED_SERIES_CAP = 4096
 _request_slots: dict[tuple[str, int, str], tuple[int, int]] = {}
 _ttft_slots: dict[tuple[str, str], int] = {}
 
@@ -122,7 +122,7 @@ def observe_request(route: str, status: int, seconds: float, instance_id: str = 
     key = (route, status, instance_id)
     at = _request_slots.get(key)
     if at is None:
-        if len(_request_slots) >= _CHILDREN_CAP:
+        if len(_request_slots) >= _CACHED_SERIES_CAP:
             _request_slots.clear()
         at = _request_slots[key] = (_store.slot(REQUESTS, route, str(status), instance_id),
                                     _store.slot(DURATION, route, instance_id))
@@ -137,7 +137,7 @@ def observe_ttft(route: str, instance_id: str, seconds: float) -> None:
     key = (route, instance_id)
     histogram = _ttft_slots.get(key)
     if histogram is None:
-        if len(_ttft_slots) >= _CHILDREN_CAP:
+        if len(_ttft_slots) >= _CACHED_SERIES_CAP:
             _ttft_slots.clear()
         histogram = _ttft_slots[key] = _store.slot(TTFT, route, instance_id)
     values = _store.values
