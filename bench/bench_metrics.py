@@ -19,7 +19,6 @@ Everything it creates is removed at the end.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import shutil
 import statistics
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bench.machine import machine_info, write_report
+from bench.machine import machine_info, run_record, utc_now, write_report
 
 SECONDS = (0.0042, 0.031, 0.27, 2.2)  # a few durations, so the bucket search is not one path
 
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    started_at = utc_now()
     machine = machine_info()
     samples = measure(args.calls, args.repeats)
     results = {name: {"median_ns": round(statistics.median(v), 1), "min_ns": round(min(v), 1)}
@@ -106,10 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print("prometheus_client / product:", ratios)
     if args.out:
         write_report(args.out, {
-            "command": "python -m bench.bench_metrics " + " ".join(sys.argv[1:] if argv is None else argv),
-            "started_at": started_at,
-            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine, "calls": args.calls, "repeats": args.repeats,
+            **run_record("bench.bench_metrics", argv, started_at, machine),
+            "calls": args.calls, "repeats": args.repeats,
             "results": results, "prometheus_client_over_product": ratios,
             "method": ("ns per call of one timed loop (time.perf_counter_ns), median and fastest "
                        "of the repeats, cases interleaved; prometheus_client in multiprocess mode "

@@ -4,12 +4,23 @@ the file."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_record(module: str, argv: list[str] | None, started_at: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """What a results file opens with: the command that made it, when, and on what machine."""
+    return {"command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+            "started_at": started_at, "finished_at": utc_now(), "machine": machine}
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import gc
 import itertools
 import json
@@ -43,7 +42,7 @@ from typing import Any
 
 import uvloop
 
-from bench.machine import machine_info, write_report
+from bench.machine import machine_info, run_record, utc_now, write_report
 
 BODY = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
                    "max_tokens": 4, "stream": False}, separators=(",", ":")).encode()
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="blocks per variant")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    started_at = utc_now()
     machine = machine_info()
     metrics_dir = tempfile.mkdtemp(prefix="cacheroute-cost-metrics-")
     from proxy_workers import metrics
@@ -246,10 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
         print(f"{name:<18}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
     if args.out:
-        report = {"command": "python -m bench.pipeline_cost " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "started_at": started_at,
-                  "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": machine, "requests_per_block": args.requests, "repeats": args.repeats,
+        report = {**run_record("bench.pipeline_cost", argv, started_at, machine),
+                  "requests_per_block": args.requests, "repeats": args.repeats,
                   "concurrency": CONCURRENCY, "results": results,
                   "method": ("CPU time (time.process_time) per request of each variant, blocks "
                              "interleaved in one process; a part is the fastest full block minus "
