@@ -83,7 +83,7 @@ class _Store:
     def __init__(self, directory: str | None) -> None:
         path = None if directory is None else os.path.join(directory, f"worker-{os.getpid()}.db")
         self.directory = directory
-        self.file = MetricFile(path)
+        self.file = _opened(path)
         self.values = self.file.values
         self.overflow = self.file.slot(_OVERFLOW_KEY, max(f.width for f in FAMILIES.values()))
         self.full_said = False
@@ -96,6 +96,18 @@ class _Store:
                 self.full_said = True
                 log.warning("%s: new series are no longer counted", exc)
             return self.overflow
+
+
+def _opened(path: str | None) -> MetricFile:
+    """The file at `path`, continued; one left there that is not a metrics file of this
+    version (the pid of a worker from an older release) is moved aside, not counted into."""
+    try:
+        return MetricFile(path)
+    except MetricFileError as exc:
+        assert path is not None
+        os.replace(path, f"{path}.unreadable")
+        log.warning("%s; moved to %s.unreadable, counting in a new file", exc, path)
+        return MetricFile(path)
 
 
 _store = _Store(None)

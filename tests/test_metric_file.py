@@ -181,3 +181,19 @@ def test_a_full_file_counts_new_series_nowhere_and_says_so_once(store_dir: Path,
     text = _collected(metrics.WorkerFilesCollector(metrics._store)).decode()
     assert "i9" not in text and "overflow" not in text
     assert caplog.text.count("new series are no longer counted") == 1
+
+
+def test_a_file_of_another_format_left_under_this_workers_name_is_moved_aside(tmp_path: Path, caplog) -> None:
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    stale = directory / f"worker-{os.getpid()}.db"
+    stale.write_bytes(b"OLD!" + bytes(60))
+    with caplog.at_level(logging.WARNING, "cacheroute.worker"):
+        metrics.open_store(str(directory))
+    try:
+        metrics.observe_request("completions", 200, 0.01, "i0")
+        assert (directory / f"worker-{os.getpid()}.db.unreadable").read_bytes() == b"OLD!" + bytes(60)
+        assert read_metric_file(str(stale))[-1][0] == metrics.DURATION.key(("completions", "i0"))
+        assert "counting in a new file" in caplog.text
+    finally:
+        metrics.open_store(None)

@@ -12,7 +12,6 @@ import shutil
 import signal
 import time
 
-
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from shm_schema import Segment
