@@ -258,11 +258,15 @@ class WorkerFilesCollector(Collector):
 
 
 def _summed(files: Iterable[list[tuple[bytes, tuple[float, ...]]]]) -> dict[str, dict[tuple[str, ...], list[float]]]:
-    """family name -> label values -> values summed over the files."""
+    """family name -> label values -> values summed over the files. A series whose width is
+    not its family's (a file of a release with other buckets) is left out."""
     totals: dict[str, dict[tuple[str, ...], list[float]]] = {}
     for entries in files:
         for key, values in entries:
             name, *label_values = json.loads(key)
+            family = FAMILIES.get(name)
+            if family is None or len(values) != family.width:
+                continue
             series = totals.setdefault(name, {})
             summed = series.get(tuple(label_values))
             if summed is None:

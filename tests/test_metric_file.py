@@ -158,17 +158,19 @@ def test_latency_histograms_read_as_prometheus_clients_own_would(store_dir: Path
                                     (("instance_id", "i0"), ("route", "chat/completions")))] == 10
 
 
-def test_a_scrape_sums_every_workers_file_and_leaves_out_one_it_cannot_read(store_dir: Path, caplog) -> None:
+def test_a_scrape_sums_every_workers_file_and_leaves_out_what_it_cannot_read(store_dir: Path, caplog) -> None:
     metrics.observe_request("completions", 200, 0.01, "i0")
     metrics.retried("completions", "i1")
     other = MetricFile(str(store_dir / "worker-1.db"))  # another worker's (or a dead one's) file
     other.values[other.slot(metrics.REQUESTS.key(("completions", "200", "i0")), 1)] += 2.0
+    other.values[other.slot(metrics.DURATION.key(("completions", "i0")), 3)] += 5.0  # other buckets
     (store_dir / "junk.db").write_bytes(b"nope")
     with caplog.at_level(logging.WARNING, "cacheroute.worker"):
         values = _samples(_collected(metrics.WorkerFilesCollector(metrics._store)), "cacheroute_")
     assert values[("cacheroute_requests_total", (("instance_id", "i0"), ("route", "completions"),
                                                  ("status", "200")))] == 3
     assert values[("cacheroute_retries_total", (("instance_id", "i1"), ("route", "completions")))] == 1
+    assert values[("cacheroute_request_duration_seconds_count", (("instance_id", "i0"), ("route", "completions")))] == 1
     assert "junk.db left out of the scrape" in caplog.text
 
 
