@@ -51,7 +51,7 @@ from typing import Any
 import aiohttp
 
 from bench.affinity_ceiling import ceilings
-from bench.contenders import wait_for
+from bench.launch import wait_for
 from bench.machine import machine_info, write_report
 from bench.stats import percentile
 from bench.streamed import stream_chat

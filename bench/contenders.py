@@ -1,8 +1,5 @@
-"""Start and stop what the benchmarks compare, all over the SAME simulated instances.
+"""Start and stop what the benchmarks compare, all over the SAME instances (bench/backends.py).
 
-- SimInstances: simulated vLLM instances on free 127.0.0.1 ports that register nowhere, so
-  every contender can be pointed at the same instance processes; FakeInstances: the same with
-  a plain Starlette/uvicorn OpenAI fake (bench/peers/openai_fake.py) instead of the simulator.
 - Contenders (context managers, each with .name, .kind, .url and the root pids whose process
   trees the benchmarks charge CPU and RSS to):
   DirectContender (instance 0 itself, the baseline), ProxyContender (this proxy through its
@@ -17,215 +14,17 @@ Only 127.0.0.1 is used. Keep this API stable: the three bench harnesses share it
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
-import tempfile
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Self
+from typing import Any
 
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
+from bench.backends import Instances
+from bench.launch import (HOST, START_TIMEOUT_S, Started, StartError, answers_ok, http_json, remove_dir,
+                          scratch_dir, wait_for)
 from bench.machine import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
-from cacheroute_sim.instance.registration import register_meta
-
-HOST = "127.0.0.1"
-# Fast enough that a simulated instance is not what limits a non-streaming benchmark:
-# prefill ~0.06 ms, one decode step ~0.024 ms.
-DEFAULT_TIME_SCALE = 0.001
-START_TIMEOUT_S = 60.0
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
 
-class StartError(RuntimeError):
-    """A contender did not come up; the message carries the end of its log."""
-
-
-# --- small HTTP helpers ------------------------------------------------------------------------
-def http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
-    """(status, decoded JSON or None); never raises for an HTTP error status."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, None
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
-             alive: Callable[[], bool] = lambda: True, log: Callable[[], str] = lambda: "") -> None:
-    """Poll until `predicate()` is true; StartError on timeout or when `alive()` turns false."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive():
-            raise StartError(f"{what}: the process ended\n{log()}")
-        try:
-            if predicate():
-                return
-        except (OSError, ValueError, KeyError):
-            pass  # not listening yet, or not answering in full yet
-        time.sleep(0.1)
-    raise StartError(f"{what}: not ready after {timeout:.0f} s\n{log()}")
-
-
-def _ok(url: str) -> bool:
-    return http_json("GET", url, timeout=2.0)[0] == 200
-
-
-def _log_dir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"bench-{prefix}-"))
-
-
-def _remove_dir(path: Path) -> None:
-    """A stopped contender's temp dir goes (a failed start already put its log tail in the
-    StartError)."""
-    shutil.rmtree(path, ignore_errors=True)
-
-
-# --- simulated instances -----------------------------------------------------------------------
-@dataclass
-class InstanceSpec:
-    slow_factor: float = 1.0
-    max_concurrency: int | None = None  # None: the simulator's default (8)
-    extra_args: tuple[str, ...] = ()
-
-
-class Started:
-    """A context manager that starts in __enter__ (stopping what did start if that fails) and
-    stops, by pid, in __exit__."""
-
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class Instances(Started):
-    """Backend instances on free ports, one child process each, registered nowhere (contenders
-    register them); a subclass says how one is started and how it says it is up."""
-
-    kind = "backend"
-    health_path = "/health"
-
-    def __init__(self, specs: list[InstanceSpec], log_dir: Path | None = None) -> None:
-        self.specs = list(specs)
-        self.log_dir = log_dir or _log_dir(self.kind)
-        self._own_dir = log_dir is None
-        self.ports: list[int] = []
-        self.urls: list[str] = []
-        self.ids: list[str] = []
-        self._children: list[ChildProcess] = []
-
-    def argv(self, spec: InstanceSpec, port: int, instance_id: str) -> list[str]:
-        raise NotImplementedError
-
-    def meta(self, spec: InstanceSpec) -> dict[str, Any]:
-        """The `meta` of its registration on a proxy control plane."""
-        return {}
-
-    def start(self) -> None:
-        for spec in self.specs:
-            self._start_one(spec)
-        for url, child in zip(self.urls, self._children):
-            wait_for(lambda u=url: _ok(f"{u}{self.health_path}"), START_TIMEOUT_S,
-                     f"instance {url}", child.running, child.tail)
-
-    def _start_one(self, spec: InstanceSpec) -> None:
-        port = free_port()
-        instance_id = f"bench-{port}"
-        child = ChildProcess(self.argv(spec, port, instance_id), {},
-                             self.log_dir / f"{instance_id}.log", die_with_parent=True)
-        self._children.append(child)
-        self.ports.append(port)
-        self.urls.append(f"http://{HOST}:{port}")
-        self.ids.append(instance_id)
-
-    def stop(self) -> None:
-        for child in self._children:
-            child.stop(signal.SIGTERM, timeout=10)
-        if self._own_dir:
-            _remove_dir(self.log_dir)
-
-    def pids(self) -> list[int]:
-        return [child.pid for child in self._children]
-
-    def register_body(self, i: int) -> dict[str, Any]:
-        """What a proxy control plane is sent to route to instance i."""
-        return {"instance_id": self.ids[i], "host": HOST, "port": self.ports[i],
-                "endpoints": ["/v1/chat/completions", "/v1/completions"], "tags": [],
-                "weight": 1.0, "meta": self.meta(self.specs[i])}
-
-
-class SimInstances(Instances):
-    """Simulated vLLM instances (cacheroute_sim.instance)."""
-
-    kind = "sim"
-    health_path = "/healthz"
-
-    def __init__(self, specs: list[InstanceSpec], time_scale: float = DEFAULT_TIME_SCALE,
-                 log_dir: Path | None = None) -> None:
-        super().__init__(specs, log_dir)
-        self.time_scale = time_scale
-
-    def argv(self, spec: InstanceSpec, port: int, instance_id: str) -> list[str]:
-        argv = ["-m", "cacheroute_sim.instance", "--host", HOST, "--port", str(port),
-                "--instance-id", instance_id, "--no-register", "--cp-port", "0",
-                "--time-scale", str(self.time_scale), "--slow-factor", str(spec.slow_factor),
-                "--log-level", "warning"]
-        if spec.max_concurrency is not None:
-            argv += ["--max-concurrency", str(spec.max_concurrency)]
-        return argv + list(spec.extra_args)
-
-    def meta(self, spec: InstanceSpec) -> dict[str, Any]:
-        """As cacheroute_sim/instance/registration.py sends it."""
-        return register_meta(spec.max_concurrency)
-
-    def stats(self, i: int) -> dict[str, Any]:
-        status, body = http_json("GET", f"{self.urls[i]}/sim/stats")
-        if status != 200 or not isinstance(body, dict):
-            raise RuntimeError(f"instance {self.urls[i]}: /sim/stats answered {status}")
-        return body
-
-    def reset_stats(self, i: int) -> None:
-        http_json("POST", f"{self.urls[i]}/sim/stats/reset", {})
-
-
-class FakeInstances(Instances):
-    """Plain Starlette/uvicorn OpenAI fakes (bench/peers/openai_fake.py): a second backend that
-    is not the project's simulator. No time scale, no admission: they answer at once; a spec's
-    max_concurrency is only what the registration tells the proxy (max_num_seqs)."""
-
-    kind = "starlette"
-
-    def argv(self, spec: InstanceSpec, port: int, instance_id: str) -> list[str]:
-        return ["-m", "bench.peers.openai_fake", "--host", HOST, "--port", str(port),
-                *spec.extra_args]
-
-    def meta(self, spec: InstanceSpec) -> dict[str, Any]:
-        return {} if spec.max_concurrency is None else {"max_num_seqs": spec.max_concurrency}
-
-
-# --- contenders --------------------------------------------------------------------------------
 class Contender(Started):
     """Base of everything measured: started by the harness, stopped by pid."""
 
@@ -281,13 +80,13 @@ class ProcessContender(Contender):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        self.log_dir = _log_dir(name)
+        self.log_dir = scratch_dir(name)
         self._child: ChildProcess | None = None
 
     def stop(self) -> None:
         if self._child is not None:
             self._child.stop(self.stop_signal, timeout=self.stop_timeout_s)
-        _remove_dir(self.log_dir)
+        remove_dir(self.log_dir)
 
     def pids(self) -> list[int]:
         return [self._child.pid] if self._child and self._child.running() else []
@@ -340,7 +139,7 @@ class ProxyContender(ProcessContender):
         assert self._child is not None, "launch() first"
         child = self._child
         for i in range(self.ports.workers):
-            wait_for(lambda i=i: _ok(f"{self.ports.worker_url(i)}/healthz"), START_TIMEOUT_S,
+            wait_for(lambda i=i: answers_ok(f"{self.ports.worker_url(i)}/healthz"), START_TIMEOUT_S,
                      f"{self.name} worker {i}", child.running, child.tail)
         for i in range(len(self.instances.urls)):
             self._register(i)
@@ -452,7 +251,7 @@ class NginxContender(ProcessContender):
     def wait_ready(self) -> None:
         assert self._child is not None, "launch() first"
         child = self._child
-        wait_for(lambda: _ok(f"{self.url}{self.instances.health_path}"), START_TIMEOUT_S,
+        wait_for(lambda: answers_ok(f"{self.url}{self.instances.health_path}"), START_TIMEOUT_S,
                  self.name, child.running, lambda: child.tail() + self._error_log())
 
     def _error_log(self) -> str:

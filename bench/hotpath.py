@@ -47,17 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from cacheroute_sim.processes import ROOT, ChildProcess, free_port
-from bench.contenders import (
-    Contender,
-    DirectContender,
-    InstanceSpec,
-    NginxContender,
-    ProxyContender,
-    SimInstances,
-    StartError,
-    http_json,
-    wait_for,
-)
+from bench.backends import InstanceSpec, SimInstances
+from bench.contenders import Contender, DirectContender, NginxContender, ProxyContender
+from bench.launch import StartError, http_json, wait_for
 
 CHAT_BODY = ('{"model":"sim-model","messages":[{"role":"user","content":"Say something short."}],'
              '"max_tokens":8%s}')

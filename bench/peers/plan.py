@@ -4,17 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.contenders import (
-    Contender,
-    DirectContender,
-    FakeInstances,
-    InstanceSpec,
-    Instances,
-    NginxContender,
-    ProxyContender,
-    RouterContender,
-    SimInstances,
-)
+from bench.backends import FakeInstances, InstanceSpec, Instances, SimInstances
+from bench.contenders import Contender, DirectContender, NginxContender, ProxyContender, RouterContender
 
 SCENARIOS = ("c1", "c32", "stream32")
 # sim: the project's simulated vLLM instances; starlette: a plain Starlette/uvicorn OpenAI fake

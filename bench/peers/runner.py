@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from bench.machine import machine_info, tool_versions
-from bench.contenders import Contender, Instances, StartError, router_available
+from bench.backends import Instances
+from bench.contenders import Contender, router_available
+from bench.launch import StartError
 from bench.peers import measure, summary, targets
 from bench.peers.plan import SCENARIOS, ContenderPlan, RunConfig, chosen, instances_for
 

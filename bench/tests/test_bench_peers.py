@@ -1,4 +1,4 @@
-"""bench/contenders.py and bench/peers: every contender routes over the same simulated
+"""bench/backends.py, bench/contenders.py and bench/peers: every contender routes over the same simulated
 instances, the load generators count what they must (and flag what fails), CPU/RSS are charged
 to the right process tree, and everything started is stopped."""
 
@@ -17,17 +17,15 @@ import pytest
 
 from cacheroute_sim.processes import ROOT
 from bench.wrk import run_wrk, wrk_post_script
+from bench.backends import FakeInstances, InstanceSpec, SimInstances
 from bench.contenders import (
     DirectContender,
-    FakeInstances,
-    InstanceSpec,
     NginxContender,
     ProxyContender,
     RouterContender,
-    SimInstances,
-    http_json,
     router_available,
 )
+from bench.launch import http_json
 from bench.peers import measure, stream_load, summary
 from bench.peers.plan import KNOWN, RunConfig, chosen, instances_for
 
