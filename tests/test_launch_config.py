@@ -261,3 +261,45 @@ def test_a_host_warning_is_said_once_not_by_each_worker_nor_at_a_restart(tmp_pat
     warning = next(line for line in log.splitlines() if MIGRATE_WARNING in line)
     assert " sidecar[" in warning and "WARNING cacheroute.host:" in warning, warning
     assert not os.path.exists(f"/dev/shm{ports.shm_name}")
+
+
+# --- the metrics directory ---------------------------------------------------------------------
+def test_a_metrics_directory_that_cannot_be_made_stops_the_launch_naming_it(tmp_path: Path) -> None:
+    ports = SupervisorPorts(workers=1, shm_prefix="cacheroute_test")
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a directory")
+    env = {**ports.supervisor_env("round_robin"), "PROXY_METRICS_DIR": str(in_the_way)}
+    launcher = Process(["-m", "cacheroute_proxy", "run"], env, tmp_path / "launcher.log")
+    try:
+        code = launcher.popen.wait(timeout=30)
+    finally:
+        launcher.stop()
+    log = launcher.log()
+    assert code == 1, (code, log)
+    assert f"cannot prepare the metrics directory {in_the_way} (PROXY_METRICS_DIR)" in log, log
+    assert "Traceback" not in log and in_the_way.read_text() == "not a directory", log
+    assert not os.path.exists(f"/dev/shm{ports.shm_name}") and not _processes_of(ports.shm_name)
+
+
+def test_a_worker_whose_metrics_file_cannot_be_opened_exits_2_naming_the_directory(tmp_path: Path) -> None:
+    """The worker alone (as under systemd), its segment there: it gives its row back."""
+    from shm_schema import Segment, read_rows
+    ports = SupervisorPorts(workers=1, shm_prefix="cacheroute_test")
+    seg = Segment.create_or_attach(ports.shm_name, 8, 2, 64)
+    try:
+        unusable = tmp_path / "a-file" / "metrics"
+        (tmp_path / "a-file").write_text("not a directory")
+        env = {**ports.supervisor_env("round_robin"), "PROXY_METRICS_DIR": str(unusable)}
+        worker = Process(["-m", "proxy_workers", "--index", "0"], env, tmp_path / "worker.log")
+        try:
+            code = worker.popen.wait(timeout=30)
+        finally:
+            worker.stop()
+        log = worker.log()
+        assert code == 2, (code, log)
+        assert f"cannot open this worker's metrics file in {unusable} (PROXY_METRICS_DIR)" in log, log
+        assert "Traceback" not in log and " serving " not in log, log
+        assert not [row for row in read_rows(seg) if row.identity], "the worker's row was not given back"
+    finally:
+        seg.close()
+        Segment.unlink(ports.shm_name)

@@ -53,7 +53,12 @@ class Arbiter:
         signal.signal(signal.SIGINT, self._on_stop_signal)
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGHUP, self._on_restart_signal)
-        _fresh_directory(self.metrics_dir)
+        try:
+            _fresh_directory(self.metrics_dir)
+        except OSError as exc:
+            log.error("cannot prepare the metrics directory %s (PROXY_METRICS_DIR): %s; stopping "
+                      "(nothing was started)", self.metrics_dir, exc.strerror or exc)
+            return 1
         try:
             self.sidecar.start()
             if not self._wait_healthy(f"{self.settings.cp_url}/healthz", self.sidecar):
