@@ -211,6 +211,16 @@ def test_a_service_port_taken_after_the_check_stops_the_launch_when_the_workers_
     assert not _processes_of(ports.shm_name)
 
 
+def _exit_of(argv: list[str], env: dict[str, str], log_path: Path) -> tuple[int, str]:
+    """Run a process that should stop by itself (within 30 s): its exit status and its log."""
+    process = Process(argv, env, log_path)
+    try:
+        code = process.popen.wait(timeout=30)
+    finally:
+        process.stop()
+    return code, process.log()
+
+
 def test_a_worker_whose_service_port_is_taken_exits_4_naming_it_before_saying_it_serves(tmp_path: Path) -> None:
     """The worker alone (as under systemd): it binds the service address before anything else,
     and never claims to serve an address it could not bind."""
@@ -218,12 +228,8 @@ def test_a_worker_whose_service_port_is_taken_exits_4_naming_it_before_saying_it
     with _listening_socket() as taken:
         port = taken.getsockname()[1]
         env = {**ports.supervisor_env("round_robin"), "PROXY_DP_PORT": str(port)}
-        worker = Process(["-m", "proxy_workers", "--index", "0"], env, tmp_path / "worker.log")
-        try:
-            code = worker.popen.wait(timeout=30)  # immediate: no segment is waited for (none exists)
-        finally:
-            worker.stop()
-    log = worker.log()
+        # immediate: no segment is waited for (none exists)
+        code, log = _exit_of(["-m", "proxy_workers", "--index", "0"], env, tmp_path / "worker.log")
     assert code == 4, (code, log)
     assert f"cannot bind the service address (PROXY_DP_HOST/PORT) on 127.0.0.1:{port}" in log, log
     assert "serving" not in log and "Traceback" not in log, log
@@ -269,12 +275,7 @@ def test_a_metrics_directory_that_cannot_be_made_stops_the_launch_naming_it(tmp_
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("not a directory")
     env = {**ports.supervisor_env("round_robin"), "PROXY_METRICS_DIR": str(in_the_way)}
-    launcher = Process(["-m", "cacheroute_proxy", "run"], env, tmp_path / "launcher.log")
-    try:
-        code = launcher.popen.wait(timeout=30)
-    finally:
-        launcher.stop()
-    log = launcher.log()
+    code, log = _exit_of(["-m", "cacheroute_proxy", "run"], env, tmp_path / "launcher.log")
     assert code == 1, (code, log)
     assert f"cannot prepare the metrics directory {in_the_way} (PROXY_METRICS_DIR)" in log, log
     assert "Traceback" not in log and in_the_way.read_text() == "not a directory", log
@@ -290,12 +291,7 @@ def test_a_worker_whose_metrics_file_cannot_be_opened_exits_2_naming_the_directo
         unusable = tmp_path / "a-file" / "metrics"
         (tmp_path / "a-file").write_text("not a directory")
         env = {**ports.supervisor_env("round_robin"), "PROXY_METRICS_DIR": str(unusable)}
-        worker = Process(["-m", "proxy_workers", "--index", "0"], env, tmp_path / "worker.log")
-        try:
-            code = worker.popen.wait(timeout=30)
-        finally:
-            worker.stop()
-        log = worker.log()
+        code, log = _exit_of(["-m", "proxy_workers", "--index", "0"], env, tmp_path / "worker.log")
         assert code == 2, (code, log)
         assert f"cannot open this worker's metrics file in {unusable} (PROXY_METRICS_DIR)" in log, log
         assert "Traceback" not in log and " serving " not in log, log
