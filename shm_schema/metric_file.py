@@ -62,10 +62,15 @@ def _entries(buf: bytes | mmap.mmap, used: int) -> Iterator[tuple[bytes, int, in
         at = values_at + count * _VALUE
 
 
-def _check_header(head: bytes, path: str) -> int:
+def _check_header(head: bytes, path: str, size: int | None = None) -> int:
+    """`used`, once the header is this module's and `used` fits in `size` (when known)."""
+    if len(head) < _HEADER.size:
+        raise MetricFileError(f"{path}: shorter than a header")
     magic, version, used = _HEADER.unpack_from(head)
     if magic != MAGIC or version != VERSION:
         raise MetricFileError(f"{path}: not a metric values file of version {VERSION}")
+    if not _HEADER.size <= used <= (size if size is not None else used):
+        raise MetricFileError(f"{path}: its used size {used} is not within the file")
     return used
 
 
@@ -83,9 +88,16 @@ class MetricFile:
         else:
             self._map = _map_file(path, capacity)
         self._capacity = len(self._map)
+        try:
+            self._used = _check_header(self._map[:_HEADER.size], path or "<anonymous>", self._capacity)
+            self._slots = {key: at // _VALUE for key, at, _ in _entries(self._map, self._used)}
+        except MetricFileError:
+            self._map.close()
+            raise
+        except struct.error as exc:  # an entry that runs past `used`: not written by this module
+            self._map.close()
+            raise MetricFileError(f"{path}: damaged entry ({exc})") from exc
         self.values = memoryview(self._map).cast("d")
-        self._used = _check_header(self._map[:_HEADER.size], path or "<anonymous>")
-        self._slots = {key: at // _VALUE for key, at, _ in _entries(self._map, self._used)}
 
     def slot(self, key: bytes, width: int) -> int:
         index = self._slots.get(key)
@@ -127,7 +139,10 @@ def _map_file(path: str, capacity: int) -> mmap.mmap:
         os.rename(fresh, path)
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        if size < _HEADER.size or size % _VALUE:  # not one of ours (ours are whole words)
+            raise MetricFileError(f"{path}: {size} bytes is no metric values file")
+        return mmap.mmap(fd, size)
     finally:
         os.close(fd)
 
@@ -140,9 +155,7 @@ def read_metric_file(path: str) -> list[tuple[bytes, tuple[float, ...]]]:
     """Every whole entry of the file at `path`, with its values. Reads only what is used."""
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
-        if len(head) < _HEADER.size:
-            raise MetricFileError(f"{path}: shorter than a header")
-        used = _check_header(head, path)
+        used = _check_header(head, path, os.fstat(f.fileno()).st_size)
         body = head + f.read(used - _HEADER.size)
     try:
         return _read(body, used)

@@ -185,16 +185,19 @@ def test_a_full_file_counts_new_series_nowhere_and_says_so_once(store_dir: Path,
     assert caplog.text.count("new series are no longer counted") == 1
 
 
-def test_a_file_of_another_format_left_under_this_workers_name_is_moved_aside(tmp_path: Path, caplog) -> None:
+@pytest.mark.parametrize("content", [b"OLD!" + bytes(60), b"", b"CRMV", b"CRMV\x01\0\0\0" + (10**6).to_bytes(8, "little")],
+                         ids=["another magic", "empty", "shorter than a header", "used past the end"])
+def test_a_file_of_another_format_left_under_this_workers_name_is_moved_aside(tmp_path: Path, caplog,
+                                                                               content: bytes) -> None:
     directory = tmp_path / "metrics"
     directory.mkdir()
     stale = directory / f"worker-{os.getpid()}.db"
-    stale.write_bytes(b"OLD!" + bytes(60))
+    stale.write_bytes(content)
     with caplog.at_level(logging.WARNING, "cacheroute.worker"):
         metrics.open_store(str(directory))
     try:
         metrics.observe_request("completions", 200, 0.01, "i0")
-        assert (directory / f"worker-{os.getpid()}.db.unreadable").read_bytes() == b"OLD!" + bytes(60)
+        assert (directory / f"worker-{os.getpid()}.db.unreadable").read_bytes() == content
         assert read_metric_file(str(stale))[-1][0] == metrics.DURATION.key(("completions", "i0"))
         assert "counting in a new file" in caplog.text
     finally:
