@@ -21,11 +21,11 @@ import asyncio
 import sys
 import time
 
-import psutil
 import uvloop
 
 from bench.backends import InstanceSpec, SimInstances
 from bench.contenders import ProxyContender, proxy_role
+from bench.machine import process_tree
 
 INTERVALS_MS = (1.0, 5.0, 20.0, 50.0)
 
@@ -65,8 +65,7 @@ def idle_proxy(seconds: float) -> None:
             ProxyContender("idle", instances, 2, "least_load") as proxy:
         time.sleep(2.0)  # past the start-up
         roots = set(proxy.pids())
-        processes = [p for p in psutil.Process(proxy.pids()[0]).children(recursive=True)
-                     if proxy_role(p, roots) != "launcher"]
+        processes = [p for p in process_tree(proxy.pids()) if proxy_role(p, roots) != "launcher"]
         before = {p.pid: sum(p.cpu_times()[:2]) for p in processes}
         time.sleep(seconds)
         print(f"an idle proxy, over {seconds:g} s:")

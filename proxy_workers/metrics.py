@@ -75,13 +75,14 @@ ADMISSION_REJECTIONS = Family("cacheroute_admission_rejections_total", "Requests
 FAMILIES = {f.name: f for f in (REQUESTS, DURATION, TTFT, RETRIES, EJECTIONS, ADMISSION_REJECTIONS)}
 _SUM = len(LATENCY_BUCKETS) + 1  # a latency histogram's sum, after its buckets
 _OVERFLOW_KEY = b'["", "overflow"]'  # where a full file's new series go: never rendered
+_FILE_SUFFIX = ".db"  # a worker's file is worker-<pid>.db; a scrape reads every *.db
 
 
 class _Store:
     """This worker's file (or, with no directory, an anonymous mapping only it reads)."""
 
     def __init__(self, directory: str | None) -> None:
-        path = None if directory is None else os.path.join(directory, f"worker-{os.getpid()}.db")
+        path = None if directory is None else os.path.join(directory, f"worker-{os.getpid()}{_FILE_SUFFIX}")
         self.directory = directory
         self.file = _opened(path)
         self.values = self.file.values
@@ -250,7 +251,7 @@ class WorkerFilesCollector(Collector):
         if self._store.directory is None:
             yield self._store.file.entries()
             return
-        for path in sorted(glob.glob(os.path.join(self._store.directory, "*.db"))):
+        for path in sorted(glob.glob(os.path.join(self._store.directory, "*" + _FILE_SUFFIX))):
             try:
                 yield read_metric_file(path)
             except (OSError, MetricFileError) as exc:  # the others' counts still go out

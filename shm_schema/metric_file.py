@@ -32,6 +32,7 @@ __all__ = ["MetricFile", "MetricFileFull", "MetricFileError", "read_metric_file"
 MAGIC = b"CRMV"
 VERSION = 1
 _HEADER = struct.Struct("<4sIQ")
+_EMPTY_HEADER = _HEADER.pack(MAGIC, VERSION, _HEADER.size)  # a file with no entry yet
 _USED = struct.Struct("<Q")
 _USED_AT = 8
 _ENTRY_HEAD = struct.Struct("<II")
@@ -51,15 +52,21 @@ def _padded(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _entries(buf: bytes | mmap.mmap, used: int) -> Iterator[tuple[bytes, int, int]]:
-    """(key, offset of the first value, value count) of each whole entry before `used`."""
+def _entries(buf: bytes | mmap.mmap, used: int, path: str) -> Iterator[tuple[bytes, int, int]]:
+    """(key, offset of the first value, value count) of each whole entry before `used`; an
+    entry that runs past `used` was not written by this module."""
     at = _HEADER.size
     while at < used:
+        if at + _ENTRY_HEAD.size > used:
+            raise MetricFileError(f"{path}: damaged entry at {at}")
         key_length, count = _ENTRY_HEAD.unpack_from(buf, at)
         key_at = at + _ENTRY_HEAD.size
         values_at = key_at + _padded(key_length)
+        end = values_at + count * _VALUE
+        if end > used:
+            raise MetricFileError(f"{path}: damaged entry at {at} (ends at {end}, past {used})")
         yield bytes(buf[key_at:key_at + key_length]), values_at, count
-        at = values_at + count * _VALUE
+        at = end
 
 
 def _check_header(head: bytes, path: str, size: int | None = None) -> int:
@@ -84,19 +91,17 @@ class MetricFile:
         self.path = path
         if path is None:
             self._map = mmap.mmap(-1, capacity)
-            _HEADER.pack_into(self._map, 0, MAGIC, VERSION, _HEADER.size)
+            self._map[:_HEADER.size] = _EMPTY_HEADER
         else:
             self._map = _map_file(path, capacity)
         self._capacity = len(self._map)
+        name = path or "<anonymous>"
         try:
-            self._used = _check_header(self._map[:_HEADER.size], path or "<anonymous>", self._capacity)
-            self._slots = {key: at // _VALUE for key, at, _ in _entries(self._map, self._used)}
+            self._used = _check_header(self._map[:_HEADER.size], name, self._capacity)
+            self._slots = {key: at // _VALUE for key, at, _ in _entries(self._map, self._used, name)}
         except MetricFileError:
             self._map.close()
             raise
-        except struct.error as exc:  # an entry that runs past `used`: not written by this module
-            self._map.close()
-            raise MetricFileError(f"{path}: damaged entry ({exc})") from exc
         self.values = memoryview(self._map).cast("d")
 
     def slot(self, key: bytes, width: int) -> int:
@@ -107,7 +112,7 @@ class MetricFile:
 
     def entries(self) -> list[tuple[bytes, tuple[float, ...]]]:
         """This file's entries with their values, as a reader in another process sees them."""
-        return _read(self._map, self._used)
+        return _read(self._map, self._used, self.path or "<anonymous>")
 
     def close(self) -> None:
         self.values.release()
@@ -134,7 +139,7 @@ def _map_file(path: str, capacity: int) -> mmap.mmap:
         fresh = f"{path}.new"
         with open(fresh, "wb") as f:
             f.truncate(capacity)
-            f.write(_HEADER.pack(MAGIC, VERSION, _HEADER.size))
+            f.write(_EMPTY_HEADER)
         os.chmod(fresh, 0o600)
         os.rename(fresh, path)
     fd = os.open(path, os.O_RDWR)
@@ -147,8 +152,8 @@ def _map_file(path: str, capacity: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _read(buf: bytes | mmap.mmap, used: int) -> list[tuple[bytes, tuple[float, ...]]]:
-    return [(key, struct.unpack_from(f"<{count}d", buf, at)) for key, at, count in _entries(buf, used)]
+def _read(buf: bytes | mmap.mmap, used: int, path: str) -> list[tuple[bytes, tuple[float, ...]]]:
+    return [(key, struct.unpack_from(f"<{count}d", buf, at)) for key, at, count in _entries(buf, used, path)]
 
 
 def read_metric_file(path: str) -> list[tuple[bytes, tuple[float, ...]]]:
@@ -157,7 +162,4 @@ def read_metric_file(path: str) -> list[tuple[bytes, tuple[float, ...]]]:
         head = f.read(_HEADER.size)
         used = _check_header(head, path, os.fstat(f.fileno()).st_size)
         body = head + f.read(used - _HEADER.size)
-    try:
-        return _read(body, used)
-    except struct.error as exc:  # an entry that runs past `used`: not written by this module
-        raise MetricFileError(f"{path}: damaged entry ({exc})") from exc
+    return _read(body, used, path)
