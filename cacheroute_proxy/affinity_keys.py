@@ -3,7 +3,9 @@ report and look them up, and the sidecar, which turns an instance's `resident_ke
 
 A key is a 64-bit hash, never 0: of a knowledge id (case-insensitive, as the KDN looks ids
 up), or of one block of a rendered prompt, chained on the block before it, so two prompts
-that share a prefix share their leading keys and nothing after the first difference.
+that share a prefix share their leading keys and nothing after the first difference. A
+prompt's blocks are the proxy's own (characters, below) unless PROXY_AFFINITY_TOKENIZER gives
+the model's tokenizer: then they are the engine's own block hashes (engine_block_key).
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ CHARS_PER_TOKEN = 4  # as the workers' token estimate: the proxy has no tokenize
 
 def _hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
+
+
+def engine_block_key(published: int) -> int:
+    """A block as a vLLM engine's KV events name it (cacheroute_proxy.engine_prefix), as a key."""
+    return published or 1
 
 
 def knowledge_key(kid: str) -> int:

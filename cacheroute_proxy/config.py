@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
@@ -76,6 +77,9 @@ ENV_NAMES: dict[str, str] = {
     "affinity_block_tokens": "PROXY_AFFINITY_BLOCK_TOKENS",
     "affinity_max_blocks": "PROXY_AFFINITY_MAX_BLOCKS",
     "affinity_kv_mb_per_token": "PROXY_AFFINITY_KV_MB_PER_TOKEN",
+    "affinity_tokenizer": "PROXY_AFFINITY_TOKENIZER",
+    "affinity_engine_hash_seed": "PROXY_AFFINITY_ENGINE_HASH_SEED",
+    "kv_events": "PROXY_KV_EVENTS",
     # --- faults ---
     "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
     "eject_s": "PROXY_EJECT_S",
@@ -219,6 +223,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # instance does not register meta.kv_capacity_tokens (the default: the profiles'
     # kv.transfer_mb_per_token).
     affinity_kv_mb_per_token: float = 0.096
+    # A model directory (tokenizer.json, chat template) to hash prompt prefixes as the engine
+    # does, in its own tokens and blocks (cacheroute_proxy/engine_prefix.py; set
+    # PROXY_AFFINITY_BLOCK_TOKENS to the engine's block size, 128 on vLLM's CPU build); "" =
+    # the proxy's own character blocks. Needs the engine-kv extra.
+    affinity_tokenizer: str = ""
+    # The engines' PYTHONHASHSEED, if they run with one (it seeds vLLM's block hashes).
+    affinity_engine_hash_seed: str = ""
+    # vLLM KV cache event publishers the sidecar subscribes to, "instance_id=tcp://host:port,..."
+    # (sidecar/kv_events.py), besides those an agent or the static prober found in an engine's
+    # /kv_event_sources (meta.kv_events_endpoint). Followed only with affinity_tokenizer.
+    kv_events: str = ""
     # prometheus_client multiprocess files; "" = a private directory named after the segment.
     metrics_dir: str = ""
     # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
@@ -335,6 +350,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             and not self.otel_sdk_disabled
 
     @property
+    def kv_event_endpoints(self) -> dict[str, str]:
+        """PROXY_KV_EVENTS as {instance id: ZMQ endpoint}."""
+        endpoints: dict[str, str] = {}
+        for entry in filter(None, (e.strip() for e in self.kv_events.split(","))):
+            instance_id, _, endpoint = (part.strip() for part in entry.partition("="))
+            _check(bool(instance_id) and endpoint.startswith(("tcp://", "ipc://")), "kv_events",
+                   f"{entry!r} is not instance_id=tcp://host:port (or ipc://path)")
+            _check("://*" not in endpoint, "kv_events",
+                   f"{entry!r}: name the engine's host (as 127.0.0.1), not the * it binds")
+            _check(instance_id not in endpoints, "kv_events", f"instance {instance_id!r} is given twice")
+            endpoints[instance_id] = endpoint
+        return endpoints
+
+    @property
     def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
         return static_instances.parse(self.static_instances)
 
@@ -362,6 +391,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         _check(0 <= self.affinity_max_blocks <= 256, "affinity_max_blocks", "must be 0..256")
         _check(math.isfinite(self.affinity_kv_mb_per_token) and self.affinity_kv_mb_per_token > 0,
                "affinity_kv_mb_per_token", "must be a finite number > 0")
+        _check(not self.affinity_tokenizer or Path(self.affinity_tokenizer).is_dir(),
+               "affinity_tokenizer", "must be a model directory (with tokenizer.json)")
+        _check(not self.kv_event_endpoints or bool(self.affinity_tokenizer), "kv_events",
+               "needs PROXY_AFFINITY_TOKENIZER: without the engine's tokenizer the workers' "
+               "prefix keys are not the engine's blocks")
 
     def _check_scheduler_link(self) -> None:
         if self.scheduler_cp_url is not None:

@@ -1,6 +1,7 @@
 """What an inference engine (vLLM's OpenAI server, or anything that answers like it) says about
-itself: `GET /health`, `GET /v1/models`, `GET /version`, and the KV capacity vLLM states in
-`GET /metrics` (`vllm:cache_config_info`).
+itself: `GET /health`, `GET /v1/models`, `GET /version`, the KV capacity vLLM states in
+`GET /metrics` (`vllm:cache_config_info`), and where it publishes its KV cache events
+(`GET /kv_event_sources`).
 
 Used by the sidecar for static instances and by an agent beside an engine. Every call has a
 timeout and never raises for what the engine does: a dead, slow or odd engine gives a
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -32,6 +34,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     version: str | None = None
     models: tuple[str, ...] = ()
     kv_capacity_tokens: int | None = None  # vLLM's KV cache, in tokens (its prefix cache's room)
+    kv_events_endpoint: str | None = None  # where to subscribe to its KV cache events
 
     def capabilities(self, cache_features: list[str] | None = None) -> Capabilities | None:
         """The registration's capabilities (docs/protocol.md §3.4), or None if the engine said
@@ -53,6 +56,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
             meta["max_model_len"] = self.max_model_len
         if self.kv_capacity_tokens is not None:
             meta["kv_capacity_tokens"] = self.kv_capacity_tokens
+        if self.kv_events_endpoint is not None:
+            meta["kv_events_endpoint"] = self.kv_events_endpoint
         return meta
 
 
@@ -67,6 +72,30 @@ class _ModelList(msgspec.Struct):
 
 class _Version(msgspec.Struct):
     version: str | None = None
+
+
+class _KvEventsConfig(msgspec.Struct):
+    """One data-parallel rank's publisher, as vLLM 0.32 states it (its defaults)."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+
+
+def kv_events_endpoint(sources: dict[str, _KvEventsConfig] | None, base_url: str) -> str | None:
+    """Where a subscriber reaches the engine's KV cache events: its first rank's ZMQ publisher,
+    when that binds (`tcp://*:port`, reached on the engine's own host, or `ipc://path`); None
+    when it publishes none, or connects out to a subscriber of its own (any other address)."""
+    if not sources:
+        return None
+    source = sources[min(sources)]
+    if not source.enable_kv_cache_events or source.publisher not in (None, "zmq"):
+        return None
+    if source.endpoint.startswith("ipc://"):
+        return source.endpoint
+    host = urlsplit(base_url).hostname or ""
+    if not source.endpoint.startswith("tcp://*:") or not host:
+        return None
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{source.endpoint[len('tcp://*:'):]}"
 
 
 async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> Health:
@@ -85,19 +114,22 @@ async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s:
 
 
 async def read_engine(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> EngineInfo:
-    """The served model (the first of `/v1/models`), its context length and the engine version;
-    each None when its route does not answer in time or answers something else."""
-    models, version, metrics = await asyncio.gather(
+    """The served model (the first of `/v1/models`), its context length, the engine version, its
+    KV capacity and its KV event publisher; each None when its route does not answer in time or
+    answers something else."""
+    models, version, metrics, sources = await asyncio.gather(
         _get_json(session, f"{base_url}/v1/models", _ModelList, timeout_s),
         _get_json(session, f"{base_url}/version", _Version, timeout_s),
-        _get_text(session, f"{base_url}/metrics", timeout_s))
+        _get_text(session, f"{base_url}/metrics", timeout_s),
+        _get_json(session, f"{base_url}/kv_event_sources", dict[str, _KvEventsConfig], timeout_s))
     served = models.data if models is not None else []
     first = served[0] if served else None
     return EngineInfo(model_id=first.id if first else None,
                       max_model_len=first.max_model_len if first else None,
                       version=version.version if version is not None else None,
                       models=tuple(model.id for model in served),
-                      kv_capacity_tokens=kv_capacity_from_metrics(metrics or ""))
+                      kv_capacity_tokens=kv_capacity_from_metrics(metrics or ""),
+                      kv_events_endpoint=kv_events_endpoint(sources, base_url))
 
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info{"

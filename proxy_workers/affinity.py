@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_proxy.routing.strategies import KvAwareStrategy
 from shm_schema import InstanceSlot, Segment, layout
 from shm_schema.affinity import AFFINITY_ENTRIES, AffinityReader
@@ -150,20 +151,38 @@ NO_AFFINITY = Assessment((), 0, 0.0, 0.0)
 
 class AffinityScorer:
     def __init__(self, settings: Settings, index: AffinityIndex, predictors: Any,
-                 links: LinkTable, strategy: KvAwareStrategy) -> None:
+                 links: LinkTable, strategy: KvAwareStrategy,
+                 engine_prefix: EnginePrefix | None = None) -> None:
         self._settings = settings
         self.index = index
         self._predictors = predictors
         self._links = links
         self._strategy = strategy
+        # The model's tokenizer (PROXY_AFFINITY_TOKENIZER): prefix keys as the engine names its
+        # blocks, so its own KV events say where they are; else the proxy's character blocks.
+        self._engine_prefix = engine_prefix
 
     def prefix_of(self, request: ProxyRequest) -> list[int]:
         """The request's prefix keys, hashed once (a retry reuses them)."""
         if request.prefix_keys is None:
-            text = rendered_prompt(request)
-            request.prefix_keys = [] if text is None else prefix_keys(
-                text, self._settings.affinity_block_tokens, self._settings.affinity_max_blocks)
+            request.prefix_keys = self._engine_keys(request) if self._engine_prefix is not None \
+                else self._own_keys(request)
         return request.prefix_keys
+
+    def _own_keys(self, request: ProxyRequest) -> list[int]:
+        text = rendered_prompt(request)
+        return [] if text is None else prefix_keys(
+            text, self._settings.affinity_block_tokens, self._settings.affinity_max_blocks)
+
+    def _engine_keys(self, request: ProxyRequest) -> list[int]:
+        engine, raw = self._engine_prefix, request.parsed_prompt
+        assert engine is not None
+        if request.source != "openai" or raw is None:
+            return []
+        if request.endpoint is Endpoint.CHAT:
+            return engine.chat_keys(raw)
+        # A list prompt (token ids, several prompts) is not one text: no keys.
+        return engine.completion_keys(raw) if isinstance(raw, str) else []
 
     def assess(self, request: ProxyRequest, candidates: Sequence[InstanceSlot]) -> list[Assessment]:
         spec = request.knowledge

@@ -14,7 +14,7 @@ import time
 from typing import Any, AsyncIterator, NamedTuple
 
 
-from cacheroute_proxy import exits, logs, serving
+from cacheroute_proxy import engine_prefix, exits, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import KvAwareStrategy
@@ -160,7 +160,8 @@ def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
     links = LinkTable.from_settings(settings)
     affinity = make_index(settings, seg, tracker)
     router = Router(settings, seg, row, AffinityScorer(
-        settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings))))
+        settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings)),
+        engine_prefix.from_settings(settings)))
     upstream = Upstream(settings, replace_trace_context=tracing is not None)
     pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
                         predictors, router.view.ready_wait_ms, affinity)
@@ -193,7 +194,11 @@ def run(settings: Settings, index: int) -> int:
             log.error("cannot open this worker's metrics file in %s (PROXY_METRICS_DIR): %s",
                       metrics_dir, exc.strerror or exc)
             return exits.CANNOT_START
-        parts = assemble(settings, seg, row, index, start_tracing(settings, worker_name(index), index))
+        try:
+            parts = assemble(settings, seg, row, index, start_tracing(settings, worker_name(index), index))
+        except engine_prefix.EnginePrefixError as exc:
+            log.error("%s", exc)
+            return exits.CANNOT_START
         ctx, upstream = parts.ctx, parts.ctx.upstream
         refresher = LinkRefresher(parts.links, lambda: upstream.session, sidecar_links_url(settings),
                                   load_token(settings.cp_token, settings.cp_token_file),

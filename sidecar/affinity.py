@@ -7,7 +7,10 @@ in tokens (its registration's meta.kv_capacity_tokens; else its meta.kv_mem_gb o
 PROXY_KV_MEM_PER_INSTANCE_GB over PROXY_AFFINITY_KV_MB_PER_TOKEN) and by the row's
 AFFINITY_ENTRIES: past either, the least recently used entries go, as the instance's own LRU
 would evict them. A heartbeat's `resident_keys` (the instance's own account of its knowledge)
-replaces the model's knowledge entries outright.
+replaces the model's knowledge entries outright; a vLLM engine's KV cache events
+(sidecar/kv_events.py) take over its prefix entries: from its first batch on, the blocks it
+stores are added and those it evicts taken out, and the workers' PREFIX guesses for it are
+ignored.
 
 Each change is published (shm_schema.affinity.AffinityWriter) at the next tick, one row per
 changed instance. A registration (new, or again: the engine restarted and its KV with it) and a
@@ -37,11 +40,20 @@ class InstanceModel:
         self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (kind, tokens)
         self.tokens = 0
         self.evicted = 0
+        self.engine_fed = False  # prefix entries come from the engine's own KV events
 
-    def touch(self, key: int, kind: int, tokens: int) -> None:
+    def drop(self, key: int) -> bool:
         old = self.entries.pop(key, None)
         if old is not None:
             self.tokens -= old[1]
+        return old is not None
+
+    def drop_prefix(self) -> None:
+        for key in [k for k, (kind, _) in self.entries.items() if kind == AFFINITY_PREFIX]:
+            self.drop(key)
+
+    def touch(self, key: int, kind: int, tokens: int) -> None:
+        self.drop(key)
         self.entries[key] = (kind, tokens)
         self.tokens += tokens
         self._evict()
@@ -80,7 +92,8 @@ class AffinityModels:
         self._dirty: set[Where] = set()
         self._cleared: set[int] = set()  # slots whose row must be emptied
         self.stats = {"acknowledged": 0, "prefix_blocks": 0, "reports": 0, "adopted_entries": 0,
-                      "stale_instance": 0}
+                      "stale_instance": 0, "prefix_guesses_ignored": 0, "engine_blocks_stored": 0,
+                      "engine_blocks_removed": 0, "engine_clears": 0}
 
     # --- what changes the models ------------------------------------------------------------------
     def adopt(self) -> int:
@@ -105,6 +118,9 @@ class AffinityModels:
             return
         payload = residency(event)
         kind = AFFINITY_KNOWLEDGE if event.kind == EventKind.RESIDENT else AFFINITY_PREFIX
+        if kind == AFFINITY_PREFIX and model.engine_fed:  # the engine says what it holds
+            self.stats["prefix_guesses_ignored"] += 1
+            return
         for key in (payload.key_0, payload.key_1, payload.key_2):
             if key:
                 model.touch(key, kind, payload.tokens_each)
@@ -118,6 +134,40 @@ class AffinityModels:
             model.replace_knowledge(keys)
             self.stats["reports"] += 1
             self._dirty.add((slot, generation))
+
+    def engine_stored(self, slot: int, generation: int, keys: Iterable[int], tokens_each: int) -> None:
+        """Blocks the instance's engine reports it now holds (a BlockStored)."""
+        model = self._engine_model(slot, generation)
+        if model is not None:
+            for key in keys:
+                model.touch(key, AFFINITY_PREFIX, tokens_each)
+                self.stats["engine_blocks_stored"] += 1
+
+    def engine_removed(self, slot: int, generation: int, keys: Iterable[int]) -> None:
+        """Blocks the engine evicted (a BlockRemoved)."""
+        model = self._engine_model(slot, generation)
+        if model is not None:
+            self.stats["engine_blocks_removed"] += sum(model.drop(key) for key in keys)
+
+    def engine_cleared(self, slot: int, generation: int) -> None:
+        """The engine emptied its prefix cache, or the sidecar missed some of its events: no
+        prefix entry can be trusted."""
+        model = self._engine_model(slot, generation)
+        if model is not None:
+            model.drop_prefix()
+            self.stats["engine_clears"] += 1
+
+    def _engine_model(self, slot: int, generation: int) -> InstanceModel | None:
+        model = self._model(slot, generation)
+        if model is None:
+            self.stats["stale_instance"] += 1
+            return None
+        # From now on the engine's account, not the workers' guesses. What the row holds stays
+        # (a restarted sidecar's adopted entries are the engine's own from before; a guess that
+        # was right is a block the engine will report removed): the LRU bound ages out the rest.
+        model.engine_fed = True
+        self._dirty.add((slot, generation))
+        return model
 
     def forget(self, slot: int) -> None:
         """The slot's instance left or registered again: nothing is resident there any more."""
@@ -160,7 +210,8 @@ class AffinityModels:
                 "knowledge": sum(1 for kind, _ in m.entries.values() if kind == AFFINITY_KNOWLEDGE),
                 "prefix_blocks": sum(1 for kind, _ in m.entries.values() if kind == AFFINITY_PREFIX),
                 "tokens": m.tokens, "capacity_tokens": m.capacity_tokens or None,
-                "evicted": m.evicted} for where, m in self._models.items()}}
+                "evicted": m.evicted, "prefix_from": "engine" if m.engine_fed else "model"}
+            for where, m in self._models.items()}}
 
 
 def kv_capacity_tokens(registry: Any, settings: Settings, slot: int, generation: int) -> int:

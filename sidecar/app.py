@@ -31,6 +31,7 @@ from .reaper import WorkerReaper
 from .registry import InstanceRegistry
 from .resource_snapshot import RAW_RESOURCE_LIMIT
 from .scheduler_link import DisabledLink, Identity, SchedulerLink
+from .kv_events import KvEventFeeds
 from .static_prober import StaticProber
 from .topology import Topology
 
@@ -53,6 +54,8 @@ class SidecarState:
     scheduler: SchedulerLink | DisabledLink | None = None
     # PROXY_STATIC_INSTANCES (sidecar/static_prober.py); None when there are none.
     static: StaticProber | None = None
+    # Engines' KV cache events (sidecar/kv_events.py); set by build_state.
+    kv_events: KvEventFeeds | None = None
 
     def kdn_links(self) -> dict[str, Any]:
         """What the Scheduler is told: PROXY_KDN_LINKS_JSON overlaid by the measured topology."""
@@ -148,6 +151,7 @@ def build_app(state: SidecarState) -> Starlette:
                        "last_reaped": state.reaper.stats.last_reaped},
             "scheduler": state.scheduler.status.describe() if state.scheduler else {"enabled": False},
             "static_instances": state.static.describe() if state.static else None,
+            "kv_event_feeds": state.kv_events.describe() if state.kv_events else None,
             "settings": running_with(state.settings),
         }
 

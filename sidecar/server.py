@@ -25,6 +25,7 @@ from shm_schema import Segment, SegmentError, header
 from .affinity import AffinityModels, kv_capacity_tokens
 from .app import SidecarState, build_app
 from .host_check import HostCheck
+from .kv_events import KvEventFeeds, zmq_missing
 from . import pool_resource
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
@@ -81,6 +82,8 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
         else len(registry.records(include_dead=False)),
         lambda: any(worker["alive"] for worker in reaper.workers()),
         kdn_links=state.kdn_links)
+    state.kv_events = KvEventFeeds(registry, affinity, settings.kv_event_endpoints,
+                                   settings.affinity_block_tokens, enabled=bool(settings.affinity_tokenizer))
     if settings.static_targets:
         state.static = StaticProber(registry, settings.static_targets, settings.static_probe_s)
         state.static.adopt()
@@ -108,6 +111,8 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
         ]
         if state.static is not None:
             loops.append(state.static.run())
+        if state.kv_events is not None:
+            loops.append(state.kv_events.run())
         tasks = [asyncio.create_task(loop) for loop in loops]
         if state.scheduler is not None:  # background: a slow or absent Scheduler delays nothing
             state.scheduler.start()
@@ -169,6 +174,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 def run(settings: Settings) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the lifespan handles it: never fatal
+    if settings.affinity_tokenizer and zmq_missing():
+        log.error("PROXY_AFFINITY_TOKENIZER is set: %s", zmq_missing())
+        return exits.CANNOT_START
     try:
         control = bind_control_plane(settings)
     except OSError as exc:

@@ -27,12 +27,24 @@ def format_status(status: dict[str, Any]) -> str:
         f"reaper      reaped {reaper['reaped']}, subtracted {reaper['subtracted']}, "
         f"corrections {reaper['corrections']}",
         f"scheduler   {scheduler_line(status.get('scheduler') or {'enabled': False})}",
+        *_kv_event_lines(status.get("kv_event_feeds") or {}),
         "workers",
     ]
     for w in sorted(status["workers"], key=lambda w: w["worker_index"]):
         lines.append(f"  w{w['worker_index']:<3} pid {w['pid']:<8} {'alive' if w['alive'] else 'DEAD':<6}"
                      f" heartbeat {w['heartbeat_age_ms']} ms ago, events pending {w.get('events_pending', 0)}")
     return "\n".join(lines)
+
+
+def _kv_event_lines(feeds: dict[str, Any]) -> list[str]:
+    """One line an engine whose KV cache events the sidecar follows."""
+    lines = []
+    for instance_id, feed in sorted(feeds.items()):
+        age = feed.get("last_batch_age_s")
+        lines.append(f"kv events   {printable(instance_id)} {printable(feed['endpoint'])}: {feed['batches']} batches"
+                     f" (last {'never' if age is None else f'{age:g}s ago'}), {feed['gaps']} gaps, "
+                     f"{feed['engine_restarts']} engine restarts")
+    return lines
 
 
 COLUMNS = (("instance", "instance_id", 24), ("alive", "is_alive", 5), ("inflight", "inflight", 8),

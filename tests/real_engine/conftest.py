@@ -25,7 +25,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngin
     problem = missing_setup()
     if problem:
         pytest.fail(problem)
-    started = start_engines(ENGINES, tmp_path_factory.mktemp("vllm"))
+    # With their KV cache events on (tests/real_engine/test_kv_events.py reads them).
+    started = start_engines(ENGINES, tmp_path_factory.mktemp("vllm"), kv_events=True)
     yield started
     stop_engines(started)
 

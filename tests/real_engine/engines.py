@@ -16,6 +16,7 @@ semaphore its resource tracker made and let go of, say)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,8 +79,11 @@ class VllmEngine:
 
     def __init__(self, log_path: Path, port: int | None = None, cpu: int | None = None,
                  max_num_seqs: int = MAX_NUM_SEQS, extra_args: Sequence[str] = (),
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, kv_events: bool = False) -> None:
         self.port = port or free_port()
+        # vLLM binds its KV cache event publisher here (a Unix socket beside the log: nothing
+        # listens on the network); None = it publishes nothing.
+        self.kv_events_endpoint = f"ipc://{log_path.parent}/kv-events-{self.port}" if kv_events else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cpu = cpu
@@ -97,7 +101,13 @@ class VllmEngine:
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(self.max_num_seqs),
                 # X-Request-Id on every answer: the client's own, or one vLLM makes up.
-                "--enable-request-id-headers", *self.extra_args]
+                "--enable-request-id-headers", *self._kv_events_args(), *self.extra_args]
+
+    def _kv_events_args(self) -> list[str]:
+        if self.kv_events_endpoint is None:
+            return []
+        return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                  "endpoint": self.kv_events_endpoint})]
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> VllmEngine:
@@ -252,12 +262,13 @@ def group_alive(pgid: int) -> bool:
 
 
 def start_engines(count: int, log_dir: Path, timeout: float = HEALTH_TIMEOUT_S, *,
-                  extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None) -> list[VllmEngine]:
+                  extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None,
+                  kv_events: bool = False) -> list[VllmEngine]:
     """`count` engines started together (each ~70 s alone), each on its own core when there
     are enough; all healthy, or all stopped and an EngineError with the failing one's log."""
     cpus = sorted(os.sched_getaffinity(0))
     engines = [VllmEngine(log_dir / f"vllm-{i}.log", cpu=cpus[i] if count <= len(cpus) else None,
-                          extra_args=extra_args, extra_env=extra_env)
+                          extra_args=extra_args, extra_env=extra_env, kv_events=kv_events)
                for i in range(count)]
     try:
         for engine in engines:
