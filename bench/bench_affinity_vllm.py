@@ -5,12 +5,15 @@ Run:  python -m bench.bench_affinity_vllm --out bench/results/affinity_vllm.json
 
 Two CPU engines (tests/real_engine/engines.py: .venv-vllm serving the tiny model, each pinned to
 its own core, automatic prefix caching on as vLLM's default, `VLLM_SERVER_DEV_MODE=1` for
-POST /reset_prefix_cache) are started once. Their KV is capped at `--kv-blocks` blocks of 128
+POST /reset_prefix_cache, KV cache events published on a Unix socket each) are started once. Their KV is capped at `--kv-blocks` blocks of 128
 tokens (`--num-gpu-blocks-override`): room for about half the system prompts' blocks beside the
 running requests, so an engine that is sent every prompt evicts what an engine sent half of
 them keeps. Each contender then gets a fresh `cacheroute-proxy run` (2 workers, its strategy,
 predictor profile vllm-cpu-tiny, an empty affinity index) with an instance agent per engine,
-and cold engines: both prefix caches are reset before its load.
+and cold engines: both prefix caches are reset before its load. Contenders: kv_aware and
+least_load with the defaults, kv_aware on the engines' own KV cache events
+(PROXY_AFFINITY_TOKENIZER = the tiny model, 128-token blocks, PROXY_KV_EVENTS = both
+publishers), and with --credit-per-ms kv_aware with that credit.
 
 The same seeded workload goes to each contender: Poisson arrivals for `--duration` s of plain
 streaming chats, each a system prompt drawn Zipf(1.1) from SYSTEM_PROMPTS shared ones (~600
@@ -70,10 +73,22 @@ class Contender:
     env: tuple[tuple[str, str], ...] = ()  # proxy settings of this contender alone
 
 
-def contenders(credit_per_ms: float | None) -> list[Contender]:
-    """kv_aware and least_load with the proxy's defaults; with `credit_per_ms`, also kv_aware
-    with that PROXY_KV_AWARE_CREDIT_PER_MS (the credit's scale against the load score)."""
+ENGINE_EVENTS = "kv_aware engine-events"
+
+
+def contenders(credit_per_ms: float | None, engines: Sequence[Any] = ()) -> list[Contender]:
+    """kv_aware and least_load with the proxy's defaults; kv_aware on the engines' own KV cache
+    events (the model's tokenizer in the workers, each engine's publisher followed by the
+    sidecar) when `engines` publish them; with `credit_per_ms`, also kv_aware with that
+    PROXY_KV_AWARE_CREDIT_PER_MS (the credit's scale against the load score)."""
+    from tests.real_engine.engines import TINY_MODEL
+
     found = [Contender(name, name) for name in CONTENDERS]
+    publishing = [(f"vllm-{i}", e.kv_events_endpoint) for i, e in enumerate(engines) if e.kv_events_endpoint]
+    if publishing:
+        found.append(Contender(ENGINE_EVENTS, "kv_aware", (
+            ("PROXY_AFFINITY_TOKENIZER", str(TINY_MODEL)), ("PROXY_AFFINITY_BLOCK_TOKENS", "128"),
+            ("PROXY_KV_EVENTS", ",".join(f"{iid}={endpoint}" for iid, endpoint in publishing)))))
     if credit_per_ms is not None:
         found.append(Contender(f"kv_aware credit_per_ms={credit_per_ms:g}", "kv_aware",
                                (("PROXY_KV_AWARE_CREDIT_PER_MS", f"{credit_per_ms:g}"),)))
@@ -203,9 +218,10 @@ def reset_prefix_cache(engine_url: str) -> None:
 
 
 @contextmanager
-def proxy_for(strategy: str, engines: Sequence[Any], log_dir: Path, env: dict[str, str]) -> Iterator[str]:
-    """`cacheroute-proxy run` with `strategy` and an instance agent per engine; yields the data
-    plane's URL once every worker sees both engines alive. Stopped by pid on the way out."""
+def proxy_for(strategy: str, engines: Sequence[Any], log_dir: Path,
+              env: dict[str, str]) -> Iterator[SupervisorPorts]:
+    """`cacheroute-proxy run` with `strategy` and an instance agent per engine; yields its
+    addresses once every worker sees both engines alive. Stopped by pid on the way out."""
     from tests.real_engine.registration import AgentRegistration  # the real-engine suite's agent launcher
 
     ports = SupervisorPorts(WORKERS, "cacheroute_bench_affv")
@@ -227,7 +243,7 @@ def proxy_for(strategy: str, engines: Sequence[Any], log_dir: Path, env: dict[st
             return True
 
         wait_for(every_worker_sees_both, 30, "both engines registered with every worker")
-        yield ports.dp_url
+        yield ports
     finally:
         for registration in registrations:
             registration.stop()
@@ -259,13 +275,27 @@ def summarize(strategy: str, outcomes: list[Outcome], counters: dict[str, Any],
 
 def run_contender(contender: Contender, engines: Sequence[Any], planned: list[Planned], log_dir: Path,
                   env: dict[str, str]) -> dict[str, Any]:
-    with proxy_for(contender.strategy, engines, log_dir, {**env, **dict(contender.env)}) as dp_url:
+    with proxy_for(contender.strategy, engines, log_dir, {**env, **dict(contender.env)}) as ports:
         for engine in engines:
             reset_prefix_cache(engine.url)
         before = [prefix_counters(_get_text(f"{e.url}/metrics")) for e in engines]
-        outcomes = asyncio.run(drive(dp_url, planned))
+        outcomes = asyncio.run(drive(ports.dp_url, planned))
+        index = index_account(json.loads(_get_text(f"{ports.cp_url}/debug/status")))
     after = [prefix_counters(_get_text(f"{e.url}/metrics")) for e in engines]
-    return summarize(contender.name, outcomes, hit_rate(before, after), [f"vllm-{i}" for i in range(len(engines))])
+    return {**summarize(contender.name, outcomes, hit_rate(before, after),
+                        [f"vllm-{i}" for i in range(len(engines))]), "index": index}
+
+
+def index_account(status: dict[str, Any]) -> dict[str, Any]:
+    """What the sidecar's affinity index heard in a run: the workers' guesses, the engines'
+    events, and where each instance's prefix entries came from."""
+    affinity = status["event_channel"]["affinity"] or {}
+    keys = ("prefix_blocks", "prefix_guesses_ignored", "engine_blocks_stored", "engine_blocks_removed",
+            "engine_clears")
+    return {**{key: affinity.get(key) for key in keys},
+            "prefix_from": {iid: row["prefix_from"] for iid, row in affinity.get("instances", {}).items()},
+            "feeds": {iid: {k: feed[k] for k in ("batches", "gaps", "engine_restarts", "block_size")}
+                      for iid, feed in (status.get("kv_event_feeds") or {}).items()}}
 
 
 def schedule(repeats: int, which: Sequence[Any] = CONTENDERS) -> list[Any]:
@@ -327,11 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench_affinity_vllm_"))
     print(f"{len(planned)} requests per run over {args.duration:g} s; logs in {log_dir}", flush=True)
     engines = start_engines(2, log_dir, extra_args=["--num-gpu-blocks-override", str(args.kv_blocks)],
-                            extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+                            extra_env={"VLLM_SERVER_DEV_MODE": "1"}, kv_events=True)
     runs = []
     try:
         version = json.loads(_get_text(f"{engines[0].url}/version"))["version"]
-        for contender in schedule(args.repeats, contenders(args.credit_per_ms)):
+        for contender in schedule(args.repeats, contenders(args.credit_per_ms, engines)):
             result = run_contender(contender, engines, planned, log_dir, env)
             runs.append(result)
             print(json.dumps(result), flush=True)

@@ -48,13 +48,13 @@ def section(data: dict[str, Any]) -> str:
     if runs:
         parts.append("Each run, in the order run:\n\n" + table(
             ["#", "contender", "hits / queries (tokens)", "hit rate per engine", "TTFT p50 / p99 (ms)",
-             "share", "credited requests", "guard fired"],
+             "share", "credited requests", "guard fired", "index: prefix from (engine blocks stored / removed)"],
             [[num(i + 1), r["contender"],
               f"{num(r.get('prefix_cache_hits'))} / {num(r.get('prefix_cache_queries'))}",
               " / ".join(pct(e.get("hit_rate")) for e in r.get("per_engine") or []),
               f"{num(r.get('ttft_p50_ms'))} / {num(r.get('ttft_p99_ms'))}",
               " / ".join(num(v) for v in (r.get("share") or {}).values()),
-              num(r.get("credited")) if r.get("guard_decisions") else "–", _guard(r)]
+              num(r.get("credited")) if r.get("guard_decisions") else "–", _guard(r), _index(r)]
              for i, r in enumerate(runs)]))
     return "\n\n".join(p for p in parts if p)
 
@@ -63,3 +63,15 @@ def _guard(row: dict[str, Any]) -> str:
     if not row.get("guard_decisions"):
         return "–"
     return f"{num(row.get('guard_fired'))} of {num(row.get('guard_decisions'))}"
+
+
+def _index(row: dict[str, Any]) -> str:
+    """Where the sidecar's prefix entries came from in the run: the engines' own KV cache
+    events, or the model of what the workers sent."""
+    index = row.get("index")
+    if not index or not index.get("prefix_from"):
+        return "–"
+    sources = "/".join(sorted(set(index["prefix_from"].values())))
+    if not index.get("engine_blocks_stored"):
+        return sources
+    return f"{sources} ({num(index['engine_blocks_stored'])} / {num(index.get('engine_blocks_removed'))})"

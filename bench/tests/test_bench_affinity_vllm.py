@@ -71,6 +71,11 @@ def test_runs_alternate_abba_and_aggregate_per_contender():
         "kv_aware", "least_load", "kv_aware credit_per_ms=0.2", "kv_aware credit_per_ms=0.2", "least_load", "kv_aware"]
     assert three[2].strategy == "kv_aware" and dict(three[2].env) == {"PROXY_KV_AWARE_CREDIT_PER_MS": "0.2"}
     assert [c.name for c in bench.contenders(None)] == ["kv_aware", "least_load"]
+    publishing = [type("Engine", (), {"kv_events_endpoint": f"ipc:///tmp/kv-{i}"}) for i in range(2)]
+    events = bench.contenders(None, publishing)[2]
+    assert events.name == bench.ENGINE_EVENTS and events.strategy == "kv_aware"
+    assert dict(events.env)["PROXY_KV_EVENTS"] == "vllm-0=ipc:///tmp/kv-0,vllm-1=ipc:///tmp/kv-1"
+    assert dict(events.env)["PROXY_AFFINITY_BLOCK_TOKENS"] == "128"
     runs = [_run("kv_aware", 600, 50), _run("least_load", 300, 80), _run("least_load", 400, 90),
             _run("kv_aware", 700, 60)]
     rows = {r["contender"]: r for r in bench.aggregate(runs)}
