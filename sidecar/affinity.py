@@ -48,9 +48,12 @@ class InstanceModel:
             self.tokens -= old[1]
         return old is not None
 
-    def drop_prefix(self) -> None:
-        for key in [k for k, (kind, _) in self.entries.items() if kind == AFFINITY_PREFIX]:
+    def drop_kind(self, kind: int) -> dict[int, tuple[int, int]]:
+        """Take out every entry of `kind` (knowledge or prefix); returns them."""
+        dropped = {key: entry for key, entry in self.entries.items() if entry[0] == kind}
+        for key in dropped:
             self.drop(key)
+        return dropped
 
     def touch(self, key: int, kind: int, tokens: int) -> None:
         self.drop(key)
@@ -61,9 +64,7 @@ class InstanceModel:
     def replace_knowledge(self, keys: Iterable[int]) -> None:
         """The instance's own account of its knowledge: exactly these ids are resident
         (tokens as last known, 0 if never seen); prefix entries are kept."""
-        known = {k: v for k, v in self.entries.items() if v[0] == AFFINITY_KNOWLEDGE}
-        for key in known:
-            self.tokens -= self.entries.pop(key)[1]
+        known = self.drop_kind(AFFINITY_KNOWLEDGE)
         for key in keys:
             if key not in self.entries:
                 tokens = known.get(key, (AFFINITY_KNOWLEDGE, 0))[1]
@@ -154,7 +155,7 @@ class AffinityModels:
         prefix entry can be trusted."""
         model = self._engine_model(slot, generation)
         if model is not None:
-            model.drop_prefix()
+            model.drop_kind(AFFINITY_PREFIX)
             self.stats["engine_clears"] += 1
 
     def _engine_model(self, slot: int, generation: int) -> InstanceModel | None:

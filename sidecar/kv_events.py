@@ -30,8 +30,8 @@ from typing import Any, Callable
 from cacheroute_proxy.affinity_keys import engine_block_key
 
 from .affinity import AffinityModels
-from .kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, FrameError, KvEvent, \
-    block_number, decode
+from .kv_event_wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, FrameError, \
+    KvEvent, block_number, decode
 from .registry import InstanceRecord, InstanceRegistry
 
 log = logging.getLogger("cacheroute.sidecar.kv_events")
@@ -117,11 +117,10 @@ class EngineFeed:
             self.stats.skipped_events += 1
         elif isinstance(event, BlockStored):
             self._check_block_size(event.block_size)
-            keys = [engine_block_key(block_number(b)) for b in event.block_hashes]
-            self.models.engine_stored(*where, keys, event.block_size or self.block_tokens)
+            self.models.engine_stored(*where, _keys(event.block_hashes),
+                                      event.block_size or self.block_tokens)
         elif isinstance(event, BlockRemoved):
-            self.models.engine_removed(*where, [engine_block_key(block_number(b))
-                                                for b in event.block_hashes])
+            self.models.engine_removed(*where, _keys(event.block_hashes))
         elif isinstance(event, AllBlocksCleared):
             self.models.engine_cleared(*where)
 
@@ -132,6 +131,11 @@ class EngineFeed:
                 log.error("KV events of %s: the engine's blocks are %d tokens, but "
                           "PROXY_AFFINITY_BLOCK_TOKENS is %d: no prompt will match them; set it to %d",
                           self.instance_id, size, self.block_tokens, size)
+
+
+def _keys(blocks: list[BlockHash]) -> list[int]:
+    """The index keys of the blocks an event names."""
+    return [engine_block_key(block_number(block)) for block in blocks]
 
 
 MISSING_EXTRA = "KV cache events need pyzmq, of the engine-kv extra (pip install 'cacheroute-proxy[engine-kv]')"

@@ -350,8 +350,7 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
         cluster.add_instance(port=engine_port)
         cluster.add_instance(port=other_port)
         prompt = "the proxy routes each request to the engine that holds its prefix " * 4
-        keys = engine_prefix.load(str(model_dir), BLOCK, 32).keys(
-            engine_prefix.load(str(model_dir), BLOCK, 32).completion_tokens(prompt))
+        keys = engine_prefix.load(str(model_dir), BLOCK, 32).completion_keys(prompt)
         assert len(keys) >= 3
 
         def feed() -> dict[str, Any]:
