@@ -309,3 +309,30 @@ class RouterContender(ProcessContender):
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 2, "stream": False}
         return http_json("POST", f"{self.url}/v1/chat/completions", body)[0] == 200
+
+
+class RelayFloorContender(ProcessContender):
+    """The product's own HTTP server and forward client with nothing of the product between
+    them (bench/peers/relay_floor.py), `workers` processes on one port: the floor under this
+    proxy's figures."""
+
+    kind = "floor"
+
+    def __init__(self, name: str, instances: Instances, workers: int = 2) -> None:
+        super().__init__(name)
+        self.instances = instances
+        self.workers = workers
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+
+    def launch(self) -> None:
+        upstreams = [arg for url in self.instances.urls for arg in ("--upstream", url)]
+        self._child = ChildProcess(["-m", "bench.peers.relay_floor", "--port", str(self.port),
+                                    "--processes", str(self.workers), *upstreams],
+                                   {}, self.log_dir / "relay_floor.log", die_with_parent=True)
+
+    def wait_ready(self) -> None:
+        assert self._child is not None, "launch() first"
+        child = self._child
+        wait_for(lambda: answers_ok(f"{self.url}/healthz"), START_TIMEOUT_S, self.name,
+                 child.running, child.tail)

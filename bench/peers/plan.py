@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.backends import FakeInstances, InstanceSpec, Instances, SimInstances
-from bench.contenders import Contender, DirectContender, NginxContender, ProxyContender, RouterContender
+from bench.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
+                              RelayFloorContender, RouterContender)
 
 SCENARIOS = ("c1", "c32", "stream32")
 # sim: the project's simulated vLLM instances; starlette: a plain Starlette/uvicorn OpenAI fake
@@ -38,7 +39,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class ContenderPlan:
     name: str
-    kind: str                  # "direct" | "proxy" | "nginx" | "router"
+    kind: str                  # "direct" | "proxy" | "nginx" | "router" | "floor"
     workers: int | None = None
     strategy: str | None = None
 
@@ -50,6 +51,8 @@ class ContenderPlan:
                                   method=self.strategy or "least_conn")
         if self.kind == "router":
             return RouterContender(self.name, instances, policy=self.strategy or "round_robin")
+        if self.kind == "floor":
+            return RelayFloorContender(self.name, instances, workers=self.workers or 2)
         env = {"READY_CONCURRENCY": str(cfg.instance_max_concurrency),
                "PREPARE_CONCURRENCY": str(cfg.instance_max_concurrency)}
         return ProxyContender(self.name, instances, workers=self.workers or 1,
@@ -66,6 +69,9 @@ KNOWN: dict[str, ContenderPlan] = {p.name: p for p in [
     *(_proxy(n, s) for s in ("round_robin", "least_load") for n in (1, 2, 4)),
     ContenderPlan("nginx", "nginx", 2, "least_conn"),
     ContenderPlan("vllm-router-p2", "router", None, "power_of_two"),
+    # The product's server and forward client with nothing of the product between them
+    # (bench/peers/relay_floor.py): what the stack costs before the product does anything.
+    ContenderPlan("relay-floor-w2", "floor", 2),
     # Not in the default run; ask for them with --contenders.
     ContenderPlan("vllm-router-rr", "router", None, "round_robin"),
     ContenderPlan("nginx-rr", "nginx", 2, "round_robin"),
@@ -73,7 +79,7 @@ KNOWN: dict[str, ContenderPlan] = {p.name: p for p in [
 ]}
 # Issue 15's set: what its targets compare (bench/peers/targets.py), small enough that both
 # backends take about the time one took with all six proxy variants.
-DEFAULT_CONTENDERS = ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2"]
+DEFAULT_CONTENDERS = ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2", "relay-floor-w2"]
 
 
 def instances_for(backend: str, cfg: RunConfig) -> Instances:

@@ -63,6 +63,7 @@ def run_backend(cfg: RunConfig, backend: str, log: Log) -> dict[str, Any]:
     section["contenders"] = [summary.contender_entry(s.describe(), runs[s.plan.name]) for s in slots]
     section["ratios_to_nginx"] = summary.ratios_to(section["contenders"], targets.NGINX)
     section["ratios_to_router"] = summary.ratios_to(section["contenders"], targets.ROUTER)
+    section["ratios_to_floor"] = summary.ratios_to(section["contenders"], targets.FLOOR)
     section["targets"] = targets.targets(section["contenders"])
     section["repeat_ratios"] = targets.repeat_ratios(section["contenders"])
     section["notes"] += summary.flag_notes(section["contenders"])

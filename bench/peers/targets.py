@@ -18,6 +18,8 @@ from typing import Any, Callable
 PROXY = "proxy-w2-ll"
 NGINX = "nginx"
 ROUTER = "vllm-router-p2"
+# Not judged against: the floor under the proxy (bench/peers/relay_floor.py), for ratios only.
+FLOOR = "relay-floor-w2"
 
 
 @dataclass(frozen=True)

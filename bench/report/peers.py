@@ -48,6 +48,8 @@ def backend_parts(name: str | None, backend: dict[str, Any], charts_dir: Path | 
     parts = [heading, targets_table(backend.get("targets") or []), medians(contenders),
              ratios(backend.get("ratios_to_nginx") or {}, "nginx"),
              ratios(backend.get("ratios_to_router") or {}, "vllm-router (power_of_two)"),
+             ratios(backend.get("ratios_to_floor") or {},
+                    "the relay floor (this proxy's server and client, nothing between)"),
              repeat_ratios(backend.get("repeat_ratios") or []), cpu_split(contenders),
              idle_cpu(backend.get("idle_cpu_cores_per_contender") or {}),
              flagged(contenders), chart_link(contenders, charts_dir, link_base, chart)]

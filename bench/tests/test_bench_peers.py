@@ -22,6 +22,7 @@ from bench.contenders import (
     DirectContender,
     NginxContender,
     ProxyContender,
+    RelayFloorContender,
     RouterContender,
     router_available,
 )
@@ -66,7 +67,8 @@ def test_plan_always_has_the_direct_baseline_and_rejects_unknown_names() -> None
 def test_the_default_run_is_issue_15s_set_on_both_backends() -> None:
     cfg = RunConfig(out="-")
     plans = {p.name: p for p in chosen(cfg)}
-    assert list(plans) == ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2"]
+    assert list(plans) == ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2", "relay-floor-w2"]
+    assert (plans["relay-floor-w2"].kind, plans["relay-floor-w2"].workers) == ("floor", 2)
     assert (plans["proxy-w2-ll"].workers, plans["proxy-w2-ll"].strategy) == (2, "least_load")
     assert (plans["nginx"].workers, plans["nginx"].strategy) == (2, "least_conn")
     assert plans["vllm-router-p2"].strategy == "power_of_two"
@@ -207,6 +209,26 @@ def test_quick_run_writes_the_shared_schema(tmp_path: Path, isolate: bool, backe
     assert stream["ttft_samples_ms"] and stream["ttft_p50_ms"] > 0
     assert all(r["cpu_s"] > 0 and r["rss_mb"] > 0 for r in nginx["runs"])  # charged to nginx
     assert "| nginx |" in done.stdout and f"## backend: {backend}" in done.stdout
+
+
+def test_relay_floor_relays_answers_and_streams_in_turn_from_two_processes(
+        instances: SimInstances) -> None:
+    for i in range(len(instances.urls)):
+        instances.reset_stats(i)
+    with RelayFloorContender("floor-test", instances) as floor:
+        for _ in range(6):
+            status, body = http_json("POST", f"{floor.url}/v1/chat/completions", BODY)
+            assert status == 200 and body["object"] == "chat.completion", body
+            assert "_cacheroute_meta" not in body  # nothing of the product between the two
+        served = [instances.stats(i)["completed"] for i in range(2)]
+        assert sum(served) == 6 and min(served) > 0, served  # each process takes them in turn
+        stream = stream_load.run_process(floor.url, 4, 1.0, 3)
+        assert stream["streams_ok"] > 0 and stream["errors"] == 0, stream
+        root = psutil.Process(floor.pids()[0])
+        relays = root.children()
+        assert len(relays) == 2 and floor.cpu_seconds() > 0  # both charged to the contender
+    assert floor.pids() == []
+    assert not any(p.is_running() and p.status() != "zombie" for p in relays)
 
 
 def test_contenders_route_over_the_starlette_fake(tmp_path: Path) -> None:
