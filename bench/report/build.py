@@ -47,6 +47,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("peers_repeat.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_repeat.json",
             "This proxy against nginx and an LLM router: the same run repeated")),
+        ("peers_task_clock.json", peers.task_clock_section),
         ("affinity.json", affinity.section),
         ("affinity_ninth.json", lambda d: affinity.section(d, "affinity_ninth.json")),
         ("affinity_vllm.json", affinity_vllm.section),
