@@ -167,6 +167,25 @@ def test_peers_with_two_backends_renders_a_subsection_each(tmp_path: Path) -> No
     assert "router did not install" in fake_part  # the run's own notes close the section
 
 
+def test_the_task_clock_run_renders_each_backend_with_ratios_to_the_router(tmp_path: Path) -> None:
+    def entry(us: float, groups: dict[str, float]) -> dict[str, Any]:
+        return {"rps": 2000.0, "task_clock_us_per_req": us, "per_repeat_us": [us, us + 10],
+                "groups": {g: {"task_clock_us_per_req": v, "context_switches_per_req": 0.7}
+                           for g, v in groups.items()}, "errors": 0}
+    medians = {"proxy-w2-ll": entry(440.0, {"sidecar": 35.0, "workers": 405.0}),
+               "vllm-router-p2": entry(220.0, {"tree": 220.0})}
+    (tmp_path / "peers_task_clock.json").write_text(json.dumps(
+        {"command": "python -m bench.peers.task_clock", "started_at": "2026-12-02T13:12:00+00:00",
+         "backends": {"sim": medians, "starlette": medians}}))
+    text, used = build(tmp_path, tmp_path / "BENCHMARKS.md", None)
+    assert used == ["peers_task_clock.json"]
+    sim_part, fake_part = text.split("### Backend `starlette`")
+    assert "### Backend `sim`" in sim_part
+    for part in (sim_part, fake_part):
+        assert "| `proxy-w2-ll` | 2,000 | 440 | 2.00× | 440, 450 | sidecar 35, workers 405 |" in part
+        assert "| `vllm-router-p2` | 2,000 | 220 | 1.00× |" in part
+
+
 def test_the_command_line_writes_the_report(results_dir: Path, tmp_path: Path) -> None:
     from bench.report.__main__ import main
 
