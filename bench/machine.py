@@ -63,18 +63,34 @@ def tree_cpu_s(pids: list[int]) -> float:
 RoleOf = Callable[["psutil.Process", set[int]], str]
 
 
-def tree_cpu_s_by_role(pids: list[int], role_of: RoleOf) -> dict[str, float]:
-    """tree_cpu_s split by role: `role_of(process, root pids)` names each live process's role
-    (say, from its command line); seconds are summed per role (take deltas, as above)."""
+def tree_by_role(pids: list[int], role_of: RoleOf) -> dict[str, list["psutil.Process"]]:
+    """The live processes of these trees by role: `role_of(process, root pids)` names each
+    one's role (say, from its command line)."""
     import psutil
 
-    roots, totals = set(pids), {}
+    roots, found = set(pids), {}
     for proc in process_tree(pids):
         try:
-            times, role = proc.cpu_times(), role_of(proc, roots)
+            role = role_of(proc, roots)
         except psutil.Error:
             continue
-        totals[role] = totals.get(role, 0.0) + times.user + times.system
+        found.setdefault(role, []).append(proc)
+    return found
+
+
+def tree_cpu_s_by_role(pids: list[int], role_of: RoleOf) -> dict[str, float]:
+    """tree_cpu_s split by role (tree_by_role); seconds are summed per role (take deltas, as
+    above)."""
+    import psutil
+
+    totals: dict[str, float] = {}
+    for role, procs in tree_by_role(pids, role_of).items():
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            totals[role] = totals.get(role, 0.0) + times.user + times.system
     return totals
 
 

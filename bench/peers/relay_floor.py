@@ -2,8 +2,8 @@
 
 `python -m bench.peers.relay_floor --port P --processes N --upstream URL ...` forks N relay
 processes onto one SO_REUSEPORT port, as the proxy's workers share theirs, and waits for them
-(SIGTERM/SIGINT is passed on); the contender is `relay-floor-w2` (bench/contenders.py). Each is the product's HTTP/1.1 server (cacheroute_proxy/http1)
-and its forward client (proxy_workers/upstream.py) with nothing of the product between them: the
+(SIGTERM/SIGINT is passed on); the contender is `relay-floor-w2` (bench/contenders.py). Each
+is the product's HTTP/1.1 server (cacheroute_proxy/http1) and its forward client (proxy_workers/upstream.py) with nothing of the product between them: the
 body read, the next instance in turn, the request forwarded, the answer relayed whole or, for a
 stream, chunk by chunk. No validation, selection, admission, shared table, events, meta, headers
 policy or metrics.
@@ -19,7 +19,6 @@ import argparse
 import itertools
 import os
 import signal
-import socket
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,6 +26,7 @@ from cacheroute_proxy import serving
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http1 import Cycle, GracefulExit, Http1Server
 from proxy_workers.headers import relayed
+from proxy_workers.server import bind_socket
 from proxy_workers.upstream import Upstream
 
 BODY_LIMIT = 1 << 20
@@ -75,11 +75,7 @@ class Relay:
 
 def serve_one(port: int, upstreams: list[str]) -> None:
     relay = Relay(upstreams)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(2048)
+    sock = bind_socket("127.0.0.1", port, reuse_port=True)  # as a worker binds the shared port
     routes = {("POST", path): relay.handle for path in ROUTES}
     server = Http1Server(relay.asgi, GracefulExit(5.0), 5.0, routes=routes)
     serving.serve(server, [sock], lambda _server: "relay floor")

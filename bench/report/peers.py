@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from bench.peers import targets
 from bench.report import blocks
 from bench.report.fmt import label, num, ratio, table, verdict
 
@@ -40,10 +41,14 @@ def backends(data: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
     return [(None, data)]
 
 
+def backend_heading(name: str) -> str:
+    return f"### Backend `{name}`: {BACKEND_TITLES.get(name, name)}"
+
+
 def backend_parts(name: str | None, backend: dict[str, Any], charts_dir: Path | None,
                   link_base: str, tag: str = "") -> list[str]:
     contenders = backend.get("contenders", [])
-    heading = f"### Backend `{name}`: {BACKEND_TITLES.get(name, name)}" if name else ""
+    heading = backend_heading(name) if name else ""
     chart = f"peers_latency_{name}{tag}.png" if name else f"peers_latency{tag}.png"
     parts = [heading, targets_table(backend.get("targets") or []), medians(contenders),
              ratios(backend.get("ratios_to_nginx") or {}, "nginx"),
@@ -239,7 +244,7 @@ def task_clock_section(data: dict[str, Any]) -> str:
     parts = ["## CPU per request by the scheduler's clock (perf task-clock)",
              *blocks.header_blocks(data, "peers_task_clock.json")]
     for name, medians in (data.get("backends") or {}).items():
-        router = (medians.get("vllm-router-p2") or {}).get("task_clock_us_per_req")
+        router = (medians.get(targets.ROUTER) or {}).get("task_clock_us_per_req")
         rows = []
         for contender, m in medians.items():
             split = ", ".join(f"{g} {num(v.get('task_clock_us_per_req'))}"
@@ -248,7 +253,7 @@ def task_clock_section(data: dict[str, Any]) -> str:
             rows.append([f"`{contender}`", num(m.get("rps")), num(mine),
                          ratio(mine / router if mine is not None and router else None),
                          ", ".join(num(v) for v in m.get("per_repeat_us") or []), split])
-        parts.append(f"### Backend `{name}`: {BACKEND_TITLES.get(name, name)}\n\n" + table(
+        parts.append(backend_heading(name) + "\n\n" + table(
             ["contender", "req/s c32", "µs CPU / request", "× vllm-router", "per repeat (µs)",
              "by group (µs)"], rows))
     return "\n\n".join(parts)
