@@ -13,6 +13,11 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
 - `without metrics`, `without events`, `without meta`: the same with one part replaced by a
   no-op (the metric files' writes; the reserve/complete events to the sidecar; encoding the trace and
   splicing it into the answer), so the difference is that part's cost;
+- `parts inline`: the parts `full` runs for a plain request (the body's decode, the choice and
+  the lease, the predictions and the reservation, admission, the forward, the completion, the
+  trace and the meta, the headers, the metrics) called from one coroutine, with none of the
+  layers between them (app, exchange, pipeline, release order, disconnect watch, retries,
+  error answers): what doing the same work costs in Python at least;
 - `relay floor`: read the body, open the upstream, read its answer, send it whole: what any
   proxy on this client and server pays.
 
@@ -116,6 +121,7 @@ class Worker:
     def __init__(self, ports: list[int]) -> None:
         from cacheroute_proxy.config import Settings
         from proxy_workers.app import DataPlane
+        from proxy_workers.predictors import get_predictors
         from proxy_workers.server import assemble
         from shm_schema import DirectoryWriter, Segment, WorkerRow
         from shm_schema.events import EventReader
@@ -127,9 +133,11 @@ class Worker:
         for i, port in enumerate(ports):
             writer.allocate(f"inst-{i}", "127.0.0.1", port)
         self.row = WorkerRow.claim(self.seg, 0)
-        ctx = assemble(settings, self.seg, self.row, 0).ctx
+        parts = assemble(settings, self.seg, self.row, 0)
+        ctx = parts.ctx
         self.upstream = ctx.upstream
         self.plane = DataPlane(ctx)
+        self.inline = InlinePlainRequest(parts, get_predictors(settings.predictor_profile))
         self.events = EventReader(self.seg)
         self._ports = itertools.cycle(ports)
 
@@ -156,6 +164,65 @@ class Worker:
         Segment.unlink(self.name)
 
 
+class InlinePlainRequest:
+    """`full`'s parts for a plain request, called from one coroutine (the `parts inline`
+    variant, in the module's docstring). The parts are looked up once, as the layers do."""
+
+    def __init__(self, parts: Any, predictors: Any) -> None:
+        from cacheroute_proxy.clock import now_ms
+        from proxy_workers import metrics
+        from proxy_workers.app import read_body
+        from proxy_workers.exchange import meta_spliced
+        from proxy_workers.headers import relayed, with_defaults
+        from proxy_workers.request_model import Endpoint, recover
+        from proxy_workers.trace import Knowledge, Trace, encode_meta
+        from shm_schema import layout
+        self.ctx, self.tracker, self.predictors = parts.ctx, parts.tracker, predictors
+        self.now_ms, self.observe, self.read_body, self.recover = now_ms, metrics.observe_request, read_body, recover
+        self.meta_spliced, self.encode_meta, self.Knowledge, self.Trace = meta_spliced, encode_meta, Knowledge, Trace
+        self.relayed, self.with_defaults = relayed, with_defaults
+        self.chat, self.ready_lane = Endpoint.CHAT, layout.LANE_READY_ACTIVE
+
+    async def __call__(self, cycle: Any) -> None:
+        ctx, tracker, predictors, now_ms = self.ctx, self.tracker, self.predictors, self.now_ms
+        upstream = ctx.upstream
+        started = time.perf_counter()
+        trace = self.Trace(proxy_recv_ms=now_ms(), worker=ctx.name)
+        request = self.recover(self.chat, await self.read_body(cycle, ctx.settings.max_body_bytes))
+        trace.request_id = request.request_id
+        forwarded = upstream.forwarded(cycle.headers)
+        trace.route_select_start_ms = now_ms()
+        lease = ctx.router.acquire(frozenset(), request)
+        instance = lease.instance
+        key = tracker.new_key()
+        try:
+            trace.route_select_end_ms = trace.proxy_enqueue_ms = trace.ready_enqueue_ms = now_ms()
+            trace.instance_id = instance.instance_id
+            service = predictors.text_service_ms(request.prompt_tokens, 0)
+            decode = predictors.decode_ms(request.prompt_tokens, request.decode_tokens, 1)
+            trace.predict_service_ms, trace.predict_decode_ms = round(service, 1), round(decode, 1)
+            tracker.reserve(key, instance.slot, instance.generation, service, decode,
+                            request.decode_tokens, request.prompt_tokens)
+            lease.try_admit(self.ready_lane, ctx.settings.ready_concurrency)
+            trace.ready_dequeue_ms = trace.forward_start_ms = now_ms()
+            response = await upstream.open(instance.host, instance.port, request.endpoint.path,
+                                           request.encoded_body(), forwarded)
+            answer = await upstream.read_all(response)
+            lease.leave(self.ready_lane)
+            tracker.complete(key, False)
+            ctx.router.outliers.succeeded((instance.slot, instance.generation))
+            trace.forward_end_ms = now_ms()
+            answer = self.meta_spliced(answer, self.encode_meta(trace, None, self.Knowledge()))[0]
+            headers = self.with_defaults(self.relayed(response.headers), (b"content-type", b"application/json"))
+            headers += [(b"x-cacheroute-instance", instance.instance_id.encode()),
+                        (b"x-cacheroute-worker", ctx.name.encode())]
+        finally:
+            lease.release()
+        cycle.send_whole(200, headers, answer)
+        response.release()
+        self.observe(request.endpoint.value, 200, time.perf_counter() - started, instance.instance_id)
+
+
 def a_cycle() -> Any:
     from cacheroute_proxy.http1 import Cycle
     cycle = Cycle(CountingConnection(), "POST", b"/v1/chat/completions", b"", list(HEADERS), "1.1", True)
@@ -173,6 +240,7 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(tracker.RequestTracker, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
+        "parts inline": (worker.inline, contextlib.nullcontext),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 
