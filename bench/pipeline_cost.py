@@ -17,7 +17,7 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
   the lease, the predictions and the reservation, admission, the forward, the completion, the
   trace and the meta, the headers, the metrics) called from one coroutine, with none of the
   layers between them (app, exchange, pipeline, release order, disconnect watch, retries,
-  error answers): what doing the same work costs in Python at least;
+  error answers): what doing the same work costs in Python at least (bench/pipeline_inline.py);
 - `relay floor`: read the body, open the upstream, read its answer, send it whole: what any
   proxy on this client and server pays.
 
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,7 @@ class Worker:
     """A worker's parts, assembled as proxy_workers/server.py does it, over a private segment."""
 
     def __init__(self, ports: list[int]) -> None:
+        from bench.pipeline_inline import InlinePlainRequest
         from cacheroute_proxy.config import Settings
         from proxy_workers.app import DataPlane
         from proxy_workers.predictors import get_predictors
@@ -164,68 +165,25 @@ class Worker:
         Segment.unlink(self.name)
 
 
-class InlinePlainRequest:
-    """`full`'s parts for a plain request, called from one coroutine (the `parts inline`
-    variant, in the module's docstring). The parts are looked up once, as the layers do."""
-
-    def __init__(self, parts: Any, predictors: Any) -> None:
-        from cacheroute_proxy.clock import now_ms
-        from proxy_workers import metrics
-        from proxy_workers.app import read_body
-        from proxy_workers.exchange import meta_spliced
-        from proxy_workers.headers import relayed, with_defaults
-        from proxy_workers.request_model import Endpoint, recover
-        from proxy_workers.trace import Knowledge, Trace, encode_meta
-        from shm_schema import layout
-        self.ctx, self.tracker, self.predictors = parts.ctx, parts.tracker, predictors
-        self.now_ms, self.observe, self.read_body, self.recover = now_ms, metrics.observe_request, read_body, recover
-        self.meta_spliced, self.encode_meta, self.Knowledge, self.Trace = meta_spliced, encode_meta, Knowledge, Trace
-        self.relayed, self.with_defaults = relayed, with_defaults
-        self.chat, self.ready_lane = Endpoint.CHAT, layout.LANE_READY_ACTIVE
-
-    async def __call__(self, cycle: Any) -> None:
-        ctx, tracker, predictors, now_ms = self.ctx, self.tracker, self.predictors, self.now_ms
-        upstream = ctx.upstream
-        started = time.perf_counter()
-        trace = self.Trace(proxy_recv_ms=now_ms(), worker=ctx.name)
-        request = self.recover(self.chat, await self.read_body(cycle, ctx.settings.max_body_bytes))
-        trace.request_id = request.request_id
-        forwarded = upstream.forwarded(cycle.headers)
-        trace.route_select_start_ms = now_ms()
-        lease = ctx.router.acquire(frozenset(), request)
-        instance = lease.instance
-        key = tracker.new_key()
-        try:
-            trace.route_select_end_ms = trace.proxy_enqueue_ms = trace.ready_enqueue_ms = now_ms()
-            trace.instance_id = instance.instance_id
-            service = predictors.text_service_ms(request.prompt_tokens, 0)
-            decode = predictors.decode_ms(request.prompt_tokens, request.decode_tokens, 1)
-            trace.predict_service_ms, trace.predict_decode_ms = round(service, 1), round(decode, 1)
-            tracker.reserve(key, instance.slot, instance.generation, service, decode,
-                            request.decode_tokens, request.prompt_tokens)
-            lease.try_admit(self.ready_lane, ctx.settings.ready_concurrency)
-            trace.ready_dequeue_ms = trace.forward_start_ms = now_ms()
-            response = await upstream.open(instance.host, instance.port, request.endpoint.path,
-                                           request.encoded_body(), forwarded)
-            answer = await upstream.read_all(response)
-            lease.leave(self.ready_lane)
-            tracker.complete(key, False)
-            ctx.router.outliers.succeeded((instance.slot, instance.generation))
-            trace.forward_end_ms = now_ms()
-            answer = self.meta_spliced(answer, self.encode_meta(trace, None, self.Knowledge()))[0]
-            headers = self.with_defaults(self.relayed(response.headers), (b"content-type", b"application/json"))
-            headers += [(b"x-cacheroute-instance", instance.instance_id.encode()),
-                        (b"x-cacheroute-worker", ctx.name.encode())]
-        finally:
-            lease.release()
-        cycle.send_whole(200, headers, answer)
-        response.release()
-        self.observe(request.endpoint.value, 200, time.perf_counter() - started, instance.instance_id)
+@contextlib.asynccontextmanager
+async def canned_worker() -> AsyncIterator[Worker]:
+    """A Worker over two canned upstreams on this loop; all of it closed afterwards."""
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(CannedUpstream, "127.0.0.1", 0) for _ in range(2)]
+    worker = Worker([s.sockets[0].getsockname()[1] for s in servers])
+    try:
+        yield worker
+    finally:
+        worker.close()
+        for server in servers:
+            server.close()
 
 
-def a_cycle() -> Any:
+def a_cycle(connection: Any = None) -> Any:
+    """One request, its body already read, on `connection` (a CountingConnection by default)."""
     from cacheroute_proxy.http1 import Cycle
-    cycle = Cycle(CountingConnection(), "POST", b"/v1/chat/completions", b"", list(HEADERS), "1.1", True)
+    cycle = Cycle(connection or CountingConnection(), "POST", b"/v1/chat/completions", b"",
+                  list(HEADERS), "1.1", True)
     cycle.feed(BODY)
     cycle.end_of_body()
     return cycle
@@ -259,10 +217,7 @@ def _without_meta(exchange: Any) -> Iterator[None]:
 
 
 async def measure(requests: int, repeats: int) -> dict[str, list[float]]:
-    loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(CannedUpstream, "127.0.0.1", 0) for _ in range(2)]
-    worker = Worker([s.sockets[0].getsockname()[1] for s in servers])
-    try:
+    async with canned_worker() as worker:
         runs = variants(worker)
         samples: dict[str, list[float]] = {name: [] for name in runs}
         batches = max(1, requests // CONCURRENCY)
@@ -280,10 +235,6 @@ async def measure(requests: int, repeats: int) -> dict[str, list[float]]:
                     elapsed = time.process_time() - started
                 samples[name].append(elapsed / (batches * CONCURRENCY) * 1e6)
         return samples
-    finally:
-        worker.close()
-        for server in servers:
-            server.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
-
-import asyncio
 from typing import Any
 
 import uvloop
@@ -50,33 +49,21 @@ class CapturingConnection(pipeline_cost.CountingConnection):
 def test_the_inline_variant_does_the_full_paths_work_for_a_plain_request(tmp_path: Path) -> None:
     """What `parts inline` is measured for is the same work as `full`: an answer with the meta
     and the instance named, a reservation and a completion for the sidecar, the lanes left."""
-    from cacheroute_proxy.http1 import Cycle
     from proxy_workers import metrics
-    from shm_schema import counter_value, layout
+    from shm_schema import DirectoryReader, counter_value, layout
     from shm_schema.events import EventKind
 
     async def one_each() -> list[tuple[bytes, list[Any], list[int | None]]]:
-        loop = asyncio.get_running_loop()
-        servers = [await loop.create_server(pipeline_cost.CannedUpstream, "127.0.0.1", 0) for _ in range(2)]
-        worker = pipeline_cost.Worker([s.sockets[0].getsockname()[1] for s in servers])
-        seen = []
-        try:
+        seen: list[tuple[bytes, list[Any], list[int | None]]] = []
+        async with pipeline_cost.canned_worker() as worker:
             for handler in (worker.full, worker.inline):
                 connection = CapturingConnection()
-                cycle = Cycle(connection, "POST", b"/v1/chat/completions", b"",
-                              list(pipeline_cost.HEADERS), "1.1", True)
-                cycle.feed(pipeline_cost.BODY)
-                cycle.end_of_body()
-                await handler(cycle)
+                await handler(pipeline_cost.a_cycle(connection))
                 events = list(worker.events.drain(worker.row.row))
-                snapshot = worker.plane._ctx.router.view.directory.snapshot()
+                snapshot = DirectoryReader(worker.seg).snapshot()
                 counts = [counter_value(worker.seg, i.slot, i.generation, lane) for i in snapshot.alive
                           for lane in (layout.LANE_INFLIGHT, layout.LANE_READY_ACTIVE)]
                 seen.append((connection.data, [e.kind for e in events], counts))
-        finally:
-            worker.close()
-            for server in servers:
-                server.close()
         return seen
 
     metrics.open_store(str(tmp_path))
@@ -84,6 +71,7 @@ def test_the_inline_variant_does_the_full_paths_work_for_a_plain_request(tmp_pat
         seen = uvloop.run(one_each())
     finally:
         metrics.open_store(None)
+    assert len(seen) == 2
     for answer, kinds, counts in seen:
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
