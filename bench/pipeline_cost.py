@@ -18,8 +18,9 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
   trace and the meta, the headers, the metrics) called from one coroutine, with none of the
   layers between them (app, exchange, pipeline, release order, disconnect watch, retries,
   error answers): what doing the same work costs in Python at least (bench/pipeline_inline.py);
-- `relay floor`: read the body, open the upstream, read its answer, send it whole: what any
-  proxy on this client and server pays.
+- `relay floor`: bench-peers' relay floor (bench/peers/relay_floor.py) on the same client:
+  read the body, open the next upstream, read its answer, send it whole: what any proxy on this
+  client and server pays.
 
 The event ring is drained between blocks, as the sidecar would. Bounded: `--requests` per
 block, `--repeats` blocks per variant; everything it creates (the segment, the metrics
@@ -32,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import itertools
 import json
 import os
 import shutil
@@ -119,6 +119,7 @@ class Worker:
     """A worker's parts, assembled as proxy_workers/server.py does it, over a private segment."""
 
     def __init__(self, ports: list[int]) -> None:
+        from bench.peers.relay_floor import Relay
         from bench.pipeline_inline import InlinePlainRequest
         from cacheroute_proxy.config import Settings
         from proxy_workers.app import DataPlane
@@ -140,19 +141,12 @@ class Worker:
         self.plane = DataPlane(ctx)
         self.inline = InlinePlainRequest(parts, get_predictors(settings.predictor_profile))
         self.events = EventReader(self.seg)
-        self._ports = itertools.cycle(ports)
+        # bench-peers' relay floor over the same client and instances: one floor for both benches.
+        self.floor = Relay([f"http://127.0.0.1:{port}" for port in ports], ctx.upstream).handle
 
     async def full(self, cycle: Any) -> None:
         from proxy_workers.request_model import Endpoint
         await self.plane.serve(Endpoint.CHAT, cycle)
-
-    async def floor(self, cycle: Any) -> None:
-        from proxy_workers.headers import relayed
-        body = await cycle.read_body(1 << 20)
-        response = await self.upstream.open("127.0.0.1", next(self._ports), "/v1/chat/completions", body)
-        answer = await self.upstream.read_all(response)
-        response.release()
-        cycle.send_whole(200, relayed(response.headers), answer)
 
     def drain_events(self) -> None:
         for _ in self.events.drain(self.row.row):

@@ -36,8 +36,8 @@ ROUTES = (b"/v1/chat/completions", b"/v1/completions")
 class Relay:
     """Forward each request to the next upstream in turn; relay what comes back."""
 
-    def __init__(self, upstreams: list[str]) -> None:
-        self.upstream = Upstream(Settings())
+    def __init__(self, upstreams: list[str], upstream: Upstream | None = None) -> None:
+        self.upstream = upstream or Upstream(Settings())
         self._next = itertools.cycle([(u.hostname or "127.0.0.1", u.port or 80)
                                       for u in map(urlsplit, upstreams)])
 

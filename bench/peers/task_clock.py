@@ -15,8 +15,6 @@ Needs `perf` (Debian: linux-perf). Short and bounded: per repeat and contender, 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import shutil
 import statistics
 import subprocess
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.contenders import Contender, proxy_role
-from bench.machine import machine_info, process_tree, tree_by_role
+from bench.machine import machine_info, process_tree, run_record, tree_by_role, utc_now, write_report
 from bench.peers import measure
 from bench.peers.plan import BACKENDS, KNOWN, RunConfig, instances_for
 from bench.wrk import run_wrk
@@ -136,16 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = [n for n in args.contenders if n != "direct"]
     backends = list(BACKENDS) if args.backend == "both" else [args.backend]
-    result = {"command": " ".join(["python -m bench.peers.task_clock", *(argv or sys.argv[1:])]),
-              "started_at": dt.datetime.now(dt.timezone.utc).isoformat(), "machine": machine_info(),
-              "repeats": args.repeats, "seconds": args.seconds,
-              "backends": {b: run(b, names, args.repeats, args.seconds) for b in backends}}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    started_at, machine = utc_now(), machine_info()
+    measured = {b: run(b, names, args.repeats, args.seconds) for b in backends}
+    result = {**run_record("bench.peers.task_clock", argv, started_at, machine),
+              "repeats": args.repeats, "seconds": args.seconds, "backends": measured}
     for backend, medians in result["backends"].items():
         for name, m in medians.items():
             print(f"{backend:9} {name:16} {m['rps']:8.0f} req/s  {m['task_clock_us_per_req']:6.1f} "
                   f"µs CPU/request ({by_group(m['groups'])})")
-    print(f"wrote {args.out}")
+    write_report(Path(args.out), result)
     return 0
 
 
