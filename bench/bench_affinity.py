@@ -1,40 +1,40 @@
-"""kv_aware against least_load and round_robin, and the shared index against per-worker ones.
+"""kv_aware against least_load and round_robin, and the shared index against per-worker ones, on
+simulated instances whose KV holds part of the knowledge a KDN serves.
 
-Run:  python -m bench.bench_affinity --out bench/results/affinity.json [--duration 40] [--seed 1]
+Run:  python -m bench.bench_affinity --out bench/results/affinity.json [--workload knowledge64]
+      [--requests 1500] [--load 0.6] [--seed 1]
 
 Every contender gets a fresh copy of the same stack, all on 127.0.0.1 free ports with a private
-segment: a simulated KDN (200 knowledge ids, every one with prebuilt KV, 50..3000 tokens), three
-simulated instances (one at half speed) that keep the KV they are given in an LRU of about a
-third of the corpus's tokens (`--kv-capacity-tokens`, the same capacity registered to the proxy
-as `meta.kv_mem_gb`), cache prompt prefixes (`--prefix-caching`) and report their resident ids
-in heartbeats (`--report-resident`), and `cacheroute-proxy run` with the contender's workers,
-strategy and affinity view. Everything runs at `--time-scale` (0.05: a 3,000-token prefill takes
-~220 ms, its KDN transfer ~130 ms).
+segment: a simulated KDN (every id with prebuilt KV), three simulated instances (one at half
+speed) that keep the KV they are given in an LRU of `capacity_share` of the corpus's tokens (the
+same capacity registered to the proxy as `meta.kv_mem_gb`), cache prompt prefixes and report
+their resident ids in heartbeats, and `cacheroute-proxy run` with the contender's workers,
+strategy and affinity view. Everything runs at `--time-scale` (0.05).
 
-The same seeded workload goes to each: bursty arrivals (2 s at the high rate, 2 s at the low
-one), 75 % CacheRoute kvcache requests naming 1-3 distinct ids drawn from a Zipf(1.1) popularity
-over the 200 ids, 25 % plain OpenAI chats whose system prompt is one of 4 shared ones (Zipf too).
-All stream; TTFT is the time to the first chunk of the answer.
+Load is calibrated first: a closed loop of CALIBRATION_CONCURRENCY streams through least_load
+(4 workers) on a stack of its own measures the saturation throughput; the measured run then
+offers `--load` of it on average, in bursts (BURST_S at `burst[0]` x the mean, then BURST_S at
+`burst[1]` x), Poisson within each. The same seeded sequence goes to every contender.
+
+Workloads (WORKLOADS): `knowledge64`, the targets' workload: 64 knowledge ids, one per request,
+drawn Zipf(0.6); each instance holds 0.4 of the ids' KV. `mixed200`: 75 % kvcache requests
+naming 1-3 of 200 ids drawn Zipf(1.1), 25 % plain chats over 4 shared system prompts; each
+instance holds a third of the corpus.
 
 Per contender: the resident-hit rate (of the kv-ready ids requested, the share whose KV was
 already on the instance that served them: 1 - (ids the instances had the KDN copy in + ids the
 proxy believed resident that the instance had evicted) / ids requested), KDN bytes moved, TTFT
-p50/p99 (all requests, and knowledge ones alone), the prefix-cache hit rate of the plain
-requests' prompt tokens, each instance's share of the requests with their coefficient of
-variation, and how often kv_aware's balance guard fired (`affinity_guard` in the trace).
-Everything started is stopped, by pid, at the end.
-
-Before the contenders run, the workload is replayed offline against LRU caches of the same
-capacity (bench/affinity_ceiling.py): the hit rate of routing at random and of routing to the
-instance that holds most of a request's knowledge with no regard for load. Their ratio is about
-as far as any affinity can get ahead of load-only routing on this workload.
+p50/p99 (the first chunk of the answer), each instance's share of the requests against its
+fair share by speed, and how kv_aware decided (its guard, its predicted saving). Before the
+contenders run, the workload is replayed offline against LRU caches of the same capacity
+(bench/affinity_ceiling.py): routing to the holder with no regard for load is the ceiling
+affinity can reach. Everything started is stopped, by pid, at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import math
 import random
@@ -52,16 +52,35 @@ import aiohttp
 
 from bench.affinity_ceiling import ceilings
 from bench.launch import wait_for
-from bench.machine import machine_info, write_report
+from bench.machine import machine_info, run_record, utc_now, write_report
 from bench.stats import percentile
 from bench.streamed import stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
-KNOWLEDGE_IDS = 200
-ZIPF_S = 1.1
 SYSTEM_PROMPTS = 4
 INSTANCES = 3
 SLOW_FACTOR = 2.0  # instance 0 takes twice as long for everything
+BURST_S = 2.0
+CALIBRATION_CONCURRENCY = 48  # streams in flight: twice what the three instances run at once
+CALIBRATION_S = 15.0
+SIM_KDN_BANDWIDTH_MBPS = 1000.0  # cacheroute_sim.kdn's default link, at time scale 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    knowledge_ids: int
+    zipf_s: float
+    kids_per_request: tuple[int, int]  # how many distinct ids a knowledge request names
+    plain_share: float  # of the requests, plain chats over SYSTEM_PROMPTS shared system prompts
+    capacity_share: float  # of the corpus's tokens, each instance's KV
+    burst: tuple[float, float] = (1.65, 0.35)  # x the mean rate, BURST_S each
+
+
+WORKLOADS = {w.name: w for w in (
+    Workload("knowledge64", 64, 0.6, (1, 1), 0.0, 0.4),
+    Workload("mixed200", 200, 1.1, (1, 3), 0.25, 1 / 3),
+)}
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ CONTENDERS = (
     Contender("least_load x4", 4, "least_load"),
     Contender("round_robin x4", 4, "round_robin"),
 )
+CALIBRATION = CONTENDERS[3]
 
 
 # --- the workload -----------------------------------------------------------------------------------
@@ -94,29 +114,38 @@ def zipf_weights(count: int, s: float) -> list[float]:
     return [1.0 / (rank ** s) for rank in range(1, count + 1)]
 
 
-def plan(seed: int, duration_s: float, high_rate: float, low_rate: float) -> list[Planned]:
-    """The seeded request sequence: Poisson arrivals whose rate alternates every 2 s."""
-    rng = random.Random(seed)
-    ids = [f"k{i:04d}" for i in range(KNOWLEDGE_IDS)]
+def requests_of(workload: Workload, rng: random.Random) -> Any:
+    """An endless seeded stream of (kids, system, question), popularity rank shuffled over ids."""
+    ids = [f"k{i:04d}" for i in range(workload.knowledge_ids)]
     rng.shuffle(ids)  # popularity rank -> id, not id order
-    weights = zipf_weights(KNOWLEDGE_IDS, ZIPF_S)
-    system_weights = zipf_weights(SYSTEM_PROMPTS, ZIPF_S)
-    planned, t = [], 0.0
+    weights = zipf_weights(workload.knowledge_ids, workload.zipf_s)
+    system_weights = zipf_weights(SYSTEM_PROMPTS, 1.1)
+    low, high = workload.kids_per_request
     while True:
-        rate = high_rate if int(t // 2) % 2 == 0 else low_rate
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return planned
-        if rng.random() < 0.75:
+        if rng.random() >= workload.plain_share:
             chosen: list[str] = []
-            for _ in range(rng.randint(1, 3)):
+            for _ in range(rng.randint(low, high)):
                 kid = rng.choices(ids, weights)[0]
                 if kid not in chosen:
                     chosen.append(kid)
-            planned.append(Planned(t, tuple(chosen)))
+            yield tuple(chosen), 0, ""
         else:
-            planned.append(Planned(t, (), rng.choices(range(SYSTEM_PROMPTS), system_weights)[0],
-                                   f"question {rng.randrange(10**6)}: " + "w" * rng.randint(40, 200)))
+            yield (), rng.choices(range(SYSTEM_PROMPTS), system_weights)[0], \
+                f"question {rng.randrange(10**6)}: " + "w" * rng.randint(40, 200)
+
+
+def plan(workload: Workload, seed: int, count: int, mean_rate: float) -> list[Planned]:
+    """`count` requests, Poisson arrivals whose rate alternates every BURST_S between
+    burst[0] and burst[1] x `mean_rate`."""
+    rng = random.Random(seed)
+    stream = requests_of(workload, rng)
+    high, low = (factor * mean_rate for factor in workload.burst)
+    planned, t = [], 0.0
+    while len(planned) < count:
+        t += rng.expovariate(high if int(t // BURST_S) % 2 == 0 else low)
+        kids, system, question = next(stream)
+        planned.append(Planned(t, kids, system, question))
+    return planned
 
 
 def system_prompt(index: int) -> str:
@@ -137,7 +166,7 @@ def body_of(request: Planned, kdn_addr: str, tokens: dict[str, int]) -> dict[str
                          {"role": "user", "content": request.question}]}
 
 
-# --- one run ------------------------------------------------------------------------------------------
+# --- driving it -----------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
     knowledge: bool
@@ -146,6 +175,7 @@ class Outcome:
     kv_ready: int = 0
     resident: int = 0
     guard: bool | None = None
+    saved_ms: float | None = None
     error: str | None = None
 
 
@@ -157,15 +187,20 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], k
         outcome.kv_ready = len(meta.get("kv_ready_kids") or [])
         outcome.resident = len(meta.get("resident_kids") or [])
         outcome.guard = meta["trace"].get("affinity_guard")
+        outcome.saved_ms = meta["trace"].get("affinity_saved_ms")
         if meta.get("error"):
             outcome.error = meta["error"]
     return outcome
 
 
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                 connector=aiohttp.TCPConnector(limit=512))
+
+
 async def drive(url: str, planned: list[Planned], kdn_addr: str, tokens: dict[str, int]) -> list[Outcome]:
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=256)) as session:
+    """Open loop: each request at its planned time, whatever the others are doing."""
+    async with _session() as session:
         begin = time.monotonic()
         tasks = []
         for request in planned:
@@ -177,6 +212,33 @@ async def drive(url: str, planned: list[Planned], kdn_addr: str, tokens: dict[st
         return list(await asyncio.gather(*tasks))
 
 
+async def closed_loop(url: str, workload: Workload, seed: int, kdn_addr: str, tokens: dict[str, int],
+                      concurrency: int, seconds: float) -> dict[str, Any]:
+    """`concurrency` streams back to back for `seconds` (the first BURST_S warm up, uncounted):
+    completed requests a second."""
+    stream = requests_of(workload, random.Random(seed))
+    done: list[float] = []
+    errors = 0
+    begin = time.monotonic()
+
+    async def loop(session: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        while time.monotonic() - begin < seconds:
+            kids, system, question = next(stream)
+            outcome = await _one(session, url, body_of(Planned(0.0, kids, system, question), kdn_addr, tokens),
+                                 bool(kids))
+            if outcome.error is None:
+                done.append(time.monotonic() - begin)
+            else:
+                errors += 1
+    async with _session() as session:
+        await asyncio.gather(*(loop(session) for _ in range(concurrency)))
+    counted = [t for t in done if BURST_S <= t <= seconds]
+    return {"concurrency": concurrency, "seconds": seconds, "completed": len(counted), "errors": errors,
+            "saturation_rps": round(len(counted) / (seconds - BURST_S), 2)}
+
+
+# --- the stack ------------------------------------------------------------------------------------------
 def _get(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
@@ -189,34 +251,40 @@ def _post(url: str, body: Any) -> Any:
         return json.loads(response.read())
 
 
+def _kdn_argv(port: int, time_scale: float, workload: Workload) -> list[str]:
+    return ["-m", "cacheroute_sim.kdn", "--port", str(port), "--time-scale", str(time_scale),
+            "--kv-ready-ratio", "1", "--knowledge-count", str(workload.knowledge_ids)]
+
 
 @dataclass
 class Stack:
     """KDN + three instances + the proxy for one contender; stopped by pid in stop()."""
     contender: Contender
+    workload: Workload
     time_scale: float
     capacity_tokens: int
     log_dir: Path
+    extra_env: dict[str, str] = field(default_factory=dict)  # --env, for every contender
     processes: list[ChildProcess] = field(default_factory=list)
     ports: SupervisorPorts | None = None
     kdn_addr: str = ""
     instance_urls: list[str] = field(default_factory=list)
-    extra_env: dict[str, str] = field(default_factory=dict)  # --env, for every contender
 
     def start(self) -> None:
         c, scale = self.contender, str(self.time_scale)
         kdn_port = free_port()
         self.kdn_addr = f"127.0.0.1:{kdn_port}"
-        self._spawn(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", scale,
-                     "--kv-ready-ratio", "1", "--knowledge-count", str(KNOWLEDGE_IDS)], "kdn")
+        self._spawn(_kdn_argv(kdn_port, self.time_scale, self.workload), "kdn")
         self.ports = ports = SupervisorPorts(c.workers, "cacheroute_bench_aff")
         env = {**ports.supervisor_env(c.strategy), "PROXY_AFFINITY_VIEW": c.affinity_view, **self.extra_env,
                # The capacity each instance registers (meta.kv_mem_gb) is in tokens x 1 MB.
-               "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1", "PROXY_PREDICTOR_PROFILE": "sim"}
+               "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1", "PROXY_PREDICTOR_PROFILE": "sim",
+               # The simulated KDN link: its bandwidth, as fast as the time scale makes it.
+               "KDN_DEFAULT_BANDWIDTH_MBPS": f"{SIM_KDN_BANDWIDTH_MBPS / self.time_scale:g}"}
         self._spawn(["-m", "cacheroute_proxy", "run"], "proxy", env)
         wait_for(lambda: _get(f"{self.kdn_url}/healthz") is not None, 30, "kdn")
         wait_for(lambda: all(_get(f"{ports.worker_url(i)}/healthz")["ok"] for i in range(c.workers)),
-              60, "workers")
+                 60, "workers")
         for i in range(INSTANCES):
             port = free_port()
             self.instance_urls.append(f"http://127.0.0.1:{port}")
@@ -228,7 +296,7 @@ class Stack:
                          "--prefix-caching", "--report-resident", "--heartbeat-interval", "2",
                          "--default-max-tokens", "8"], f"inst-{i}")
         wait_for(lambda: sum(r["is_alive"] for r in _get(f"{ports.cp_url}/debug/instance_loads")["instances"])
-              == INSTANCES, 30, "instances registered")
+                 == INSTANCES, 30, "instances registered")
 
     @property
     def kdn_url(self) -> str:
@@ -242,10 +310,31 @@ class Stack:
             process.stop(signal.SIGINT if process is self.processes[1] else signal.SIGTERM, 45)
 
 
-def corpus_tokens(kdn_url: str) -> dict[str, int]:
+def corpus_tokens(kdn_url: str, workload: Workload) -> dict[str, int]:
     found = _post(f"{kdn_url}/knowledge/search/text",
-                  {"knowledge_ids": [f"k{i:04d}" for i in range(KNOWLEDGE_IDS)], "need_fields": ["length"]})
+                  {"knowledge_ids": [f"k{i:04d}" for i in range(workload.knowledge_ids)], "need_fields": ["length"]})
     return {item["id"]: max(1, math.ceil(item["length"] / 4)) for item in found["items"]}
+
+
+def capacity_for(workload: Workload, time_scale: float) -> tuple[int, dict[str, int]]:
+    """The workload's share of the corpus's tokens, measured on a KDN of the same seed, and the
+    tokens of each id."""
+    port = free_port()
+    kdn = ChildProcess(_kdn_argv(port, time_scale, workload), {},
+                       Path(tempfile.mkdtemp(prefix="bench-affinity-kdn-")) / "kdn.log")
+    try:
+        wait_for(lambda: _get(f"http://127.0.0.1:{port}/healthz") is not None, 30, "kdn")
+        tokens = corpus_tokens(f"http://127.0.0.1:{port}", workload)
+        return int(sum(tokens.values()) * workload.capacity_share), tokens
+    finally:
+        kdn.stop(signal.SIGTERM, 10)
+
+
+# --- one contender ----------------------------------------------------------------------------------------
+def fair_shares() -> dict[str, float]:
+    """Each instance's share of the work by its speed (instance 0 runs at 1 / SLOW_FACTOR)."""
+    speeds = {f"inst-{i}": (1 / SLOW_FACTOR if i == 0 else 1.0) for i in range(INSTANCES)}
+    return {name: speed / sum(speeds.values()) for name, speed in speeds.items()}
 
 
 def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
@@ -265,10 +354,10 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
     for o in ok:
         if o.instance in shares:
             shares[o.instance] += 1
-    counts = list(shares.values())
-    mean = statistics.fmean(counts) if counts else 0.0
+    fair = fair_shares()
     queries = sum(s["prefix_cache_queries"] for s in instances)
     guards = [o.guard for o in ok if o.guard is not None]
+    saved = [o.saved_ms for o in ok if o.saved_ms is not None]
     return {
         "contender": contender.name, "workers": contender.workers, "strategy": contender.strategy,
         "affinity_view": contender.affinity_view,
@@ -279,8 +368,6 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
         "resident_hit_rate": round(1 - misses / requested, 4) if requested else None,
         "compulsory_misses": compulsory,
         "hit_rate_bound": round(1 - compulsory / requested, 4) if requested else None,
-        "avoidable_hit_rate": round(1 - (misses - compulsory) / (requested - compulsory), 4)
-        if requested > compulsory else None,
         "proxy_skipped_ids": sum(o.resident for o in ok),
         "kdn_bytes": kdn["payload_bytes"], "kdn_injects": kdn["injects"],
         "ttft_p50_ms": round(percentile(ttft, 0.5), 1) if ttft else None,
@@ -290,97 +377,105 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
         "prefix_cache_hit_rate": round(sum(s["prefix_cache_hits"] for s in instances) / queries, 4)
         if queries else None,
         "share": shares,
-        "share_cv": round(statistics.pstdev(counts) / mean, 4) if mean else None,
-        "max_share_over_mean": round(max(counts) / mean, 3) if mean else None,
+        "max_share_over_fair": round(max(shares[n] / (fair[n] * len(ok)) for n in shares), 3) if ok else None,
         "kv_evictions": sum(s["kv_evictions"] for s in instances),
         "guard_fired": sum(guards), "guard_decisions": len(guards),
+        "saved_ms_p50": round(statistics.median(saved), 1) if saved else None,
     }
 
 
-def run_one(contender: Contender, args: argparse.Namespace, planned: list[Planned]) -> dict[str, Any]:
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-affinity-"))
-    # A third of the corpus's tokens per instance (the corpus is the same for every contender).
-    stack = Stack(contender, args.time_scale, args.capacity_tokens, log_dir,
-                  extra_env=dict(item.split("=", 1) for item in args.env))
+def _stack(contender: Contender, args: argparse.Namespace, workload: Workload) -> Stack:
+    return Stack(contender, workload, args.time_scale, args.capacity_tokens,
+                 Path(tempfile.mkdtemp(prefix="bench-affinity-")),
+                 extra_env=dict(item.split("=", 1) for item in args.env))
+
+
+def calibrate(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    stack = _stack(CALIBRATION, args, workload)
     try:
         stack.start()
-        tokens = corpus_tokens(stack.kdn_url)
-        outcomes = asyncio.run(drive(stack.ports.dp_url, planned, stack.kdn_addr, tokens))  # type: ignore[union-attr]
-        time.sleep(0.5)
-        result = summarize(contender, outcomes, stack, planned)
-        result["logs"] = str(log_dir)
-        return result
+        tokens = corpus_tokens(stack.kdn_url, workload)
+        return {"contender": CALIBRATION.name, **asyncio.run(closed_loop(
+            stack.ports.dp_url, workload, args.seed + 1000, stack.kdn_addr, tokens,  # type: ignore[union-attr]
+            CALIBRATION_CONCURRENCY, args.calibration_s))}
     finally:
         stack.stop()
 
 
-def capacity_for(time_scale: float, share: float) -> tuple[int, dict[str, int]]:
-    """`share` of the corpus's tokens, measured on a KDN of the same seed, and the tokens of
-    each id."""
-    port = free_port()
-    kdn = ChildProcess(["-m", "cacheroute_sim.kdn", "--port", str(port), "--time-scale", str(time_scale),
-                        "--kv-ready-ratio", "1", "--knowledge-count", str(KNOWLEDGE_IDS)], {},
-                       Path(tempfile.mkdtemp(prefix="bench-affinity-kdn-")) / "kdn.log")
+def run_one(contender: Contender, args: argparse.Namespace, workload: Workload,
+            planned: list[Planned]) -> dict[str, Any]:
+    stack = _stack(contender, args, workload)
     try:
-        wait_for(lambda: _get(f"http://127.0.0.1:{port}/healthz") is not None, 30, "kdn")
-        tokens = corpus_tokens(f"http://127.0.0.1:{port}")
-        return int(sum(tokens.values()) * share), tokens
+        stack.start()
+        tokens = corpus_tokens(stack.kdn_url, workload)
+        outcomes = asyncio.run(drive(stack.ports.dp_url, planned, stack.kdn_addr, tokens))  # type: ignore[union-attr]
+        time.sleep(0.5)
+        return {**summarize(contender, outcomes, stack, planned), "logs": str(stack.log_dir)}
     finally:
-        kdn.stop(signal.SIGTERM, 10)
+        stack.stop()
 
 
+# --- main -------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_affinity", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/affinity.json"))
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of load per contender")
-    parser.add_argument("--high-rate", type=float, default=14.0, help="requests/s in a burst")
-    parser.add_argument("--low-rate", type=float, default=3.0, help="requests/s between bursts")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="knowledge64")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--load", type=float, default=0.6, help="mean offered load, a share of saturation")
+    parser.add_argument("--saturation-rps", type=float, default=None,
+                        help="skip the calibration and take this saturation throughput")
+    parser.add_argument("--calibration-s", type=float, default=CALIBRATION_S)
     parser.add_argument("--time-scale", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--capacity-share", type=float, default=1 / 3,
-                        help="the share of the corpus's tokens each instance's KV holds (1/3: the "
-                             "three together hold it all; 1/9: together a third)")
     parser.add_argument("--only", default=None, help="run only the contenders whose name contains this")
     parser.add_argument("--replay-only", action="store_true",
-                        help="print the offline replay of the workload (seconds) and stop: no load, no results file")
+                        help="print the offline replay of the workload and stop: no load, no results file")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a proxy setting for every contender (e.g. PROXY_KV_AWARE_CREDIT_PER_MS=0.003)")
+                        help="a proxy setting for every contender (e.g. PROXY_KV_AWARE_BALANCE_ABS=16)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    machine = machine_info()
-    planned = plan(args.seed, args.duration, args.high_rate, args.low_rate)
-    if not 0 < args.capacity_share <= 1:
-        raise SystemExit("--capacity-share must be in (0, 1]")
-    args.capacity_tokens, tokens = capacity_for(args.time_scale, args.capacity_share)
-    ceiling = ceilings([p.kids for p in planned if p.kids], tokens, args.capacity_tokens, INSTANCES)
-    print(f"{len(planned)} requests over {args.duration:g}s; instance KV capacity "
-          f"{args.capacity_tokens} tokens ({args.capacity_share:.3f} of the corpus); replayed "
-          f"without load: {json.dumps(ceiling)}", flush=True)
+    started_at, machine = utc_now(), machine_info()
+    workload = WORKLOADS[args.workload]
+    if not 0 < args.load <= 1:
+        raise SystemExit("--load must be in (0, 1]")
+    args.capacity_tokens, tokens = capacity_for(workload, args.time_scale)
+    replay = plan(workload, args.seed, args.requests, 1.0)
+    ceiling = ceilings([p.kids for p in replay if p.kids], tokens, args.capacity_tokens, INSTANCES)
+    print(f"{workload.name}: {args.requests} requests; instance KV capacity {args.capacity_tokens} tokens "
+          f"({workload.capacity_share:.3f} of the corpus); replayed without load: {json.dumps(ceiling)}", flush=True)
     if args.replay_only:
         return 0
+    calibration = ({"given_saturation_rps": args.saturation_rps} if args.saturation_rps
+                   else calibrate(args, workload))
+    saturation = args.saturation_rps or calibration["saturation_rps"]
+    mean_rate = args.load * saturation
+    planned = plan(workload, args.seed, args.requests, mean_rate)
+    print(f"saturation {saturation:g} req/s ({json.dumps(calibration)}); offering {mean_rate:.2f} req/s "
+          f"on average over {planned[-1].at_s:.0f} s", flush=True)
     results = []
     for contender in CONTENDERS:
         if args.only and args.only not in contender.name:
             continue
-        result = run_one(contender, args, planned)
+        result = run_one(contender, args, workload, planned)
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "logs"}), flush=True)
-    report = {"command": "python -m bench.bench_affinity " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "seed": args.seed, "duration_s": args.duration, "time_scale": args.time_scale,
-              "requests": len(planned), "capacity_tokens": args.capacity_tokens,
-              "capacity_share": round(args.capacity_share, 4),
-              "knowledge_ids": KNOWLEDGE_IDS, "zipf_s": ZIPF_S, "instances": INSTANCES,
-              "slow_factor": SLOW_FACTOR, "replayed_without_load": ceiling, "proxy_env": dict(item.split("=", 1) for item in args.env),
-              "started_at": started_at,
-              "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "results": results}
+    report = {**run_record("bench.bench_affinity", argv, started_at, machine),
+              "workload": {"name": workload.name, "knowledge_ids": workload.knowledge_ids,
+                           "zipf_s": workload.zipf_s, "kids_per_request": list(workload.kids_per_request),
+                           "plain_share": workload.plain_share, "capacity_share": round(workload.capacity_share, 4),
+                           "burst": list(workload.burst), "burst_s": BURST_S},
+              "seed": args.seed, "requests": len(planned), "time_scale": args.time_scale,
+              "load": args.load, "calibration": calibration, "saturation_rps": saturation,
+              "mean_rate_rps": round(mean_rate, 3), "duration_s": round(planned[-1].at_s, 1),
+              "capacity_tokens": args.capacity_tokens, "instances": INSTANCES, "slow_factor": SLOW_FACTOR,
+              "fair_share": fair_shares(), "replayed_without_load": ceiling,
+              "proxy_env": dict(item.split("=", 1) for item in args.env), "results": results}
     write_report(args.out, report)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -70,10 +70,9 @@ ENV_NAMES: dict[str, str] = {
     "pace_step": "PROXY_PACE_STEP",
     # --- kv_aware and the affinity index (docs/architecture.md §4.4) ---
     "affinity_view": "PROXY_AFFINITY_VIEW",
-    "kv_aware_credit_per_ms": "PROXY_KV_AWARE_CREDIT_PER_MS",
-    "kv_aware_max_credit": "PROXY_KV_AWARE_MAX_CREDIT",
     "kv_aware_balance_abs": "PROXY_KV_AWARE_BALANCE_ABS",
     "kv_aware_balance_rel": "PROXY_KV_AWARE_BALANCE_REL",
+    "affinity_pending_s": "PROXY_AFFINITY_PENDING_S",
     "affinity_block_tokens": "PROXY_AFFINITY_BLOCK_TOKENS",
     "affinity_max_blocks": "PROXY_AFFINITY_MAX_BLOCKS",
     "affinity_kv_mb_per_token": "PROXY_AFFINITY_KV_MB_PER_TOKEN",
@@ -130,6 +129,11 @@ STRATEGY_ALIASES: dict[str, str] = {
 
 LOAD_VIEWS = ("shared", "per_worker")
 AFFINITY_VIEWS = ("shared", "per_worker")
+# Settings an earlier release read, refused at start rather than silently ignored.
+_PREDICTED_TTFT = ("kv_aware weighs each instance by its predicted time to first token, queue "
+                   "wait plus the prefill and KV transfer of what it does not hold "
+                   "(docs/architecture.md §4.4), with no credit to scale")
+RETIRED = {"PROXY_KV_AWARE_CREDIT_PER_MS": _PREDICTED_TTFT, "PROXY_KV_AWARE_MAX_CREDIT": _PREDICTED_TTFT}
 LOG_FORMATS = ("text", "json")
 RELEASE_POLICIES = ("ordered", "text_bypass")
 INJECTION_STRATEGIES = ("default", "iws")
@@ -198,22 +202,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
     snapshot_stale_ms: float = 2000.0
     # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
-    # sidecar/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
+    # cacheroute_proxy/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
     pace_step: float = 0.2
     # kv_aware (docs/architecture.md §4.4). "shared": every worker reads the host-wide affinity
     # index the sidecar keeps; "per_worker": each worker remembers only what it itself sent (an
     # ablation for benchmarks, like N proxies that each keep their own index).
     affinity_view: str = "shared"
-    # Score units a millisecond of predicted prefill or KV transfer saved is worth: 0.001, as
-    # the least_load backlog weight, makes a second saved cancel a second of predicted backlog.
-    kv_aware_credit_per_ms: float = 0.001
-    # The largest credit one instance can get, in score units (about one request in flight with
-    # the default weights): affinity can tip a choice, never bury a busy instance's load.
-    kv_aware_max_credit: float = 4.0
-    # The balance guard: the credit is ignored (pure least_load) when the candidates' load
-    # scores spread by more than `abs` AND the highest exceeds `rel` x the lowest.
-    kv_aware_balance_abs: float = 4.0
-    kv_aware_balance_rel: float = 1.5
+    # The balance guard: kv_aware chooses as least_load does when the candidates' requests in
+    # flight spread by more than `abs` AND the busiest holds more than `rel` x the idlest's.
+    kv_aware_balance_abs: float = 8.0
+    kv_aware_balance_rel: float = 2.0
+    # How long a routing decision counts as pending residency on the instance it chose, unless
+    # the affinity index confirms it sooner or the request withdraws it (it failed).
+    affinity_pending_s: float = 30.0
     # Prompt prefixes are hashed in blocks of this many tokens (x4 characters), chained, at
     # most `max_blocks` of them (longer prompts: only the leading blocks count).
     affinity_block_tokens: int = 64
@@ -382,9 +383,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     def _check_kv_aware(self) -> None:
         _check(self.affinity_view in AFFINITY_VIEWS, "affinity_view", f"must be one of {AFFINITY_VIEWS}")
-        for name in ("kv_aware_credit_per_ms", "kv_aware_max_credit", "kv_aware_balance_abs"):
-            value = getattr(self, name)
-            _check(math.isfinite(value) and value >= 0, name, "must be a finite number >= 0")
+        _check(math.isfinite(self.kv_aware_balance_abs) and self.kv_aware_balance_abs >= 0,
+               "kv_aware_balance_abs", "must be a finite number >= 0")
+        _check(math.isfinite(self.affinity_pending_s) and 0 < self.affinity_pending_s <= 3600,
+               "affinity_pending_s", "must be a number of seconds in (0, 3600]")
         _check(math.isfinite(self.kv_aware_balance_rel) and self.kv_aware_balance_rel >= 1,
                "kv_aware_balance_rel", "must be a finite number >= 1")
         _check(1 <= self.affinity_block_tokens <= 4096, "affinity_block_tokens", "must be 1..4096")
@@ -492,6 +494,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         environ = os.environ if environ is None else environ
+        for var, why in RETIRED.items():
+            if environ.get(var, "") != "":
+                raise ConfigError(f"{var} is no longer read: {why}; unset it")
         raw: dict[str, Any] = {}
         for field, var in ENV_NAMES.items():
             if var in environ and environ[var] != "":

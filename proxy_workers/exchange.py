@@ -134,9 +134,12 @@ class ProxyExchange:
             if age is not None:
                 trace.snapshot_age_ms = round(age, 1)
             trace.instance_id = out.instance_id = lease.instance.instance_id
-            if lease.guard_fired is not None:
-                trace.affinity_credit = round(lease.affinity.credit, 4)
-                trace.affinity_guard = lease.guard_fired
+            choice = lease.choice
+            if choice.guard is not None:  # kv_aware
+                trace.affinity_guard = choice.guard.fired
+                trace.affinity_saved_ms = round(choice.affinity.saved_ms, 1)  # type: ignore[union-attr]
+                predicted = choice.prediction.total_ms  # type: ignore[union-attr]
+                trace.route_predicted_ttft_ms = None if predicted is None else round(predicted, 1)
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await run_until_disconnect(self._run(lease, out), out.cycle)
@@ -190,6 +193,8 @@ class ProxyExchange:
             return False
         if spans is not None:
             spans.answer_head(response.status)
+        if response.status < 400 and lease.claim is not None:
+            lease.claim.prompt_taken()
         if response.status >= 500:
             self._failed(lease)
             if response.status in _RETRY_STATUSES and self._can_retry():

@@ -19,6 +19,7 @@ import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.pace import Pace
 from shm_schema import InstanceSlot, layout
 
 from .headers import Header
@@ -44,12 +45,15 @@ class LinkTimeline:
 
     `on_wire_until` predicts the end of the transfer on the wire now (0: none), from when it
     really started: behind a transfer that ran long it ends after `free_at` said, and a text
-    fetch, which queues behind no KV transfer, still shares the link with it."""
+    fetch, which queues behind no KV transfer, still shares the link with it. `pace`: how much
+    longer (or shorter) the link's transfers really take than the link's bandwidth predicts,
+    learned from each acknowledged inject; kv_aware prices a transfer with it."""
 
-    def __init__(self) -> None:
+    def __init__(self, pace_step: float = 0.0) -> None:
         self.free_at = 0.0
         self.on_wire_until = 0.0
         self.lock = asyncio.Lock()
+        self.pace = Pace(pace_step)
 
     def wait_s(self, now: float) -> float:
         return max(0.0, self.free_at - now)
@@ -88,8 +92,18 @@ class KnowledgePreparer:
         key = (instance_id, kdn_addr or "unknown")
         timeline = self._timelines.get(key)
         if timeline is None:
-            timeline = self._timelines[key] = LinkTimeline()
+            timeline = self._timelines[key] = LinkTimeline(self._settings.pace_step)
         return timeline
+
+    def transfer_ms(self, instance_id: str, kdn_addr: str, effective_tokens: int) -> float:
+        """What a KV transfer of `effective_tokens` to the instance would take if asked now:
+        the wait for this worker's transfers queued on the link, then the transfer at the pace
+        the link has shown; 0 for nothing to transfer."""
+        if not effective_tokens:
+            return 0.0
+        link = self.link(instance_id, kdn_addr)
+        estimate = self.kdn_links.link_for(instance_id, kdn_addr).transfer_ms(self._predictors, effective_tokens)
+        return link.wait_s(time.time()) * 1000 + link.pace.factor * estimate
 
     async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
                       spans: Any = None, client_headers: Sequence[Header] = (),
@@ -194,7 +208,10 @@ class KnowledgePreparer:
                 await self._inject(request, instance, result, trace, effective, trace_headers)
             finally:
                 link.on_wire_until = 0.0
-                link.done(predicted_end, time.time())
+                ended = time.time()
+                link.done(predicted_end, ended)
+            if trace.kvcache_actual_path == "kv_injected":
+                link.pace.observe(transfer_s, ended - started)
 
     async def reinject(self, request: ProxyRequest, instance: InstanceSlot, result: Knowledge,
                        trace: Trace, spans: Any = None,

@@ -171,6 +171,8 @@ class Pipeline:
         if self._affinity is not None and knowledge.prefix_tokens and knowledge.kv_ack.get("ok"):
             report_residency(self._affinity, lease.instance, job.request, knowledge.kv_ready_kids,
                              (), self._settings.affinity_block_tokens)
+            if lease.claim is not None:
+                lease.claim.knowledge_acknowledged(knowledge.kv_ready_kids)
 
     def first_token(self, job: Job) -> None:
         self._tracker.first_token(job.key)
@@ -228,7 +230,7 @@ class Pipeline:
             timeline = self._preparer.link(instance_id, spec.kdn_addr)
             kdn_link = self._preparer.kdn_links.link_for(instance_id, spec.kdn_addr)
             now = time.time()
-            resident = len(lease.affinity.resident_kids)
+            resident = len(lease.resident_kids)
             decision = decide(request, ready_wait, timeline.wait_s(now) * 1000, kdn_link,
                               self._predictors, self._settings, timeline.net_wait_s(now) * 1000,
                               resident_tokens=spec.knowledge_tokens * resident // len(spec.knowledge_ids))
@@ -255,11 +257,11 @@ class Pipeline:
             if reinject:
                 await self._preparer.reinject(request, lease.instance, job.knowledge, trace,
                                               job.spans, job.client_headers,
-                                              resident=lease.affinity.resident_kids)
+                                              resident=lease.resident_kids)
             else:
                 job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
                                                              job.spans, job.client_headers,
-                                                             resident=lease.affinity.resident_kids)
+                                                             resident=lease.resident_kids)
             if job.knowledge.kv_ack and job.knowledge.kv_ready_kids:
                 job.kv_instance = (lease.instance.slot, lease.instance.generation)
             trace.prepare_self_done_ms = now_ms()

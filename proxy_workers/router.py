@@ -7,15 +7,15 @@ A Lease is the only way inflight changes on the data plane: `Router.acquire` beg
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.fast_score import NATIVE_SELECTION, SelectionPlan
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.strategies import (KvAwareStrategy, LeastLoadStrategy, Strategy,
-                                                 build_strategy)
+from cacheroute_proxy.routing.strategies import (Guard, KvAwareStrategy, LeastLoadStrategy,
+                                                 Prediction, Strategy, build_strategy)
 from shm_schema import (
     Admission,
     DirectorySnapshot,
@@ -25,31 +25,45 @@ from shm_schema import (
     header,
 )
 
-from .affinity import NO_AFFINITY, AffinityScorer, Assessment, debug_report, debug_request
+from .affinity import AffinityScorer, Assessment, Claim, debug_request
 from .outliers import OutlierTracker
 from .request_model import ProxyRequest
 from .upstream import base_url
 
 
+class Choice(NamedTuple):
+    """What a selection found about the instance it chose."""
+    instance: InstanceSlot
+    affinity: Assessment | None = None  # what it holds of the request (kv_aware, or knowledge wanted)
+    prediction: Prediction | None = None  # kv_aware: the request's predicted time to first token there
+    guard: Guard | None = None  # kv_aware: the balance guard's verdict
+
+
 class Lease:
-    """A request's hold on one instance: inflight, plus whichever queue lanes it is in.
+    """A request's hold on one instance: inflight, plus whichever queue lanes it is in, plus
+    kv_aware's claim that what it brings will be resident there.
 
     `snapshot_age_ms`: how old the sidecar's predicted layer was when least_load chose this
     instance (None for other strategies, or before any snapshot), for the request's trace.
-    `affinity`: what kv_aware found the instance holds of the request (NO_AFFINITY otherwise)."""
+    `choice`: what the selection found (the affinity is None when none was assessed)."""
 
-    __slots__ = ("instance", "snapshot_age_ms", "affinity", "guard_fired", "_row", "_held", "_lanes")
+    __slots__ = ("instance", "snapshot_age_ms", "choice", "claim", "_row", "_held", "_lanes")
 
-    def __init__(self, instance: InstanceSlot, row: WorkerRow,
-                 snapshot_age_ms: float | None = None, affinity: Assessment = NO_AFFINITY,
-                 guard_fired: bool | None = None) -> None:
-        self.instance = instance
+    def __init__(self, choice: Choice, row: WorkerRow, snapshot_age_ms: float | None = None,
+                 claim: Claim | None = None) -> None:
+        self.instance = choice.instance
         self.snapshot_age_ms = snapshot_age_ms
-        self.affinity = affinity
-        self.guard_fired = guard_fired  # kv_aware: did the balance guard set the credits aside
+        self.choice = choice
+        self.claim = claim
         self._row = row
         self._held = True
         self._lanes: list[int] = []
+
+    @property
+    def resident_kids(self) -> tuple[str, ...]:
+        """Wanted knowledge the index confirms the instance holds: the prepare stage skips it."""
+        affinity = self.choice.affinity
+        return () if affinity is None else affinity.resident_kids
 
     @property
     def base_url(self) -> str:
@@ -73,19 +87,20 @@ class Lease:
             self._row.remove(lane, self.instance.slot, self.instance.generation)
 
     def release(self) -> bool:
-        """End the request on this instance (every lane, then inflight); False if already
-        released or the slot is stale."""
+        """End the request on this instance (every lane, then inflight, and withdraw what its
+        claim did not make resident); False if already released or the slot is stale."""
         if not self._held:
             return False
         self._held = False
+        if self.claim is not None:
+            self.claim.settle()
         while self._lanes:
             self._row.remove(self._lanes.pop(), self.instance.slot, self.instance.generation)
         return self._row.end(self.instance.slot, self.instance.generation)
 
 
 def kv_aware_settings(settings: Settings) -> dict[str, float]:
-    return {"credit_per_ms": settings.kv_aware_credit_per_ms, "max_credit": settings.kv_aware_max_credit,
-            "balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel}
+    return {"balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel}
 
 
 class Router:
@@ -121,10 +136,9 @@ class Router:
 
     def choose(self, exclude: frozenset[tuple[int, int]] = frozenset(),
                request: ProxyRequest | None = None) -> InstanceSlot:
-        return self._choose(exclude, request)[0]
+        return self._choose(exclude, request).instance
 
-    def _choose(self, exclude: frozenset[tuple[int, int]],
-                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
+    def _choose(self, exclude: frozenset[tuple[int, int]], request: ProxyRequest | None) -> Choice:
         snapshot = self._directory_snapshot()
         candidates = snapshot.alive
         if not candidates:
@@ -140,7 +154,7 @@ class Router:
             if len(kept) < len(candidates):
                 return self._select(kept, snapshot.slot_span, None, request)
         if not self._least_load:
-            return self.strategy.select(candidates), NO_AFFINITY, None
+            return Choice(self.strategy.select(candidates))
         if not self._fast:
             return self._select(candidates, snapshot.slot_span, None, request)
         plan = self._plan_for(snapshot)
@@ -149,26 +163,35 @@ class Router:
         if request is None or not self._kv_aware:  # least_load's choice alone
             choice = plan.pick(now_us())
             if choice is not None:
-                return choice, NO_AFFINITY, None
+                return Choice(choice)
             return self._select(candidates, snapshot.slot_span, None, request)
         return self._select(candidates, snapshot.slot_span, plan.totals(now_us()), request)
 
     def _select(self, candidates: tuple[InstanceSlot, ...], span: int,
-                totals: list[float | None] | None,
-                request: ProxyRequest | None) -> tuple[InstanceSlot, Assessment, bool | None]:
-        """least_load's totals (the fast ones, or every component read one by one), minus
-        kv_aware's credits; round_robin reads none."""
+                totals: list[float | None] | None, request: ProxyRequest | None) -> Choice:
+        """least_load's totals (the fast ones, or every component read one by one); kv_aware's
+        predicted times to first token; round_robin reads none."""
         strategy = self.strategy
         if not isinstance(strategy, LeastLoadStrategy):
-            return strategy.select(candidates), NO_AFFINITY, None
+            return Choice(strategy.select(candidates))
         if totals is None:
             totals = strategy.totals(len(candidates), self.view.components(candidates, span))
         if not self._kv_aware or request is None:
-            return strategy.select_by_totals(candidates, totals), NO_AFFINITY, None
-        assessments = self.affinity.assess(request, candidates)  # type: ignore[union-attr]
-        scores, guard = strategy.combine(totals, [a.credit for a in assessments])  # type: ignore[attr-defined]
-        choice = strategy.select_by_totals(candidates, scores)
-        return choice, next(a for c, a in zip(candidates, assessments) if c is choice), guard.fired
+            return Choice(strategy.select_by_totals(candidates, totals))
+        assert isinstance(strategy, KvAwareStrategy) and self.affinity is not None
+        assessments = self.affinity.assess(request, candidates)
+        inflight = self.view.inflight(candidates, span)
+        predictions = self._predictions(candidates, span, inflight, assessments)
+        chosen, guard = strategy.choose(candidates, totals, inflight, predictions)
+        index = candidates.index(chosen)
+        return Choice(chosen, assessments[index], predictions[index], guard)
+
+    def _predictions(self, candidates: Sequence[InstanceSlot], span: int,
+                     inflight: Sequence[int | None], assessments: Sequence[Assessment]) -> list[Prediction]:
+        """Each candidate's queue wait and pace, with what the request would cost there."""
+        waits = self.view.queue_waits(candidates, span, inflight)
+        return [Prediction(queue_ms, pace * a.prefill_ms, a.transfer_ms)
+                for (queue_ms, pace), a in zip(waits, assessments)]
 
     def _plan_for(self, snapshot: DirectorySnapshot) -> SelectionPlan | None:
         planned_for, plan = self._plan
@@ -184,9 +207,25 @@ class Router:
         request = debug_request(query) if self.affinity is not None else None
         if request is None:
             return None
+        scorer = self.affinity
+        assert scorer is not None
         strategy = self.strategy if isinstance(self.strategy, KvAwareStrategy) \
             else KvAwareStrategy(**kv_aware_settings(self._settings))
-        return debug_report(self.affinity, strategy, request, self._kv_aware)  # type: ignore[arg-type]
+
+        def report(instances: Sequence[InstanceSlot], totals: list[float | None],
+                   inflight: list[int | None]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            assessments = scorer.assess(request, instances)
+            span = 1 + max((i.slot for i in instances), default=-1)
+            predictions = self._predictions(instances, span, inflight, assessments)
+            alive = [i.alive for i in instances]
+            guard = strategy.guard([n for n, up in zip(inflight, alive) if up])
+            rows = [scorer.report(request, i, a, p) for i, a, p in zip(instances, assessments, predictions)]
+            return rows, {"active": self._kv_aware, "affinity_view": scorer.index.mode,
+                          "request": {"knowledge": request.knowledge.knowledge_ids if request.knowledge else [],
+                                      "prefix_blocks": len(scorer.prefix_of(request))},
+                          "guard": {"fired": guard.fired, "reason": guard.reason, "spread": guard.spread,
+                                    "balance_abs": strategy.balance_abs, "balance_rel": strategy.balance_rel}}
+        return report
 
     def has_alternative(self, exclude: frozenset[tuple[int, int]]) -> bool:
         """Is there an alive instance outside `exclude` to retry on?"""
@@ -195,17 +234,21 @@ class Router:
     def acquire(self, exclude: frozenset[tuple[int, int]] = frozenset(),
                 request: ProxyRequest | None = None) -> Lease:
         """Choose an instance outside `exclude` (for `request`: kv_aware weighs what each holds
-        of it) and begin a request on it (503 if there is none, or if it left the table between
-        the choice and the begin)."""
-        instance, affinity, guard_fired = self._choose(exclude, request)
-        if affinity is NO_AFFINITY and self.affinity is not None and _wants_knowledge(request):
+        of it), begin a request on it (503 if there is none, or if it left the table between
+        the choice and the begin) and, for kv_aware, claim what the request brings there."""
+        choice = self._choose(exclude, request)
+        instance = choice.instance
+        if choice.affinity is None and self.affinity is not None and _wants_knowledge(request):
             # Other strategies: only what the prepare stage needs (which wanted ids the chosen
             # instance holds); a plain request's prompt is hashed by kv_aware alone.
-            affinity = self.affinity.assess(request, (instance,))[0]  # type: ignore[arg-type]
+            choice = choice._replace(affinity=self.affinity.assess(request, (instance,), claims=False)[0])  # type: ignore[arg-type]
         age = self.view.snapshot_age_ms() if self._least_load else None
         if not self.row.begin(instance.slot, instance.generation):
             raise HTTPError(503, "no_instance", "selected instance is no longer registered")
-        return Lease(instance, self.row, age, affinity, guard_fired)
+        claim = None
+        if self._kv_aware and choice.affinity is not None and request is not None:
+            claim = self.affinity.claim(request, instance, choice.affinity)  # type: ignore[union-attr]
+        return Lease(choice, self.row, age, claim)
 
 
 def _wants_knowledge(request: ProxyRequest | None) -> bool:

@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator, NamedTuple
 from cacheroute_proxy import engine_prefix, exits, logs, serving
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.routing.strategies import KvAwareStrategy
 from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 
 from proxy_workers.predictors import get_predictors
@@ -30,7 +29,7 @@ from cacheroute_proxy.http1 import Http1Server
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
-from .router import Router, kv_aware_settings
+from .router import Router
 from .tracing import start_tracing
 from .tracker import RequestTracker
 from .upstream import Upstream
@@ -159,12 +158,11 @@ def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
     predictors = get_predictors(settings.predictor_profile)
     links = LinkTable.from_settings(settings)
     affinity = make_index(settings, seg, tracker)
-    router = Router(settings, seg, row, AffinityScorer(
-        settings, affinity, predictors, links, KvAwareStrategy(**kv_aware_settings(settings)),
-        engine_prefix.from_settings(settings)))
     upstream = Upstream(settings, replace_trace_context=tracing is not None)
-    pipeline = Pipeline(settings, tracker, KnowledgePreparer(settings, upstream, predictors, links),
-                        predictors, router.view.ready_wait_ms, affinity)
+    preparer = KnowledgePreparer(settings, upstream, predictors, links)
+    router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer.transfer_ms,
+                                                       engine_prefix.from_settings(settings)))
+    pipeline = Pipeline(settings, tracker, preparer, predictors, router.view.ready_wait_ms, affinity)
     ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                         pipeline=pipeline, tracing=tracing)
     return WorkerParts(ctx, tracker, links)

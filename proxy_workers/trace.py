@@ -35,8 +35,12 @@ class Trace(msgspec.Struct, omit_defaults=True, gc=False):
     route_select_end_ms: int | None = None  # the lease is held from here
     snapshot_age_ms: float | None = None  # least_load: age of the predicted layer the choice read
     instance_id: str | None = None  # the instance chosen (the last one, after a retry)
-    affinity_credit: float | None = None  # kv_aware: the credit the chosen instance got (score units)
-    affinity_guard: bool | None = None  # kv_aware: true if the balance guard set every credit aside
+    # kv_aware: the chosen instance's predicted time to first token for this request (queue wait
+    # + prefill + KV transfer; absent while the predicted layer is unknown), what its holding of
+    # the request's knowledge or prompt saved of that, and whether the balance guard fired.
+    route_predicted_ttft_ms: float | None = None
+    affinity_saved_ms: float | None = None
+    affinity_guard: bool | None = None  # true: the balance guard had kv_aware choose as least_load
     # --- prepare stage (pipeline) ---
     prepare_seq: int | None = None  # place in this worker's prepare order for the instance
     proxy_enqueue_ms: int | None = None  # entered the instance's pipeline

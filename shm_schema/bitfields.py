@@ -215,3 +215,28 @@ class AffinityValue:
     @staticmethod
     def tokens(word: int) -> int:
         return word & AffinityValue.TOKENS_MASK
+
+
+class ClaimValue:
+    """A claim record's value word: op << 48 | AffinityValue (kind << 32 | tokens each). The op
+    is CLAIM_OP_CLAIM or CLAIM_OP_DROP (records)."""
+
+    OP_SHIFT = 48
+    AFFINITY_MASK = _low_bits(OP_SHIFT)
+
+    @staticmethod
+    def pack(op: int, kind: int, tokens: int) -> int:
+        return (op << ClaimValue.OP_SHIFT) | AffinityValue.pack(kind, tokens)
+
+    @staticmethod
+    def op(word: int) -> int:
+        return word >> ClaimValue.OP_SHIFT
+
+    @staticmethod
+    def kind(word: int) -> int:
+        return AffinityValue.kind(word & ClaimValue.AFFINITY_MASK)
+
+    @staticmethod
+    def tokens(word: int) -> int:
+        return AffinityValue.tokens(word)
+

@@ -89,4 +89,5 @@ def describe(seg: Segment) -> dict[str, Any]:
         "sidecar_heartbeat_age_ms": (time.time_ns() - heartbeat_ns) // 1_000_000 if heartbeat_ns else None,
         "reconcile_corrections": words.reconcile_count,
         "reaped_workers": words.reaped_workers,
+        "claims_written": words.claims_cursor,  # kv_aware's routing decisions, in claim records
     }

@@ -6,7 +6,7 @@ module uses, and `Geometry` for the offsets that depend on a segment's capacitie
 below is checked against the declarations by tests/test_shm_records.py.
 
 One POSIX shared-memory segment, every numeric field an aligned native 64-bit word (so a plain
-load of a field is a single-copy-atomic read on x86-64 and aarch64), in six regions::
+load of a field is a single-copy-atomic read on x86-64 and aarch64), in seven regions::
 
     offset 0            HEADER            256 bytes
     COUNTERS_OFFSET     counter lanes     instance_capacity x LANES words (one cache line a slot)
@@ -14,6 +14,7 @@ load of a field is a single-copy-atomic read on x86-64 and aarch64), in six regi
     snapshot_offset     pressure snapshot 2 buffers x instance_capacity x SNAPSHOT_RECORD_SIZE
     worker_rows_offset  worker rows       worker_capacity x row_size
     affinity_offset     affinity index    instance_capacity x AFFINITY_ROW_SIZE (layout 4)
+    claims_offset       claims ring       CLAIM_RING_CAPACITY x CLAIM_SIZE (layout 5)
 
 Header words (HeaderWords, all u64)::
 
@@ -36,7 +37,8 @@ Header words (HeaderWords, all u64)::
     128 snapshot_published_us  when the sidecar last published (wall clock, microseconds)
     136 ring_capacity      events per worker ring
     144 events_dropped_gone  events dropped by workers whose rows have since been freed
-    152..255 reserved
+    152 claims_cursor      claim records ever reserved (fetch_add by every worker; layout 5)
+    160..255 reserved
 
 Counter lanes (CounterLanes): for slot i, LANES words at COUNTERS_OFFSET + 64*i (a slot's
 counters share one cache line; slots do not), each a CounterWord::
@@ -85,7 +87,8 @@ Pressure snapshot record (SnapshotRecord; written only by the sidecar, double-bu
                          readers charge it for each request in flight that the timeline has not
                          seen yet (inflight - pending - decoding), which bridges the snapshot's lag
                          when a burst lands on several workers at once
-    56..63 reserved
+    56  pace_ppm             the instance's learned pace x 1e6: observed / profile-predicted time
+                         (cacheroute_proxy/pace.py); 0 = not learned yet, read as 1 (layout 5)
 
 Worker row (RowHeader, then contributions and ring; one per live worker process, claimed by
 CAS on its identity word)::
@@ -128,6 +131,28 @@ row per instance slot, written only by the sidecar, read by every worker; layout
     48..63 reserved
     64  entries          AFFINITY_ENTRIES x (key: 64-bit hash, never 0; value: AffinityValue)
 
+Claim record (ClaimRecord; the claims ring, written by every worker, read by every worker;
+layout version 5)::
+
+    0   seq              the record's ring position + 1 once it is whole; written last, and
+                         cleared first when the record is rewritten a lap later. A reader
+                         keeps a record only if seq was its position + 1 before and after it
+                         copied the record
+    8   claim            the claim's id: the ring position of its first record. A DROP names
+                         the claim it withdraws
+    16  slot_generation  SlotGeneration: the instance the keys will be resident on
+    24  value            ClaimValue: op (CLAIM_OP_CLAIM, CLAIM_OP_DROP), kind, tokens each
+    32  t_us             when it was written (wall clock): a claim lapses after the readers' TTL
+    40  key_0            up to three keys (0 = none), as in the affinity index
+    48  key_1
+    56  key_2
+
+A writer reserves its records with one fetch_add on the header's claims_cursor, so every worker
+appends to one ring without a lock; record i sits at claims_offset + CLAIM_SIZE x (i mod
+CLAIM_RING_CAPACITY). A reader follows the cursor: a record not whole yet is looked at again
+on its next pass (a writer killed between reserve and publish leaves a hole that is passed over
+after a bound), and one the writers have lapped is gone (its claim lapses as if its TTL had).
+
 Bit-packed words (bitfields)::
 
     CounterWord     generation << 32 | count
@@ -138,6 +163,7 @@ Bit-packed words (bitfields)::
     EventTag        kind | epoch << 8
     SlotGeneration  slot << 32 | generation
     AffinityValue   kind << 32 | tokens (kind: AFFINITY_KNOWLEDGE 1, AFFINITY_PREFIX 2)
+    ClaimValue      op << 48 | AffinityValue (op: CLAIM_OP_CLAIM 1, CLAIM_OP_DROP 2)
 
 The generation-tagged words make a stale update harmless: an `end` for a slot that has since
 been reused carries the old generation, and its CAS fails instead of decrementing someone
@@ -148,13 +174,14 @@ from __future__ import annotations
 
 import struct
 
-from .records import (AFFINITY_ENTRIES, AFFINITY_ENTRY, AFFINITY_ROW_HEADER, COUNTER_LANES, EVENT,
-                      HEADER, ROW_HEADER, SLOT, SNAPSHOT, WORD)
+from .records import (AFFINITY_ENTRIES, AFFINITY_ENTRY, AFFINITY_ROW_HEADER, CLAIM, COUNTER_LANES,
+                      EVENT, HEADER, ROW_HEADER, SLOT, SNAPSHOT, WORD)
 
 MAGIC = 0x3159584F52505243  # b"CRPROXY1" read as a little-endian u64
 # 3: max_num_seqs in the slots (320 bytes), marginal backlog in the snapshot;
-# 4: the affinity index after the worker rows (every earlier offset unchanged).
-LAYOUT_VERSION = 4
+# 4: the affinity index after the worker rows (every earlier offset unchanged);
+# 5: the claims ring after it, the claims cursor in the header, the pace in the snapshot.
+LAYOUT_VERSION = 5
 
 # --- header ------------------------------------------------------------------------------
 HEADER_SIZE = HEADER.size
@@ -177,6 +204,7 @@ H_SNAPSHOT_GEN = HEADER.offset.snapshot_gen
 H_SNAPSHOT_PUBLISHED_US = HEADER.offset.snapshot_published_us
 H_RING_CAPACITY = HEADER.offset.ring_capacity
 H_EVENTS_DROPPED_GONE = HEADER.offset.events_dropped_gone
+H_CLAIMS_CURSOR = HEADER.offset.claims_cursor
 
 # --- counter lanes -----------------------------------------------------------------------
 COUNTERS_OFFSET = HEADER_SIZE
@@ -242,6 +270,14 @@ A_GENERATION = AFFINITY_ROW_HEADER.offset.generation
 A_SEQ = AFFINITY_ROW_HEADER.offset.seq
 A_COUNT = AFFINITY_ROW_HEADER.offset.count
 
+# --- the claims ring (every worker -> every worker) ---------------------------------------------
+# 4,096 records of 64 bytes (256 KB): a request claims its knowledge ids and prompt blocks in
+# ceil(keys / 3) records, 1-11 of them, so the ring holds the decisions of the last several
+# hundred requests; a reader polls it at every kv_aware selection, long before a lap.
+CLAIM_SIZE = CLAIM.size
+CLAIM_RING_CAPACITY = 4096
+C_SEQ = CLAIM.offset.seq
+
 
 def _align(offset: int, to: int = 64) -> int:
     return (offset + to - 1) // to * to
@@ -252,7 +288,7 @@ class Geometry:
 
     __slots__ = ("instance_capacity", "worker_capacity", "ring_capacity", "directory_offset",
                  "snapshot_offset", "worker_rows_offset", "contributions_size", "row_size",
-                 "affinity_offset", "total_size")
+                 "affinity_offset", "claims_offset", "total_size")
 
     def __init__(self, instance_capacity: int, worker_capacity: int,
                  ring_capacity: int = DEFAULT_RING_CAPACITY) -> None:
@@ -265,7 +301,8 @@ class Geometry:
         self.contributions_size = WORD * LANES * instance_capacity
         self.row_size = _align(ROW_HEADER_SIZE + self.contributions_size + EVENT_SIZE * ring_capacity)
         self.affinity_offset = self.worker_rows_offset + self.row_size * worker_capacity
-        self.total_size = self.affinity_offset + AFFINITY_ROW_SIZE * instance_capacity
+        self.claims_offset = self.affinity_offset + AFFINITY_ROW_SIZE * instance_capacity
+        self.total_size = self.claims_offset + CLAIM_SIZE * CLAIM_RING_CAPACITY
 
     def counter_offset(self, slot: int, lane: int = LANE_INFLIGHT) -> int:
         return counter_offset(slot, lane)
@@ -300,6 +337,9 @@ class Geometry:
 
     def affinity_entries_offset(self, slot: int) -> int:
         return self.affinity_row_offset(slot) + AFFINITY_ROW_HEADER.size
+
+    def claim_offset(self, position: int) -> int:
+        return self.claims_offset + CLAIM_SIZE * (position % CLAIM_RING_CAPACITY)
 
 
 def counter_offset(slot: int, lane: int = LANE_INFLIGHT) -> int:

@@ -106,6 +106,7 @@ class HeaderWords(NamedTuple):
     snapshot_published_us: int
     ring_capacity: int
     events_dropped_gone: int
+    claims_cursor: int   # records ever reserved in the claims ring (fetch_add by every worker)
 
 
 HEADER = Record(HeaderWords, size=256)
@@ -158,6 +159,7 @@ class SnapshotRecord(NamedTuple):
     prefill_free_at_us: int
     decode_free_at_us: int
     marginal_backlog_us: int = 0  # what one more request adds to the backlog
+    pace_ppm: int = 0  # the instance's learned pace x 1e6 (observed / profile time), 0 = not learned
 
 
 SNAPSHOT = Record(SnapshotRecord, size=64)
@@ -253,3 +255,28 @@ class AffinityEntry(NamedTuple):
 AFFINITY_ENTRY = Record(AffinityEntry, size=16)
 AFFINITY_KNOWLEDGE = 1
 AFFINITY_PREFIX = 2
+
+
+# --- affinity claims (every worker -> every worker) ---------------------------------------------------
+CLAIM_KEYS = 3  # keys one claim record carries
+
+
+class ClaimRecord(NamedTuple):
+    """One record of the claims ring: a worker's routing decision that keys will be resident on
+    an instance (a CLAIM), or the withdrawal of such a decision (a DROP), seen by every worker at
+    once. `seq` is written last: the ring position + 1 while the record is whole, anything else
+    while it is being (re)written."""
+    seq: int
+    claim: int            # the claim's id (the ring position of its first record); a DROP names it
+    slot_generation: int  # SlotGeneration: the instance
+    value: int            # ClaimValue: op, kind (AFFINITY_KNOWLEDGE | AFFINITY_PREFIX), tokens each
+    t_us: int             # when the worker wrote it, wall clock
+    key_0: int            # up to CLAIM_KEYS keys, 0 = none
+    key_1: int
+    key_2: int
+
+
+CLAIM = Record(ClaimRecord, size=64)
+CLAIM_OP_CLAIM = 1
+CLAIM_OP_DROP = 2
+

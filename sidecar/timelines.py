@@ -13,7 +13,7 @@ order (docs/architecture.md §6: the original's rules, with their defects fixed)
 
 Two things the workers cannot know are learned here, per instance: how many sequences it
 really runs at once (its registered max_num_seqs, when below READY_CONCURRENCY) and its pace
-(sidecar/pace.py), the factor by which it is slower or faster than the predictor profile.
+(cacheroute_proxy/pace.py), the factor by which it is slower or faster than the predictor profile.
 
 All times are wall-clock seconds; snapshots publish them as absolute microseconds.
 """
@@ -28,7 +28,7 @@ from typing import Callable
 
 from shm_schema.snapshot import Pressure
 
-from .pace import Pace
+from cacheroute_proxy.pace import Pace
 
 RECENT_WEIGHT = 0.2  # of the newest reservation in the moving averages of service and decode
 
@@ -276,9 +276,11 @@ class InstanceTimeline:
         else:
             self.settle()
             next_slot_free, prefill_free = self._slot_free[0], self._prefill_free
+        pace = self.pace
         return Pressure(generation, len(self.pending), len(ends), int(next_slot_free * 1e6),
                         int(prefill_free * 1e6), int(max(ends.values(), default=0.0) * 1e6),
-                        int(self.marginal_backlog_s() * 1e6))
+                        int(self.marginal_backlog_s() * 1e6),
+                        int(pace.factor * 1e6) if pace.observations else 0)
 
     def expire(self, older_than: float, now: float) -> int:
         """Drop reservations whose completion was never reported (a lost event)."""

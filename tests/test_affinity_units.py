@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys
-from cacheroute_proxy.config import Settings
-from cacheroute_proxy.routing.strategies import KvAwareStrategy
+from cacheroute_proxy.config import ConfigError, Settings
 from proxy_workers.affinity import AffinityScorer, PerWorkerAffinity, SharedAffinity, rendered_prompt
 from proxy_workers.kdn_links import LinkTable
+from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint, recover
 from proxy_workers.tracker import RequestTracker
@@ -17,6 +17,7 @@ from shm_schema import DirectoryWriter, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader
 from shm_schema.events import EventReader
 from sidecar.affinity import AffinityModels
+from tests.harness import wait_until
 from tests.shm_helpers import fresh_segment
 
 
@@ -122,8 +123,8 @@ def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_seg
     instance = read_all(segment)[0]
     row = WorkerRow.claim(segment, 0)
     tracker = RequestTracker(segment, row)
-    mine = PerWorkerAffinity(segment, tracker)
-    shared = SharedAffinity(segment, tracker)
+    mine = PerWorkerAffinity(segment, tracker, 30.0)
+    shared = SharedAffinity(segment, tracker, 30.0)
     mine.acknowledged(instance, [knowledge_key("k1")], 100)
     mine.forwarded(instance, [11, 12], 64)
     assert mine.residency(instance).knowledge == {knowledge_key("k1")}
@@ -134,7 +135,20 @@ def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_seg
     assert slot.slot == instance.slot
 
 
-def test_the_assessment_prices_resident_knowledge_as_its_transfer_and_cached_blocks_as_prefill(segment):
+def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None) -> AffinityScorer:
+    settings = Settings(instance_strategy="kv_aware")
+    tracker = RequestTracker(segment, row or WorkerRow.claim(segment, 0))
+    predictors = get_predictors(settings.predictor_profile)
+    preparer = KnowledgePreparer(settings, None, predictors)
+    return AffinityScorer(settings, view(segment, tracker, pending_s), predictors, preparer.transfer_ms)
+
+
+KNOWLEDGE = (b'{"Prompt":{"model":"m","user_prompt":"q"},"Service":{"Enable_know_injection":true,'
+             b'"Injection_type":"kvcache","Knowledge_List":["k1","k2"],"Knowledge_length":2048},'
+             b'"Task":{"KDN_server_addr":"kdn:1"}}')
+
+
+def test_the_assessment_prices_what_is_not_held_resident_knowledge_skips_its_transfer(segment):
     DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
     instance = read_all(segment)[0]
     settings = Settings(instance_strategy="kv_aware")
@@ -142,29 +156,87 @@ def test_the_assessment_prices_resident_knowledge_as_its_transfer_and_cached_blo
     models = AffinityModels(segment, lambda s, g: 0)
     models.report(instance.slot, instance.generation, [knowledge_key("k1")])
     models.publish()
-    tracker = RequestTracker(segment, WorkerRow.claim(segment, 0))
-    strategy = KvAwareStrategy(credit_per_ms=0.001, max_credit=100.0)
-    scorer = AffinityScorer(settings, SharedAffinity(segment, tracker), predictors,
-                            LinkTable.from_settings(settings), strategy)
-    request = recover(Endpoint.CHAT, b'{"Prompt":{"model":"m","user_prompt":"q"},"Service":'
-                                     b'{"Enable_know_injection":true,"Injection_type":"kvcache",'
-                                     b'"Knowledge_List":["k1","k2"],"Knowledge_length":2048},'
-                                     b'"Task":{"KDN_server_addr":"kdn:1"}}')
+    scorer = _scorer(segment)
+    request = recover(Endpoint.CHAT, KNOWLEDGE)
     [assessment] = scorer.assess(request, [instance])
     link = LinkTable.from_settings(settings).link_for(instance.instance_id, "kdn:1")
-    assert assessment.resident_kids == ("k1",)
-    assert assessment.saved_ms == pytest.approx(link.transfer_ms(predictors, 1024))
-    assert assessment.credit == pytest.approx(assessment.saved_ms * 0.001)
+    assert (assessment.resident_kids, assessment.pending_kids) == (("k1",), ())
+    assert assessment.transfer_ms == pytest.approx(link.transfer_ms(predictors, 1024))  # k2's half
+    assert assessment.saved_ms == pytest.approx(link.transfer_ms(predictors, 2048) - assessment.transfer_ms)
+    assert assessment.prefill_ms == pytest.approx(predictors.kvcache_service(request.prompt_tokens, 2048).total_ms)
     plain = recover(Endpoint.COMPLETIONS, b'{"prompt":"' + b"p" * 1024 + b'"}')
     [cold] = scorer.assess(plain, [instance])
-    assert (cold.prefix_blocks, cold.saved_ms, cold.credit) == (0, 0.0, 0.0)
+    assert (cold.prefix_blocks, cold.saved_ms, cold.transfer_ms) == (0, 0.0, 0.0)
+    assert cold.prefill_ms == pytest.approx(predictors.text_service_ms(plain.prompt_tokens, 0))
+
+
+@pytest.mark.parametrize("view", [SharedAffinity, PerWorkerAffinity])
+def test_a_claim_is_held_at_once_confirmed_by_the_index_and_what_was_not_made_resident_is_dropped(segment, view):
+    directory = DirectoryWriter(segment)
+    directory.allocate("a", "127.0.0.1", 9001)
+    directory.allocate("b", "127.0.0.1", 9002)
+    a, b = read_all(segment)
+    scorer = _scorer(segment, view)
+    request = recover(Endpoint.CHAT, KNOWLEDGE)
+    before = scorer.assess(request, [a, b])
+    claim = scorer.claim(request, a, before[0])
+    assert claim is not None
+    held, elsewhere = scorer.assess(request, [a, b])
+    assert (held.pending_kids, elsewhere.pending_kids) == (("k1", "k2"), ())
+    assert held.transfer_ms == 0.0 and held.saved_ms == pytest.approx(before[0].transfer_ms)
+    assert scorer.assess(request, [a], claims=False)[0].pending_kids == ()  # what the prepare stage sees
+    # The inject of k1 was acknowledged, k2's was not: k2 is withdrawn when the attempt ends.
+    claim.knowledge_acknowledged(["k1"])
+    claim.settle()
+    claim.settle()  # once only
+    assert scorer.assess(request, [a])[0].pending_kids == ("k1",)
+    # The index confirms k1: the claim on it is done...
+    models = AffinityModels(segment, lambda s, g: 0)
+    if view is SharedAffinity:
+        models.report(a.slot, a.generation, [knowledge_key("k1")])
+        models.publish()
+    else:  # this worker's own index
+        scorer.index.acknowledged(a, [knowledge_key("k1")], 1024)
+    assert scorer.assess(request, [a])[0][:2] == (("k1",), ())
+    if view is SharedAffinity:  # ...so that an eviction the index reports after that is seen
+        models.report(a.slot, a.generation, [])
+        models.publish()
+        assert scorer.assess(request, [a])[0][:2] == ((), ())
+
+
+def test_a_prompt_claim_stands_until_its_ttl_and_only_for_the_instance_it_chose(segment):
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    [a] = read_all(segment)
+    scorer = _scorer(segment, pending_s=0.2)
+    plain = recover(Endpoint.COMPLETIONS, b'{"prompt":"' + b"p" * 1024 + b'"}')
+    claim = scorer.claim(plain, a, scorer.assess(plain, [a])[0])
+    assert claim is not None
+    claim.prompt_taken()
+    claim.settle()
+    held = scorer.assess(plain, [a])[0]
+    assert (held.prefix_blocks, held.pending_blocks) == (4, 4) and held.saved_ms > 0
+    gone = a._replace(generation=a.generation + 1)  # the slot's next instance holds nothing
+    assert scorer.assess(plain, [gone])[0].prefix_blocks == 0
+    wait_until(lambda: scorer.assess(plain, [a])[0].prefix_blocks == 0, 5, message="the claim lapses")
+
+
+def test_each_worker_sees_another_workers_claim_only_in_the_shared_view(segment):
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    [a] = read_all(segment)
+    request = recover(Endpoint.CHAT, KNOWLEDGE)
+    rows = [WorkerRow.claim(segment, i, identity=1000 + i) for i in range(2)]
+    for view, seen in ((SharedAffinity, ("k1", "k2")), (PerWorkerAffinity, ())):
+        deciding, other = (_scorer(segment, view, row=row) for row in rows)
+        other.assess(request, [a])  # the other worker has read the ring up to here
+        deciding.claim(request, a, deciding.assess(request, [a])[0])
+        assert other.assess(request, [a])[0].pending_kids == seen, view
 
 
 # --- settings --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, message", [
     ("affinity_view", "everyone", "PROXY_AFFINITY_VIEW"),
-    ("kv_aware_credit_per_ms", -1.0, "PROXY_KV_AWARE_CREDIT_PER_MS"),
-    ("kv_aware_max_credit", float("inf"), "PROXY_KV_AWARE_MAX_CREDIT"),
+    ("kv_aware_balance_abs", float("inf"), "PROXY_KV_AWARE_BALANCE_ABS"),
+    ("affinity_pending_s", 0.0, "PROXY_AFFINITY_PENDING_S"),
     ("kv_aware_balance_rel", 0.5, "PROXY_KV_AWARE_BALANCE_REL"),
     ("affinity_block_tokens", 0, "PROXY_AFFINITY_BLOCK_TOKENS"),
     ("affinity_kv_mb_per_token", 0.0, "PROXY_AFFINITY_KV_MB_PER_TOKEN"),
@@ -172,6 +244,12 @@ def test_the_assessment_prices_resident_knowledge_as_its_transfer_and_cached_blo
 def test_a_bad_kv_aware_setting_fails_at_start_naming_its_variable(field, value, message):
     with pytest.raises(ValueError, match=message):
         Settings(**{field: value})
+
+
+@pytest.mark.parametrize("retired", ["PROXY_KV_AWARE_CREDIT_PER_MS", "PROXY_KV_AWARE_MAX_CREDIT"])
+def test_a_retired_kv_aware_setting_is_refused_at_start_saying_what_replaced_it(retired):
+    with pytest.raises(ConfigError, match=f"{retired} is no longer read: .*predicted time to first token"):
+        Settings.from_env({retired: "0.2"})
 
 
 def test_the_strategy_is_accepted_under_its_aliases():

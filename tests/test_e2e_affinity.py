@@ -145,6 +145,18 @@ def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
                message="a re-registration clears the instance's entries")
     heartbeat(cluster, inst.instance_id, resident_keys=["k0003"])
     wait_until(lambda: knowledge_count(cluster, 0, inst.instance_id) == 1, 10, message="resident again")
+    # A prompt routed there is claimed at once, then confirmed: held either way.
+    inst.configure(hold_streams=True)
+
+    def prompt_blocks(worker: int) -> int:
+        return affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["resident_prefix_blocks"] \
+            + affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["pending_prefix_blocks"]
+
+    async def routed_while_held() -> None:
+        async with _held_streams(inst) as held:
+            held += await _hold(cluster, 1)
+            assert all(prompt_blocks(w) == 3 for w in range(2))
+    asyncio.run(routed_while_held())
     slot = next(r for r in cluster.loads()["instances"] if r["instance_id"] == inst.instance_id)["slot"]
     assert post(f"{cluster.cp_url}/v1/instance/unregister", {"instance_id": inst.instance_id})["ok"]
     # The sim registers again at its next heartbeat (a new slot generation): nothing is resident,
@@ -152,6 +164,7 @@ def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
     wait_until(lambda: any(r["instance_id"] == inst.instance_id for r in cluster.loads()["instances"]),
                20, message="registered again")
     assert knowledge_count(cluster, 0, inst.instance_id) == 0
+    assert prompt_blocks(0) == prompt_blocks(1) == 0  # neither confirmed nor claimed under the new generation
     affinity = cluster.status()["event_channel"]["affinity"]
     assert affinity["instances"].get(inst.instance_id, {"knowledge": 0})["knowledge"] == 0, (slot, affinity)
 
@@ -202,6 +215,7 @@ def test_a_per_worker_view_sees_only_what_its_worker_sent(make_cluster, tmp_path
         mine = affinity_rows(cluster, 0, knowledge="k0001")[inst.instance_id]
         theirs = affinity_rows(cluster, 1, knowledge="k0001")[inst.instance_id]
         assert mine["resident_knowledge"] == ["k0001"] and theirs["resident_knowledge"] == []
+        assert theirs["pending_knowledge"] == []  # nor did worker 0's claim reach worker 1
         # The sidecar's host-wide model heard it all the same (what the shared view would read).
         wait_until(lambda: cluster.status()["event_channel"]["affinity"]["instances"]
                    .get(inst.instance_id, {}).get("knowledge") == 1, 10, message="the sidecar's model")
@@ -213,17 +227,16 @@ def test_a_per_worker_view_sees_only_what_its_worker_sent(make_cluster, tmp_path
         kdn.stop()
 
 
-# --- the strategy: credit within bounds, and the guard -------------------------------------------------
-# Load = inflight alone, so each score is a count; every resident request earns the full credit.
-BOUNDED = {**KV_AWARE, "PROXY_LEAST_LOAD_WEIGHTS": '{"inflight": 1, "active_prepare": 0, '
-           '"active_ready": 0, "prepare_queue_depth": 0, "ready_queue_depth": 0, '
-           '"pending_prefill_count": 0, "active_decode_count": 0, "predicted_total_backlog_ms": 0}',
-           "PROXY_KV_AWARE_CREDIT_PER_MS": "1000", "PROXY_KV_AWARE_MAX_CREDIT": "1.5"}
+# --- the strategy: the lowest predicted time to first token, and the guard -------------------------------
+# least_load's score = inflight alone, so the guard's fallback is easy to read.
+INFLIGHT_ONLY = {**KV_AWARE, "PROXY_LEAST_LOAD_WEIGHTS": '{"inflight": 1, "active_prepare": 0, '
+                 '"active_ready": 0, "prepare_queue_depth": 0, "ready_queue_depth": 0, '
+                 '"pending_prefill_count": 0, "active_decode_count": 0, "predicted_total_backlog_ms": 0}'}
 SYSTEM = "You answer questions about the shared corpus. " * 20  # ~900 characters: 3 blocks
 
 
-def prefix_body(question: str, stream: bool = True) -> dict[str, Any]:
-    return {"model": "sim", "stream": stream, "max_tokens": 2,
+def prefix_body(question: str, stream: bool = True, max_tokens: int = 2) -> dict[str, Any]:
+    return {"model": "sim", "stream": stream, "max_tokens": max_tokens,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
 
 
@@ -231,9 +244,10 @@ def served_by(cluster, body: dict[str, Any]) -> str:
     return ask(cluster.dp_url, body)["trace"]["instance_id"]
 
 
-async def _hold(cluster, count: int) -> list[OpenStream]:
+async def _hold(cluster, count: int, max_tokens: int = 2) -> list[OpenStream]:
     session = aiohttp.ClientSession()
-    streams = [await OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions", prefix_body(f"q{i}"))
+    streams = [await OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions",
+                                     prefix_body(f"q{i}", max_tokens=max_tokens))
                for i in range(count)]
     for stream in streams:
         stream.session = session  # type: ignore[attr-defined]
@@ -260,35 +274,127 @@ def _prompt_query() -> dict[str, str]:
     return {"prompt": rendered}
 
 
-def test_the_credit_beats_load_only_within_its_bound(make_cluster):
-    cluster = make_cluster(workers=2, env={**BOUNDED, "PROXY_KV_AWARE_BALANCE_ABS": "100"})
+def predicted(cluster, worker: int) -> dict[str, dict[str, Any]]:
+    """Each instance's predicted time to first token, in parts, for the shared prompt."""
+    return {iid: row["predicted_ttft_ms"] for iid, row in affinity_rows(cluster, worker, **_prompt_query()).items()}
+
+
+def test_sequential_repeats_of_one_knowledge_id_inject_it_once(make_cluster, tmp_path):
+    kdn = Kdn(tmp_path)
+    try:
+        cluster = make_cluster(workers=4, env=KV_AWARE)
+        cluster.add_instance()
+        cluster.add_instance()
+        served = [ask(cluster.dp_url, knowledge_body(kdn, ["k0007"]))["trace"]["instance_id"]
+                  for _ in range(12)]
+        assert len(set(served)) == 1, served
+        assert kdn.injects() == 1 and sum(i.stats()["kv_injects"] for i in cluster.instances) == 1
+    finally:
+        kdn.stop()
+
+
+def test_sequential_repeats_of_one_system_prompt_are_prefilled_once(make_cluster):
+    cluster = make_cluster(workers=4, env=KV_AWARE)
+    for _ in range(2):
+        cluster.add_instance("--prefix-caching")
+    served = [served_by(cluster, prefix_body(f"question {i}")) for i in range(12)]
+    assert len(set(served)) == 1, served
+    stats = {i.instance_id: i.stats() for i in cluster.instances}
+    holder = stats[served[0]]
+    # The first request computed the system prompt; the other eleven found it cached.
+    assert holder["prefix_cache_hits"] >= 11 * 128, holder
+    assert sum(s["prefix_cache_queries"] for iid, s in stats.items() if iid != served[0]) == 0
+
+
+def test_a_routing_decision_is_pending_for_every_worker_at_once_until_the_ack_confirms_it(make_cluster, tmp_path):
+    kdn = Kdn(tmp_path)
+    try:
+        # The KDN holds the inject until released: the window between the choice and the ack.
+        post(f"http://{kdn.addr}/sim/config", {"hang": True, "fault_on": "inject"})
+        cluster = make_cluster(workers=4, env=KV_AWARE)
+        a, b = cluster.add_instance(), cluster.add_instance()
+
+        def pending_on() -> dict[str, list[str]]:
+            """Per worker, the instances that hold k0009 pending."""
+            return {w: sorted(iid for iid, row in affinity_rows(cluster, w, knowledge="k0009").items()
+                              if row["pending_knowledge"] == ["k0009"]) for w in range(cluster.workers)}
+
+        async def scenario() -> dict[str, Any]:
+            async with aiohttp.ClientSession() as session:
+                request = asyncio.ensure_future(session.post(f"{cluster.worker_url(0)}/v1/chat/completions",
+                                                             json={**knowledge_body(kdn, ["k0009"])}))
+                await asyncio.to_thread(wait_until, lambda: get(f"http://{kdn.addr}/sim/stats")["held"] == 1,
+                                        10, message="the inject held at the KDN")
+                seen = pending_on()
+                post(f"http://{kdn.addr}/sim/release", {})
+                response = await request
+                text = await response.read()
+                return {"seen": seen, "meta": meta_of(text)}
+        outcome = asyncio.run(scenario())
+        chosen = outcome["meta"]["trace"]["instance_id"]
+        # While the inject was in flight, every worker already saw the decision.
+        assert outcome["seen"] == {w: [chosen] for w in range(cluster.workers)}
+        # Confirmed by the index once the inject was acknowledged: resident, no longer pending.
+        wait_until(lambda: resident_everywhere(cluster, chosen, ["k0009"]), 10, message="confirmed")
+        assert pending_on() == {w: [] for w in range(cluster.workers)}
+        assert {a.instance_id, b.instance_id} >= {chosen}
+    finally:
+        kdn.stop()
+
+
+def test_a_failed_inject_withdraws_the_claim(make_cluster, tmp_path):
+    kdn = Kdn(tmp_path)
+    try:
+        post(f"http://{kdn.addr}/sim/config", {"fail_status": 503, "fault_on": "inject"})
+        cluster = make_cluster(workers=2, env=KV_AWARE)
+        cluster.add_instance()
+        cluster.add_instance()
+        meta = ask(cluster.worker_url(0), knowledge_body(kdn, ["k0011"]))
+        assert meta["kv_ack"]["ok"] is False and meta["trace"]["kvcache_actual_path"] == "recompute"
+        for worker in range(cluster.workers):
+            rows = affinity_rows(cluster, worker, knowledge="k0011")
+            assert all(r["pending_knowledge"] == [] and r["resident_knowledge"] == [] for r in rows.values()), rows
+    finally:
+        kdn.stop()
+
+
+def test_a_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves(make_cluster):
+    # One ready slot an instance: a request held decoding there makes the next one wait for it.
+    cluster = make_cluster(workers=2, env={**KV_AWARE, "READY_CONCURRENCY": "1"})
     a, b = cluster.add_instance(), cluster.add_instance()
     warm = served_by(cluster, prefix_body("first"))
     cold = b.instance_id if warm == a.instance_id else a.instance_id
     wait_until(lambda: affinity_rows(cluster, 1, **_prompt_query())[warm]["resident_prefix_blocks"] == 3,
                10, message="the system prompt's blocks resident where it went")
-    # Idle: the warm instance wins every time (least_load alone would alternate the tie).
+    # Idle: the warm instance wins every time (least_load alone would alternate the tie): it
+    # queues nothing and prefills less.
+    wait_until(lambda: predicted(cluster, 0)[warm]["queue"] == predicted(cluster, 0)[cold]["queue"] == 0, 10,
+               message="both idle")
+    parts = predicted(cluster, 0)
+    assert parts[warm]["prefill"] < parts[cold]["prefill"] and parts[warm]["total"] < parts[cold]["total"]
     traces = [ask(cluster.dp_url, prefix_body(f"again {i}"))["trace"] for i in range(4)]
-    assert [(t["instance_id"], t["affinity_credit"], t["affinity_guard"]) for t in traces] == \
-        [(warm, 1.5, False)] * 4
+    assert [(t["instance_id"], t["affinity_guard"]) for t in traces] == [(warm, False)] * 4
+    assert all(t["affinity_saved_ms"] > 0 and t["route_predicted_ttft_ms"] > 0 for t in traces)
     warm_sim = a if warm == a.instance_id else b
     warm_sim.configure(hold_streams=True)
 
     async def scenario() -> None:
         async with _held_streams(warm_sim) as held:
-            held += await _hold(cluster, 1)  # warm: inflight 0 - credit 1.5 < cold's 0
-            rows = affinity_rows(cluster, 0, **_prompt_query())
-            assert rows[warm]["credit"] == 1.5 and rows[cold]["credit"] == 0
-            held += await _hold(cluster, 1)  # still warm: 1 - 1.5 < 0
-            assert [s.response.headers["x-cacheroute-instance"] for s in held] == [warm, warm]
-            assert cluster.inflight() == {warm: 2, cold: 0}
-            # Now 2 - 1.5 > 0: the cold idle instance beats the hot one.
-            assert served_by(cluster, prefix_body("third", stream=False)) == cold
+            # A long answer decoding on warm holds its only slot: the next request would queue
+            # behind it for longer than the prefill the cache saves.
+            held += await _hold(cluster, 1, max_tokens=2000)
+            assert held[0].response.headers["x-cacheroute-instance"] == warm
+            wait_until(lambda: predicted(cluster, 1)[warm]["total"] > predicted(cluster, 1)[cold]["total"], 10,
+                       message="the warm instance's queue outweighs its saving")
+            parts = predicted(cluster, 1)
+            assert parts[warm]["queue"] > parts[cold]["prefill"] - parts[warm]["prefill"]
+            trace = ask(cluster.dp_url, prefix_body("third", stream=False))["trace"]
+            assert (trace["instance_id"], trace["affinity_guard"]) == (cold, False)
     asyncio.run(scenario())
 
 
-def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_cluster):
-    cluster = make_cluster(workers=2, env={**BOUNDED, "PROXY_KV_AWARE_BALANCE_ABS": "0.5",
+def test_the_guard_makes_kv_aware_choose_as_least_load_when_inflight_spreads_too_far(make_cluster):
+    cluster = make_cluster(workers=2, env={**INFLIGHT_ONLY, "PROXY_KV_AWARE_BALANCE_ABS": "0.5",
                                            "PROXY_KV_AWARE_BALANCE_REL": "1"})
     a, b = cluster.add_instance(), cluster.add_instance()
     warm = served_by(cluster, prefix_body("first"))
@@ -307,8 +413,11 @@ def test_the_guard_sets_the_credit_aside_when_the_load_spreads_too_far(make_clus
             loads = get(f"{cluster.worker_url(1)}/debug/instance_loads?"
                         f"{urllib.parse.urlencode(_prompt_query())}")
             guard = loads["kv_aware"]["guard"]
-            assert guard["fired"] is True and "pure least_load" in guard["reason"], guard
-            # The credit (1.5) would beat inflight 1, but the spread is past the bound.
+            assert guard["fired"] is True and "least_load" in guard["reason"], guard
+            # warm is predicted the faster (its slots are free, it holds the prompt), but the
+            # inflight spread is past the bound: least_load's choice, the idle cold instance.
+            rows = {r["instance_id"]: r["affinity"] for r in loads["instances"]}
+            assert rows[warm]["predicted_ttft_ms"]["total"] < rows[cold]["predicted_ttft_ms"]["total"]
             trace = ask(cluster.dp_url, prefix_body("second", stream=False))["trace"]
             assert (trace["instance_id"], trace["affinity_guard"]) == (cold, True)
     asyncio.run(scenario())

@@ -8,8 +8,7 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.affinity import NO_AFFINITY
-from proxy_workers.router import Router
+from proxy_workers.router import Choice, Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow
 
 
@@ -42,7 +41,7 @@ def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(ta
     router = _router(name, seg)
     chosen = router.choose()
     writer.free(slot.slot)  # the sidecar purges it right after the selection
-    router._choose = lambda exclude, request: (chosen, NO_AFFINITY, None)  # type: ignore[method-assign]
+    router._choose = lambda exclude, request: Choice(chosen)  # type: ignore[method-assign]
     with pytest.raises(HTTPError) as info:
         router.acquire()
     assert info.value.detail == "selected instance is no longer registered"

@@ -1,7 +1,9 @@
 """shm_schema's declarations: each record and bit-packed word round-trips, sits where layout.py's
 byte map says, and spells exactly the bytes the code before the declarations wrote (a segment of
 that code, tests/golden_segment_v3.py; layout 4, tests/golden_segment_v4.py, is that segment with
-the affinity region added after it and every earlier word unchanged but the version and the size)."""
+the affinity region added after it and every earlier word unchanged but the version and the size;
+layout 5, tests/golden_segment_v5.py, adds the claims ring after that, a header word and a
+snapshot word that were reserved)."""
 
 from __future__ import annotations
 
@@ -23,15 +25,17 @@ from shm_schema.bitfields import (EventTag, JournalWord, OptionalFloatWord, Proc
                                   RequestKey, SlotGeneration)
 from shm_schema.events import Event, EventKind, EventReader, EventWriter
 from shm_schema.affinity import AffinityReader, AffinityWriter, Resident
-from shm_schema.bitfields import AffinityValue
+from shm_schema.bitfields import AffinityValue, ClaimValue
+from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
 from shm_schema.events import residency
 from shm_schema.records import (AFFINITY_ENTRY, AFFINITY_KNOWLEDGE, AFFINITY_PREFIX,
-                                AFFINITY_ROW_HEADER, COUNTER_LANES, EVENT, HEADER, PAYLOAD_START,
+                                AFFINITY_ROW_HEADER, CLAIM, CLAIM_OP_CLAIM, CLAIM_OP_DROP,
+                                COUNTER_LANES, EVENT, HEADER, PAYLOAD_START,
                                 ROW_HEADER, SLOT, SNAPSHOT, CompletePayload, Record,
                                 ReservePayload, ResidencyPayload, SnapshotRecord)
 from shm_schema.segment import SegmentLayoutError
 from shm_schema.snapshot import SnapshotReader, SnapshotWriter
-from tests import golden_segment_v3, golden_segment_v4
+from tests import golden_segment_v3, golden_segment_v4, golden_segment_v5
 
 # No example database, and hypothesis's cache out of the (shared) checkout, as in test_fuzz.py.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"cacheroute-hypothesis-{os.getuid()}")
@@ -39,7 +43,8 @@ PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=
 U64 = st.integers(0, (1 << 64) - 1)
 RECORDS = {"HeaderWords": HEADER, "CounterLanes": COUNTER_LANES, "SlotRecord": SLOT,
            "SnapshotRecord": SNAPSHOT, "RowHeader": ROW_HEADER, "EventRecord": EVENT,
-           "AffinityRowHeader": AFFINITY_ROW_HEADER, "AffinityEntry": AFFINITY_ENTRY}
+           "AffinityRowHeader": AFFINITY_ROW_HEADER, "AffinityEntry": AFFINITY_ENTRY,
+           "ClaimRecord": CLAIM}
 
 
 # --- the byte map --------------------------------------------------------------------------------
@@ -55,7 +60,7 @@ def _documented_blocks() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["HeaderWords", "SlotRecord", "SnapshotRecord", "RowHeader",
-                                  "EventRecord", "AffinityRowHeader"])
+                                  "EventRecord", "AffinityRowHeader", "ClaimRecord"])
 def test_every_field_is_where_the_byte_map_says(name: str) -> None:
     record = RECORDS[name]
     documented = {field: int(offset) for offset, field in
@@ -73,18 +78,21 @@ def test_the_counter_lanes_are_the_ones_the_byte_map_lists() -> None:
 
 
 def test_the_layout_version_and_the_sizes_are_unchanged() -> None:
-    assert layout.LAYOUT_VERSION == 4
+    assert layout.LAYOUT_VERSION == 5
     assert (HEADER.size, COUNTER_LANES.size, SLOT.size, SNAPSHOT.size, ROW_HEADER.size,
-            EVENT.size, AFFINITY_ROW_HEADER.size, AFFINITY_ENTRY.size) == \
-        (256, 64, 320, 64, 128, 64, 64, 16)
+            EVENT.size, AFFINITY_ROW_HEADER.size, AFFINITY_ENTRY.size, CLAIM.size) == \
+        (256, 64, 320, 64, 128, 64, 64, 16, 64)
     assert (layout.LANES, layout.LANES_USED, layout.MAX_ID_BYTES, layout.MAX_HOST_BYTES) == (8, 5, 112, 64)
     assert layout.AFFINITY_ROW_SIZE == 64 + 512 * 16
     # Layout 3's regions end where they did (4096; 5_382_400 for the defaults): the affinity
     # rows follow, one per instance slot.
     assert layout.Geometry(4, 2, 8).affinity_offset == 4096
-    assert layout.Geometry(4, 2, 8).total_size == 4096 + 4 * 8256
     assert layout.Geometry(256, 64).affinity_offset == 5_382_400
-    assert layout.Geometry(256, 64).total_size == 5_382_400 + 256 * 8256
+    # Layout 4's end: the claims ring follows, 4,096 records of 64 bytes.
+    assert layout.Geometry(4, 2, 8).claims_offset == 4096 + 4 * 8256
+    assert layout.Geometry(4, 2, 8).total_size == 4096 + 4 * 8256 + 4096 * 64
+    assert layout.Geometry(256, 64).claims_offset == 5_382_400 + 256 * 8256
+    assert layout.Geometry(256, 64).total_size == 5_382_400 + 256 * 8256 + 4096 * 64
 
 
 def test_a_record_that_does_not_fit_its_size_is_refused() -> None:
@@ -195,6 +203,15 @@ def test_optional_float_word_round_trips(value: float | None) -> None:
 def test_affinity_value_round_trips(kind: int, tokens: int) -> None:
     word = AffinityValue.pack(kind, tokens)
     assert (AffinityValue.kind(word), AffinityValue.tokens(word)) == (kind, tokens)
+
+
+@PROPERTY
+@given(st.sampled_from([CLAIM_OP_CLAIM, CLAIM_OP_DROP]), st.sampled_from([AFFINITY_KNOWLEDGE, AFFINITY_PREFIX]),
+       st.integers(0, AffinityValue.TOKENS_MASK))
+def test_claim_value_round_trips(op: int, kind: int, tokens: int) -> None:
+    word = ClaimValue.pack(op, kind, tokens)
+    assert (ClaimValue.op(word), ClaimValue.kind(word), ClaimValue.tokens(word)) == (op, kind, tokens)
+    assert ClaimValue.pack(CLAIM_OP_DROP, AFFINITY_PREFIX, 128) == 0x0002_0002_0000_0080
 
 
 # --- events: one writer method per kind, the payload by name ------------------------------------------
@@ -312,6 +329,16 @@ def write_affinity_reference(seg: Segment) -> None:
     affinity.publish(1, 4, [Resident(0xDDDD, AFFINITY_PREFIX, 64)], capacity_tokens=0)  # replaced
 
 
+def write_claims_reference(seg: Segment) -> int:
+    """Layout 5's addition: a claim of one knowledge id and four prompt blocks on inst-a, and
+    the withdrawal of one block; returns the claim's id."""
+    claims = ClaimWriter(seg)
+    claim = claims.claim(0, 2, [KeyGroup(AFFINITY_KNOWLEDGE, 1000, (0xAAAA,)),
+                                KeyGroup(AFFINITY_PREFIX, 64, (0x11, 0x22, 0x33, 0x44))], t_us=7_000_000)
+    claims.drop(claim, 0, 2, [KeyGroup(AFFINITY_PREFIX, 64, (0x44,))], t_us=8_000_000)
+    return claim
+
+
 def _zero_the_clock_and_chance(seg: Segment) -> None:
     rows = (seg.geometry.row_offset(0), seg.geometry.row_offset(1))
     published = AFFINITY_ROW_HEADER.offset.published_us
@@ -330,8 +357,21 @@ def _nonzero_words(seg: Segment) -> dict[int, int]:
 def test_the_new_spelling_writes_the_bytes_the_old_code_wrote(seg) -> None:
     write_reference(seg)
     write_affinity_reference(seg)
+    write_claims_reference(seg)
     _zero_the_clock_and_chance(seg)
-    assert _nonzero_words(seg) == golden_segment_v4.WORDS
+    assert _nonzero_words(seg) == golden_segment_v5.WORDS
+
+
+def test_layout_5_changed_no_word_of_layout_4_but_the_version_the_size_and_the_claims_cursor() -> None:
+    v4, v5 = golden_segment_v4.WORDS, golden_segment_v5.WORDS
+    end_of_v4 = v4[layout.H_TOTAL_SIZE]
+    assert (v4[layout.H_LAYOUT_VERSION], v5[layout.H_LAYOUT_VERSION]) == (4, 5)
+    assert v5[layout.H_TOTAL_SIZE] == end_of_v4 + layout.CLAIM_RING_CAPACITY * layout.CLAIM_SIZE
+    assert (layout.H_CLAIMS_CURSOR not in v4, v5[layout.H_CLAIMS_CURSOR]) == (True, 4)
+    same = {layout.H_LAYOUT_VERSION, layout.H_TOTAL_SIZE, layout.H_CLAIMS_CURSOR}
+    assert {o: w for o, w in v5.items() if o < end_of_v4 and o not in same} == \
+        {o: w for o, w in v4.items() if o not in same}
+    assert min(o for o in v5 if o >= end_of_v4) == end_of_v4  # the first claim record
 
 
 def test_layout_4_changed_no_word_of_layout_3_but_the_version_and_the_size() -> None:
@@ -345,10 +385,13 @@ def test_layout_4_changed_no_word_of_layout_3_but_the_version_and_the_size() -> 
     assert min(o for o in v4 if o >= end_of_v3) == end_of_v3  # the first affinity row
 
 
-def test_a_layout_3_segment_is_refused_with_the_remedy(seg) -> None:
-    for offset, word in golden_segment_v3.WORDS.items():
+@pytest.mark.parametrize("golden", [golden_segment_v3, golden_segment_v4], ids=["layout 3", "layout 4"])
+def test_an_older_layout_is_refused_with_the_remedy(seg, golden) -> None:
+    for offset, word in golden.WORDS.items():
         struct.pack_into("@Q", seg.buf, offset, word)
-    with pytest.raises(SegmentLayoutError, match="layout version 3, but this build uses layout version 4"):
+    version = golden.WORDS[layout.H_LAYOUT_VERSION]
+    with pytest.raises(SegmentLayoutError,
+                       match=f"layout version {version}, but this build uses layout version 5"):
         Segment.attach(seg.name)
 
 
@@ -389,10 +432,15 @@ def test_a_reader_never_takes_a_row_the_writer_is_rewriting(seg) -> None:
 
 def test_a_segment_of_the_old_code_reads_the_same(seg) -> None:
     seg.buf[:] = bytes(seg.geometry.total_size)
-    for offset, word in golden_segment_v4.WORDS.items():
+    for offset, word in golden_segment_v5.WORDS.items():
         struct.pack_into("@Q", seg.buf, offset, word)
     old = Segment.attach(seg.name)  # the header validates
     try:
+        assert ClaimReader(old).poll() == [
+            Claimed(CLAIM_OP_CLAIM, 0, 0, 2, AFFINITY_KNOWLEDGE, 1000, 7_000_000, (0xAAAA,)),
+            Claimed(CLAIM_OP_CLAIM, 0, 0, 2, AFFINITY_PREFIX, 64, 7_000_000, (0x11, 0x22, 0x33)),
+            Claimed(CLAIM_OP_CLAIM, 0, 0, 2, AFFINITY_PREFIX, 64, 7_000_000, (0x44,)),
+            Claimed(CLAIM_OP_DROP, 0, 0, 2, AFFINITY_PREFIX, 64, 8_000_000, (0x44,))]
         affinity = AffinityReader(old)
         assert (affinity.row(0, 2).knowledge, affinity.row(0, 2).prefix, affinity.row(0, 2).capacity_tokens) \
             == ({0xAAAA}, {0xBBBB}, 5000)

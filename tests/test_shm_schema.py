@@ -11,7 +11,7 @@ import posix_ipc
 import pytest
 
 from cacheroute_proxy.config import Settings
-from proxy_workers.router import Lease, Router
+from proxy_workers.router import Choice, Lease, Router
 from shm_schema import (CounterWord, DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,
                         WorkerTableFull, encode_identity, layout, read_all, read_rows)
@@ -361,7 +361,7 @@ def test_router_lease_double_release_decrements_once(seg):
     # A Lease made by hand follows the same at-most-once rule.
     inst = first.instance
     assert row.begin(inst.slot, inst.generation)
-    lease = Lease(inst, row)
+    lease = Lease(Choice(inst), row)
     assert [lease.release(), lease.release()] == [True, False]
     assert count_of(seg, slot) == 0
     row.release()

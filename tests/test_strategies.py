@@ -10,8 +10,9 @@ import pytest
 
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.strategies import (DEFAULT_WEIGHTS, KvAwareStrategy, LeastLoadStrategy, RoundRobinStrategy,
-                                           build_strategy, resolve_weights)
+from cacheroute_proxy.routing.strategies import (DEFAULT_WEIGHTS, KvAwareStrategy, LeastLoadStrategy,
+                                                 Prediction, RoundRobinStrategy, build_strategy,
+                                                 resolve_weights)
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, WorkerRow
 from tests.shm_helpers import fresh_segment
@@ -46,35 +47,51 @@ def test_default_strategy_is_round_robin():
     assert Settings().strategy_name == "round_robin"
 
 
-# --- kv_aware: least_load minus a bounded credit, set aside by the balance guard -------------------
-
-def test_kv_aware_credit_is_proportional_to_the_time_saved_and_capped():
-    kv = KvAwareStrategy(credit_per_ms=0.002, max_credit=3.0)
-    assert (kv.credit(0), kv.credit(500), kv.credit(10_000), kv.credit(-5)) == (0.0, 1.0, 3.0, 0.0)
+# --- kv_aware: the lowest predicted time to first token, within the balance guard ------------------
+def _predicted(queue: float | None, prefill: float, transfer: float = 0.0) -> Prediction:
+    return Prediction(queue, prefill, transfer)
 
 
-def test_kv_aware_credit_lets_a_warm_instance_beat_a_slightly_less_loaded_cold_one():
+def test_kv_aware_a_holder_wins_unless_its_queue_costs_more_than_the_prefill_it_saves():
+    kv = KvAwareStrategy()
+    # The warm instance saves 30 ms of prefill (10 left against 40) and waits 20 ms: 30 < 40.
+    warm, cold = _predicted(20.0, 10.0), _predicted(0.0, 40.0)
+    chosen, guard = kv.choose(["warm", "cold"], [2.0, 0.0], [2, 0], [warm, cold])
+    assert (chosen, guard.fired) == ("warm", False)
+    # Its queue grows past the saving: 35 + 10 > 0 + 40.
+    chosen, _ = kv.choose(["warm", "cold"], [2.0, 0.0], [2, 0], [_predicted(35.0, 10.0), cold])
+    assert chosen == "cold"
+    # A KV transfer counts as prefill does: the holder of the knowledge skips 50 ms of it.
+    chosen, _ = kv.choose(["holder", "other"], [1.0, 0.0], [1, 0],
+                          [_predicted(30.0, 20.0, 0.0), _predicted(0.0, 20.0, 50.0)])
+    assert chosen == "holder"
+
+
+def test_kv_aware_equal_predictions_rotate():
+    kv = KvAwareStrategy()
+    same = [_predicted(0.0, 40.0)] * 2
+    assert {kv.choose(["a", "b"], [0.0, 0.0], [0, 0], same)[0] for _ in range(4)} == {"a", "b"}
+
+
+def test_kv_aware_without_a_fresh_snapshot_least_load_chooses_and_the_requests_cost_breaks_ties():
+    kv = KvAwareStrategy()
+    unknown = [_predicted(None, 40.0), _predicted(None, 10.0), _predicted(None, 5.0)]
+    # least_load's totals decide first: c is busier, so the tie between a and b goes to b,
+    # which holds more of the request.
+    chosen, guard = kv.choose(["a", "b", "c"], [1.0, 1.0, 2.0], [1, 1, 2], unknown)
+    assert (chosen, guard.fired) == ("b", False)
+
+
+def test_kv_aware_guard_fires_only_past_both_bounds_and_then_least_load_chooses():
     kv = KvAwareStrategy(balance_abs=4.0, balance_rel=1.5)
-    scores, guard = kv.combine([3.0, 2.0, 2.5], [1.5, 0.0, 0.0])
-    assert not guard.fired and scores == [1.5, 2.0, 2.5]
-    assert kv.select_by_totals(["warm", "cold", "other"], scores) == "warm"
-
-
-def test_kv_aware_an_idle_cold_instance_beats_a_hot_busy_one_the_credit_cannot_cover():
-    kv = KvAwareStrategy(max_credit=2.0, balance_abs=100.0)
-    scores, guard = kv.combine([3.5, 0.0], [2.0, 0.0])
-    assert not guard.fired
-    assert kv.select_by_totals(["hot", "idle"], scores) == "idle"
-
-
-def test_kv_aware_guard_fires_only_past_both_bounds():
-    kv = KvAwareStrategy(balance_abs=4.0, balance_rel=1.5)
-    assert kv.guard([10.0, 5.0]).fired  # spread 5 > 4 and 10 > 7.5
-    assert not kv.guard([10.0, 7.0]).fired  # spread 3 <= 4
-    assert not kv.guard([20.0, 15.0]).fired  # spread 5 > 4 but 20 <= 22.5
-    assert not kv.guard([10.0, None]).fired  # one known load: nothing to balance
-    scores, guard = kv.combine([10.0, 5.0], [4.0, 0.0])
-    assert guard.fired and "pure least_load" in guard.reason and scores == [10.0, 5.0]
+    assert kv.guard([10, 5]).fired  # spread 5 > 4 and 10 > 7.5
+    assert not kv.guard([10, 7]).fired  # spread 3 <= 4
+    assert not kv.guard([20, 15]).fired  # spread 5 > 4 but 20 <= 22.5
+    assert not kv.guard([10, None]).fired  # one known load: nothing to balance
+    # The hot instance holds the prompt and is predicted the faster, but the guard fires.
+    chosen, guard = kv.choose(["hot", "idle"], [12.0, 5.0], [10, 5],
+                              [_predicted(5.0, 1.0), _predicted(0.0, 40.0)])
+    assert (chosen, guard.fired) == ("idle", True) and "least_load" in guard.reason
 
 
 # --- least_load semantics ------------------------------------------------------------------------

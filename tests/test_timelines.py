@@ -11,7 +11,7 @@ import pytest
 from shm_schema import DirectoryWriter, Segment
 from shm_schema.bitfields import RequestKey
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
-from sidecar.pace import Pace
+from cacheroute_proxy.pace import Pace
 from sidecar.timelines import InstanceTimeline, Timelines
 
 

@@ -22,7 +22,7 @@ from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.pipeline import Pipeline
 from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint
-from proxy_workers.router import Lease, Router
+from proxy_workers.router import Choice, Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
 from proxy_workers.trace import Knowledge, Trace, encode_meta
 from proxy_workers.tracker import RequestTracker
@@ -35,7 +35,7 @@ META_KEYS = ["trace", "kv_ack", "kv_ready_kids", "text_only_kids", "miss_kids", 
 TRACE_KEYS = [
     "proxy_recv_ms", "worker", "request_id",
     "route_select_start_ms", "route_select_end_ms", "snapshot_age_ms", "instance_id",
-    "affinity_credit", "affinity_guard",
+    "route_predicted_ttft_ms", "affinity_saved_ms", "affinity_guard",
     "prepare_seq", "proxy_enqueue_ms", "iws_reason", "kdn_link_source", "injection_mode",
     "prepare_dequeue_ms", "prepare_start_ms",
     "kdn_fetch_start_ms", "kdn_fetch_end_ms", "kdn_link_wait_ms", "kv_ack_start_ms",
@@ -50,7 +50,7 @@ TRACE_KEYS = [
     "retries",
 ]
 # Set only when kv_aware chose the instance.
-AFFINITY_KEYS = {"affinity_credit", "affinity_guard"}
+AFFINITY_KEYS = {"route_predicted_ttft_ms", "affinity_saved_ms", "affinity_guard"}
 # Set only on a stream's first token.
 FIRST_TOKEN_KEYS = {"first_token_ms", "decode_start_ms", "actual_ttft_ms", "actual_vllm_ttft_ms",
                     "actual_total_ms", "actual_vllm_internal_ms", "predict_error_ms"}
@@ -143,7 +143,7 @@ def test_lease_carries_the_snapshot_age_of_a_least_load_choice(segment):
         assert (lease.instance.instance_id, lease.snapshot_age_ms) == ("inst-a", expected)
         assert lease.release()
         router.row.release()
-    assert Lease(lease.instance, WorkerRow.claim(segment, 1)).snapshot_age_ms is None
+    assert Lease(Choice(lease.instance), WorkerRow.claim(segment, 1)).snapshot_age_ms is None
 
 
 # --- one request through every path, in one process ---------------------------------------------

@@ -49,7 +49,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "This proxy against nginx and an LLM router: the same run repeated")),
         ("peers_task_clock.json", peers.task_clock_section),
         ("affinity.json", affinity.section),
-        ("affinity_ninth.json", lambda d: affinity.section(d, "affinity_ninth.json")),
+        ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_vllm.json", affinity_vllm.section),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),

@@ -5,41 +5,54 @@ from __future__ import annotations
 from collections import Counter
 
 from bench import bench_affinity
+from bench.bench_affinity import WORKLOADS
 from bench.report import affinity
 
 
-def test_the_workload_is_seeded_bursty_and_zipf_popular():
-    planned = bench_affinity.plan(3, 40.0, 14.0, 3.0)
-    assert planned == bench_affinity.plan(3, 40.0, 14.0, 3.0) != bench_affinity.plan(4, 40.0, 14.0, 3.0)
+def test_the_targets_workload_is_seeded_bursty_one_id_a_request_and_zipf_popular():
+    workload = WORKLOADS["knowledge64"]
+    planned = bench_affinity.plan(workload, 3, 1500, 20.0)
+    assert planned == bench_affinity.plan(workload, 3, 1500, 20.0) != bench_affinity.plan(workload, 4, 1500, 20.0)
+    assert len(planned) == 1500 and all(len(p.kids) == 1 for p in planned)
+    # The request sequence does not depend on the rate: the offline replay of it is the run's.
+    assert [p.kids for p in bench_affinity.plan(workload, 3, 1500, 1.0)] == [p.kids for p in planned]
+    # Bursts of 2 s at 1.65x the mean, then 2 s at 0.35x: the mean is the rate asked for.
+    in_bursts = sum(1 for p in planned if int(p.at_s // 2) % 2 == 0)
+    assert 3.5 < in_bursts / (len(planned) - in_bursts) < 6.0  # 1.65 / 0.35 = 4.7
+    assert 0.9 < len(planned) / planned[-1].at_s / 20.0 < 1.1
+    popular = Counter(k for p in planned for k in p.kids).most_common()
+    assert len(popular) == 64
+    # Zipf(0.6) over 64: rank 1 about 12x rank 64, far flatter than the mixed workload's 1.1.
+    assert 5 < popular[0][1] / popular[-1][1] < 30
+
+
+def test_the_mixed_workload_names_one_to_three_ids_or_a_shared_system_prompt():
+    planned = bench_affinity.plan(WORKLOADS["mixed200"], 3, 1000, 10.0)
     knowledge = [p for p in planned if p.kids]
     assert all(1 <= len(p.kids) <= 3 and len(set(p.kids)) == len(p.kids) for p in knowledge)
     assert 0.65 < len(knowledge) / len(planned) < 0.85
-    in_bursts = sum(1 for p in planned if int(p.at_s // 2) % 2 == 0)
-    assert in_bursts > 2.5 * (len(planned) - in_bursts)  # 14/s against 3/s
-    popular = Counter(k for p in knowledge for k in p.kids).most_common()
-    assert popular[0][1] > 5 * popular[len(popular) // 2][1]  # a head and a long tail
 
 
-def _row(name: str, hit: float, p50: float, p99: float, peak: float) -> dict:
+def test_fair_shares_weigh_each_instance_by_its_speed():
+    assert bench_affinity.fair_shares() == {"inst-0": 0.2, "inst-1": 0.4, "inst-2": 0.4}
+
+
+def _row(name: str, hit: float, p50: float, p99: float, fair: float) -> dict:
     return {"contender": name, "resident_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
-            "max_share_over_mean": peak, "requests": 10, "ok": 10, "share": {"a": 5, "b": 5},
-            "kdn_bytes": 2e9, "guard_fired": 1, "guard_decisions": 10}
+            "max_share_over_fair": fair, "requests": 10, "ok": 10, "share": {"a": 5, "b": 5},
+            "kdn_bytes": 2e9, "guard_fired": 1, "guard_decisions": 10, "saved_ms_p50": 42.0}
 
 
-def test_the_section_checks_the_issue_targets_from_the_rows():
-    rows = {r["contender"]: r for r in (
-        _row(affinity.SHARED, 0.60, 60.0, 900.0, 1.2), _row(affinity.ONE, 0.62, 58.0, 880.0, 1.1),
-        _row(affinity.PER_WORKER, 0.40, 90.0, 1000.0, 1.1), _row(affinity.LEAST_LOAD, 0.30, 120.0, 800.0, 1.0))}
-    checks = {name: ok for name, _, ok in affinity.targets(rows)}
-    assert list(checks.values()) == [True, True, True, False, True, True]  # p99 900 > 800
-    text = affinity.section({"results": list(rows.values()), "requests": 10})
-    assert "60%" in text and "**FAIL**" in text and "1 of 10" in text
-    replayed = {"random": 0.5, "holder_first": 0.62, "holder_first_over_random": 1.24}
-    with_ceiling = affinity.targets(rows, replayed)
-    assert with_ceiling[1][1:] == ("1.24", False) and len(with_ceiling) == 7
-    text = affinity.section({"results": list(rows.values()), "replayed_without_load": replayed})
-    assert "routing at random reaches 50%" in text and "1.24× as much" in text
-    assert "find every id" not in text  # a results file from before the whole-hit count
-    replayed.update(whole_random=0.55, whole_holder_first=0.7)
-    text = affinity.section({"results": list(rows.values()), "replayed_without_load": replayed})
-    assert "55% find every id already held" in text and "(70% routed to the holder)" in text
+def test_the_section_checks_the_targets_from_the_rows_and_names_the_ceiling():
+    rows = [_row(affinity.SHARED, 0.60, 60.0, 900.0, 1.2), _row(affinity.ONE, 0.62, 58.0, 880.0, 1.1),
+            _row(affinity.PER_WORKER, 0.40, 90.0, 1000.0, 1.1), _row(affinity.LEAST_LOAD, 0.30, 120.0, 950.0, 1.0)]
+    checks = affinity.targets({r["contender"]: r for r in rows})
+    assert [ok for _, _, ok in checks] == [True, True, False, True, True, True]  # p99 900/950 > 0.9
+    data = {"results": rows, "requests": 10, "workload": {"name": "knowledge64", "burst": [1.65, 0.35]},
+            "replayed_without_load": {"random": 0.5, "holder_first": 0.75, "holder_first_over_random": 1.5},
+            "calibration": {"saturation_rps": 30.0, "concurrency": 48, "seconds": 15}}
+    text = affinity.section(data)
+    assert "60%" in text and "**FAIL**" in text and "1 of 10" in text and "Targets:" in text
+    assert "reaches 80% of that ceiling" in text and "closed loop of 48 streams" in text
+    legacy = affinity.section({**data, "workload": {"name": "mixed200"}}, "affinity_mixed200.json")
+    assert "no targets" in legacy and "Targets:" not in legacy

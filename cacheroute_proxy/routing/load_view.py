@@ -96,6 +96,33 @@ class LoadView:
         record = self.snapshots.pressure(instance.slot, instance.generation)
         return None if record is None else max(_free_in_ms(record, now_us))
 
+    def queue_waits(self, instances: Sequence[SlotRef], span: int,
+                    inflight: Sequence[int | None]) -> list[tuple[float | None, float]]:
+        """Per instance, for kv_aware: (the predicted wait in ms before a new request's prefill
+        could start, None when the predicted layer is unknown; its pace: observed / predicted
+        durations, 1.0 until the sidecar has learned one).
+
+        The wait is the backlog least_load weighs, with the completions the snapshot has not
+        seen yet taken off: fewer requests in flight now than the snapshot counts means some of
+        those it counts have ended since, and the backlog shrinks in proportion (none in
+        flight: no wait). Without it a request sent right after another one ended would read
+        the instance as busy for a snapshot's lag."""
+        now_us = clock.now_us()
+        fresh = self.mode == "shared" and self.predicted_source(now_us) == "fresh"
+        records = self.snapshots.records(span) if fresh else ()
+        waits: list[tuple[float | None, float]] = []
+        for inst, count in zip(instances, inflight, strict=True):
+            record = record_at(records, inst.slot, inst.generation)
+            if record is None:
+                waits.append((None, 1.0))
+                continue
+            wait = _backlog_ms(record, now_us, count)
+            announced = record.pending_prefill_count + record.active_decode_count
+            if count is not None and count < announced:
+                wait *= count / announced
+            waits.append((wait, record.pace_ppm / 1e6 if record.pace_ppm else 1.0))
+        return waits
+
     def snapshot_age_ms(self) -> float | None:
         published = self.snapshots.published_us()
         return None if not published else (clock.now_us() - published) / 1000
@@ -158,12 +185,17 @@ class LoadView:
             slot_in, prefill_in = _free_in_ms(record, now_us)
             result["pending_prefill_count"].append(record.pending_prefill_count)
             result["active_decode_count"].append(record.active_decode_count)
-            result["predicted_total_backlog_ms"].append(
-                max(slot_in, prefill_in) + _unannounced_backlog_ms(record, count))
+            result["predicted_total_backlog_ms"].append(_backlog_ms(record, now_us, count))
             if with_raw:
                 result["next_slot_ready_in_ms"].append(slot_in)
                 result["prefill_free_in_ms"].append(prefill_in)
         return result
+
+
+def _backlog_ms(record: SnapshotRecord, now_us: int, inflight: int | None) -> float:
+    """How long before a new request's prefill could start: the later of the next free slot
+    and the free prefill chain, plus the requests in flight the timeline has not seen yet."""
+    return max(_free_in_ms(record, now_us)) + _unannounced_backlog_ms(record, inflight)
 
 
 def _unannounced_backlog_ms(record: SnapshotRecord, inflight: int | None) -> float:

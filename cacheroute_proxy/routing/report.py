@@ -22,9 +22,9 @@ QUEUE_FIELDS = ("prepare_queue_depth", "ready_queue_depth", "active_prepare", "a
                 "prefill_free_in_ms", "predicted_total_backlog_ms")
 
 
-# kv_aware's part (a worker's, for a request given in the query): instances and their
-# least_load totals in, one object per instance and a summary (the guard's verdict) out.
-AffinityReport = Callable[[Sequence[InstanceSlot], Sequence[float | None]],
+# kv_aware's part (a worker's, for a request given in the query): instances, their least_load
+# totals and inflight in, one object per instance and a summary (the guard's verdict) out.
+AffinityReport = Callable[[Sequence[InstanceSlot], list[float | None], list[int | None]],
                           tuple[list[dict[str, Any]], dict[str, Any]]]
 
 
@@ -56,7 +56,8 @@ def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, 
         rows.append(row)
     extra: dict[str, Any] = {}
     if affinity is not None:
-        per_instance, extra["kv_aware"] = affinity(instances, [r["least_load_score"]["total"] for r in rows])
+        per_instance, extra["kv_aware"] = affinity(instances, [r["least_load_score"]["total"] for r in rows],
+                                                   components["inflight"])
         for row, part in zip(rows, per_instance):
             row["affinity"] = part
     return {

@@ -136,60 +136,87 @@ class LeastLoadStrategy:
 
 
 class Guard(NamedTuple):
-    """Why the balance guard did or did not set the affinity credit aside."""
+    """Why the balance guard did or did not make kv_aware choose as least_load does."""
     fired: bool
     reason: str
-    spread: float | None  # highest - lowest known load score
-    lowest: float | None
-    highest: float | None
+    spread: int | None  # most - fewest requests in flight among the candidates
+    fewest: int | None
+    most: int | None
+
+
+class Prediction(NamedTuple):
+    """kv_aware's score of one candidate: the request's predicted time to its first token
+    there, in milliseconds, in its three parts."""
+    queue_ms: float | None  # wait before its prefill could start; None: the predicted layer is unknown
+    prefill_ms: float       # prefill of what the instance does not hold, at the instance's pace
+    transfer_ms: float      # KDN -> instance transfer of the knowledge KV it does not hold
+
+    @property
+    def own_ms(self) -> float:
+        """What the request itself costs there, whatever waits before it."""
+        return self.prefill_ms + self.transfer_ms
+
+    @property
+    def total_ms(self) -> float | None:
+        return None if self.queue_ms is None else self.queue_ms + self.prefill_ms + self.transfer_ms
 
 
 class KvAwareStrategy(LeastLoadStrategy):
-    """least_load's score minus an affinity credit per candidate (docs/architecture.md §4.4).
+    """The candidate with the lowest predicted time to first token (docs/architecture.md §4.4):
+    queue wait, plus the prefill of the prompt tokens not already resident at the instance's
+    measured pace, plus the KV transfer of the knowledge not already resident. Load and
+    affinity in one unit: an instance holding the prefix wins unless its queue costs more than
+    the prefill it saves. Ties rotate, as least_load's.
 
-    The credit (score units, >= 0) is what the caller predicts the candidate saves this request
-    (prefill or KV transfer of what it already holds) times `credit_per_ms`, capped at
-    `max_credit`. The balance guard, after SGLang's router, ignores every credit when the load
-    is already imbalanced: spread (highest - lowest known score) above `balance_abs` AND the
-    highest above `balance_rel` x the lowest. Affinity then cannot pile onto a hot instance."""
+    Where the predicted layer is unknown (no fresh snapshot), least_load's score chooses and
+    what the request itself costs breaks its ties. The balance guard, after SGLang's router,
+    chooses as least_load does when the candidates' requests in flight spread by more than
+    `balance_abs` AND the busiest holds more than `balance_rel` x the idlest's: a queue the
+    prediction underrates cannot keep attracting what it holds."""
 
     name = "kv_aware"
 
     def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
-                 tie_cursor: Cursor | None = None, *, credit_per_ms: float = 0.001,
-                 max_credit: float = 4.0, balance_abs: float = 4.0, balance_rel: float = 1.5) -> None:
+                 tie_cursor: Cursor | None = None, *, balance_abs: float = 8.0,
+                 balance_rel: float = 2.0) -> None:
         super().__init__(weights, cursor, tie_cursor)
-        self.credit_per_ms = credit_per_ms
-        self.max_credit = max_credit
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
 
-    def credit(self, saved_ms: float) -> float:
-        return min(self.max_credit, max(0.0, saved_ms) * self.credit_per_ms)
-
-    def guard(self, totals: Sequence[float | None]) -> Guard:
-        known = [t for t in totals if t is not None]
+    def guard(self, inflight: Sequence[int | None]) -> Guard:
+        known = [n for n in inflight if n is not None]
         if len(known) < 2:
-            return Guard(False, "fewer than two candidates with a known load", None,
+            return Guard(False, "fewer than two candidates with a known inflight", None,
                          min(known, default=None), max(known, default=None))
-        lowest, highest = min(known), max(known)
-        spread = highest - lowest
+        fewest, most = min(known), max(known)
+        spread = most - fewest
         if spread <= self.balance_abs:
-            return Guard(False, f"spread {spread:.3g} <= balance_abs {self.balance_abs:g}",
-                         spread, lowest, highest)
-        if highest <= self.balance_rel * lowest:
-            return Guard(False, f"highest {highest:.3g} <= balance_rel {self.balance_rel:g} x "
-                         f"lowest {lowest:.3g}", spread, lowest, highest)
-        return Guard(True, f"spread {spread:.3g} > balance_abs {self.balance_abs:g} and highest "
-                     f"{highest:.3g} > balance_rel {self.balance_rel:g} x lowest {lowest:.3g}: "
-                     f"pure least_load", spread, lowest, highest)
+            return Guard(False, f"inflight spread {spread} <= balance_abs {self.balance_abs:g}",
+                         spread, fewest, most)
+        if most <= self.balance_rel * fewest:
+            return Guard(False, f"most inflight {most} <= balance_rel {self.balance_rel:g} x "
+                         f"fewest {fewest}", spread, fewest, most)
+        return Guard(True, f"inflight spread {spread} > balance_abs {self.balance_abs:g} and most "
+                     f"{most} > balance_rel {self.balance_rel:g} x fewest {fewest}: least_load",
+                     spread, fewest, most)
 
-    def combine(self, totals: list[float | None], credits: Sequence[float]) -> tuple[list[float | None], Guard]:
-        """The scores to select by: `totals - credits`, or `totals` alone if the guard fires."""
-        verdict = self.guard(totals)
-        if verdict.fired or not any(credits):
+    def scores(self, totals: list[float | None], inflight: Sequence[int | None],
+               predictions: Sequence[Prediction]) -> tuple[list[Any], Guard]:
+        """What to select by (lowest wins, equal ones rotate): the predicted times to first
+        token; least_load's totals if the guard fires; least_load's totals with the request's
+        own cost as the tie-break where a prediction is unknown."""
+        verdict = self.guard(inflight)
+        if verdict.fired:
             return totals, verdict
-        return [None if t is None else t - c for t, c in zip(totals, credits)], verdict
+        predicted = [p.total_ms for p in predictions]
+        if None not in predicted:
+            return predicted, verdict
+        return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict
+
+    def choose(self, candidates: Sequence[T], totals: list[float | None],
+               inflight: Sequence[int | None], predictions: Sequence[Prediction]) -> tuple[T, Guard]:
+        scores, verdict = self.scores(totals, inflight, predictions)
+        return self.select_by_totals(candidates, scores), verdict
 
 
 Strategy = RoundRobinStrategy | LeastLoadStrategy
@@ -212,7 +239,7 @@ def build_strategy(name: str, *, weights: Mapping[str, float] | None = None,
                    cursor: Cursor | None = None, tie_cursor: Cursor | None = None,
                    kv_aware: Mapping[str, float] | None = None) -> Strategy:
     """Factory with the original aliases; any other name is a ValueError at start.
-    `kv_aware`: KvAwareStrategy's keyword settings (credit_per_ms, max_credit, balance_*)."""
+    `kv_aware`: KvAwareStrategy's keyword settings (balance_abs, balance_rel)."""
     canonical = STRATEGY_ALIASES.get(name.strip().lower())
     if canonical == "round_robin":
         return RoundRobinStrategy(cursor)

@@ -1,10 +1,12 @@
-"""How fast an instance really is, learned from its first tokens.
+"""How fast something really is against its prediction: an instance, learned from its first
+tokens (the sidecar's timelines), or a KDN -> instance link, learned from its KV transfers (each
+worker's link timelines).
 
-Workers predict service and decode times from one predictor profile for every instance, so an
-instance that is three times slower than the profile (an older GPU, a larger model, a noisy
-neighbour) looks as cheap as the others and keeps receiving its count share of a burst. Each
-first token says how far off the prediction was: the pace is a per-instance factor on the
-predicted durations, moved a step toward observed/predicted in log space (so 3x too slow and
+Workers predict service, decode and transfer times from one predictor profile and a link's
+nominal bandwidth, so an instance that is three times slower than the profile (an older GPU, a
+larger model, a noisy neighbour) looks as cheap as the others and keeps receiving its count
+share of a burst. Each observation says how far off the prediction was: the pace is a factor on
+the predicted durations, moved a step toward observed/predicted in log space (so 3x too slow and
 3x too fast pull equally hard), clamped so one wild sample cannot flip the ranking.
 """
 
