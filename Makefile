@@ -122,13 +122,13 @@ bench-peers: $(STAMP)
 	$(PY) -m bench.peers --out bench/results/peers.json $(call from_command_line,BACKEND,--backend) $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
-# three simulated instances that keep KV, a simulated KDN and a seeded Zipf(1.1) workload over
-# 200 knowledge ids with shared system prompts, twice: each instance's KV holding a third of the
-# corpus (the three together hold all of it), then a ninth (together a third) (~12 min: five
-# contenders, 40 s of load each, per run).
+# three simulated instances that keep KV (one at half speed) and a simulated KDN, at 60 % of the
+# saturation least_load reaches (calibrated first), in bursts: the targets' workload (64 ids, one
+# a request, Zipf(0.6), each instance holding 0.4 of their KV), then the mixed one (1-3 of 200 ids
+# and shared system prompts) without targets (~10 min each; REQUESTS=300 for a short run).
 bench-affinity: $(STAMP)
-	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(DURATION_S),--duration $(DURATION_S),)
-	$(PY) -m bench.bench_affinity --out bench/results/affinity_ninth.json --capacity-share 0.1111 $(if $(DURATION_S),--duration $(DURATION_S),)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(REQUESTS),--requests $(REQUESTS),)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity_mixed200.json --workload mixed200 $(if $(REQUESTS),--requests $(REQUESTS),)
 
 # BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.
 bench-report: $(STAMP)
