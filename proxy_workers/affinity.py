@@ -387,8 +387,8 @@ class AffinityScorer:
                 and instance.kv_inject != layout.KV_INJECT_NO:
             knowledge = {kid: knowledge_key(kid) for kid in spec.knowledge_ids
                          if kid not in assessment.resident_kids}
-        confirmed = assessment.prefix_blocks - assessment.pending_blocks
-        prefix = tuple(self.prefix_of(request)[confirmed:]) if not knowledge else ()
+        held = self.index.residency(instance).prefix
+        prefix = () if knowledge else tuple(k for k in self.prefix_of(request) if k not in held)
         if not knowledge and not prefix:
             return None
         tokens_each = spec.knowledge_tokens // max(1, len(spec.knowledge_ids)) if knowledge else 0  # type: ignore[union-attr]
