@@ -3,8 +3,6 @@ segment; records cut short, lapped or written by several processes at once."""
 
 from __future__ import annotations
 
-import multiprocessing
-import uuid
 
 import pytest
 
@@ -12,17 +10,13 @@ from shm_schema import Segment, layout
 from shm_schema.claims import HOLE_WAIT_US, ClaimReader, Claimed, ClaimWriter, KeyGroup
 from shm_schema.bitfields import ClaimValue, SlotGeneration
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM, CLAIM_OP_CLAIM, CLAIM_OP_DROP
+from tests.shm_helpers import SPAWN, fresh_segment
 
 
 @pytest.fixture
 def seg():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
-    segment = Segment.create_or_attach(name, 4, 2, 8)
-    try:
+    with fresh_segment(4, 2) as segment:
         yield segment
-    finally:
-        segment.close()
-        Segment.unlink(name)
 
 
 def prefix(*keys: int) -> list[KeyGroup]:
@@ -109,8 +103,7 @@ def test_workers_appending_at_once_each_see_every_record_exactly_once(seg) -> No
     no record is lost, torn or read twice, and each writer's come in its own order."""
     writers, count = 4, 400
     reader = ClaimReader(seg)
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_append, args=(seg.name, w, count)) for w in range(writers)]
+    processes = [SPAWN.Process(target=_append, args=(seg.name, w, count)) for w in range(writers)]
     for process in processes:
         process.start()
     seen: list[Claimed] = []
