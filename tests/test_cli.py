@@ -107,6 +107,7 @@ def test_scheduler_registration_and_its_loss(make_cluster, tmp_path):
         assert shown.returncode == 0, shown.stderr
         assert f"registered with {sched.url} as {PROXY_ID}" in shown.stdout
         assert "NOT registered" not in shown.stdout and "last error      -" in shown.stdout
+        assert "sent again      0 (a kept-alive connection closed unanswered)" in shown.stdout
         assert f"scheduler   registered with {sched.url} as {PROXY_ID}" in _cli(cluster, "status").stdout
         link = json.loads(_cli(cluster, "scheduler", "--json").stdout)
         assert link["registered"] is True and link["proxy_id"] == PROXY_ID
