@@ -1,7 +1,8 @@
 """Talking to instances: pooled keep-alive connections per worker, bounded timeouts.
 
-The forward itself goes through cacheroute_proxy/http1/client.py (a pre-built request written in one call, the
-answer parsed by httptools); the rarer calls (the KDN, an instance's control plane) through
+The forward itself goes through cacheroute_proxy/http1/client.py (a pre-built request written
+in one call, the answer parsed by httptools; a request sent again once after the keep-alive
+race, `Http1Pool.send`); the rarer calls (the KDN, an instance's control plane) through
 one aiohttp session, `Upstream.session`.
 
 Three separate bounds, because they fail differently: connect (the instance is down),
@@ -97,9 +98,11 @@ class Upstream:
                                          min(settings.upstream_connect_timeout_s,
                                              settings.upstream_first_byte_timeout_s))
         except ConnectFailed as exc:
-            raise HTTPError(502, "upstream_unavailable", f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
+            raise HTTPError(502, "upstream_unavailable",
+                            f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
         except HeadTimeout:
-            raise HTTPError(504, "upstream_timeout", f"{base_url(host, port)}{path} sent no response within "
+            raise HTTPError(504, "upstream_timeout",
+                            f"{base_url(host, port)}{path} sent no response within "
                             f"{settings.upstream_first_byte_timeout_s:g}s") from None
         except OSError as exc:  # reset or closed before the head (and not the keep-alive race)
             raise HTTPError(502, "upstream_unavailable",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import posix_ipc
 
@@ -30,7 +30,7 @@ _WORD = struct.Struct("@Q")
 
 
 class SegmentUser(NamedTuple):
-    role: str  # "sidecar" or "worker"
+    role: Literal["sidecar", "worker"]
     pid: int
 
 

@@ -222,7 +222,8 @@ def test_shm_unlink_refuses_while_the_sidecar_lives_and_force_removes(sidecar): 
     assert not _exists(sc.shm_name)
 
 
-def test_shm_unlink_removes_once_the_owner_is_gone_or_its_pid_names_another_process(sidecar, tmp_path):  # noqa: F811
+def test_shm_unlink_removes_once_the_owner_is_gone_or_its_pid_names_another_process(  # noqa: F811
+        sidecar, tmp_path):
     start, _ = sidecar
     sc = start()
     sc.stop(signal.SIGKILL)  # no clean exit: the header still names it
@@ -285,4 +286,5 @@ def test_make_clean_shm_says_what_the_command_does(force):
     args = ["make", "-n", "--no-print-directory", "clean-shm", *(["FORCE=1"] if force else [])]
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True)
     line = done.stdout.strip().splitlines()[-1]
-    assert line.endswith("-m cacheroute_proxy shm unlink --force" if force else "-m cacheroute_proxy shm unlink"), line
+    command = "-m cacheroute_proxy shm unlink" + (" --force" if force else "")
+    assert line.endswith(command), line

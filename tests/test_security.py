@@ -70,8 +70,8 @@ def test_a_web_page_cannot_register_on_a_control_plane_without_token(make_cluste
     pages = ({"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},
              {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"})
     for page in pages:
-        for media_type in (None, "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
-                           "multipart/form-data; boundary=x"):
+        for media_type in (None, "text/plain", "text/plain; charset=utf-8",
+                           "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
             headers = page if media_type is None else {**page, "Content-Type": media_type}
             for path in ("/v1/instance/register", "/v1/instance/heartbeat", "/v1/instance/unregister",
                          "/v1/instance/resource_snapshot", "/v1/topology/report"):

@@ -375,7 +375,7 @@ class Http1Pool:
                     conn = await self.acquire(host, port, connect_timeout_s, fresh=True)
                     continue
                 raise
-            except BaseException:  # HeadTimeout, or cancelled (the caller left): the connection goes too
+            except BaseException:  # HeadTimeout, or cancelled (the caller left): the connection goes
                 conn.close()
                 raise
 
