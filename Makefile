@@ -141,9 +141,10 @@ DURATION ?= 600
 soak: $(STAMP)
 	$(PY) -m bench.soak --duration $(DURATION) --out bench/results/soak.json
 
-# Remove a segment left by a crashed run (the launcher removes it on a clean stop).
+# Remove a segment left by a crashed run (the launcher removes it on a clean stop). Refused
+# (exit 1, naming the processes) while a sidecar or worker still uses it; FORCE=1 removes it anyway.
 clean-shm: $(STAMP)
-	$(PY) -m cacheroute_proxy shm unlink
+	$(PY) -m cacheroute_proxy shm unlink$(if $(FORCE), --force,)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so proxy_workers/_select.*.so

@@ -34,7 +34,7 @@ from cacheroute_proxy.http1 import Cycle
 from .router import Lease, Router
 from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
 from .trace import Trace, encode_meta
-from .http1_client import UpstreamResponse
+from cacheroute_proxy.http1.client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
 T = TypeVar("T")

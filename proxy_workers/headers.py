@@ -6,9 +6,10 @@ client (vLLM's `x-request-id`, ...) -- except the hop-by-hop ones (RFC 9110 §7.
 describe one connection, not the message) and those the proxy writes itself because it
 frames or changes what it sends.
 
-Names are compared lower-case: uvicorn hands the request's names lower-case, and
-http1_client lower-cases the answer's. Filtering is one frozenset lookup per header, and the
-forwarded headers are joined into one bytes block per request (written with the body).
+Names are compared lower-case: uvicorn hands the request's names lower-case, and the HTTP/1.1
+client (cacheroute_proxy/http1/client.py) lower-cases the answer's. Filtering is one frozenset
+lookup per header, and the forwarded headers are joined into one bytes block per request
+(written with the body).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Talking to instances: pooled keep-alive connections per worker, bounded timeouts.
 
-The forward itself goes through `http1_client` (a pre-built request written in one call, the
-answer parsed by httptools); the rarer calls (the KDN, an instance's control plane) through
+The forward itself goes through cacheroute_proxy/http1/client.py (a pre-built request written
+in one call, the answer parsed by httptools; a request sent again once after the keep-alive
+race, `Http1Pool.send`); the rarer calls (the KDN, an instance's control plane) through
 one aiohttp session, `Upstream.session`.
 
 Three separate bounds, because they fail differently: connect (the instance is down),
@@ -20,12 +21,9 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 
 from .headers import Header, forwarded_block, request_dropped
-from .http1_client import (HeadTimeout, Http1Connection, Http1Pool, IdleTimeout, UpstreamResponse,
-                           header_lines, request_line)
+from cacheroute_proxy.http1.client import (KEEPALIVE_S, ConnectFailed, HeadTimeout, Http1Pool, IdleTimeout,
+                                           UpstreamResponse, header_lines, request_line)
 
-# Idle connections are closed after 4 s, before uvicorn's (so vLLM's) 5 s keep-alive closes
-# them under a request being sent.
-KEEPALIVE_S = 4.0
 _LINE_CACHE_SIZE = 1024
 
 
@@ -95,43 +93,20 @@ class Upstream:
         deadline = asyncio.get_running_loop().time() + settings.upstream_first_byte_timeout_s
         request = b"%s%s%s%d\r\n\r\n%s" % (self._line(path, host, port), headers, self._own,
                                              len(body), body)
-        conn = await self._connect(host, port, path)
-        while True:
-            response = conn.request(request, deadline)
-            try:
-                await response.started()
-                return response
-            except HeadTimeout:
-                conn.close()
-                raise HTTPError(504, "upstream_timeout",
-                                f"{base_url(host, port)}{path} sent no response within "
-                                f"{settings.upstream_first_byte_timeout_s:g}s") from None
-            except OSError as exc:  # reset or closed before the head
-                conn.close()
-                if conn.reused and not conn.received_any:
-                    # The instance closed this idle connection just as we reused it (its
-                    # keep-alive ran out): it never read the request. Once more, on a new one.
-                    conn = await self._connect(host, port, path, fresh=True)
-                    continue
-                raise HTTPError(502, "upstream_unavailable",
-                                f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}") from None
-            except BaseException:  # cancelled (the client left): the connection goes too
-                conn.close()
-                raise
-
-    async def _connect(self, host: str, port: int, path: str, fresh: bool = False) -> Http1Connection:
-        settings = self._settings
         try:
-            return await self._pool.acquire(host, port, min(settings.upstream_connect_timeout_s,
-                                                            settings.upstream_first_byte_timeout_s),
-                                            fresh=fresh)
-        except TimeoutError:
-            raise HTTPError(502, "upstream_unavailable",
-                            f"cannot connect to {base_url(host, port)}{path}: no connection within "
-                            f"{settings.upstream_connect_timeout_s:g}s") from None
-        except (OSError, ValueError) as exc:  # ValueError: a host idna rejects
+            return await self._pool.send(host, port, request, deadline,
+                                         min(settings.upstream_connect_timeout_s,
+                                             settings.upstream_first_byte_timeout_s))
+        except ConnectFailed as exc:
             raise HTTPError(502, "upstream_unavailable",
                             f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
+        except HeadTimeout:
+            raise HTTPError(504, "upstream_timeout",
+                            f"{base_url(host, port)}{path} sent no response within "
+                            f"{settings.upstream_first_byte_timeout_s:g}s") from None
+        except OSError as exc:  # reset or closed before the head (and not the keep-alive race)
+            raise HTTPError(502, "upstream_unavailable",
+                            f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}") from None
 
     def _line(self, path: str, host: str, port: int) -> bytes:
         line = self._lines.get((path, host, port))

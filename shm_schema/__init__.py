@@ -3,7 +3,8 @@
 `records` declares every multi-word record and `bitfields` every bit-packed word, once;
 `layout` places them in the segment (the byte map). The other modules speak in slots, rows
 and named fields: `segment` (create, attach, validate), `header`, `directory`, `counters`
-(the worker's path), `repair` (the sidecar's), `snapshot`, `events`, `process_identity`.
+(the worker's path), `repair` (the sidecar's), `snapshot`, `events`, `process_identity`,
+`users` (who still uses a segment, for a tool that would remove it).
 Outside the segment, `metric_file` lays out the per-worker file of metric values that
 /metrics sums.
 """

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from cacheroute_proxy.auth import TokenGuard, load_token
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.http import ERROR_HANDLERS, HTTPError, JSONResponse, decode_json, from_http_error, read_body
+from cacheroute_proxy.http import ERROR_HANDLERS, HTTPError, JSONResponse, from_http_error
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.report import instance_loads
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
@@ -25,6 +25,7 @@ from cacheroute_proxy import instance_wire as wire
 
 from . import pool_resource
 from .scheduler_wire import PoolResource
+from .control_body import json_body
 from .dashboard_routes import dashboard_routes
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
@@ -35,7 +36,6 @@ from .kv_events import KvEventFeeds
 from .static_prober import StaticProber
 from .topology import Topology
 
-CONTROL_BODY_LIMIT = 1024 * 1024
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -74,15 +74,16 @@ def build_app(state: SidecarState) -> Starlette:
     guard = TokenGuard(load_token(settings.cp_token, settings.cp_token_file))
     guarded = _guard(guard)
 
-    def writes(handler: Handler) -> Handler:  # register, heartbeat, unregister: the token if set
-        return guarded(_refuse_browser_forms(handler))
+    # The writing routes: the token if set; each reads its body with json_body, whose
+    # content-type rule also keeps web pages out (sidecar/control_body.py).
+    writes = guarded
     reads = _guard(guard if settings.debug_requires_token else TokenGuard(None))
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, "ttl_s": state.settings.instance_ttl_s})
 
     async def register(request: Request) -> Response:
-        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.RegisterRequest)
+        req = await json_body(request, wire.RegisterRequest)
         try:
             record = registry.register(req)
         except ValueError as exc:
@@ -94,11 +95,11 @@ def build_app(state: SidecarState) -> Starlette:
             ttl_s=state.settings.instance_ttl_s, capability_fingerprint=record.capability_fingerprint))
 
     async def heartbeat(request: Request) -> Response:
-        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.HeartbeatRequest)
+        req = await json_body(request, wire.HeartbeatRequest)
         return JSONResponse(registry.heartbeat(req))
 
     async def resource_snapshot(request: Request) -> Response:
-        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.ResourceSnapshotRequest)
+        req = await json_body(request, wire.ResourceSnapshotRequest)
         size = len(msgspec.json.encode(req.snapshot))
         if size > RAW_RESOURCE_LIMIT:
             raise HTTPError(413, "payload_too_large",
@@ -108,7 +109,7 @@ def build_app(state: SidecarState) -> Starlette:
         return JSONResponse({"ok": True})
 
     async def topology_report(request: Request) -> Response:
-        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.TopologyReportRequest)
+        req = await json_body(request, wire.TopologyReportRequest)
         if registry.get(req.instance_id) is None:  # docs/protocol.md §7.3: the original took any id
             return JSONResponse({"ok": False, "error": "unknown_instance"})
         return JSONResponse({"ok": True, "merged_links": state.topology.report(req.instance_id, req.links)})
@@ -124,7 +125,7 @@ def build_app(state: SidecarState) -> Starlette:
         return JSONResponse({"instances": [registry.resource_row(r) for r in records]})
 
     async def unregister(request: Request) -> Response:
-        req = decode_json(await read_body(request, CONTROL_BODY_LIMIT), wire.UnregisterRequest)
+        req = await json_body(request, wire.UnregisterRequest)
         return JSONResponse({"ok": registry.unregister(req.instance_id)})
 
     async def list_instances(request: Request) -> Response:
@@ -231,22 +232,6 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-# What a web page can POST cross-site without a CORS preflight. Refused on the writing routes,
-# so a page open in a browser on this host cannot register an instance (and so receive
-# requests) on a control plane that has no token.
-_BROWSER_FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
-
-
-def _refuse_browser_forms(handler: Handler) -> Handler:
-    async def checked(request: Request) -> Response:
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type in _BROWSER_FORM_TYPES:
-            raise HTTPError(415, "unsupported_media_type",
-                            f"control-plane writes take application/json, not {media_type}")
-        return await handler(request)
-    return checked
 
 
 def _guard(tokens: TokenGuard) -> Callable[[Handler], Handler]:

@@ -8,7 +8,9 @@ sidecar; workers never talk to the Scheduler. A background task registers, heart
 heartbeat answered 404, or any failed call (the Scheduler may have restarted meanwhile;
 register is an upsert, so a spurious one is harmless). Nothing here can stop the sidecar from
 starting or serving: every call has a timeout, failures back off exponentially up to a cap,
-and warnings are rate-limited.
+and warnings are rate-limited. The HTTP underneath (sidecar/scheduler_http.py) keeps
+connections alive no longer than the Scheduler does, and sends a call once more on a new
+connection when a kept-alive one was closed before any byte of the answer.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http1.client import ConnectFailed
 
+from .scheduler_http import ReplyTooLarge, SchedulerHttp
 from .scheduler_wire import (
     ENDPOINTS,
     PROXY_VERSION,
@@ -81,6 +84,9 @@ class LinkStatus:
     registrations: int = 0
     re_registrations: int = 0
     heartbeats_ok: int = 0
+    # Calls sent again because the Scheduler closed a kept-alive connection unanswered
+    # (sidecar/scheduler_http.py): the keep-alive race, met and not a failure.
+    resent_after_idle_close: int = 0
     consecutive_failures: int = 0
     failures_total: int = 0
     last_success_at: float | None = None
@@ -138,7 +144,7 @@ class SchedulerLink:
         # it differs from what the Scheduler last accepted.
         self._kdn_links = kdn_links or (lambda: dict(settings.kdn_links))
         self._links_sent: dict[str, Any] | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._http: SchedulerHttp | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._failures = FailureLog()
@@ -147,8 +153,7 @@ class SchedulerLink:
 
     # --- lifecycle (the sidecar's lifespan) --------------------------------------------------------
     def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._settings.scheduler_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._http = SchedulerHttp(self._base, self._settings.scheduler_timeout_s)
         self._task = asyncio.create_task(self._run(), name="scheduler-link")
         log.info("registering with the Scheduler at %s as %s (advertised %s)",
                  self.status.url, self._proxy_id, self.status.advertised)
@@ -171,8 +176,8 @@ class SchedulerLink:
             elif self.status.registered:
                 log.info("stopping with workers still serving: staying registered with the Scheduler")
         finally:
-            if self._session is not None:
-                await self._session.close()
+            if self._http is not None:
+                self._http.close()
 
     # --- the loop ----------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -264,15 +269,17 @@ class SchedulerLink:
 
     # --- HTTP ----------------------------------------------------------------------------------------
     async def _post(self, path: str, body: msgspec.Struct) -> tuple[int, bytes]:
-        assert self._session is not None
+        assert self._http is not None
         try:
-            async with self._session.post(self._base + path, data=msgspec.json.encode(body),
-                                          headers={"Content-Type": "application/json"}) as response:
-                return response.status, await response.read()
-        except asyncio.TimeoutError:
+            return await self._http.post(path, msgspec.json.encode(body))
+        except TimeoutError:
             raise CallFailed(f"no answer within {self._settings.scheduler_timeout_s:g}s") from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except ConnectFailed as exc:
+            raise CallFailed(f"cannot connect: {_describe(exc)}") from None
+        except (OSError, ReplyTooLarge) as exc:
             raise CallFailed(_describe(exc)) from None
+        finally:
+            self.status.resent_after_idle_close = self._http.resent
 
     # --- bookkeeping -----------------------------------------------------------------------------------
     def _succeeded(self, what: str) -> None:

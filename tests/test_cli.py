@@ -1,6 +1,7 @@
 """The inspecting commands against a running proxy, by their output and exit codes: `status`,
 `loads`, `instances [--all] [--limit N]`, `scheduler`, `watch`, and `console` fed from a pipe
-(tests/test_console.py drives it in a real terminal)."""
+(tests/test_console.py drives it in a real terminal); and `shm unlink`, which refuses a segment
+that a running proxy uses."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from cacheroute_proxy.cli import status_view
 from cacheroute_proxy.cli.control_client import local_url
 from cacheroute_proxy.cli.line_editing import candidates, history_path
-from tests.harness import ROOT, chat_body, free_port, get, http, post, wait_until
+from shm_schema import Segment, layout, process_identity
+from shm_schema.bitfields import ProcessIdentity
+from tests.harness import ROOT, Process, chat_body, free_port, get, http, post, wait_until
 from tests.test_scheduler_link import PROXY_ID, SimScheduler, link_env
+from tests.test_sidecar import sidecar  # noqa: F401 - a fixture
 
 DOWN_URL = "http://127.0.0.1:9"  # the discard port: nothing listens there
 TTL_S = 4  # heartbeats every 1 s: never stale (silent over TTL/2), a silent instance expires in 4 s
@@ -101,6 +107,7 @@ def test_scheduler_registration_and_its_loss(make_cluster, tmp_path):
         assert shown.returncode == 0, shown.stderr
         assert f"registered with {sched.url} as {PROXY_ID}" in shown.stdout
         assert "NOT registered" not in shown.stdout and "last error      -" in shown.stdout
+        assert "sent again      0 (a kept-alive connection closed unanswered)" in shown.stdout
         assert f"scheduler   registered with {sched.url} as {PROXY_ID}" in _cli(cluster, "status").stdout
         link = json.loads(_cli(cluster, "scheduler", "--json").stdout)
         assert link["registered"] is True and link["proxy_id"] == PROXY_ID
@@ -190,3 +197,94 @@ def test_completion_candidates_and_history_place():
     assert candidates(":frobnicate ", "--", options, []) == []
     assert str(history_path({"XDG_STATE_HOME": "/s"})) == "/s/cacheroute-proxy/console_history"
     assert str(history_path({"HOME": "/h"})).endswith(".local/state/cacheroute-proxy/console_history")
+
+
+# --- shm unlink: never under a running proxy (make clean-shm) ---------------------------------------
+def _unlink(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("shm", "unlink", "--name", name, *flags)
+
+
+def _exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm{name}")
+
+
+def test_shm_unlink_refuses_while_the_sidecar_lives_and_force_removes(sidecar):  # noqa: F811
+    start, _ = sidecar
+    sc = start()
+    done = _unlink(sc.shm_name)
+    assert done.returncode == 1, done
+    assert f"sidecar (pid {sc.pid})" in done.stderr and "--force" in done.stderr, done.stderr
+    assert _exists(sc.shm_name) and get(f"{sc.url}/healthz")["ok"]
+
+    done = _unlink(sc.shm_name, "--force")
+    assert done.returncode == 0 and f"removed {sc.shm_name}" in done.stdout, done
+    assert f"pid {sc.pid}" in done.stderr  # said what it did: the sidecar serves on from its mapping
+    assert not _exists(sc.shm_name)
+
+
+def test_shm_unlink_removes_once_the_owner_is_gone_or_its_pid_names_another_process(  # noqa: F811
+        sidecar, tmp_path):
+    start, _ = sidecar
+    sc = start()
+    sc.stop(signal.SIGKILL)  # no clean exit: the header still names it
+    seg = Segment.attach(sc.shm_name)
+    owner = seg.load(layout.H_SIDECAR_IDENTITY)
+    assert ProcessIdentity.pid(owner) == sc.pid
+    # The pid, reused by another process (a live one, started at another time): gone all the same.
+    other = Process(["-c", "import time; time.sleep(60)"], {}, tmp_path / "sleeper.log")
+    try:
+        ticks = process_identity.start_ticks(other.pid)
+        assert ticks is not None
+        seg.store(layout.H_SIDECAR_IDENTITY, ProcessIdentity.pack(other.pid, ticks))
+        done = _unlink(sc.shm_name)  # the control: that process itself is alive, so refused
+        assert done.returncode == 1 and f"pid {other.pid}" in done.stderr, done
+        seg.store(layout.H_SIDECAR_IDENTITY, ProcessIdentity.pack(other.pid, ticks + 1))
+        seg.close()
+        done = _unlink(sc.shm_name)
+        assert done.returncode == 0 and f"removed {sc.shm_name}" in done.stdout, done
+        assert not _exists(sc.shm_name)
+    finally:
+        other.stop()
+    done = _unlink(sc.shm_name)
+    assert done.returncode == 0 and f"no segment named {sc.shm_name}" in done.stdout, done
+
+
+def test_shm_unlink_refuses_while_workers_serve_without_a_sidecar(make_cluster):
+    """Workers serve on from the segment while their sidecar is down (restarting): it is in
+    use all the same. The header holds no sidecar here, as after the sidecar's clean exit."""
+    cluster = make_cluster(workers=2)
+    seg = Segment.attach(cluster.shm_name)
+    sidecar_identity = seg.load(layout.H_SIDECAR_IDENTITY)
+    seg.store(layout.H_SIDECAR_IDENTITY, 0)
+    try:
+        done = _unlink(cluster.shm_name)
+    finally:
+        seg.store(layout.H_SIDECAR_IDENTITY, sidecar_identity)
+        seg.close()
+    assert done.returncode == 1, done
+    pids = sorted(cluster.worker_pids().values())
+    assert f"in use by 2 workers (pids {pids[0]}, {pids[1]})." in done.stderr, done.stderr
+    assert _exists(cluster.shm_name)
+
+
+def test_shm_unlink_finds_the_sidecar_of_a_segment_of_another_layout(sidecar):  # noqa: F811
+    """An upgrade's case: the old proxy still runs on a segment the new build cannot read. Its
+    sidecar is in the header's first words, which every layout has kept in place."""
+    start, _ = sidecar
+    sc = start()
+    seg = Segment.attach(sc.shm_name)
+    seg.store(layout.H_LAYOUT_VERSION, layout.LAYOUT_VERSION - 1)
+    seg.close()
+    done = _unlink(sc.shm_name)
+    assert done.returncode == 1 and f"sidecar (pid {sc.pid})" in done.stderr, done
+    assert _exists(sc.shm_name)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_make_clean_shm_says_what_the_command_does(force):
+    """`make clean-shm` runs `shm unlink`, with --force only when FORCE=1 is given."""
+    args = ["make", "-n", "--no-print-directory", "clean-shm", *(["FORCE=1"] if force else [])]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True)
+    line = done.stdout.strip().splitlines()[-1]
+    command = "-m cacheroute_proxy shm unlink" + (" --force" if force else "")
+    assert line.endswith(command), line

@@ -1,4 +1,4 @@
-"""The forward's HTTP/1.1 client (proxy_workers/http1_client.py) against a real socket server on
+"""The forward's HTTP/1.1 client (cacheroute_proxy/http1/client.py) against a real socket server on
 127.0.0.1 that answers with scripted bytes: framing (length, chunked, until close), keep-alive
 reuse and its limits, truncation, back-pressure, and the errors Upstream.open maps them to."""
 
@@ -13,7 +13,8 @@ import uvloop
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.http1_client import HIGH_WATER, ConnectionClosed, Http1Pool, header_lines, request_line
+from cacheroute_proxy.http1.client import (HIGH_WATER, ConnectionClosed, Http1Pool, header_lines,
+                                           request_line)
 from proxy_workers.upstream import Upstream, UpstreamFailure
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

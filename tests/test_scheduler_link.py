@@ -9,9 +9,13 @@ docs/protocol.md §6 (a malformed one would show up as `invalid` in its stats).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import shutil
 import signal
+import ssl
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +23,11 @@ import aiohttp
 import pytest
 
 from cacheroute_proxy.config import Settings
+from sidecar.scheduler_http import SchedulerHttp
 from sidecar.scheduler_link import DisabledLink, make_link
 from tests.aio import OpenStream
 from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
+from tests.test_http1_client import OK_JSON, Answer, Server, run
 
 PROXY_ID = "px-under-test"
 HEARTBEAT_S = 0.2
@@ -276,6 +282,115 @@ def test_hanging_scheduler_delays_neither_startup_nor_the_control_plane(make_clu
     assert cluster.stop() == 0
     assert sched.calls()["unregister_calls"] == 1
     assert "Scheduler unregister failed" in cluster.launcher_log()
+
+
+# --- the keep-alive race with a Scheduler on uvicorn's defaults --------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_heartbeats_at_the_servers_keepalive_never_fail(make_cluster, schedulers):
+    """The simulated Scheduler on uvicorn's defaults: a 5 s keep-alive, and a 5 s heartbeat
+    interval in its register reply. A pooled connection kept for the whole interval would be
+    closed by uvicorn just as the next heartbeat goes out on it; over a minute, not one
+    heartbeat fails and the proxy never registers again."""
+    sched = schedulers("--heartbeat-interval", "5")
+    cluster = make_cluster(workers=1, env=link_env(sched.url))
+    wait_until(lambda: link_status(cluster)["registered"], 30, message="registered")
+    heartbeats = 13  # at 5 s each: over 60 s
+
+    def done() -> bool:
+        status = link_status(cluster)
+        return status["failures_total"] > 0 or status["heartbeats_ok"] >= heartbeats
+
+    wait_until(done, heartbeats * 5 + 30, interval=0.5, message=f"{heartbeats} heartbeats")
+    status = link_status(cluster)
+    assert status["heartbeat_interval_s"] == 5.0
+    assert status["failures_total"] == 0 and status["re_registrations"] == 0, json.dumps(status)
+    assert status["registrations"] == 1 and status["heartbeats_ok"] >= heartbeats, json.dumps(status)
+    calls = sched.calls()
+    assert calls["register_calls"] == 1 and calls["heartbeats_unknown"] == 0, calls
+
+
+def closing_kept_connections(after_close: bytes = b"", answered: int | None = None) -> Answer:
+    """A Scheduler that answers the first call on each connection (the first `answered` calls
+    in all, if given) and closes the connection exactly when a later call arrives on it,
+    having written `after_close` first (b"": nothing, the keep-alive race)."""
+    kept: list[asyncio.StreamWriter] = []
+    calls = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal calls
+        calls += 1
+        if writer in kept or (answered is not None and calls > answered):
+            writer.write(after_close)
+            writer.close()
+            return
+        kept.append(writer)
+        writer.write(OK_JSON)
+    return answer
+
+
+def test_a_call_on_a_kept_connection_closed_as_it_arrives_is_sent_once_more_on_a_new_one():
+    """The keep-alive race, scripted: the second heartbeat goes out on the kept connection and
+    the Scheduler closes it unanswered; it is sent again on a new connection and answered."""
+    async def main() -> tuple[int, int, int]:
+        async with Server(closing_kept_connections()) as server:
+            link = SchedulerHttp(f"http://127.0.0.1:{server.port}", 5.0)
+            for _ in range(2):
+                assert await link.post("/v1/proxy/heartbeat", b"{}") == (200, b'{"ok": true}')
+            link.close()
+            return server.connections, len(server.requests), link.resent
+
+    assert run(main()) == (2, 3, 1)
+
+
+@pytest.mark.parametrize("after_close", [b"", b"HTTP/1.1 200 OK\r\nContent-Le"], ids=["fresh", "started"])
+def test_a_call_is_sent_again_only_once_and_never_when_its_answer_had_started(after_close):
+    """Sent again once: when the new connection fails too, the call fails. And a call whose
+    answer had started (a byte of it) is never sent again: the Scheduler may have acted on it."""
+    async def main() -> tuple[int, int]:
+        async with Server(closing_kept_connections(after_close, answered=1)) as server:
+            link = SchedulerHttp(f"http://127.0.0.1:{server.port}", 5.0)
+            assert await link.post("/v1/proxy/register", b"{}") == (200, b'{"ok": true}')
+            with pytest.raises(OSError):
+                await link.post("/v1/proxy/heartbeat", b"{}")
+            link.close()
+            return server.connections, link.resent
+
+    assert run(main()) == ((2, 1) if after_close == b"" else (1, 0))
+
+
+def test_https_and_credentials_in_the_url(tmp_path, monkeypatch):
+    """SCHEDULER_CP_URL may be https (verified against the trusted CAs: here a self-signed
+    certificate made trusted through SSL_CERT_FILE) and may carry user:password (sent as Basic)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(OK_JSON)
+
+    async def main() -> bytes:
+        server = Server(answer)
+        server_socket = await asyncio.start_server(server._handle, "127.0.0.1", 0, ssl=context)
+        port = server_socket.sockets[0].getsockname()[1]
+        try:
+            link = SchedulerHttp(f"https://sched%40ops:p%3Ass@127.0.0.1:{port}/base/", 5.0)
+            assert await link.post("/v1/proxy/register", b'{"a": 1}') == (200, b'{"ok": true}')
+            link.close()
+        finally:
+            server_socket.close()
+        return server.requests[0]
+
+    request = run(main())
+    assert request.startswith(b"POST /base/v1/proxy/register HTTP/1.1\r\n"), request
+    assert b"\r\nAuthorization: Basic " + base64.b64encode(b"sched@ops:p:ss") + b"\r\n" in request
+    assert request.endswith(b'\r\n\r\n{"a": 1}')
 
 
 # --- KDN links: PROXY_KDN_LINKS_JSON overlaid by the instances' topology reports ----------------------

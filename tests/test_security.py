@@ -11,6 +11,7 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from tests.harness import http
+from tests.test_sidecar import raw_post
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -58,19 +59,28 @@ def test_debug_reads_open_by_default_writes_closed(make_cluster):
 
 
 def test_a_web_page_cannot_register_on_a_control_plane_without_token(make_cluster):
-    """A page in a browser on this host can POST cross-site only as a "simple" request (form or
-    text/plain body, no preflight): the writing routes refuse those, so with no token set a page
-    still cannot register an instance and have requests sent to it."""
+    """A page in a browser on this host can POST cross-site without a CORS preflight only a
+    "simple" request: a form or text/plain body, or one with no content type at all (fetch
+    with a Blob or an ArrayBuffer). The browser marks every such request as the page's with
+    `Origin` (and `Sec-Fetch-Site`), which no script can remove: the writing routes refuse
+    those, so with no token set a page still cannot register an instance and have requests sent
+    to it. The same bytes from curl (no `Origin`) are taken."""
     cluster = make_cluster(workers=1)
     body = json.dumps({"host": "127.0.0.1", "port": 9999, "instance_id": "from-a-web-page"}).encode()
-    for media_type in ("text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
-                       "multipart/form-data; boundary=x"):
-        for path in ("/v1/instance/register", "/v1/instance/heartbeat", "/v1/instance/unregister"):
-            status, reply, _ = http("POST", f"{cluster.cp_url}{path}", raw=body,
-                                    headers={"Content-Type": media_type})
-            assert status == 415 and reply["error"] == "unsupported_media_type", (media_type, path, reply)
+    pages = ({"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},
+             {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"})
+    for page in pages:
+        for media_type in (None, "text/plain", "text/plain; charset=utf-8",
+                           "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            headers = page if media_type is None else {**page, "Content-Type": media_type}
+            for path in ("/v1/instance/register", "/v1/instance/heartbeat", "/v1/instance/unregister",
+                         "/v1/instance/resource_snapshot", "/v1/topology/report"):
+                status, reply = raw_post(f"{cluster.cp_url}{path}", body, headers)
+                assert status == 415 and reply["error"] == "unsupported_media_type", (headers, path, reply)
+                assert "web page" in reply["detail"], reply
     assert http("GET", f"{cluster.cp_url}/v1/instance/list")[1] == []
-    status, reply, _ = http("POST", f"{cluster.cp_url}/v1/instance/register", raw=body)  # JSON: fine
+    status, reply = raw_post(f"{cluster.cp_url}/v1/instance/register", body,
+                             {"Content-Type": "application/x-www-form-urlencoded"})  # curl -d: fine
     assert status == 200 and reply["instance_id"] == "from-a-web-page"
 
 

@@ -3,8 +3,14 @@ TTL liveness and purge, and refusing a segment it must not use."""
 
 from __future__ import annotations
 
+from http.client import HTTPConnection
+import json
+import shutil
+import subprocess
 import time
 import uuid
+from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -155,3 +161,74 @@ def test_max_num_seqs_from_meta_survives_a_sidecar_restart(sidecar):
     metas = {r["instance_id"]: r["meta"] for r in get(f"{second.url}/v1/instance/list")}
     # Only what the shared table stores comes back; bad values were never stored.
     assert metas == {"small": {"max_num_seqs": 4, "cp_port": 9101}, "bad": {}, "huge": {}}
+
+
+# --- the content type of a control-plane write ----------------------------------------------------
+# Every JSON route of the control plane, in an order that succeeds, with a body it accepts.
+WRITES = {
+    "/v1/instance/register": {"host": "127.0.0.1", "port": 9001, "instance_id": "i1"},
+    "/v1/instance/heartbeat": {"instance_id": "i1"},
+    "/v1/instance/resource_snapshot": {"instance_id": "i1", "snapshot": {"devices": {}}},
+    "/v1/topology/report": {"instance_id": "i1", "links": {"kdn://k:1": {"bandwidth_mbps": 10}}},
+    "/v1/instance/unregister": {"instance_id": "i1"},
+}
+
+
+def raw_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    """POST with exactly these headers (urllib would add a content type of its own)."""
+    parts = urlsplit(url)
+    conn = HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("POST", parts.path, body, headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded",
+                                          "application/json; charset=utf-8"],
+                         ids=["none", "curl-d-form", "json"])
+def test_a_json_body_without_a_content_type_or_sent_as_curl_d_sends_it_is_accepted(sidecar, content_type):
+    """`curl -d '{json}'` sends application/x-www-form-urlencoded: a body that parses as JSON
+    is taken as with no content type, on every writing route."""
+    start, _ = sidecar
+    sc = start()
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    for path, body in WRITES.items():
+        status, reply = raw_post(f"{sc.url}{path}", json.dumps(body).encode(), headers)
+        assert status == 200 and reply.get("ok", True) is True, (path, status, reply)
+    assert get(f"{sc.url}/v1/instance/list?include_dead=true") == []  # the last one unregistered it
+
+
+def test_the_operators_plain_curl_d_registers(sidecar):
+    if shutil.which("curl") is None:
+        pytest.skip("no curl")
+    start, _ = sidecar
+    sc = start()
+    out = subprocess.run(["curl", "-s", "-d", '{"host": "127.0.0.1", "port": 9001}',
+                          f"{sc.url}/v1/instance/register"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["instance_id"] == "hp_127.0.0.1:9001", out.stdout
+    assert [r["instance_id"] for r in get(f"{sc.url}/v1/instance/list")] == ["hp_127.0.0.1:9001"]
+
+
+def test_a_body_of_another_type_is_415_naming_application_json_and_changes_nothing(sidecar):
+    start, _ = sidecar
+    sc = start()
+    body = json.dumps(WRITES["/v1/instance/register"]).encode()
+    for content_type in ("text/xml", "application/xml", "application/octet-stream", "text/plain",
+                         "multipart/form-data; boundary=x"):
+        for path in WRITES:
+            status, reply = raw_post(f"{sc.url}{path}", body, {"Content-Type": content_type})
+            assert (status, reply["error"]) == (415, "unsupported_media_type"), (content_type, path, reply)
+            assert "application/json" in reply["detail"], reply
+            assert content_type.split(";")[0] in reply["detail"], reply
+    # A real form (not JSON) sent as one: 415 too, saying so.
+    status, reply = raw_post(f"{sc.url}/v1/instance/register", b"host=127.0.0.1&port=9001",
+                             {"Content-Type": "application/x-www-form-urlencoded"})
+    assert (status, reply["error"]) == (415, "unsupported_media_type"), reply
+    assert "application/json" in reply["detail"] and "not JSON" in reply["detail"], reply
+    # No content type and not JSON: the body is at fault, as with application/json.
+    status, reply = raw_post(f"{sc.url}/v1/instance/register", b"host=127.0.0.1", {})
+    assert (status, reply["error"]) == (400, "invalid_json"), reply
+    assert get(f"{sc.url}/v1/instance/list?include_dead=true") == []

@@ -73,6 +73,8 @@ def format_scheduler(link: dict[str, Any]) -> str:
         f"registrations   {link.get('registrations', 0)} ({link.get('re_registrations', 0)} again), "
         f"heartbeats ok {link.get('heartbeats_ok', 0)}",
         f"failures        {link.get('consecutive_failures', 0)} in a row, {link.get('failures_total', 0)} total",
+        f"sent again      {link.get('resent_after_idle_close', 0)} "
+        "(a kept-alive connection closed unanswered)",
         f"last error      {link.get('last_error') or '-'}",
     ]
     return "\n".join(lines)

@@ -22,7 +22,9 @@ may be on its way, cut at the deadline).
 The modules, one job each: `wire` (the bytes: status lines, `date`, header checks, the plain
 answers), `cycle` (one request and its response), `connection` (the Protocol of one client
 connection), `server` (listening, the lifespan, signals and the drain), `draining` (what the
-server asks of a role's drain), `lifespan` (the ASGI lifespan, for Starlette).
+server asks of a role's drain), `lifespan` (the ASGI lifespan, for Starlette). And `client`,
+the other side: the kept-alive client of a worker's forward to an instance and of the
+sidecar's Scheduler link.
 """
 
 from .cycle import BodyTooLarge, ClientGone, Cycle, Handler

@@ -4,26 +4,38 @@ connection, responses parsed by httptools (the parser uvicorn uses), a LIFO pool
 Why not aiohttp here: on this path it cost 180-215 µs of CPU per request against 50-90 µs for
 this client, which writes a cached request line and headers with the body in one call and
 parses the answer in C (docs/benchmarks.md §6; the proxy as a whole:
-bench/hotpath.py). aiohttp stays for everything else
-(the KDN, the instances' control plane). What this client does not do, because the forward
-never needs it: redirects, cookies, proxies, TLS, compression (no Accept-Encoding is sent, so
-the instance answers uncompressed and the bytes can be relayed as they are).
+bench/hotpath.py). The sidecar's Scheduler link uses it too, for the one thing aiohttp cannot
+tell it: whether a failed request had any byte of its answer back (`Http1Pool.send`, the
+keep-alive race). aiohttp stays for everything else (the KDN, the instances' control plane).
+What this client does not do, because neither needs it: redirects, cookies, proxies,
+compression (no Accept-Encoding is sent, so the instance answers uncompressed and the bytes can
+be relayed as they are); TLS only for a whole pool (the Scheduler over https).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from ssl import SSLContext
 
 import httptools
 
+# Idle connections are closed after 4 s, before the 5 s keep-alive of uvicorn (so of vLLM, and
+# of a Scheduler served by it) closes them under a request being sent.
+KEEPALIVE_S = 4.0
 # The upstream's buffered body that pauses reading until the client takes some of it.
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 
 
+class ConnectFailed(Exception):
+    """No connection to the peer: refused, unreachable, a name that does not resolve, or not
+    within the connect bound. Nothing was sent."""
+
+
 class ConnectionClosed(ConnectionError):
-    """The instance closed the connection (or sent something unparsable) mid-exchange."""
+    """The server (an instance, the Scheduler) closed the connection, or sent something
+    unparsable, mid-exchange."""
 
 
 class HeadTimeout(Exception):
@@ -291,7 +303,7 @@ class Http1Connection(asyncio.Protocol):
             response._end()  # an HTTP/1.0-style body, delimited by the close: complete
         elif not response._eof:
             response._fail(ConnectionClosed(
-                f"the instance closed the connection{f': {exc}' if exc else ''}"))
+                f"the server closed the connection{f': {exc}' if exc else ''}"))
 
     # --- httptools callbacks ---------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -329,17 +341,47 @@ class Http1Connection(asyncio.Protocol):
 
 class Http1Pool:
     """Idle keep-alive connections per (host, port), most recently used first; connections past
-    `keepalive_s` of idleness are closed instead of reused (before the instance's own keep-alive
-    timeout closes them under a request being sent)."""
+    `keepalive_s` of idleness are closed instead of reused (before the peer's own keep-alive
+    timeout closes them under a request being sent). `ssl`: every connection of this pool is TLS
+    (the Scheduler link over https; the forward never is)."""
 
-    def __init__(self, size: int, keepalive_s: float) -> None:
+    def __init__(self, size: int, keepalive_s: float, ssl: SSLContext | None = None) -> None:
         self._size = size
         self._keepalive_s = keepalive_s
+        self._ssl = ssl
         self._idle: dict[tuple[str, int], list[Http1Connection]] = {}
+        self.resent = 0  # requests sent again after the keep-alive race (`send`)
+
+    async def send(self, host: str, port: int, request: bytes, head_due: float,
+                   connect_timeout_s: float) -> UpstreamResponse:
+        """Send `request` (complete bytes) on an idle connection, else a new one, and return
+        the response once its head has arrived (by `head_due`, loop time).
+
+        The keep-alive race: the peer may close an idle connection just as a request goes out
+        on it. A reused connection closed or reset before any byte of the answer was closed
+        unread, so the request goes once more, on a new connection. A request whose answer had
+        started, or that fails on a new connection, is never sent again.
+        Raises ConnectFailed, HeadTimeout, or OSError (closed or reset before the head)."""
+        conn = await self.acquire(host, port, connect_timeout_s)
+        while True:
+            response = conn.request(request, head_due)
+            try:
+                await response.started()
+                return response
+            except OSError:
+                conn.close()
+                if conn.reused and not conn.received_any:
+                    self.resent += 1
+                    conn = await self.acquire(host, port, connect_timeout_s, fresh=True)
+                    continue
+                raise
+            except BaseException:  # HeadTimeout, or cancelled (the caller left): the connection goes
+                conn.close()
+                raise
 
     async def acquire(self, host: str, port: int, connect_timeout_s: float,
                       fresh: bool = False) -> Http1Connection:
-        """An idle connection (unless `fresh`), else a new one."""
+        """An idle connection (unless `fresh`), else a new one; ConnectFailed if there is none."""
         key = (host, port)
         loop = asyncio.get_running_loop()
         idle = None if fresh else self._idle.get(key)
@@ -352,9 +394,14 @@ class Http1Pool:
                         and transport is not None and not transport.is_closing():
                     return conn
                 conn.close()
-        async with asyncio.timeout(connect_timeout_s):
-            _, conn = await loop.create_connection(lambda: Http1Connection(self, key, loop),
-                                                   host.strip("[]"), port)
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: Http1Connection(self, key, loop),
+                                                       host.strip("[]"), port, ssl=self._ssl)
+        except TimeoutError:
+            raise ConnectFailed(f"no connection within {connect_timeout_s:g}s") from None
+        except (OSError, ValueError) as exc:  # ValueError: a host idna rejects
+            raise ConnectFailed(str(exc) or type(exc).__name__) from None
         return conn
 
     def put(self, conn: Http1Connection) -> None:
