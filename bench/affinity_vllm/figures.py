@@ -36,12 +36,14 @@ def _round(value: float | None, digits: int = 1) -> float | None:
 def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     """One run as the client saw it: answered, errors (by kind), TTFT p50/p99 (ms, answered
     requests), completed per second (answered / first send to last end), and for this proxy's
-    kv_aware how often the guard set the credit aside and how many choices had a credit."""
+    kv_aware how often the guard fired, how many choices went where the prompt saved time (and
+    the median saving), and the median TTFT it predicted for its choices."""
     ok = [o for o in outcomes if answered(o)]
     failed = [o.error or "no first token" for o in outcomes if not answered(o)]
     ttft = [o.ttft_ms for o in ok]
     guards = [o.guard for o in ok if o.guard is not None]
-    credits = [o.credit for o in ok if o.credit is not None]
+    saved = [o.saved_ms for o in ok if o.saved_ms is not None]
+    predicted = [o.predicted_ttft_ms for o in ok if o.predicted_ttft_ms is not None]
     return {
         "requests": len(outcomes), "ok": len(ok), "error_count": len(outcomes) - len(ok),
         "errors": dict(Counter(failed).most_common(5)),
@@ -50,8 +52,9 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
         "wall_s": round(wall_s, 2),
         "completed_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
         "guard_fired": sum(guards), "guard_decisions": len(guards),
-        "credited": sum(1 for c in credits if c > 0),
-        "credit_p50": round(statistics.median(credits), 4) if credits else None,
+        "saved": sum(1 for ms in saved if ms > 0),
+        "saved_ms_p50": _round(statistics.median(saved) if saved else None),
+        "predicted_ttft_p50_ms": _round(statistics.median(predicted) if predicted else None),
     }
 
 

@@ -24,8 +24,11 @@ class Outcome:
     ttft_ms: float | None = None
     ended_at: float | None = None  # seconds after the run's first send
     instance: str | None = None  # this proxy's x-cacheroute-instance
-    guard: bool | None = None  # kv_aware set its credit aside (cacheroute_meta.trace)
-    credit: float | None = None  # kv_aware's affinity credit of the chosen instance
+    # kv_aware's account of its choice (cacheroute_meta.trace): the balance guard fired, what
+    # the chosen instance's holding of the prompt saved of its predicted TTFT, that prediction.
+    guard: bool | None = None
+    saved_ms: float | None = None
+    predicted_ttft_ms: float | None = None
     error: str | None = None
 
 
@@ -39,7 +42,8 @@ async def _one(session: aiohttp.ClientSession, url: str, request_body: dict[str,
     if meta is not None:
         trace = meta.get("trace") or {}
         outcome.guard = trace.get("affinity_guard")
-        outcome.credit = trace.get("affinity_credit")
+        outcome.saved_ms = trace.get("affinity_saved_ms")
+        outcome.predicted_ttft_ms = trace.get("route_predicted_ttft_ms")
         outcome.error = outcome.error or meta.get("error")
     return outcome
 

@@ -32,7 +32,8 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json") -> str:
     if data.get("runs"):
         parts.append("Each run, in the order run:\n\n" + table(
             ["load", "#", "contender", "hit rate", "TTFT p50 / p99 (ms)", "req/s", "errors", "share",
-             "CPU (ms/request)", "kv_aware: guard fired, credited", "KV events followed: blocks stored / removed",
+             "CPU (ms/request)", "kv_aware: guard fired; choices that saved (median ms); predicted TTFT p50",
+             "KV events followed: blocks stored / removed",
              "engine calls beyond the chats"],
             [_run_row(r) for r in data["runs"]]))
     return "\n\n".join(p for p in parts if p)
@@ -128,7 +129,8 @@ def _run_row(run: dict[str, Any]) -> list[str]:
     roles = run.get("cpu_ms_per_request_by_role") or {}
     cpu = num(run.get("cpu_ms_per_request")) + (
         " (" + ", ".join(f"{role} {num(ms)}" for role, ms in roles.items()) + ")" if roles else "")
-    guard = (f"{num(run.get('guard_fired'))} of {num(run.get('guard_decisions'))}, {num(run.get('credited'))}"
+    guard = (f"{num(run.get('guard_fired'))} of {num(run.get('guard_decisions'))}; {num(run.get('saved'))} "
+             f"({num(run.get('saved_ms_p50'))}); {num(run.get('predicted_ttft_p50_ms'))}"
              if run.get("guard_decisions") else DASH)
     extra = {call: n for call, n in (run.get("engine_calls") or {}).items()
              if not call.startswith("POST /v1/chat/completions 200")}

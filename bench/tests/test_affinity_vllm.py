@@ -218,15 +218,16 @@ def test_saturation_is_measured_between_the_start_and_the_drain_of_the_closed_lo
 
 
 def test_a_run_summary_counts_errors_and_unfinished_streams_apart_from_the_ttfts():
-    outcomes = [Outcome(ttft_ms=float(t), ended_at=1.0, guard=t > 40, credit=0.1 if t < 30 else 0.0)
-                for t in range(10, 60, 10)]
+    outcomes = [Outcome(ttft_ms=float(t), ended_at=1.0, guard=t > 40, saved_ms=8.0 if t < 30 else 0.0,
+                        predicted_ttft_ms=float(t + 1)) for t in range(10, 60, 10)]
     outcomes += [Outcome(error="status 503: busy"), Outcome(ttft_ms=5.0, error="stream ended without [DONE]")]
     summary = figures.summarize(outcomes, wall_s=2.0)
     assert (summary["requests"], summary["ok"], summary["error_count"]) == (7, 5, 2)
     assert summary["errors"] == {"status 503: busy": 1, "stream ended without [DONE]": 1}
     assert summary["ttft_p50_ms"] == 30.0 and summary["ttft_p99_ms"] == 50.0
     assert summary["completed_per_s"] == 2.5
-    assert (summary["guard_fired"], summary["guard_decisions"], summary["credited"]) == (1, 5, 2)
+    assert (summary["guard_fired"], summary["guard_decisions"], summary["saved"]) == (1, 5, 2)
+    assert summary["saved_ms_p50"] == 0.0 and summary["predicted_ttft_p50_ms"] == 31.0
     assert figures.cpu_figures(0.5, {"workers": 0.4}, 5) == {
         "cpu_s": 0.5, "cpu_ms_per_request": 100.0, "cpu_ms_per_request_by_role": {"workers": 80.0}}
 
@@ -236,7 +237,7 @@ def _run(load: float, name: str, hit: float, p50: float, p99: float = 500.0, ord
             "ok": 599, "error_count": 1, "prefix_cache_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
             "completed_per_s": 8.0, "cpu_ms_per_request": 5.0, "share": [300, 299],
             "guard_fired": 2 if name == "kv_aware" else 0, "guard_decisions": 599 if name == "kv_aware" else 0,
-            "credited": 100, "engine_calls": {"POST /v1/chat/completions 200": 600},
+            "saved": 100, "saved_ms_p50": 7.5, "predicted_ttft_p50_ms": 40.0, "engine_calls": {"POST /v1/chat/completions 200": 600},
             "contender_setup": {"kind": "proxy", "workers": 4, "env": {"PROXY_INSTANCE_STRATEGY": name}}}
 
 
@@ -317,6 +318,7 @@ def test_the_report_has_a_table_a_load_the_targets_and_every_run():
     assert "25.2 req/s" in text and "At 40% of least_load's saturation (4 req/s offered)" in text
     assert "| 40% | hit rate | 75.0% | 50.0% (least_load) | 1.50× | ≥ 1.5× | **PASS** |" in text
     assert "POST /v1/chat/completions/render 200 ×1,200" in text and "| 224 / 106, 1 gaps |" in text
+    assert "| 2 of 599; 100 (7.50); 40 |" in text  # kv_aware's guard, savings, predicted TTFT
     assert "vllm-router 0.1.17: `python -m vllm_router.launch_router --policy kv_aware`" in text
     assert "**sglang-router cache_aware did not start**" in text and "make peers" in text
 
