@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,9 @@ def utc_now() -> str:
 
 
 def run_record(module: str, argv: list[str] | None, started_at: str, machine: dict[str, Any]) -> dict[str, Any]:
-    """What a results file opens with: the command that made it, when, and on what machine."""
-    return {"command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+    """What a results file opens with: the command that made it (quoted for a shell: an argument
+    may hold a space), when, and on what machine."""
+    return {"command": f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv),
             "started_at": started_at, "finished_at": utc_now(), "machine": machine}
 
 

@@ -14,6 +14,7 @@ import pytest
 from bench.affinity_vllm import __main__ as cli
 from bench.affinity_vllm import contenders, engine_side, figures, runner, targets, workload
 from bench.affinity_vllm.load import Outcome
+from bench.machine import run_record
 from bench.report import affinity_vllm as report
 from tests.real_engine.engines import TINY_MODEL, VllmEngine
 
@@ -289,6 +290,11 @@ def test_settings_are_name_value_pairs_and_an_unknown_contender_fails_before_the
         cli._pairs(["PROXY_A"])
     with pytest.raises(ValueError, match="unknown contender 'nginx'"):
         cli.main(["--contenders", "kv_aware,nginx", "--out", "/nonexistent/never-written.json"])
+
+
+def test_the_recorded_command_can_be_pasted_into_a_shell():
+    record = run_record("bench.affinity_vllm", ["--contenders", "kv_aware,vllm-router kv_aware"], "t0", {})
+    assert record["command"] == "python -m bench.affinity_vllm --contenders 'kv_aware,vllm-router kv_aware'"
 
 
 def _data(requests: int = 600, repeats: int = 2) -> dict:
