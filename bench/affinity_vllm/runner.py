@@ -36,14 +36,14 @@ def schedule(names: Sequence[str], repeats: int) -> list[str]:
     return order
 
 
-def _started(spec: contenders.Spec, setup: Setup) -> Contender:
+def _contender(spec: contenders.Spec, setup: Setup) -> Contender:
     return contenders.build(spec, setup.engines, setup.log_dir, setup.proxy_env, setup.kv_aware_env)
 
 
 def calibrate(setup: Setup, planned: Sequence[Planned], concurrency: int) -> dict[str, Any]:
     """least_load's saturation throughput: a closed loop of `concurrency` in flight over
     `planned` on a fresh least_load proxy and reset caches (figures.saturation_rps)."""
-    with _started(contenders.spec(contenders.BASELINE), setup) as contender:
+    with _contender(contenders.spec(contenders.BASELINE), setup) as contender:
         for engine in setup.engines:
             engine_side.reset_prefix_cache(engine)
         before = engine_side.read_counters(setup.engines)
@@ -59,7 +59,7 @@ def calibrate(setup: Setup, planned: Sequence[Planned], concurrency: int) -> dic
 def run(spec: contenders.Spec, setup: Setup, planned: Sequence[Planned], rate: float) -> dict[str, Any]:
     """One run: a fresh contender, both prefix caches reset, the planned requests at `rate`;
     the engines' counters, the contender's CPU and counters, the calls the engines got."""
-    with _started(spec, setup) as contender:
+    with _contender(spec, setup) as contender:
         for engine in setup.engines:
             engine_side.reset_prefix_cache(engine)
         calls = engine_side.CallLog(setup.engines)
