@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm run-workers test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
+.PHONY: install install-vllm peers run-workers test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 # setup.py builds the C parts (shm_schema/_lanes.c, proxy_workers/_select.c) into the
 # checkout: an edit rebuilds them.
@@ -89,12 +89,27 @@ bench-pressure: $(STAMP)
 bench-pressure-vllm: install-vllm
 	$(CACHE_ENV) $(PY) -m bench.bench_pressure --vllm --out bench/results/pressure_vllm.json
 
-# kv_aware (default credit, and 200x the credit) against least_load on two real vLLM engines (the
-# same engines as above, KV capped to --kv-blocks, prefix caches reset before each run): vLLM's
-# own prefix-cache hit counters, TTFT, share, guard (~2 min of engine start, then ABCCBA runs of
-# 45 s each, ~9 min in all).
-bench-affinity-vllm: install-vllm
-	$(CACHE_ENV) $(PY) -m bench.bench_affinity_vllm --credit-per-ms 0.2 --out bench/results/affinity_vllm.json
+# The peers of the real-engine leg, each in its own venv under .venv-peers (pinned in
+# bench/affinity_vllm/peers/<package>.txt; ~130 MB each, made on first use, remade when the pin changes).
+PEERS_DIR := .venv-peers
+PEER_PACKAGES := vllm-router sglang-router
+PEER_STAMPS := $(foreach p,$(PEER_PACKAGES),$(PEERS_DIR)/$(p)/.installed)
+
+$(PEERS_DIR)/%/.installed: bench/affinity_vllm/peers/%.txt
+	@test -x $(PEERS_DIR)/$*/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/$*
+	$(PEERS_DIR)/$*/bin/python -m pip install --quiet -r $<
+	@touch $@
+
+peers: $(PEER_STAMPS)
+
+# "kv_aware that wins", the real-engine leg (docs/benchmarks.md §11): this proxy's kv_aware (on
+# the engines' KV events) and least_load, 4 workers, against vllm-router cache_aware and kv_aware
+# and the SGLang router cache_aware, over two CPU vLLM engines (64 KV blocks of 128 each, prefix
+# caching and KV events on); least_load's saturation calibrated first, then 600 streaming chats
+# at 40 % and 60 % of it, ABC...CBA, 2 runs each (~20-30 min). ARGS: more options (e.g.
+# ARGS='--kv-aware-env PROXY_X=1'; python -m bench.affinity_vllm --help).
+bench-affinity-vllm: install-vllm peers
+	$(CACHE_ENV) $(PY) -m bench.affinity_vllm --out bench/results/affinity_vllm.json $(ARGS)
 
 # Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
 bench-stack: $(STAMP)
@@ -147,4 +162,4 @@ clean-shm: $(STAMP)
 	$(PY) -m cacheroute_proxy shm unlink$(if $(FORCE), --force,)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so proxy_workers/_select.*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_DIR) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so proxy_workers/_select.*.so

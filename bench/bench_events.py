@@ -212,12 +212,6 @@ def baseline_tree(ref: str, into: Path) -> Path:
     return tree
 
 
-def git_commit(ref: str = "HEAD") -> str | None:
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
-                          capture_output=True, text=True, check=False)
-    return done.stdout.strip() or None
-
-
 def measure(trees: list[Tree], repeats: int, warmup: int, measured: int,
             poll_s: float) -> dict[str, Any]:
     samples: dict[str, dict[str, list[dict]]] = {t.label: defaultdict(list) for t in trees}
@@ -308,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
             for tree in trees:
                 tree.close()
     info["at_end"] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
+    # Imported here, not at the top: a baseline tree runs this file with its own bench/ (--serve).
+    from bench.machine import git_commit
+
     command = "python -m bench.bench_events" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     data = {"benchmark": "events", "command": command, "started_at": started,

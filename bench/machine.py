@@ -7,10 +7,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+_ROOT = Path(__file__).resolve().parent.parent
 
 
 def utc_now() -> str:
@@ -18,9 +21,25 @@ def utc_now() -> str:
 
 
 def run_record(module: str, argv: list[str] | None, started_at: str, machine: dict[str, Any]) -> dict[str, Any]:
-    """What a results file opens with: the command that made it, when, and on what machine."""
-    return {"command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+    """What a results file opens with: the command that made it (quoted for a shell: an argument
+    may hold a space), when, and on what machine."""
+    return {"command": f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv),
             "started_at": started_at, "finished_at": utc_now(), "machine": machine}
+
+
+def git_commit(ref: str = "HEAD") -> str | None:
+    """The checkout's commit (short hash) of `ref`; None outside a git checkout."""
+    done = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", ref],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() or None
+
+
+def uncommitted_changes() -> bool:
+    """Whether the checkout's tracked files differ from its commit (the code that ran is not
+    exactly the commit's)."""
+    done = subprocess.run(["git", "-C", str(_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                          capture_output=True, text=True, check=False)
+    return bool(done.stdout.strip())
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 
 _META_MARKER = b"event: cacheroute_meta\ndata: "
+_DONE = b"data: [DONE]"
 
 
 @dataclass
@@ -20,6 +21,8 @@ class Streamed:
     ttft_ms: float | None = None
     meta: dict[str, Any] | None = None  # None: the stream carried none
     error: str | None = None  # a non-200 status or a client error; None otherwise
+    finished: bool = False  # the stream ended with `data: [DONE]`
+    ended_at: float | None = None  # time.monotonic() when it ended
 
 
 async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Streamed:
@@ -39,6 +42,8 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, 
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
+    out.ended_at = time.monotonic()
+    out.finished = _DONE in received
     at = received.rfind(_META_MARKER)
     if at >= 0:
         begin = at + len(_META_MARKER)

@@ -79,11 +79,22 @@ class VllmEngine:
 
     def __init__(self, log_path: Path, port: int | None = None, cpu: int | None = None,
                  max_num_seqs: int = MAX_NUM_SEQS, extra_args: Sequence[str] = (),
-                 extra_env: dict[str, str] | None = None, kv_events: bool = False) -> None:
+                 extra_env: dict[str, str] | None = None, kv_events: bool = False,
+                 kv_events_over_tcp: bool = False, max_model_len: int = MAX_MODEL_LEN) -> None:
         self.port = port or free_port()
-        # vLLM binds its KV cache event publisher here (a Unix socket beside the log: nothing
-        # listens on the network); None = it publishes nothing.
-        self.kv_events_endpoint = f"ipc://{log_path.parent}/kv-events-{self.port}" if kv_events else None
+        # vLLM binds its KV cache event publisher on `kv_events_bind` and a subscriber connects
+        # to `kv_events_endpoint`: a Unix socket beside the log (nothing listens on the network),
+        # or with `kv_events_over_tcp` `tcp://*:port`, the form vLLM's /kv_event_sources names
+        # for a subscriber in another process (an instance agent, vllm-router) to reach as
+        # tcp://127.0.0.1:port. None = it publishes nothing.
+        self.kv_events_bind: str | None = None
+        self.kv_events_endpoint: str | None = None
+        if kv_events and kv_events_over_tcp:
+            events_port = free_port()
+            self.kv_events_bind, self.kv_events_endpoint = f"tcp://*:{events_port}", f"tcp://127.0.0.1:{events_port}"
+        elif kv_events:
+            self.kv_events_bind = self.kv_events_endpoint = f"ipc://{log_path.parent}/kv-events-{self.port}"
+        self.max_model_len = max_model_len
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cpu = cpu
@@ -99,15 +110,15 @@ class VllmEngine:
         return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(TINY_MODEL), "--served-model-name", SERVED_MODEL,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
                 # X-Request-Id on every answer: the client's own, or one vLLM makes up.
                 "--enable-request-id-headers", *self._kv_events_args(), *self.extra_args]
 
     def _kv_events_args(self) -> list[str]:
-        if self.kv_events_endpoint is None:
+        if self.kv_events_bind is None:
             return []
         return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                  "endpoint": self.kv_events_endpoint})]
+                                                  "endpoint": self.kv_events_bind})]
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> VllmEngine:
@@ -263,12 +274,14 @@ def group_alive(pgid: int) -> bool:
 
 def start_engines(count: int, log_dir: Path, timeout: float = HEALTH_TIMEOUT_S, *,
                   extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None,
-                  kv_events: bool = False) -> list[VllmEngine]:
+                  kv_events: bool = False, kv_events_over_tcp: bool = False,
+                  max_model_len: int = MAX_MODEL_LEN) -> list[VllmEngine]:
     """`count` engines started together (each ~70 s alone), each on its own core when there
     are enough; all healthy, or all stopped and an EngineError with the failing one's log."""
     cpus = sorted(os.sched_getaffinity(0))
     engines = [VllmEngine(log_dir / f"vllm-{i}.log", cpu=cpus[i] if count <= len(cpus) else None,
-                          extra_args=extra_args, extra_env=extra_env, kv_events=kv_events)
+                          extra_args=extra_args, extra_env=extra_env, kv_events=kv_events,
+                          kv_events_over_tcp=kv_events_over_tcp, max_model_len=max_model_len)
                for i in range(count)]
     try:
         for engine in engines:

@@ -1,0 +1,95 @@
+"""The client side: the seeded requests sent open-loop (each at its planned time, whether or not
+the ones before have been answered), or closed-loop for the calibration (a fixed number in
+flight, the next sent as one ends); each request's TTFT, end, and for this proxy what its
+`cacheroute_meta` said of the choice."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+
+from bench.streamed import stream_chat
+
+from .workload import Planned, body
+
+REQUEST_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Outcome:
+    ttft_ms: float | None = None
+    ended_at: float | None = None  # seconds after the run's first send
+    instance: str | None = None  # this proxy's x-cacheroute-instance
+    # kv_aware's account of its choice (cacheroute_meta.trace): the balance guard fired, what
+    # the chosen instance's holding of the prompt saved of its predicted TTFT, that prediction.
+    guard: bool | None = None
+    saved_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+    error: str | None = None
+
+
+async def _one(session: aiohttp.ClientSession, url: str, request_body: dict[str, Any], begin: float) -> Outcome:
+    streamed = await stream_chat(session, url, request_body)
+    outcome = Outcome(streamed.ttft_ms, None if streamed.ended_at is None else streamed.ended_at - begin,
+                      streamed.instance, error=streamed.error)
+    if outcome.error is None and not streamed.finished:
+        outcome.error = "stream ended without [DONE]"
+    meta = streamed.meta
+    if meta is not None:
+        trace = meta.get("trace") or {}
+        outcome.guard = trace.get("affinity_guard")
+        outcome.saved_ms = trace.get("affinity_saved_ms")
+        outcome.predicted_ttft_ms = trace.get("route_predicted_ttft_ms")
+        outcome.error = outcome.error or meta.get("error")
+    return outcome
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
+async def _open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate: float,
+                     max_tokens: int) -> tuple[list[Outcome], float]:
+    async with _session() as session:
+        begin, tasks = time.monotonic(), []
+        for request in planned:
+            delay = request.unit_at / rate - (time.monotonic() - begin)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(session, url, body(request, prompts, max_tokens), begin)))
+        outcomes = list(await asyncio.gather(*tasks))
+        return outcomes, time.monotonic() - begin
+
+
+def open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate: float,
+              max_tokens: int) -> tuple[list[Outcome], float]:
+    """Every request at its planned time at `rate` requests/s; the outcomes in plan order and
+    the seconds from the first send to the last end. Bounded: each request ends by
+    REQUEST_TIMEOUT_S."""
+    return asyncio.run(_open_loop(url, planned, prompts, rate, max_tokens))
+
+
+async def _closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], concurrency: int,
+                       max_tokens: int) -> list[Outcome]:
+    pending = iter(planned)
+    outcomes: list[Outcome] = []
+    async with _session() as session:
+        begin = time.monotonic()
+
+        async def sender() -> None:
+            for request in pending:
+                outcomes.append(await _one(session, url, body(request, prompts, max_tokens), begin))
+
+        await asyncio.gather(*(sender() for _ in range(concurrency)))
+    return outcomes
+
+
+def closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], concurrency: int,
+                max_tokens: int) -> list[Outcome]:
+    """`concurrency` requests in flight until `planned` is used up; outcomes in the order they ended."""
+    return asyncio.run(_closed_loop(url, planned, prompts, concurrency, max_tokens))
