@@ -40,3 +40,11 @@ def prefix_keys(text: str, block_tokens: int, max_blocks: int) -> list[int]:
         keys.append(key)
         previous = key.to_bytes(8, "little")
     return keys
+
+
+def rendezvous_home(key: int, instances: list[str]) -> int:
+    """The index, among `instances` (ids), of `key`'s home: the highest hash of (key, instance),
+    so every worker names the same one and a key's home moves only when its home leaves."""
+    scores = [_hash(key.to_bytes(8, "little") + name.encode()) for name in instances]
+    return scores.index(max(scores))
+

@@ -34,7 +34,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys
+from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.engine_prefix import EnginePrefix
@@ -261,12 +261,40 @@ def make_index(settings: Settings, seg: Segment, tracker: RequestTracker) -> Aff
     return view(seg, tracker, settings.affinity_pending_s)
 
 
+class _Holding(NamedTuple):
+    """What the index and the claims say one candidate holds of one request."""
+    resident: tuple[str, ...]
+    claimed: tuple[str, ...]
+    cached: int
+    pending_blocks: int
+
+
+def _homes(candidates: Sequence[InstanceSlot], holdings: Sequence[_Holding],
+           kid_keys: list[tuple[str, int]], blocks: list[int]) -> dict[int, tuple[int, int]]:
+    """Per candidate index: how many of the request's knowledge ids, and of its prompt's blocks,
+    it holds as their home. What no candidate holds, confirmed or claimed, has a home among the
+    candidates (a rendezvous hash of its key), which counts as holding it: so a prompt or an id
+    held nowhere -- never seen, or evicted everywhere -- goes back where it went before unless
+    that instance's queue costs more than a hit would save, and the instances' caches keep
+    apart what they hold instead of each coming to hold everything."""
+    names = [c.instance_id for c in candidates]
+    homes: dict[int, list[int]] = {}
+    for kid, key in kid_keys:
+        if not any(kid in h.resident or kid in h.claimed for h in holdings):
+            homes.setdefault(rendezvous_home(key, names), [0, 0])[0] += 1
+    if blocks and not any(h.cached for h in holdings):
+        homes.setdefault(rendezvous_home(blocks[0], names), [0, 0])[1] += len(blocks)
+    return {index: (kids, prompt) for index, (kids, prompt) in homes.items()}
+
+
 class Assessment(NamedTuple):
     """What one candidate holds of one request, and what the request would cost there."""
     resident_kids: tuple[str, ...]  # knowledge ids whose KV the index confirms the instance holds
     pending_kids: tuple[str, ...]   # ids a standing claim routed there, not confirmed yet
-    prefix_blocks: int   # leading prompt blocks it holds, confirmed or claimed
+    prefix_blocks: int   # leading prompt blocks it holds, confirmed, claimed or as their home
     pending_blocks: int  # of those, claimed and not confirmed yet
+    home_kids: int       # ids it counts as holding only as their home: no candidate holds them
+    home_blocks: int     # blocks likewise (the prompt's first block is held nowhere)
     prefill_ms: float    # the prefill of what it does not hold, at the profile's pace
     transfer_ms: float   # the KDN -> instance transfer of the knowledge KV it does not hold
     saved_ms: float      # what holding what it holds saves, at the profile's pace
@@ -312,9 +340,10 @@ class AffinityScorer:
 
     def assess(self, request: ProxyRequest, candidates: Sequence[InstanceSlot],
                claims: bool = True) -> list[Assessment]:
-        """Each candidate's holding and the request's cost there; `claims`: count standing
-        claims as held (kv_aware's choice), or only what the index confirms (what the prepare
-        stage may skip)."""
+        """Each candidate's holding and the request's cost there. With `claims` (kv_aware's
+        choice), standing claims count as held, and what no candidate holds has a home that
+        counts as holding it; without (what the prepare stage may skip), only what the index
+        confirms."""
         spec = request.knowledge
         kids = spec.knowledge_ids if spec is not None and spec.wanted else []
         kid_keys = [(kid, knowledge_key(kid)) for kid in kids]
@@ -322,11 +351,13 @@ class AffinityScorer:
         now = now_us()
         if claims:
             self.index.refresh(now)
-        return [self._assess_one(request, instance, kid_keys, blocks, now if claims else 0)
-                for instance in candidates]
+        holdings = [self._holding(instance, kid_keys, blocks, now if claims else 0) for instance in candidates]
+        homes = _homes(candidates, holdings, kid_keys, blocks) if claims and len(candidates) > 1 else {}
+        return [self._assessment(request, instance, holding, homes.get(index, (0, 0)), len(kid_keys))
+                for index, (instance, holding) in enumerate(zip(candidates, holdings))]
 
-    def _assess_one(self, request: ProxyRequest, instance: InstanceSlot,
-                    kid_keys: list[tuple[str, int]], blocks: list[int], now: int) -> Assessment:
+    def _holding(self, instance: InstanceSlot, kid_keys: list[tuple[str, int]], blocks: list[int],
+                 now: int) -> _Holding:
         held = self.index.residency(instance)
         pending = self.index.pending
         resident: list[str] = []
@@ -350,10 +381,15 @@ class AffinityScorer:
                 else:
                     break
                 cached += 1
-        prefill, transfer, saved = self._costs(request, instance, len(resident) + len(claimed),
-                                               len(kid_keys), cached)
-        return Assessment(tuple(resident), tuple(claimed), cached, pending_blocks, prefill,
-                          transfer, saved)
+        return _Holding(tuple(resident), tuple(claimed), cached, pending_blocks)
+
+    def _assessment(self, request: ProxyRequest, instance: InstanceSlot, holding: _Holding,
+                    home: tuple[int, int], wanted: int) -> Assessment:
+        home_kids, home_blocks = home
+        held_kids, cached = len(holding.resident) + len(holding.claimed) + home_kids, holding.cached + home_blocks
+        prefill, transfer, saved = self._costs(request, instance, held_kids, wanted, cached)
+        return Assessment(holding.resident, holding.claimed, cached, holding.pending_blocks, home_kids,
+                          home_blocks, prefill, transfer, saved)
 
     def _costs(self, request: ProxyRequest, instance: InstanceSlot, held_kids: int, wanted: int,
                cached_blocks: int) -> tuple[float, float, float]:
@@ -404,8 +440,9 @@ class AffinityScorer:
         pending, now = self.index.pending, now_us()
         return {"resident_knowledge": list(assessment.resident_kids),
                 "pending_knowledge": list(assessment.pending_kids),
-                "resident_prefix_blocks": assessment.prefix_blocks - assessment.pending_blocks,
+                "resident_prefix_blocks": assessment.prefix_blocks - assessment.pending_blocks - assessment.home_blocks,
                 "pending_prefix_blocks": assessment.pending_blocks,
+                "home": {"knowledge": assessment.home_kids, "prefix_blocks": assessment.home_blocks},
                 "resident_counts": {"knowledge": len(held.knowledge), "prefix_blocks": len(held.prefix)},
                 "pending_counts": {
                     "knowledge": pending.count((instance.slot, instance.generation, AFFINITY_KNOWLEDGE), now),

@@ -256,3 +256,29 @@ def test_the_strategy_is_accepted_under_its_aliases():
     for name in ("kv_aware", "kv-aware", "kv"):
         assert Settings(instance_strategy=name).strategy_name == "kv_aware"
 
+
+
+def test_what_no_candidate_holds_has_one_home_every_worker_names_the_same(segment):
+    directory = DirectoryWriter(segment)
+    for port in (9001, 9002, 9003):
+        directory.allocate(f"i{port}", "127.0.0.1", port)
+    instances = read_all(segment)
+    rows = [WorkerRow.claim(segment, i, identity=2000 + i) for i in range(2)]
+    one, other = (_scorer(segment, row=row) for row in rows)
+    prompts = [recover(Endpoint.COMPLETIONS, b'{"prompt":"' + bytes([65 + n]) * 1024 + b'"}') for n in range(12)]
+    homes = []
+    for plain in prompts:
+        mine, theirs = one.assess(plain, instances), other.assess(plain, instances)
+        assert [a.home_blocks for a in mine] == [a.home_blocks for a in theirs]
+        assert sorted(a.home_blocks for a in mine) == [0, 0, 4]
+        home = next(i for i, a in enumerate(mine) if a.home_blocks)
+        assert mine[home].prefill_ms < min(a.prefill_ms for a in mine if not a.home_blocks)
+        assert one.assess(plain, instances, claims=False)[home].home_blocks == 0  # not for the prepare stage
+        homes.append(home)
+    assert len(set(homes)) > 1  # prompts spread over the instances
+    # Once a candidate holds the prompt (here: a claim), the home is that holder alone.
+    plain = prompts[0]
+    elsewhere = (homes[0] + 1) % 3
+    one.claim(plain, instances[elsewhere], one.assess(plain, instances)[elsewhere])
+    held = one.assess(plain, instances)
+    assert [a.home_blocks for a in held] == [0, 0, 0] and held[elsewhere].pending_blocks == 4
