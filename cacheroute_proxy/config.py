@@ -210,8 +210,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_view: str = "shared"
     # The balance guard: kv_aware chooses as least_load does when the candidates' requests in
     # flight spread by more than `abs` AND the busiest holds more than `rel` x the idlest's.
-    kv_aware_balance_abs: float = 8.0
-    kv_aware_balance_rel: float = 2.0
+    kv_aware_balance_abs: float = 4.0
+    kv_aware_balance_rel: float = 1.5
     # How long a routing decision counts as pending residency on the instance it chose, unless
     # the affinity index confirms it sooner or the request withdraws it (it failed).
     affinity_pending_s: float = 30.0

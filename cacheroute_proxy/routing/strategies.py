@@ -177,8 +177,8 @@ class KvAwareStrategy(LeastLoadStrategy):
     name = "kv_aware"
 
     def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
-                 tie_cursor: Cursor | None = None, *, balance_abs: float = 8.0,
-                 balance_rel: float = 2.0) -> None:
+                 tie_cursor: Cursor | None = None, *, balance_abs: float = 4.0,
+                 balance_rel: float = 1.5) -> None:
         super().__init__(weights, cursor, tie_cursor)
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
