@@ -18,6 +18,10 @@ RETRY_AFTER_S = {
 }
 
 
+# The detail of a 503 `no_instance` when the directory has no alive instance at all.
+NO_ALIVE_INSTANCE = "proxy has no alive instance"
+
+
 def retry_after(code: str) -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S[code])}
 

@@ -26,7 +26,7 @@ from shm_schema import (
 
 from .affinity import AffinityScorer, Assessment, Claim, debug_request
 from .outliers import OutlierTracker
-from .refusals import no_instance
+from .refusals import NO_ALIVE_INSTANCE, no_instance
 from .request_model import ProxyRequest
 from .upstream import base_url
 
@@ -142,7 +142,7 @@ class Router:
         snapshot = self._directory_snapshot()
         candidates = snapshot.alive
         if not candidates:
-            raise no_instance("proxy has no alive instance")
+            raise no_instance(NO_ALIVE_INSTANCE)
         ejected = self.outliers.ejected()
         if exclude or ejected:
             avoid = exclude | ejected
