@@ -120,10 +120,10 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
         return JSONResponse({"ok": True, "alive_instances": alive})
 
     sidecar = control_plane_url(settings)
-    served_models = ModelList(ctx.router.view.directory.snapshot, lambda: ask_sidecar(sidecar, "/v1/models"))
+    model_list = ModelList(ctx.router.view.directory.snapshot, lambda: ask_sidecar(sidecar, "/v1/models"))
 
     async def models(request: Request) -> Response:
-        return await served_models.answer()
+        return await model_list.answer()
 
     async def post_only(request: Request) -> Response:  # DataPlane's handlers answer every POST
         raise AssertionError("unreachable")

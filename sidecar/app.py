@@ -25,11 +25,11 @@ from cacheroute_proxy import instance_wire as wire
 
 from . import pool_resource
 from .scheduler_wire import PoolResource
-from .served_models import model_list
 from .dashboard_routes import dashboard_routes
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
+from .served_models import model_list
 from .resource_snapshot import RAW_RESOURCE_LIMIT
 from .scheduler_link import DisabledLink, Identity, SchedulerLink
 from .kv_events import KvEventFeeds
