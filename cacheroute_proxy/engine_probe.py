@@ -49,9 +49,12 @@ class EngineInfo(msgspec.Struct, frozen=True):
             runtime=runtime)
 
     def meta(self) -> dict[str, Any]:
-        """Registration meta: the context length, and the KV capacity that bounds the affinity
-        index's model of what the engine's prefix cache still holds (docs/architecture.md §4.4)."""
+        """Registration meta: every model id the engine serves (the proxy's `/v1/models` lists
+        them), the context length, and the KV capacity that bounds the affinity index's model of
+        what the engine's prefix cache still holds (docs/architecture.md §4.4)."""
         meta: dict[str, Any] = {}
+        if self.models:  # sent whole each time: meta is merged, a stale list would stay
+            meta["served_models"] = list(self.models)
         if self.max_model_len is not None:
             meta["max_model_len"] = self.max_model_len
         if self.kv_capacity_tokens is not None:

@@ -9,6 +9,7 @@ message, which names the field (``Expected `int`, got `str` - at `$.port```).
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -17,8 +18,10 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 # A hostname (labels of 1-63 letters, digits or inner hyphens), IPv4, or IPv6 plain or in
 # brackets; no scheme, no path, no spaces. \Z, not $: "$" would also accept a trailing newline.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-HOST_PATTERN = rf"^(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]+)\Z"
-Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=HOST_PATTERN)]
+_HOST = re.compile(rf"^(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]+)\Z")
+# What a refused host is told it should be (the pattern above, in words).
+HOST_RULE = "a host name, an IPv4 address or an IPv6 address (no scheme, port, path or spaces)"
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]  # and is_host: RegisterRequest
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=112)]
 KnowledgeId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 MAX_RESIDENT_KEYS = 65536  # a body limit more than a cache limit: the index keeps the 512 most recent
@@ -89,9 +92,17 @@ class RegisterRequest(msgspec.Struct):
     capabilities: Capabilities | None = None
     capability_fingerprint: str | None = None  # ignored: the server computes its own
 
+    def __post_init__(self) -> None:
+        if not is_host(self.host):  # in words: msgspec's own message would show the pattern
+            raise ValueError(f"Expected {HOST_RULE}, got {self.host!r} - at `$.host`")
+
     @property
     def resolved_id(self) -> str:
         return self.instance_id or f"hp_{self.host}:{self.port}"
+
+
+def is_host(text: str) -> bool:
+    return _HOST.match(text) is not None
 
 
 class RegisterReply(msgspec.Struct):

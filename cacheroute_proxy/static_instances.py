@@ -9,15 +9,13 @@ original's `hp_<host>:<port>`. A bad value is a ValueError naming the variable.
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from .instance_wire import HOST_PATTERN
+from .instance_wire import HOST_RULE, is_host
 
 VARIABLE = "PROXY_STATIC_INSTANCES"
 MAX_ID_BYTES = 112  # what an instance slot holds (shm_schema.layout.MAX_ID_BYTES)
-_HOST = re.compile(HOST_PATTERN)
 
 
 class StaticInstance(NamedTuple):
@@ -51,7 +49,7 @@ def _entry(entry: str) -> StaticInstance:
     problem = (
         "must be an http:// URL (the proxy does not speak TLS to instances)" if url.scheme != "http"
         else "names no host" if not host
-        else f"host {host!r} is not a host name or an IP address" if not _HOST.match(host)
+        else f"host {host!r} is not {HOST_RULE}" if not is_host(host)
         else "must not carry a user name or password" if url.username or url.password
         else "must be the engine's base URL, without a path, query or fragment"
         if url.path not in ("", "/") or url.query or url.fragment

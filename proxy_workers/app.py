@@ -42,7 +42,9 @@ from cacheroute_proxy.http1 import BodyTooLarge, ClientGone, Cycle, Handler
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
-from .sidecar_reads import SIDECAR_READS, sidecar_read
+from .model_list import ModelList
+from .refusals import NO_ALIVE_INSTANCE, no_instance
+from .sidecar_reads import SIDECAR_READS, ask_sidecar, control_plane_url, sidecar_read
 from .trace import Trace
 from .upstream import Upstream
 
@@ -111,6 +113,18 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe()})
 
+    async def health(request: Request) -> Response:  # can the proxy serve a request now?
+        alive = len(ctx.router.view.directory.snapshot().alive)
+        if not alive:
+            return from_http_error(no_instance(NO_ALIVE_INSTANCE))
+        return JSONResponse({"ok": True, "alive_instances": alive})
+
+    sidecar = control_plane_url(settings)
+    model_list = ModelList(ctx.router.view.directory.snapshot, lambda: ask_sidecar(sidecar, "/v1/models"))
+
+    async def models(request: Request) -> Response:
+        return await model_list.answer()
+
     async def post_only(request: Request) -> Response:  # DataPlane's handlers answer every POST
         raise AssertionError("unreachable")
 
@@ -120,6 +134,8 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
         Route("/debug/instance_loads", debug_instance_loads, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
         # What the sidecar alone keeps, asked of it: the same answer from every worker.
         *(Route(path, sidecar_read(settings, debug_guard), methods=["GET"]) for path in SIDECAR_READS),
     ]

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Any, Coroutine, Protocol
 
+from .refusals import RETRY_AFTER_S
 from .sse import cut_meta_event
 from .trace import Trace
 
@@ -27,7 +28,8 @@ CUT_FLUSH_S = 2.0
 
 _CUT_BODY = (b'{"error": "worker_draining", "detail": "the worker stopped at its drain deadline '
              b'before answering; retry"}')
-_CUT_HEAD = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+_CUT_HEAD = [(b"content-type", b"application/json"),
+             (b"retry-after", str(RETRY_AFTER_S["worker_draining"]).encode()),
              (b"content-length", b"%d" % len(_CUT_BODY))]
 
 

@@ -12,6 +12,12 @@ Two sources, both host-wide:
   prometheus_client's multiprocess values cost 6.5 µs (a lock, a pid check and a struct write
   each). prometheus_client only renders the text.
 
+Every series whose label values are known is exported from the start, at 0 (Prometheus'
+advice: avoid missing metrics), so a dashboard panel on a healthy proxy says 0, not "No data":
+each family declares its zero grids, the label values it can take, and a scrape adds every
+combination not counted yet. A grid's instance label takes each instance of the directory at
+scrape time, so an instance's series appear when it registers.
+
 Names follow the Prometheus conventions (docs/protocol.md §4.4): a `cacheroute_` prefix, base
 units (`_seconds`), `_total` on counters, no `_count`/`_sum`/`_bucket` suffix on a gauge. The
 instance label is `instance_id`, not `instance`: Prometheus attaches `instance` (the scraped
@@ -21,21 +27,24 @@ host:port) to every series, and would rename ours to `exported_instance`.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import logging
 import os
 from bisect import bisect_left
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Union
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from shm_schema import header, read_all, read_rows
+from shm_schema import InstanceSlot, header, read_all, read_rows
 from shm_schema.metric_file import MetricFile, MetricFileError, MetricFileFull, read_metric_file
 
 from cacheroute_proxy.routing.load_view import LoadView
+
+from .request_model import Endpoint
 
 log = logging.getLogger("cacheroute.worker")
 
@@ -43,12 +52,30 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 NO_INSTANCE = ""  # refused before any instance was chosen (400, 413, 503 no_instance...)
 
 
+class _EveryInstance:
+    """In a zero grid, the instance label's values: each instance of the directory."""
+
+
+EVERY_INSTANCE = _EveryInstance()
+LabelValues = Union[tuple[str, ...], _EveryInstance]
+
+ROUTES = tuple(endpoint.value for endpoint in Endpoint)
+# The statuses the proxy answers itself on the two routes (docs/protocol.md §2.8), and 200: those
+# before an instance is chosen (the client gone first: 499), and those once one is.
+STATUSES_BEFORE_AN_INSTANCE = ("400", "405", "413", "422", "499", "503")
+STATUSES_ON_AN_INSTANCE = ("200", "429", "499", "502", "503", "504")
+REJECTION_REASONS = ("queue_full", "queue_timeout")
+
+
 class Family(NamedTuple):
-    """One metric this worker counts: a counter (no buckets) or a histogram."""
+    """One metric this worker counts: a counter (no buckets) or a histogram. `zero`: grids of
+    label values (in the order of `labels`) whose every combination is exported at 0 until it
+    is counted."""
     name: str
     help: str
     labels: tuple[str, ...]
     buckets: tuple[float, ...] | None = None
+    zero: tuple[tuple[LabelValues, ...], ...] = ()
 
     @property
     def width(self) -> int:
@@ -60,18 +87,22 @@ class Family(NamedTuple):
 
 
 REQUESTS = Family("cacheroute_requests_total", "Data-plane requests answered, by route, status "
-                  "and the instance that answered", ("route", "status", "instance_id"))
+                  "and the instance that answered", ("route", "status", "instance_id"),
+                  zero=((ROUTES, STATUSES_BEFORE_AN_INSTANCE, (NO_INSTANCE,)),
+                        (ROUTES, STATUSES_ON_AN_INSTANCE, EVERY_INSTANCE)))
 DURATION = Family("cacheroute_request_duration_seconds", "Time from receiving a request to its "
-                  "last byte", ("route", "instance_id"), LATENCY_BUCKETS)
+                  "last byte", ("route", "instance_id"), LATENCY_BUCKETS,
+                  zero=((ROUTES, (NO_INSTANCE,)), (ROUTES, EVERY_INSTANCE)))
 TTFT = Family("cacheroute_time_to_first_token_seconds", "Time from receiving a streaming "
-              "request to its first upstream byte", ("route", "instance_id"), LATENCY_BUCKETS)
+              "request to its first upstream byte", ("route", "instance_id"), LATENCY_BUCKETS,
+              zero=((ROUTES, EVERY_INSTANCE),))
 RETRIES = Family("cacheroute_retries_total", "Attempts made again on another instance, by the "
-                 "instance that failed", ("route", "instance_id"))
+                 "instance that failed", ("route", "instance_id"), zero=((ROUTES, EVERY_INSTANCE),))
 EJECTIONS = Family("cacheroute_outlier_ejections_total", "Times a worker left an instance out "
-                   "after consecutive failures", ("instance_id",))
+                   "after consecutive failures", ("instance_id",), zero=((EVERY_INSTANCE,),))
 ADMISSION_REJECTIONS = Family("cacheroute_admission_rejections_total", "Requests refused by "
                               "admission: queue_full (429) or queue_timeout (503)",
-                              ("instance_id", "reason"))
+                              ("instance_id", "reason"), zero=((EVERY_INSTANCE, REJECTION_REASONS),))
 FAMILIES = {f.name: f for f in (REQUESTS, DURATION, TTFT, RETRIES, EJECTIONS, ADMISSION_REJECTIONS)}
 _SUM = len(LATENCY_BUCKETS) + 1  # a latency histogram's sum, after its buckets
 _OVERFLOW_KEY = b'["", "overflow"]'  # where a full file's new series go: never rendered
@@ -191,11 +222,12 @@ class SharedTableCollector(Collector):
     """Per-instance gauges and the event channel's drops straight from the segment:
     identical from every worker."""
 
-    def __init__(self, view: LoadView) -> None:
+    def __init__(self, view: LoadView, instances: Sequence[InstanceSlot]) -> None:
         self._view = view
+        self._instances = instances  # the directory, read once for the scrape
 
     def collect(self) -> Iterator[Metric]:
-        instances = read_all(self._view.directory.segment)
+        instances = self._instances
         components = self._view.components(instances)
         ids = [inst.instance_id for inst in instances]
         alive = GaugeMetricFamily("cacheroute_instance_alive", "1 if the instance heartbeats "
@@ -237,15 +269,20 @@ def _per_instance(name: str, help_text: str, ids: list[str], values: list[Any] |
 
 
 class WorkerFilesCollector(Collector):
-    """The counters and histograms of every worker: each file's values, summed by series."""
+    """The counters and histograms of every worker: each file's values, summed by series, and
+    at 0 every series of the families' zero grids not counted yet (`instance_ids`: the
+    directory's)."""
 
-    def __init__(self, store: _Store) -> None:
+    def __init__(self, store: _Store, instance_ids: Sequence[str] = ()) -> None:
         self._store = store
+        self._instance_ids = instance_ids
 
     def collect(self) -> Iterator[Metric]:
         totals = _summed(self._entries())
         for family in FAMILIES.values():
-            yield _family(family, totals.get(family.name, {}))
+            series = {labels: [0.0] * family.width for labels in zero_series(family, self._instance_ids)}
+            series.update(totals.get(family.name, {}))
+            yield _family(family, series)
 
     def _entries(self) -> Iterator[list[tuple[bytes, tuple[float, ...]]]]:
         if self._store.directory is None:
@@ -256,6 +293,13 @@ class WorkerFilesCollector(Collector):
                 yield read_metric_file(path)
             except (OSError, MetricFileError) as exc:  # the others' counts still go out
                 log.warning("metrics: %s left out of the scrape: %s", path, exc)
+
+
+def zero_series(family: Family, instance_ids: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """The label values of every series `family` exports at 0 until it is counted."""
+    for grid in family.zero:
+        yield from itertools.product(*(instance_ids if isinstance(values, _EveryInstance) else values
+                                       for values in grid))
 
 
 def _summed(files: Iterable[list[tuple[bytes, tuple[float, ...]]]]) -> dict[str, dict[tuple[str, ...], list[float]]]:
@@ -296,7 +340,8 @@ def _family(family: Family, series: dict[tuple[str, ...], list[float]]) -> Metri
 
 
 def render(view: LoadView) -> bytes:
+    instances = read_all(view.directory.segment)
     registry = CollectorRegistry()
-    registry.register(SharedTableCollector(view))
-    registry.register(WorkerFilesCollector(_store))
+    registry.register(SharedTableCollector(view, instances))
+    registry.register(WorkerFilesCollector(_store, [instance.instance_id for instance in instances]))
     return generate_latest(registry)

@@ -28,7 +28,6 @@ import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.http import HTTPError
 from shm_schema import Admission, layout
 
 from . import metrics
@@ -36,6 +35,7 @@ from .admission import AdmissionQueue
 from .affinity import AffinityIndex, report_residency
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
+from .refusals import no_instance, queue_full, queue_timeout
 from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
@@ -105,9 +105,7 @@ class Pipeline:
         stages = self._stages_for(lease)
         if stages.queued >= settings.max_queue_per_instance:
             metrics.admission_rejected(lease.instance.instance_id, "queue_full")
-            raise HTTPError(429, "queue_full",
-                            f"{stages.queued} requests already wait for {lease.instance.instance_id}",
-                            {"Retry-After": "1"})
+            raise queue_full(f"{stages.queued} requests already wait for {lease.instance.instance_id}")
         stages.queued += 1
         ticket = stages.order.issue(job.trace)
         job.trace.prepare_seq = ticket.seq
@@ -131,9 +129,8 @@ class Pipeline:
                         await self._admit(lease, stages, job)
             except TimeoutError:
                 metrics.admission_rejected(lease.instance.instance_id, "queue_timeout")
-                raise HTTPError(503, "queue_timeout",
-                                f"not admitted to {lease.instance.instance_id} within "
-                                f"{settings.queue_timeout_s:g}s", {"Retry-After": "2"}) from None
+                raise queue_timeout(f"not admitted to {lease.instance.instance_id} within "
+                                    f"{settings.queue_timeout_s:g}s") from None
             finally:
                 stages.queued -= 1
                 if not ticket.released:
@@ -310,7 +307,7 @@ class Pipeline:
             finally:
                 lease.leave(layout.LANE_READY_WAITING)
         if result is Admission.STALE:
-            raise HTTPError(503, "no_instance", "selected instance is no longer registered")
+            raise no_instance("selected instance is no longer registered")
         job.trace.ready_dequeue_ms = now_ms()
         _take_ready_place(stages, job.trace)
 

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple, Sequence
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.http import HTTPError
 from proxy_workers.fast_score import NATIVE_SELECTION, SelectionPlan
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import (Guard, KvAwareStrategy, LeastLoadStrategy,
@@ -27,6 +26,7 @@ from shm_schema import (
 
 from .affinity import AffinityScorer, Assessment, Claim, debug_request
 from .outliers import OutlierTracker
+from .refusals import NO_ALIVE_INSTANCE, no_instance
 from .request_model import ProxyRequest
 from .upstream import base_url
 
@@ -142,7 +142,7 @@ class Router:
         snapshot = self._directory_snapshot()
         candidates = snapshot.alive
         if not candidates:
-            raise HTTPError(503, "no_instance", "proxy has no alive instance")
+            raise no_instance(NO_ALIVE_INSTANCE)
         ejected = self.outliers.ejected()
         if exclude or ejected:
             avoid = exclude | ejected
@@ -150,7 +150,7 @@ class Router:
             if not kept:
                 kept = tuple(i for i in candidates if (i.slot, i.generation) not in exclude)
             if not kept:
-                raise HTTPError(503, "no_instance", "every alive instance failed this request")
+                raise no_instance("every alive instance failed this request")
             if len(kept) < len(candidates):
                 return self._select(kept, snapshot.slot_span, None, request)
         if not self._least_load:
@@ -244,7 +244,7 @@ class Router:
             choice = choice._replace(affinity=self.affinity.assess(request, (instance,), claims=False)[0])  # type: ignore[arg-type]
         age = self.view.snapshot_age_ms() if self._least_load else None
         if not self.row.begin(instance.slot, instance.generation):
-            raise HTTPError(503, "no_instance", "selected instance is no longer registered")
+            raise no_instance("selected instance is no longer registered")
         claim = None
         if self._kv_aware and choice.affinity is not None and request is not None:
             claim = self.affinity.claim(request, instance, choice.affinity)  # type: ignore[union-attr]

@@ -30,6 +30,7 @@ from .dashboard_routes import dashboard_routes
 from .pressure import PressurePublisher
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
+from .served_models import model_list
 from .resource_snapshot import RAW_RESOURCE_LIMIT
 from .scheduler_link import DisabledLink, Identity, SchedulerLink
 from .kv_events import KvEventFeeds
@@ -159,6 +160,9 @@ def build_app(state: SidecarState) -> Starlette:
     async def status(request: Request) -> Response:
         return JSONResponse(status_body())
 
+    async def models(request: Request) -> Response:  # every worker's /v1/models asks this
+        return JSONResponse(model_list(registry.records(include_dead=False)))
+
     async def debug_pool_resource(request: Request) -> Response:
         return JSONResponse({"ok": True, "pool_resource": state.pool_resource()})
 
@@ -204,6 +208,7 @@ def build_app(state: SidecarState) -> Starlette:
         Route("/v1/instance/list", reads(list_instances), methods=["GET"]),
         Route("/v1/topology/report", writes(topology_report), methods=["POST"]),
         Route("/v1/topology/kdn_links", reads(kdn_links), methods=["GET"]),
+        Route("/v1/models", _guard(TokenGuard(None))(models), methods=["GET"]),
     ]
     dashboard = dashboard_routes(state.seg, reads, dashboard_document)  # sidecar/dashboard/
     app = Starlette(routes=[*routes, *dashboard], exception_handlers=ERROR_HANDLERS)

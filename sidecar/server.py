@@ -13,7 +13,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 
-from cacheroute_proxy import exits, host_checks, logs, serving
+from cacheroute_proxy import exits, logs, serving, sysctl_checks
 from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
@@ -192,7 +192,7 @@ def run(settings: Settings) -> int:
             control.close()
             return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
         log.info("dashboard on %s (PROXY_UI_LISTEN %s)", settings.dashboard_url, settings.ui_listen)
-    host_checks.warn_about_host()
+    sysctl_checks.warn_about_sysctls()
     try:
         seg = open_segment(settings)
     except SegmentError as exc:

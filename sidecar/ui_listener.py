@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import ERROR_HANDLERS
 
-from .host_check import HostCheck
+from .host_check import DASHBOARD, HostCheck
 
 
 def ui_app(dashboard: list[BaseRoute], settings: Settings, with_host_check: bool) -> ASGIApp:
@@ -34,7 +34,7 @@ def ui_app(dashboard: list[BaseRoute], settings: Settings, with_host_check: bool
         return app
     assert settings.ui_address is not None
     host, port = settings.ui_address
-    return HostCheck(app, host, port, extra=_url_names(settings.ui_url))
+    return HostCheck(app, host, port, extra=_url_names(settings.ui_url), listener=DASHBOARD)
 
 
 def _url_names(url: str) -> tuple[str, ...]:

@@ -21,10 +21,12 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-def test_no_instance_is_503(cluster):
-    status, body, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions", chat_body())
-    assert status == 503 and body == {"error": "no_instance", "detail": "proxy has no alive instance"}
-    assert headers["x-cacheroute-worker"].startswith("w")
+def test_no_instance_is_503_with_retry_after(cluster):
+    for path, request in (("/v1/chat/completions", chat_body()),
+                          ("/v1/completions", {"model": "m", "prompt": "hi"})):
+        status, body, headers = http("POST", f"{cluster.dp_url}{path}", request)
+        assert status == 503 and body == {"error": "no_instance", "detail": "proxy has no alive instance"}
+        assert headers["retry-after"] == "1" and headers["x-cacheroute-worker"].startswith("w")
 
 
 def test_scheduler_request_streams_with_meta(cluster):

@@ -60,6 +60,8 @@ def test_static_instances_are_registered_probed_flipped_kept_and_readopted(make_
     assert found["capabilities"]["model"]["identifier"] == "static-model"
     assert found["capabilities"]["runtime"] == {"vllm_version": "sim-0.1", "supported_cache_features": []}
     assert found["meta"]["max_model_len"] == 2048 and found["capability_fingerprint"].startswith("sha256:")
+    assert found["meta"]["served_models"] == ["static-model"]
+    assert [m["id"] for m in get(f"{cluster.worker_url(0)}/v1/models")["data"]] == ["static-model"]
     generation = found["slot_generation"]
     assert served_by(cluster, 3) == {"static-a"}
 

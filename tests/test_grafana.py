@@ -366,6 +366,64 @@ def test_every_series_the_dashboard_queries_is_in_a_live_metrics(make_cluster):
                         "bogus [C]: rate/increase over the gauge cacheroute_instance_inflight"], problems
 
 
+# What the dashboard queries that can only exist once an instance is registered: every series of
+# these carries the instance's id. Everything else it queries is exported from the start.
+PER_INSTANCE = {
+    "cacheroute_time_to_first_token_seconds_bucket", "cacheroute_retries_total",
+    "cacheroute_outlier_ejections_total", "cacheroute_admission_rejections_total",
+    "cacheroute_instance_alive", "cacheroute_instance_inflight", "cacheroute_instance_active_prepare",
+    "cacheroute_instance_prepare_queue_depth", "cacheroute_instance_active_ready",
+    "cacheroute_instance_ready_queue_depth", "cacheroute_instance_predicted_backlog_seconds",
+    "cacheroute_instance_pending_prefills", "cacheroute_instance_active_decodes",
+}
+
+
+# Statuses answered only once an instance was chosen (a 429 is its queue's).
+STATUSES_ON_AN_INSTANCE_ONLY = {"200", "429", "502", "504"}
+
+
+def _needs_an_instance(selector: Selector) -> bool:
+    return selector.metric in PER_INSTANCE or any(
+        m.label == "status" and m.op == "=" and m.value in STATUSES_ON_AN_INSTANCE_ONLY for m in selector.matchers)
+
+
+def _selectors(dashboard: dict[str, Any]) -> list[Selector]:
+    return [selector for panel in queried_panels(dashboard) for target in panel["targets"]
+            for selector in parse_query(target["expr"]).selectors]
+
+
+def test_a_fresh_proxy_exports_every_series_the_dashboard_queries_at_zero(make_cluster):
+    """Prometheus' advice, avoid missing metrics: a healthy proxy that has seen no retry,
+    ejection, admission rejection or stream yet shows 0 on those panels, not "No data". Every
+    series whose label values are known is exported at 0 from the start; an instance's as soon
+    as it registers. The selectors come from the dashboard itself, so the test follows it."""
+    cluster = make_cluster(workers=2)
+    url = cluster.worker_url(1)
+    fresh = wait_until(lambda: scrape(url) if "cacheroute_pressure_snapshot_age_seconds" in scrape(url).names()
+                       else None, 10, message="the sidecar's first pressure snapshot")
+    selectors = _selectors(load_dashboard())
+    unmatched = {str(selector) for selector in selectors if not fresh.matching(selector)}
+    assert unmatched == {str(selector) for selector in selectors if _needs_an_instance(selector)}, unmatched
+    assert all(value == 0 for name, _, value in fresh.samples if not name.startswith("cacheroute_pressure")), \
+        [s for s in fresh.samples if s[2]]
+    requests = {(labels["route"], labels["status"]) for name, labels, _ in fresh.samples
+                if name == "cacheroute_requests_total" and labels["instance_id"] == ""}
+    assert requests == {(route, status) for route in ("chat/completions", "completions")
+                        for status in ("400", "405", "413", "422", "499", "503")}
+
+    instance = cluster.add_instance()
+
+    def every_selector_matched() -> Scrape | None:
+        live = scrape(url)
+        return live if not check_dashboard(load_dashboard(), live)[1] else None
+    live = wait_until(every_selector_matched, 10, message="every series the dashboard queries")
+    counted = [(name, labels, value) for name, labels, value in live.samples
+               if not name.startswith(("cacheroute_instance_", "cacheroute_pressure"))]
+    assert counted and all(value == 0 for _, _, value in counted), [s for s in counted if s[2]]
+    assert ("cacheroute_admission_rejections_total", {"instance_id": instance.instance_id, "reason": "queue_timeout"},
+            0.0) in live.samples
+
+
 def _assert_counted_once(live: Scrape, good: str, bad: str) -> None:
     """What the traffic above did, each thing counted once, under the instance it concerns."""
     values = {(name, tuple(sorted(labels.items()))): value for name, labels, value in live.samples}
@@ -378,8 +436,9 @@ def _assert_counted_once(live: Scrape, good: str, bad: str) -> None:
     assert values[("cacheroute_requests_total", (("instance_id", good), route, ("status", "200")))] == 4
     assert values[("cacheroute_time_to_first_token_seconds_count", (("instance_id", good), route))] == 2
     assert values[("cacheroute_event_channel_dropped_events_total", ())] == 0
-    assert not any(name == "cacheroute_requests_total" and dict(labels)["instance_id"] == bad
-                   for name, labels in values), "the retried request is counted under the instance that answered"
+    assert not any(name == "cacheroute_requests_total" and dict(labels)["instance_id"] == bad and value
+                   for (name, labels), value in values.items()), \
+        "the retried request is counted under the instance that answered"
 
 
 def test_the_conventions_check_refuses_what_it_should():

@@ -63,6 +63,11 @@ def test_what_the_proxy_is_told_of_an_engine() -> None:
     assert "kv_capacity_tokens" not in request.meta  # the engine did not say
     sized = register_request(config, EngineInfo(model_id="tiny", kv_capacity_tokens=5120))
     assert sized.meta["kv_capacity_tokens"] == 5120  # bounds the affinity index's model of it
+    # Every id the engine's /v1/models lists (vLLM lists its LoRA adapters there too): the
+    # proxy's /v1/models lists them all.
+    adapters = register_request(config, EngineInfo(model_id="tiny", models=("tiny", "tiny-sql-lora")))
+    assert adapters.meta["served_models"] == ["tiny", "tiny-sql-lora"]
+    assert "served_models" not in request.meta  # the engine listed none
 
 
 # vLLM 0.32's series (abridged), and an older one without kv_cache_size_tokens.

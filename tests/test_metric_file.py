@@ -152,10 +152,39 @@ def test_latency_histograms_read_as_prometheus_clients_own_would(store_dir: Path
         metrics.observe_request("chat/completions", 200, value, "i0")
         reference.labels("chat/completions", "i0").observe(value)
     ours = _samples(_collected(metrics.WorkerFilesCollector(metrics._store)), "cacheroute_request_duration")
+    ours = {k: v for k, v in ours.items() if ("instance_id", "i0") in k[1]}  # not the zero series
     theirs = _samples(generate_latest(registry), "cacheroute_request_duration")
     theirs = {k: v for k, v in theirs.items() if not k[0].endswith("_created")}
     assert ours == theirs and ours[("cacheroute_request_duration_seconds_count",
                                     (("instance_id", "i0"), ("route", "chat/completions")))] == 10
+
+
+def test_every_series_of_known_labels_is_at_zero_until_counted(store_dir: Path) -> None:
+    """Before any count: each route's refusals before an instance (instance_id ""), and for each
+    instance of the directory each route's statuses on an instance, latencies, retries, its
+    ejections and both admission reasons. What is counted replaces its zero."""
+    metrics.admission_rejected("i0", "queue_full")
+    values = _samples(_collected(metrics.WorkerFilesCollector(metrics._store, ["i0", "i1"])), "cacheroute_")
+    for instance in ("i0", "i1"):
+        for route in ("chat/completions", "completions"):
+            for status in ("200", "429", "499", "502", "503", "504"):
+                assert values[("cacheroute_requests_total", (("instance_id", instance), ("route", route),
+                                                             ("status", status)))] == 0
+            for family in ("cacheroute_request_duration_seconds", "cacheroute_time_to_first_token_seconds"):
+                assert values[(f"{family}_count", (("instance_id", instance), ("route", route)))] == 0
+            assert values[("cacheroute_retries_total", (("instance_id", instance), ("route", route)))] == 0
+        assert values[("cacheroute_outlier_ejections_total", (("instance_id", instance),))] == 0
+        assert values[("cacheroute_admission_rejections_total", (("instance_id", instance),
+                                                                 ("reason", "queue_timeout")))] == 0
+    assert values[("cacheroute_admission_rejections_total", (("instance_id", "i0"), ("reason", "queue_full")))] == 1
+    for route in ("chat/completions", "completions"):
+        for status in ("400", "405", "413", "422", "499", "503"):
+            assert values[("cacheroute_requests_total", (("instance_id", ""), ("route", route), ("status", status)))] == 0
+        assert values[("cacheroute_request_duration_seconds_count", (("instance_id", ""), ("route", route)))] == 0
+    # Nothing at zero that cannot happen: no success without an instance, no stream timed on none.
+    assert ("cacheroute_requests_total", (("instance_id", ""), ("route", "completions"), ("status", "200"))) not in values
+    assert not any(name.startswith("cacheroute_time_to_first_token") and ("instance_id", "") in labels
+                   for name, labels in values)
 
 
 def test_a_scrape_sums_every_workers_file_and_leaves_out_what_it_cannot_read(store_dir: Path, caplog) -> None:

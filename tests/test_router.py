@@ -32,6 +32,7 @@ def test_no_alive_instance_is_503(table):
     with pytest.raises(HTTPError) as info:
         _router(name, seg).acquire()
     assert (info.value.status, info.value.code) == (503, "no_instance")
+    assert info.value.headers == {"Retry-After": "1"}
 
 
 def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(table):
@@ -45,6 +46,7 @@ def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(ta
     with pytest.raises(HTTPError) as info:
         router.acquire()
     assert info.value.detail == "selected instance is no longer registered"
+    assert info.value.headers == {"Retry-After": "1"}
     assert router.row.own_words(8) == (0,) * 8
 
 

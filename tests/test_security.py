@@ -3,13 +3,16 @@ never logged; the simulated instance registers with it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import socket
 import stat
 
 import pytest
 
 from cacheroute_proxy.config import Settings
+from sidecar.host_check import DASHBOARD, HostCheck
 from tests.harness import http
 from tests.test_sidecar import raw_post
 
@@ -124,6 +127,33 @@ def test_without_a_token_the_control_plane_answers_only_its_own_names(make_clust
     assert all(r["instance_id"] != "rebound" for r in cluster.loads()["instances"])
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
         assert http("GET", f"{cluster.cp_url}/healthz", headers={"Host": host})[0] == 200, host
+    # The refusal says, in words, which names are taken and what to set to change that.
+    detail = http("GET", f"{cluster.cp_url}/healthz", headers={"Host": "evil.example"})[1]["detail"]
+    assert detail.startswith("Host 'evil.example' is not a name of this control plane;"), detail
+    for name in ("127.0.0.1", "localhost", "[::1]", socket.gethostname(), str(port),
+                 "PROXY_CP_HOST", "PROXY_CP_PORT", "PROXY_CP_TOKEN_FILE"):
+        assert name in detail, (name, detail)
+    assert "frozenset" not in detail and "\\" not in detail, detail
+
+
+def test_the_dashboard_listener_names_its_own_hosts_and_settings():
+    """PROXY_UI_LISTEN's check: the same refusal, naming PROXY_UI_URL's host and the UI settings."""
+    async def app(scope, receive, send):
+        raise AssertionError("a refused request reached the app")
+
+    checked = HostCheck(app, "127.0.0.1", 8202, extra=("dash.localtest:8202",), listener=DASHBOARD)
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/dashboard", "headers": [(b"host", b"evil.example")]}
+    asyncio.run(checked(scope, None, send))
+    assert sent[0]["status"] == 421
+    detail = json.loads(sent[1]["body"])["detail"]
+    assert detail.startswith("Host 'evil.example' is not a name of the dashboard's listener;"), detail
+    for name in ("dash.localtest:8202", "127.0.0.1", ":8202", "PROXY_UI_LISTEN", "PROXY_UI_URL", "PROXY_CP_TOKEN_FILE"):
+        assert name in detail, (name, detail)
 
 
 def test_with_a_token_any_host_may_reach_the_control_plane(make_cluster, tmp_path):

@@ -1,17 +1,19 @@
-"""What concerns the host rather than one process: checked and said once per start of the
-proxy, by the sidecar (the one role a host runs once, first, under `cacheroute-proxy run` and
-under systemd alike), never by each worker at each of its starts and restarts."""
+"""The machine's kernel settings the proxy depends on (not to be confused with
+sidecar/host_check.py, the control plane's check of the Host header): checked and said once
+per start of the proxy, by the sidecar (the one role a machine runs once, first, under
+`cacheroute-proxy run` and under systemd alike), never by each worker at each of its starts
+and restarts."""
 
 from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("cacheroute.host")
+log = logging.getLogger("cacheroute.host")  # the name log filters already know
 
 MIGRATE_REQ_PATH = "/proc/sys/net/ipv4/tcp_migrate_req"
 
 
-def warn_about_host(migrate_req_path: str = MIGRATE_REQ_PATH) -> None:
+def warn_about_sysctls(migrate_req_path: str = MIGRATE_REQ_PATH) -> None:
     warn_if_queued_connections_may_reset(migrate_req_path)
 
 

@@ -1,0 +1,39 @@
+"""The data plane's own refusals that a client should make again later: every 429 and 503 the
+proxy answers itself carries `Retry-After` (docs/protocol.md §2.8), in whole seconds.
+
+An instance's own 429 or 503, relayed, keeps the instance's headers: only the instance knows
+when it will take requests again.
+"""
+
+from __future__ import annotations
+
+from cacheroute_proxy.http import HTTPError
+
+# Seconds a client should wait, by the refusal's `error` code.
+RETRY_AFTER_S = {
+    "no_instance": 1,      # an instance that comes back is a candidate at its next heartbeat
+    "queue_full": 1,       # a place in the queue frees as soon as one request is admitted
+    "queue_timeout": 2,    # the queue did not move for PROXY_QUEUE_TIMEOUT_S: wait longer
+    "worker_draining": 1,  # another worker of the port takes the retry at once
+}
+
+
+# The detail of a 503 `no_instance` when the directory has no alive instance at all.
+NO_ALIVE_INSTANCE = "proxy has no alive instance"
+
+
+def retry_after(code: str) -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S[code])}
+
+
+def no_instance(detail: str) -> HTTPError:
+    """503 `no_instance`: nothing alive to send the request to, or nothing left after retries."""
+    return HTTPError(503, "no_instance", detail, retry_after("no_instance"))
+
+
+def queue_full(detail: str) -> HTTPError:
+    return HTTPError(429, "queue_full", detail, retry_after("queue_full"))
+
+
+def queue_timeout(detail: str) -> HTTPError:
+    return HTTPError(503, "queue_timeout", detail, retry_after("queue_timeout"))
