@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from typing import Annotated, Any
 
 import msgspec
@@ -217,6 +218,20 @@ class CapacityHint(_Lenient):
     admission_state: str | None = None  # "accepting" | "degraded" | "rejecting"
 
 
+REJECTING_BELOW_FREE_RATIO = 0.05   # the original agent's capacity hints
+DEGRADED_ABOVE_CPU_PCT = 95.0
+
+
+def admission_state(free_ratio: float | None, cpu_pct: float) -> str:
+    """The capacity hint an agent sends for a machine with this share of its memory free and
+    this CPU utilization (the original agent's rule; ours and the simulated instance's)."""
+    if free_ratio is not None and free_ratio < REJECTING_BELOW_FREE_RATIO:
+        return "rejecting"
+    if cpu_pct > DEGRADED_ABOVE_CPU_PCT:
+        return "degraded"
+    return "accepting"
+
+
 class ResourceSnapshotV1(msgspec.Struct):
     """`resource_snapshot_v1`, the shape the original's agent sent and ours sends (every
     top-level key on the wire, `schema_version` included)."""
@@ -235,6 +250,13 @@ def resource_snapshot_request(instance_id: str, snapshot: ResourceSnapshotV1,
     """The body an agent sends for `snapshot` (the request keeps the snapshot as a plain object)."""
     return ResourceSnapshotRequest(instance_id=instance_id, snapshot=msgspec.to_builtins(snapshot),
                                    metadata=metadata or ReportMetadata())
+
+
+def stamped_metadata(instance_id: str, snapshot: ResourceSnapshotV1) -> ReportMetadata:
+    """The metadata an agent sends with `snapshot` now: who reports, when (both clocks)."""
+    return ReportMetadata(reported_instance_id=instance_id, report_monotonic_ms=int(time.monotonic() * 1000),
+                          report_wall_time_ms=int(time.time() * 1000),
+                          agent_snapshot_timestamp_ms=snapshot.timestamp_ms)
 
 
 # --- topology (docs/protocol.md §3.8) ---------------------------------------------------------------

@@ -5,9 +5,12 @@ It starts the production launcher (`cacheroute-proxy run`: sidecar and N workers
 waits for its control plane, then starts PROXY_SIM_INSTANCES simulated instances (instance i
 on port base + 10*i, its control plane on the next port) and one simulated KDN for
 Scheduler-style requests with knowledge. The instances register with the proxy themselves, as
-real ones do. A simulated process that crashes is started again; if the proxy stops, the demo
-stops. Ctrl-C / SIGTERM: the instances leave first (they unregister), then the KDN, then the
-proxy (it drains). SIGHUP is passed on to the proxy: a rolling restart of its workers.
+real ones do, and send it a resource snapshot every SIM_RESOURCE_INTERVAL_S (readings of their
+simulated load, as an agent beside a real engine reports the machine's). Every simulated process
+logs as the proxy's do (PROXY_LOG_LEVEL, PROXY_LOG_FORMAT). A simulated process that crashes is
+started again; if the proxy stops, the demo stops. Ctrl-C / SIGTERM: each simulated process gets one SIGTERM (the instances unregister
+while the proxy still answers; a second one would cut what they have in flight), then the proxy
+(it drains). SIGHUP is passed on to the proxy: a rolling restart of its workers.
 
 The production launcher knows nothing of this: a deployment without `cacheroute_sim` runs
 `cacheroute-proxy run` (or the systemd units) and its instances register on their own.
@@ -21,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 
 from cacheroute_proxy import logs
 from cacheroute_proxy.cli import run_flags
@@ -33,6 +37,11 @@ log = logging.getLogger("cacheroute.demo")
 SIM_INSTANCES_ENV = "PROXY_SIM_INSTANCES"
 SIM_PORT_BASE_ENV = "PROXY_SIM_INSTANCE_PORT_BASE"
 SIM_KDN_PORT_ENV = "PROXY_SIM_KDN_PORT"
+SIM_HOST = "127.0.0.1"
+# How often each simulated instance sends a resource snapshot (docs/protocol.md §3.7), as an
+# agent beside a real engine does: the dashboard's resource charts and the pool's admission
+# state come from them.
+SIM_RESOURCE_INTERVAL_S = 5.0
 CONTROL_PLANE_WAIT_S = 30.0
 RESTART_DELAY_S = 1.0
 STOP_TIMEOUT_S = 10.0
@@ -74,21 +83,38 @@ def proxy_argv(args: argparse.Namespace) -> list[str]:
     return ["-m", "cacheroute_proxy", "run", *run_flags.run_argv(args)]
 
 
-def simulated_children(args: argparse.Namespace, cp_url: str) -> list[Child]:
+def sim_instance_ids(args: argparse.Namespace) -> list[str]:
+    """The simulated instances' ids, the original's `hp_<host>:<port>`; instance i on base + 10*i."""
+    return [f"hp_{SIM_HOST}:{args.sim_port_base + 10 * i}" for i in range(args.sim_instances)]
+
+
+def simulated_children(args: argparse.Namespace, settings: Settings) -> list[Child]:
+    logging_flags = ["--log-level", settings.log_level.lower(), "--log-format", settings.log_format]
     children = [Child(f"sim-instance{i}", [
-        "-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(args.sim_port_base + 10 * i),
-        "--proxy-cp-url", cp_url], {}) for i in range(args.sim_instances)]
+        "-m", "cacheroute_sim.instance", "--host", SIM_HOST, "--port", str(args.sim_port_base + 10 * i),
+        "--instance-id", instance_id, "--proxy-cp-url", settings.cp_url,
+        "--resource-interval", str(SIM_RESOURCE_INTERVAL_S), *logging_flags], {})
+        for i, instance_id in enumerate(sim_instance_ids(args))]
     if args.sim_instances:  # the knowledge server, for Scheduler-style requests with knowledge
-        children.append(Child("sim-kdn", ["-m", "cacheroute_sim.kdn", "--host", "127.0.0.1",
-                                          "--port", str(args.kdn_port)], {}))
+        children.append(Child("sim-kdn", ["-m", "cacheroute_sim.kdn", "--host", SIM_HOST,
+                                          "--port", str(args.kdn_port), *logging_flags], {}))
     return children
+
+
+def alive_among(rows: object, ids: Collection[str]) -> int:
+    """How many of `ids` are alive in a `/debug/instance_loads` answer's rows (other instances,
+    e.g. PROXY_STATIC_INSTANCES', are not the demo's)."""
+    if not isinstance(rows, list):
+        return 0
+    return sum(1 for row in rows if isinstance(row, dict) and row.get("is_alive") and row.get("instance_id") in ids)
 
 
 class Demo:
     def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
         self.settings = settings
         self.proxy = Child("proxy", proxy_argv(args), {})
-        self.sims = simulated_children(args, settings.cp_url)
+        self.sims = simulated_children(args, settings)
+        self.sim_ids = frozenset(sim_instance_ids(args))
         self._stopping = False
 
     def run(self) -> int:
@@ -148,14 +174,13 @@ class Demo:
         """Once every simulated instance is in the proxy's directory and every worker answers
         (the instances may register before the workers listen): the line to try."""
         s = self.settings
-        wanted = sum(1 for c in self.sims if c.name.startswith("sim-instance"))
         deadline = time.monotonic() + CONTROL_PLANE_WAIT_S
         while time.monotonic() < deadline and not self._stopping and \
-                (self._alive_instances() < wanted or not self._workers_answer()):
+                (self._alive_sims() < len(self.sim_ids) or not self._workers_answer()):
             time.sleep(0.2)
         log.info("demo: %d simulated instances registered with %s; try\n  curl -s http://%s:%d/v1/chat/completions "
                  "-H 'content-type: application/json' -d '{\"model\": \"sim-model\", \"messages\": "
-                 "[{\"role\": \"user\", \"content\": \"hello\"}]}'", self._alive_instances(), s.cp_url,
+                 "[{\"role\": \"user\", \"content\": \"hello\"}]}'", self._alive_sims(), s.cp_url,
                  s.dp_host, s.dp_port)
 
     def _workers_answer(self) -> bool:
@@ -163,16 +188,15 @@ class Demo:
         return all(get_json(f"http://{s.worker_private_host}:{s.worker_private_port(i)}/healthz") is not None
                    for i in range(s.workers))
 
-    def _alive_instances(self) -> int:
+    def _alive_sims(self) -> int:
         loads = get_json(f"{self.settings.cp_url}/debug/instance_loads")
-        rows = loads.get("instances", []) if isinstance(loads, dict) else []
-        return sum(1 for row in rows if row.get("is_alive"))
+        return alive_among(loads.get("instances") if isinstance(loads, dict) else None, self.sim_ids)
 
     def _stop(self) -> None:
         for child in self.sims:  # instances first: they unregister while the proxy still answers
             child.signal(signal.SIGTERM)
-        for child in self.sims:
-            child.stop(STOP_TIMEOUT_S)
+        for child in self.sims:  # one SIGTERM each: a second one would cut what is in flight
+            child.wait_or_kill(STOP_TIMEOUT_S)
         self.proxy.stop(self.settings.drain_timeout_s + PROXY_STOP_MARGIN_S)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Awaitable, Callable
 
 import aiohttp
@@ -30,9 +29,9 @@ from cacheroute_proxy.engine_probe import EngineInfo, probe_health, read_engine
 from cacheroute_proxy.instance_wire import (
     HeartbeatRequest,
     RegisterRequest,
-    ReportMetadata,
     TopologyReportRequest,
     resource_snapshot_request,
+    stamped_metadata,
 )
 
 from .config import AgentConfig
@@ -193,9 +192,7 @@ class Agent:
             return
         snapshot = self._sampler.snapshot(self.instance_id)
         await self._proxy.report("/v1/instance/resource_snapshot", resource_snapshot_request(
-            self.instance_id, snapshot, ReportMetadata(
-                reported_instance_id=self.instance_id, report_monotonic_ms=int(time.monotonic() * 1000),
-                report_wall_time_ms=int(time.time() * 1000), agent_snapshot_timestamp_ms=snapshot.timestamp_ms)))
+            self.instance_id, snapshot, stamped_metadata(self.instance_id, snapshot)))
 
     async def _report_topology(self) -> None:
         if not self.registered:

@@ -24,14 +24,12 @@ from cacheroute_proxy.instance_wire import (
     MemoryReading,
     NetworkReading,
     ResourceSnapshotV1,
+    admission_state,
 )
 
 log = logging.getLogger("cacheroute.agent.resources")
 
 AGENT_VERSION = "cacheroute-instance-agent/1"
-
-REJECTING_BELOW_FREE_RATIO = 0.05   # the original agent's capacity hints
-DEGRADED_ABOVE_CPU_PCT = 95.0
 
 
 class Sampler:
@@ -76,14 +74,6 @@ class Sampler:
             rows.append((io.bytes_recv + io.bytes_sent,
                          NetworkReading(iface=iface, rx_mbps=rx, tx_mbps=tx, speed_mbps=speed)))
         return [row for _, row in sorted(rows, key=lambda pair: -pair[0])]
-
-
-def admission_state(free_ratio: float | None, cpu_pct: float) -> str:
-    if free_ratio is not None and free_ratio < REJECTING_BELOW_FREE_RATIO:
-        return "rejecting"
-    if cpu_pct > DEGRADED_ABOVE_CPU_PCT:
-        return "degraded"
-    return "accepting"
 
 
 def _mb(value: float) -> float:

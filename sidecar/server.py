@@ -192,7 +192,7 @@ def run(settings: Settings) -> int:
             control.close()
             return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
         log.info("dashboard on %s (PROXY_UI_LISTEN %s)", settings.dashboard_url, settings.ui_listen)
-    sysctl_checks.warn_about_sysctls()
+    sysctl_checks.note_about_sysctls()
     try:
         seg = open_segment(settings)
     except SegmentError as exc:

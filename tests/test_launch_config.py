@@ -1,11 +1,12 @@
 """How the proxy is launched: `make run-workers` passes N/STRATEGY/SIM only when they are given on
 make's command line (the environment decides otherwise); `cacheroute-proxy run` and the demo take
 the original's flags, and refuse a bad value naming the flag; a taken address stops the launch at
-once, naming it; a warning about the host is said once, not by every worker at every start."""
+once, naming it; a note about the host is said once, not by every worker at every start."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -236,21 +237,39 @@ def test_a_worker_whose_service_port_is_taken_exits_4_naming_it_before_saying_it
     assert not os.path.exists(f"/dev/shm{ports.shm_name}")
 
 
-# --- host warnings, once ----------------------------------------------------------------------
-MIGRATE_WARNING = "net.ipv4.tcp_migrate_req is 0"
+# --- host notes, once ----------------------------------------------------------------------------
+MIGRATE_NOTE = "net.ipv4.tcp_migrate_req is 0"
+
+
+def test_the_tcp_migrate_req_note_is_a_debug_line_not_a_warning(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Said at every start of a host that has not installed the sysctl file (a laptop running the
+    demo): once, at debug level, not a warning an operator must read each time."""
+    from cacheroute_proxy import sysctl_checks
+    setting = tmp_path / "tcp_migrate_req"
+    setting.write_text("0\n")
+    with caplog.at_level(logging.DEBUG, logger="cacheroute.host"):
+        sysctl_checks.note_about_sysctls(str(setting))
+    assert [(r.levelno, r.getMessage()[:len(MIGRATE_NOTE)]) for r in caplog.records] == [(logging.DEBUG, MIGRATE_NOTE)]
+    caplog.clear()
+    setting.write_text("1\n")
+    sysctl_checks.note_about_sysctls(str(setting))
+    assert not caplog.records
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("ip") is None,
                     reason="needs unshare and ip (a private network namespace)")
-def test_a_host_warning_is_said_once_not_by_each_worker_nor_at_a_restart(tmp_path: Path) -> None:
+def test_a_host_note_is_said_once_not_by_each_worker_nor_at_a_restart(tmp_path: Path) -> None:
     """In a private network namespace whose tcp_migrate_req is 0 (the host's is left alone), so
-    the warning is due whatever the host says: 3 workers, one of them killed and restarted."""
+    the note is due whatever the host says: 3 workers, one of them killed and restarted; at
+    debug level, where it is said."""
     if os.geteuid() != 0:
         pytest.skip("unshare --net needs root here")
     ports = SupervisorPorts(workers=3, shm_prefix="cacheroute_test")
     script = ("ip link set lo up && sysctl -qw net.ipv4.tcp_migrate_req=0 && exec "
               + shlex.join([sys.executable, "-m", "cacheroute_proxy", "run"]))
-    launcher = Process(["--net", "--", "sh", "-c", script], ports.supervisor_env("round_robin"),
+    launcher = Process(["--net", "--", "sh", "-c", script],
+                       {**ports.supervisor_env("round_robin"), "PROXY_LOG_LEVEL": "debug"},
                        tmp_path / "launcher.log", program="unshare")
     try:
         wait_until(lambda: "ready: 3 workers" in launcher.log(), 40, message=f"ready\n{launcher.tail()}")
@@ -263,9 +282,9 @@ def test_a_host_warning_is_said_once_not_by_each_worker_nor_at_a_restart(tmp_pat
     finally:
         code = launcher.stop(signal.SIGINT, timeout=60)
     assert code == 0, launcher.tail()
-    assert log.count(MIGRATE_WARNING) == 1, log
-    warning = next(line for line in log.splitlines() if MIGRATE_WARNING in line)
-    assert " sidecar[" in warning and "WARNING cacheroute.host:" in warning, warning
+    assert log.count(MIGRATE_NOTE) == 1, log
+    note = next(line for line in log.splitlines() if MIGRATE_NOTE in line)
+    assert " sidecar[" in note and "DEBUG cacheroute.host:" in note, note
     assert not os.path.exists(f"/dev/shm{ports.shm_name}")
 
 

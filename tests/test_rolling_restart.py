@@ -191,8 +191,7 @@ def test_sigterm_drains_streams_and_closes_keepalive_after_a_last_answer(make_cl
     assert "released inflight still held at exit" not in log()
     wait_until(lambda: cluster.worker_pids()[0] != pid, 30, message="worker replaced")
     assert cluster.inflight() == {i.instance_id: 0 for i in cluster.instances}
-    if Path("/proc/sys/net/ipv4/tcp_migrate_req").read_text().strip() == "0":  # the host's, untouched
-        assert "net.ipv4.tcp_migrate_req is 0: a worker that restarts resets" in log()
+    assert "WARNING cacheroute.host" not in log()  # the host's tcp_migrate_req is a debug note
 
 
 def test_drain_deadline_cuts_what_is_left_cleanly(make_cluster) -> None:  # type: ignore[no-untyped-def]

@@ -28,6 +28,15 @@ from cacheroute_sim.instance.request_model import (
     parse_generation_request,
     parse_lenient_bool,
 )
+from cacheroute_sim.instance.resources import (
+    CPU_BUSY_PCT,
+    CPU_IDLE_PCT,
+    GPU_WEIGHTS_MB,
+    HOST_MEMORY_PER_REQUEST_MB,
+    KV_MB_PER_TOKEN,
+    SimulatedResources,
+    gpu_utilization_pct,
+)
 from tests.sim_harness import (
     MAX_CONCURRENCY,
     TIME_SCALE,
@@ -116,6 +125,31 @@ def test_knob_updates_are_validated() -> None:
                 {"hang": "yes"}, {"no_such_knob": 1}, {"drop_after_chunks": -1}):
         with pytest.raises(ConfigError):
             Knobs().updated(bad)
+
+
+# ---------------------------------------------------------- the simulated machine (pure)
+def test_the_simulated_machine_reads_its_engine_s_load() -> None:
+    """GPU and CPU busy as the slots are, over the window since the last snapshot; memory
+    with the requests in flight; the GPU's memory with the KV held."""
+    engine = Engine(time_scale=0.0, max_concurrency=4, knobs=KnobStore(Knobs()), kv_mem_gb=1.0)
+    machine = SimulatedResources(engine, max_concurrency=4)
+    idle = machine.snapshot("i").devices
+    assert (idle.gpu[0].utilization_pct_avg, idle.cpu.utilization_pct) == (0.0, CPU_IDLE_PCT)
+    engine.stats.active, engine.stats.inflight = 4, 6
+    machine.sample()
+    engine.stats.active = 2
+    machine.sample()
+    engine.residency.admit("k1", 10_000, engine.knobs.current)
+    busy = machine.snapshot("i")
+    gpu = busy.devices.gpu[0]
+    assert (gpu.utilization_pct_max, gpu.utilization_pct_current, gpu.utilization_sample_count) == \
+        (100.0, gpu_utilization_pct(0.5), 2)
+    assert gpu.utilization_pct_avg == round((100.0 + gpu_utilization_pct(0.5)) / 2, 1)
+    assert busy.devices.cpu.utilization_pct == round(CPU_IDLE_PCT + CPU_BUSY_PCT * 0.75, 1)
+    assert busy.devices.memory.used_mb == idle.memory.used_mb + 6 * HOST_MEMORY_PER_REQUEST_MB
+    assert gpu.memory_used_mb == round(idle.gpu[0].memory_used_mb + 10_000 * KV_MB_PER_TOKEN, 1)
+    assert gpu.memory_total_mb == idle.gpu[0].memory_total_mb == round(GPU_WEIGHTS_MB + 1024.0, 1)
+    assert busy.capacity_hint is not None and busy.capacity_hint.admission_state == "accepting"
 
 
 # --------------------------------------------------------------------- data plane (wire)

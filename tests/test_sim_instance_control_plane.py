@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
+
+from cacheroute_proxy.instance_wire import ResourceSnapshotRequest, ResourceSnapshotV1
+from sidecar.resource_snapshot import normalise
 
 from cacheroute_sim.processes import free_port
 from cacheroute_sim.instance import timing
@@ -152,6 +156,36 @@ def test_registration_lifecycle(tmp_path: Path) -> None:
     assert calls[3]["t"] - calls[2]["t"] < 0.2
     # {"ok": false} without requires_capabilities: re-register at once, not one interval later.
     assert calls[5]["t"] - calls[4]["t"] < 0.2 and calls[5]["body"] == calls[0]["body"]
+
+
+@pytest.mark.timeout(30)
+def test_resource_snapshots_after_register_and_on_their_interval_follow_the_load(tmp_path: Path) -> None:
+    """--resource-interval: one snapshot right after the register, then one an interval, in the
+    product's wire format, read by the sidecar as an agent's; a busy engine reads busier."""
+    cp_port, interval = free_port(), 0.3
+    with FakeControlPlane(cp_port) as cp:
+        with running_sim(tmp_path / "res.log", "--proxy-cp-url", cp.url, "--instance-id", "sim-res",
+                         "--resource-interval", str(interval), "--max-concurrency", "2",
+                         "--time-scale", str(TIME_SCALE)) as sim:
+            first = cp.wait_for_calls(2)
+            assert [c["path"] for c in first[:2]] == ["/v1/instance/register", "/v1/instance/resource_snapshot"]
+            http("POST", sim.url + "/sim/config", {"hold_streams": True})
+            held = threading.Thread(target=http, args=("POST", sim.url + "/v1/completions",
+                                                       {"prompt": "x", "stream": True}), daemon=True)
+            held.start()
+            poll_until(lambda: http("GET", sim.url + "/sim/stats")[2]["held"] == 1)
+            snapshots = lambda: [c for c in cp.calls if c["path"] == "/v1/instance/resource_snapshot"]  # noqa: E731
+            count = len(snapshots())
+            poll_until(lambda: len(snapshots()) >= count + 2, timeout=5)  # a whole window busy
+            calls = snapshots()
+            http("POST", sim.url + "/sim/release", {})
+    idle, busy = (msgspec.convert(c["body"], ResourceSnapshotRequest) for c in (calls[0], calls[-1]))
+    assert idle.instance_id == busy.instance_id == "sim-res" and idle.metadata.reported_instance_id == "sim-res"
+    read = [normalise(r.snapshot, r.metadata, time.time()) for r in (idle, busy)]
+    assert msgspec.convert(busy.snapshot, ResourceSnapshotV1).devices.gpu[0].utilization_source == "simulated"
+    assert read[0].gpu_util_avg == 0.0 and read[1].gpu_util_avg == read[1].gpu_util_max == 67.5, read
+    assert read[0].cpu_util < read[1].cpu_util and read[0].memory_used_mb < read[1].memory_used_mb, read
+    assert all(r.admission_state == "accepting" and r.gpu_mem_total_mb and r.memory_total_mb for r in read), read
 
 
 @pytest.mark.slow

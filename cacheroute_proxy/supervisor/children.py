@@ -69,6 +69,11 @@ class Child:
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
         self.signal(signal.SIGTERM)
+        self.wait_or_kill(timeout_s)
+
+    def wait_or_kill(self, timeout_s: float) -> None:
+        """For a child already asked to stop (a second SIGTERM would tell it to stop waiting
+        for what it has in flight): SIGKILL if it has not exited within `timeout_s`."""
         if not self.wait(timeout_s):
             log.warning("%s (pid %s) did not stop within %.0fs: SIGKILL", self.name, self.pid, timeout_s)
             self.signal(signal.SIGKILL)

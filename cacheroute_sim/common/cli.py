@@ -1,14 +1,19 @@
-"""The command line both simulators share: address flags, the "simulation" group, knob flags
-folded into one validated Knobs, usage errors for bad values, and the log format."""
+"""The command line the simulators share: address flags, the "simulation" group, knob flags
+folded into one validated Knobs, usage errors for bad values, and the logging setup (the
+product's, cacheroute_proxy/logs.py: the same line, or the same JSON object, as the proxy's
+processes, from the same PROXY_LOG_LEVEL and PROXY_LOG_FORMAT)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from cacheroute_proxy import logs
+from cacheroute_proxy.config import ENV_NAMES, LOG_FORMATS
 from cacheroute_sim.common.knobs import KnobsBase, knobs_from_mapping
+from cacheroute_sim.common.serving import say_uvicorn_lines_once
 from cacheroute_sim.common.validation import ConfigError
 
 T = TypeVar("T")
@@ -37,7 +42,16 @@ def add_simulation_group(parser: argparse.ArgumentParser,
     if extra is not None:
         extra(sim)
     sim.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, default=2.0)
-    sim.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    sim.add_argument("--log-level", default=_from_env("log_level", "info").lower(), choices=LOG_LEVELS,
+                     help=f"default info, or {ENV_NAMES['log_level']}")
+    sim.add_argument("--log-format", default=_from_env("log_format", "text"), choices=LOG_FORMATS,
+                     help=f"text (default, or {ENV_NAMES['log_format']}) or json: one JSON object a line")
+
+
+def _from_env(setting: str, default: str) -> str:
+    """The proxy's variable for `setting`, as the proxy's own processes read it (parse_config
+    checks it against the flag's choices)."""
+    return os.environ.get(ENV_NAMES[setting]) or default
 
 
 def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
@@ -51,6 +65,9 @@ def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     the message and exit status 2.
     """
     args = vars(parser.parse_args(argv))
+    for setting, choices in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        if args[setting] not in choices:  # argparse checks a flag's value, not its default's
+            parser.error(f"{ENV_NAMES[setting]}: {args[setting]!r} is not one of {', '.join(choices)}")
     usage_errors: tuple[type[Exception], ...] = (ConfigError, *errors)
     try:
         knobs = knobs_from_mapping(knobs_type,
@@ -61,7 +78,7 @@ def parse_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         raise  # unreachable: parser.error exits
 
 
-def configure_logging(level: str, tag: str) -> None:
-    """One format for both: ``[tag]`` (e.g. ``sim <id>``) tells which process of a demo spoke."""
-    logging.basicConfig(level=level.upper(),
-                        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+def configure_logging(level: str, fmt: str, role: str) -> None:
+    """The product's logging setup; `role` (e.g. ``sim <id>``) tells which process of a demo spoke."""
+    logs.configure(role, level, fmt)
+    say_uvicorn_lines_once()

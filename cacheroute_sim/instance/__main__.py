@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Bearer token for control-plane calls (env PROXY_CP_TOKEN)")
     reg.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
                      default=None, help="seconds; overrides the register reply's interval")
+    reg.add_argument("--resource-interval", dest="resource_interval_s", type=float, default=0.0,
+                     help="seconds between resource snapshots of the simulated machine, as an agent "
+                          "sends them (docs/protocol.md §3.7); 0 (default): none")
     cp = p.add_argument_group("instance control plane (KV inject, docs/protocol.md §5.3)")
     cp.add_argument("--cp-port", type=int, default=None,
                     help="default: --port + 1 (skipped with a warning if that port is taken); "
@@ -102,7 +105,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(argv)
-    cli.configure_logging(config.log_level, f"sim {config.resolved_instance_id}")
+    cli.configure_logging(config.log_level, config.log_format, f"sim {config.resolved_instance_id}")
     run(config)
     return 0
 

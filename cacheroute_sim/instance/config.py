@@ -94,6 +94,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     register_token: str | None = None
     # None: use the register reply's heartbeat_interval_s (tests override to go fast).
     heartbeat_interval_s: float | None = None
+    # Seconds between resource snapshots (docs/protocol.md §3.7, resources.py); 0: none (tests
+    # that post their own snapshots for an instance must not have it overwrite them).
+    resource_interval_s: float = 0.0
     # Multiplies every simulated duration; 0.05 lets tests run 20x faster than a real GPU.
     time_scale: float = 1.0
     max_concurrency: int = 8
@@ -105,6 +108,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # How long in-flight (held, hung) requests may delay shutdown before they are cancelled.
     shutdown_grace_s: float = 2.0
     log_level: str = "info"
+    log_format: str = "text"  # or "json", as the proxy's processes (cacheroute_proxy/logs.py)
     knobs: Knobs = msgspec.field(default_factory=Knobs)
     # Instance control plane (POST /v1/kv/inject_ready, docs/protocol.md §5.3), a second listener.
     # None: data port + 1 (9001 -> 9002 like the original); 0: no control plane.
@@ -141,6 +145,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         require(self.max_model_len >= 1, "max_model_len must be >= 1")
         require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
                 "heartbeat_interval must be > 0")
+        require(self.resource_interval_s >= 0, "resource_interval must be >= 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
         require(self.proxy_cp_url.startswith(("http://", "https://")),
                 "proxy_cp_url must be an http(s) URL")

@@ -4,6 +4,11 @@ Fixes over the original Instance (docs/protocol.md §7.3): a heartbeat answered 
 (Proxy restarted, instance purged) re-registers at once instead of being ignored; an
 unreachable control plane is retried with a capped backoff forever, in the background, and
 logged once per state change rather than per attempt.
+
+With ``--resource-interval``: a resource snapshot (§3.7, resources.py) right after each
+register and then on that interval, in the product's wire types, as the instance agent sends
+them; a failed one is logged once until one goes through again (a forgotten instance is the
+heartbeats' to notice: they register again).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from cacheroute_proxy.instance_wire import ResourceSnapshotV1, resource_snapshot_request, stamped_metadata
 from cacheroute_sim.instance.config import SimConfig
 
 log = logging.getLogger(__name__)
@@ -102,16 +108,20 @@ class Backoff:
 
 
 class Registrar:
-    """Runs register + heartbeat in a background task; ``close()`` unregisters."""
+    """Runs register + heartbeat in a background task (and, given ``resources``, resource
+    snapshots in another); ``close()`` unregisters."""
 
     def __init__(self, config: SimConfig, cp_port: int | None = None,
-                 resident_keys: Callable[[], list[str]] | None = None) -> None:
+                 resident_keys: Callable[[], list[str]] | None = None,
+                 resources: Callable[[str], ResourceSnapshotV1] | None = None) -> None:
         self.config = config
         self.cp_port = cp_port
         self._resident_keys = resident_keys  # with --report-resident: what heartbeats carry
+        self._resources = resources  # with --resource-interval: the snapshot of the moment
+        self._snapshots_failing = False
         self.instance_id = config.resolved_instance_id
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._registered = False
         self._register_sent = False
         self._fingerprint: str | None = None
@@ -124,13 +134,15 @@ class Registrar:
             headers["authorization"] = f"Bearer {self.config.register_token}"
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S))
-        self._task = asyncio.create_task(self._loop(), name="sim-registration")
+        self._tasks = [asyncio.create_task(self._loop(), name="sim-registration")]
+        if self._resources is not None:
+            self._tasks.append(asyncio.create_task(self._snapshots(), name="sim-resource-snapshots"))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         if self._session is None:
             return
         # Also after a register whose reply we never saw: it may have been applied.
@@ -171,6 +183,7 @@ class Registrar:
         self._registered = True
         self._set_state("registered", f"registered as {self.instance_id} at "
                         f"{self.config.cp_base_url}, heartbeat every {self._interval_s:g} s")
+        await self._send_snapshot()  # the proxy knows the machine from the start, not an interval later
 
     def _pick_interval(self, offered: Any) -> float:
         if self.config.heartbeat_interval_s is not None:
@@ -201,6 +214,30 @@ class Registrar:
             raise ControlPlaneError(f"heartbeat answered HTTP {status}: {reply!r}")
         return reply
 
+    async def _snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resource_interval_s)
+            await self._send_snapshot()
+
+    async def _send_snapshot(self) -> None:
+        if self._resources is None or not self._registered:
+            return
+        snapshot = self._resources(self.instance_id)
+        body = resource_snapshot_request(self.instance_id, snapshot, stamped_metadata(self.instance_id, snapshot))
+        try:
+            status, reply = await self._post("/v1/instance/resource_snapshot", body)
+            problem = None if status == 200 and isinstance(reply, dict) and reply.get("ok") is True \
+                else f"HTTP {status}: {reply!r}"
+        except _CONNECTION_ERRORS as exc:
+            problem = _describe(exc)
+        if (problem is not None) != self._snapshots_failing:  # once per change, as the states
+            self._snapshots_failing = problem is not None
+            if problem is None:
+                log.info("resource snapshots accepted again")
+            else:
+                log.warning("resource snapshot not accepted (%s); trying again in %g s",
+                            problem, self.config.resource_interval_s)
+
     async def _unregister(self) -> None:
         try:
             await self._post("/v1/instance/unregister", {"instance_id": self.instance_id},
@@ -209,8 +246,7 @@ class Registrar:
         except (*_CONNECTION_ERRORS, ControlPlaneError) as exc:
             log.warning("unregister failed (best effort): %s", _describe(exc))
 
-    async def _post(self, path: str, body: dict[str, Any],
-                    timeout: float | None = None) -> tuple[int, Any]:
+    async def _post(self, path: str, body: object, timeout: float | None = None) -> tuple[int, Any]:
         assert self._session is not None
         kwargs: dict[str, Any] = {}
         if timeout is not None:

@@ -1,5 +1,6 @@
 """Runs the data plane and the control plane (two uvicorn servers, uvloop + httptools, one
-event loop, shared state) next to the registration loop.
+event loop, shared state) next to the registration loop and, with --resource-interval, the
+sampler of the simulated machine's readings (resources.py).
 
 Shutdown order on SIGTERM/SIGINT: stop heartbeats and unregister first (so the Proxy stops
 routing here), then let uvicorn drain in-flight requests for ``shutdown_grace_s`` and cancel
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 import uvloop
 
+from cacheroute_proxy.instance_wire import ResourceSnapshotV1
 from cacheroute_sim.common.uvicorn_seam import SignalFreeServer, has_started, request_exit
 from cacheroute_sim.common.serving import uvicorn_config
 from cacheroute_sim.instance.app import SimState, create_app
@@ -25,6 +27,7 @@ from cacheroute_sim.instance.control_plane import create_cp_app
 from cacheroute_sim.instance.generation import SimulatedDrop
 from cacheroute_sim.instance.kdn_client import KdnClient
 from cacheroute_sim.instance.registration import Registrar
+from cacheroute_sim.instance.resources import SimulatedResources
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +68,22 @@ async def serve(config: SimConfig) -> None:
     stop = _install_signal_handlers(servers)
     tasks = [asyncio.create_task(srv.serve(sockets=socks), name=f"sim-uvicorn-{i}")
              for i, (srv, socks) in enumerate(zip(servers, sockets, strict=True))]
+    resources = SimulatedResources(state.engine, config.max_concurrency) \
+        if config.register and config.resource_interval_s > 0 else None
+    sampler = asyncio.create_task(resources.run(), name="sim-resource-sampler") \
+        if resources is not None else None
     registrar = await _start_registration(
         config, servers, tasks, cp_sock.getsockname()[1] if cp_sock is not None else None,
-        state.engine.residency.resident_ids if config.report_resident else None)
+        state.engine.residency.resident_ids if config.report_resident else None,
+        resources.snapshot if resources is not None else None)
     try:
         await asyncio.wait({*tasks, asyncio.create_task(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
     finally:
         if registrar is not None:
             await registrar.close()
+        if sampler is not None:
+            sampler.cancel()
         for srv in servers:
             request_exit(srv)
         await asyncio.gather(*tasks)
@@ -111,7 +121,8 @@ def _bind_control_plane(config: SimConfig) -> socket.socket | None:
 
 async def _start_registration(config: SimConfig, servers: Sequence[uvicorn.Server],
                               tasks: list[asyncio.Task[None]], cp_port: int | None,
-                              resident_keys: Callable[[], list[str]] | None = None
+                              resident_keys: Callable[[], list[str]] | None = None,
+                              resources: Callable[[str], ResourceSnapshotV1] | None = None
                               ) -> Registrar | None:
     if not config.register:
         return None
@@ -120,7 +131,7 @@ async def _start_registration(config: SimConfig, servers: Sequence[uvicorn.Serve
         await asyncio.sleep(0.01)
     if any(t.done() for t in tasks):
         return None
-    registrar = Registrar(config, cp_port, resident_keys)
+    registrar = Registrar(config, cp_port, resident_keys, resources)
     registrar.start()
     return registrar
 

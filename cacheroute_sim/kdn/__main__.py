@@ -53,8 +53,8 @@ def _config_and_store(raw: dict[str, Any]) -> tuple[KdnConfig, KnowledgeStore]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config, store = config_from_args(argv)
-    cli.configure_logging(config.log_level, f"kdn {config.resolved_kdn_id}")
-    logging.getLogger(__name__).info("knowledge store: %s", store.summary())
+    cli.configure_logging(config.log_level, config.log_format, f"kdn {config.resolved_kdn_id}")
+    logging.getLogger("cacheroute_sim.kdn").info("knowledge store: %s", store.summary())
     run(config, store)
     return 0
 

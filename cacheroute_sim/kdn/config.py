@@ -75,6 +75,7 @@ class KdnConfig(msgspec.Struct, frozen=True, kw_only=True):
     time_scale: float = 1.0
     shutdown_grace_s: float = 2.0
     log_level: str = "info"
+    log_format: str = "text"  # or "json", as the proxy's processes (cacheroute_proxy/logs.py)
     knobs: Knobs = msgspec.field(default_factory=Knobs)
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> SchedulerConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(argv)
-    cli.configure_logging(config.log_level, f"scheduler {config.resolved_id}")
+    cli.configure_logging(config.log_level, config.log_format, f"scheduler {config.resolved_id}")
     run(config)
     return 0
 
