@@ -8,6 +8,7 @@ the server's own behaviour; the worker's routes on it are tested end to end by e
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import threading
@@ -24,14 +25,16 @@ from cacheroute_proxy.http1 import ClientGone, Cycle, GracefulExit, Http1Server
 from tests.harness import wait_until
 
 LIMIT = 1000
+LARGE_LIMIT = 2 * 1024 * 1024  # /hang-large, /echo-large: bodies far past the read high-water mark
 BIG_CHUNK = b"b" * 65536
 BIG_CHUNKS = 200  # 13 MB: far more than the kernel's socket buffers hold on loopback
 
 
 class App:
     """The server's own routes, given the Cycle (as the worker's proxied routes are): /echo the
-    body back (413 past LIMIT, by the worker's read_body); /whole one write through send_whole;
-    /hang waits until the client leaves (run_until_disconnect), and records it; /big-direct
+    body back (413 past LIMIT, by the worker's read_body; /echo-large past LARGE_LIMIT); /whole
+    one write through send_whole; /hang waits until the client leaves (run_until_disconnect),
+    and records it; /hang-large reads its body first, as the worker's routes do; /big-direct
     BIG_CHUNKS chunks by `write`; /boom-direct raises.
 
     And an ASGI app behind them (as Starlette is in the worker): /stream?n n chunks, /big
@@ -42,15 +45,18 @@ class App:
         self.sent = 0  # /big: chunks whose send returned
         self.progress: list[tuple[bool, bool]] = []
         self.release = asyncio.Event()
+        self.waiting: list[int] = []  # /hang-large: the size of each body read before waiting
         self.routes = {("POST", b"/echo"): self.echo, ("POST", b"/whole"): self.whole,
                        ("POST", b"/hang"): self.hang, ("POST", b"/big-direct"): self.big,
-                       ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late}
+                       ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late,
+                       ("POST", b"/echo-large"): functools.partial(self.echo, limit=LARGE_LIMIT),
+                       ("POST", b"/hang-large"): self.hang_large}
         self.late_go = asyncio.Event()
         self.ran: list[str] = []
 
-    async def echo(self, cycle: Cycle) -> None:
+    async def echo(self, cycle: Cycle, limit: int = LIMIT) -> None:
         try:
-            body = await read_body(cycle, LIMIT)
+            body = await read_body(cycle, limit)
         except ClientGone:
             self.gone.append("body")
             return
@@ -68,6 +74,19 @@ class App:
         result = await run_until_disconnect(self.release.wait(), cycle)
         if result is None:
             self.gone.append("hang")
+        else:
+            cycle.start(200, [(b"content-length", b"2")])
+            cycle.end(b"ok")
+
+    async def hang_large(self, cycle: Cycle) -> None:
+        try:
+            body = await read_body(cycle, LARGE_LIMIT)
+        except ClientGone:
+            self.gone.append("body")
+            return
+        self.waiting.append(len(body))
+        if await run_until_disconnect(self.release.wait(), cycle) is None:
+            self.gone.append("hang-large")
         else:
             cycle.start(200, [(b"content-length", b"2")])
             cycle.end(b"ok")
@@ -295,6 +314,48 @@ def test_a_client_that_leaves_while_waiting_cancels_the_work(srv: Running) -> No
     sock.close()
     wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
     wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_a_client_that_leaves_after_a_large_body_is_seen_while_waiting(srv: Running) -> None:
+    """A body past the read high-water mark (64 KiB) paused reading; once it is all in, the
+    server reads on, so the client's leaving is seen as it is after a small body."""
+    sock = connect(srv.port)
+    sock.sendall(post("/hang-large", b"m" * 1_000_000))
+    wait_until(lambda: srv.app.waiting == [1_000_000], 5, message="the body read, the app waiting")
+    sock.close()
+    wait_until(lambda: srv.app.gone == ["hang-large"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_a_client_that_pipelines_and_leaves_is_seen(srv: Running) -> None:
+    """A pipelined request waits its turn unparsed, and the socket is still read meanwhile."""
+    sock = connect(srv.port)
+    sock.sendall(post("/hang", b"") + post("/echo", b"next"))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    wait_until(lambda: any(c.queued for c in list(srv.server.connections)), 5,
+               message="the second request waits its turn")
+    sock.close()
+    wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_pipelined_bytes_past_the_bound_wait_their_turn(srv: Running) -> None:
+    """Behind a request in flight, a pipelined request with a large body is read only up to a
+    bound, then reading pauses; once its turn comes it is read and answered, in order."""
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/hang", b""))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    large = b"p" * 1_000_000
+    sender = threading.Thread(target=sock.sendall,
+                              args=(post("/echo-large", large) + post("/echo", b"last"),))
+    sender.start()
+    wait_until(lambda: any(c.reading_paused for c in list(srv.server.connections)), 5,
+               message="reading paused past the bound")
+    srv.call(srv.app.release.set)
+    assert read_response(sock, buf)[2] == b"ok"
+    assert read_response(sock, buf)[2] == large
+    assert read_response(sock, buf)[2] == b"last"
+    sender.join(timeout=5)
 
 
 def test_work_is_not_started_for_a_client_already_gone(srv: Running) -> None:

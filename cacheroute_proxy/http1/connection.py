@@ -1,5 +1,11 @@
 """One client connection (`Connection`, an asyncio Protocol): parses requests with httptools,
-answers them one at a time and in order, keeps the idle timer."""
+answers them one at a time and in order, keeps the idle timer.
+
+Reading stops only to bound memory, never for longer: while a body past the high-water mark
+waits for its handler to take it, or while more than that much of a pipelined request waits
+its turn. Otherwise the socket is read while a request is answered, so a client that leaves
+is seen whatever the size of its body (asyncio reports no EOF on a transport that does not
+read)."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Protocol
 
 import httptools
 
-from .cycle import Cycle, Handler
+from .cycle import BODY_HIGH_WATER, Cycle, Handler
 from .draining import Draining
 from .lifespan import ASGIApp
 from .wire import Header, plain_answer
@@ -40,9 +46,11 @@ class Connection(asyncio.Protocol):
         self.cycle: Cycle | None = None  # the request being answered
         self.queued: deque[Cycle] = deque()  # pipelined requests waiting their turn
         self.parsing: Cycle | None = None  # the request whose head or body is arriving
+        # What arrived after a pipelined request that waits its turn, parsed once it runs.
+        self._held = bytearray()
         self.write_paused = False
         self._writable: asyncio.Future[None] | None = None
-        self._reading_paused = False
+        self.reading_paused = False
         self.idle_since: float | None = None  # loop time the connection became idle
         self._url = b""
         self._headers: list[Header] = []
@@ -63,6 +71,14 @@ class Connection(asyncio.Protocol):
             self.shutdown()
 
     def data_received(self, data: bytes) -> None:
+        if self.queued:  # a pipelined request waits: parse no further until it runs
+            self._held += data
+            if len(self._held) >= BODY_HIGH_WATER:
+                self.pause_reading()
+            return
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # as uvicorn without WebSockets: served as plain HTTP
@@ -77,6 +93,7 @@ class Connection(asyncio.Protocol):
             if cycle is not None:
                 cycle.lost()
         self.queued.clear()
+        self._held.clear()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
@@ -122,9 +139,8 @@ class Connection(asyncio.Protocol):
         self.parsing = cycle
         if self.cycle is None:
             self._run(cycle)
-        else:  # pipelined: answered after the one before it; read no more meanwhile
+        else:  # pipelined: answered after the one before it (what follows is held meanwhile)
             self.queued.append(cycle)
-            self.pause_reading()
 
     def on_body(self, body: bytes) -> None:
         if self.parsing is not None:
@@ -134,6 +150,9 @@ class Connection(asyncio.Protocol):
         if self.parsing is not None:
             self.parsing.end_of_body()
             self.parsing = None
+        # Reading may have paused at the body's high-water mark: read on, to see the client
+        # leave (or its next request) while this one is answered.
+        self.resume_reading()
 
     # --- running requests -------------------------------------------------------------------------
     def _run(self, cycle: Cycle) -> None:
@@ -183,10 +202,18 @@ class Connection(asyncio.Protocol):
         if self.queued:
             self._run(self.queued.popleft())
             if not self.queued:
-                self.resume_reading()
+                self._parse_held()
             return
         self.resume_reading()
         self._arm_idle_timer()
+
+    def _parse_held(self) -> None:
+        """The last pipelined request runs: what arrived behind it is parsed now, in order."""
+        held = bytes(self._held)
+        self._held.clear()
+        self.resume_reading()
+        if held:
+            self._parse(held)
 
     def _refuse(self, status: int, text: bytes) -> None:
         if self.cycle is None or self.cycle.complete:
@@ -208,16 +235,15 @@ class Connection(asyncio.Protocol):
         await self._writable
 
     def pause_reading(self) -> None:
-        if not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
+        if not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._reading_paused and self.transport is not None and self.cycle is not None \
-                and self.queued:
-            return  # a pipelined request waits: stay paused
-        if self._reading_paused and self.transport is not None:
-            self._reading_paused = False
+        if len(self._held) >= BODY_HIGH_WATER:
+            return  # held bytes of a pipelined request wait for its turn: stay paused
+        if self.reading_paused and self.transport is not None:
+            self.reading_paused = False
             self.transport.resume_reading()
 
     def _arm_idle_timer(self) -> None:
