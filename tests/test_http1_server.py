@@ -21,7 +21,8 @@ from proxy_workers.app import read_body
 from proxy_workers.drain import Drain
 from proxy_workers.exchange import run_until_disconnect
 from cacheroute_proxy.http import HTTPError
-from cacheroute_proxy.http1 import ClientGone, Cycle, GracefulExit, Http1Server
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http1 import BadBody, ClientGone, Cycle, GracefulExit, HeadLimits, Http1Server, head_limits
 from tests.harness import wait_until
 
 LIMIT = 1000
@@ -57,6 +58,9 @@ class App:
     async def echo(self, cycle: Cycle, limit: int = LIMIT) -> None:
         try:
             body = await read_body(cycle, limit)
+        except BadBody:
+            self.gone.append("bad body")
+            return
         except ClientGone:
             self.gone.append("body")
             return
@@ -145,10 +149,11 @@ class App:
 
 
 class Running:
-    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0, graceful: bool = False) -> None:
+    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0, graceful: bool = False,
+                 limits: HeadLimits = head_limits(Settings())) -> None:
         self.app = App()
         self.drain = GracefulExit(drain_s) if graceful else Drain(drain_s)
-        self.server = Http1Server(self.app, self.drain, keepalive_s, routes=self.app.routes,
+        self.server = Http1Server(self.app, self.drain, keepalive_s, limits, routes=self.app.routes,
                                   handle_signals=False)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -289,6 +294,37 @@ def test_a_malformed_request_gets_400_and_close(srv: Running) -> None:
     status, headers, _ = read_response(sock, buf)
     assert status == 400 and headers["connection"] == "close"
     assert closed(sock)
+
+
+def test_a_chunk_size_that_does_not_parse_is_400_and_the_handler_is_told(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="the handler reads the body")
+    sock.sendall(b"zz\r\n")
+    status, headers, _ = read_response(sock, buf)
+    assert status == 400 and headers["connection"] == "close"
+    assert closed(sock)
+    wait_until(lambda: srv.app.gone == ["bad body"], 5, message="read_body raised BadBody")
+
+
+def test_a_head_line_still_arriving_is_refused_once_past_the_limit() -> None:
+    """A header value that never ends, 1 KiB a read: refused once what arrived of the head
+    passes the limit (4 KiB here), not held for ever."""
+    running = Running(limits=HeadLimits(url_bytes=1024, head_bytes=4096, headers=10, timeout_s=60))
+    try:
+        sock, buf = connect(running.port), bytearray()
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nx-long: ")
+        for _ in range(64):
+            try:
+                sock.sendall(b"v" * 1024)
+            except OSError:
+                break  # closed by the server
+            time.sleep(0.01)  # not a timing assertion: one piece a read
+        status, headers, _ = read_response(sock, buf)
+        assert status == 431 and headers["connection"] == "close"
+        assert closed(sock)
+    finally:
+        running.stop()
 
 
 @pytest.mark.parametrize("path", ["/boom", "/boom-direct"])

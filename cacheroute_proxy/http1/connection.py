@@ -1,5 +1,6 @@
 """One client connection (`Connection`, an asyncio Protocol): parses requests with httptools,
-answers them one at a time and in order, keeps the idle timer.
+answers them one at a time and in order, keeps the idle timer, and holds every head to its
+limits (limits.HeadLimits: 414, 431, and 408 from the server's sweep).
 
 Reading stops only to bound memory, never for longer: while a body past the high-water mark
 waits for its handler to take it, or while more than that much of a pipelined request waits
@@ -19,6 +20,7 @@ import httptools
 from .cycle import BODY_HIGH_WATER, Cycle, Handler
 from .draining import Draining
 from .lifespan import ASGIApp
+from .limits import HeadLimits
 from .wire import Header, plain_answer
 
 log = logging.getLogger("cacheroute.http")
@@ -30,9 +32,36 @@ class ServerSide(Protocol):
     app: ASGIApp
     routes: dict[tuple[str, bytes], Handler]
     drain: Draining
+    limits: HeadLimits
     loop: asyncio.AbstractEventLoop
     connections: set[Connection]
     tasks: set[asyncio.Task[None]]
+
+
+BAD_REQUEST = (400, b"Invalid HTTP request received.")
+URI_TOO_LONG = (414, b"URI Too Long")
+HEAD_TOO_LARGE = (431, b"Request Header Fields Too Large")
+HEAD_TIMEOUT = (408, b"Request Timeout")
+# What a header line holds besides its name and value: ": " and CRLF, as usually written.
+_HEADER_LINE_EXTRA = 4
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing: the head broke a limit (Connection._refusal
+    says how to answer)."""
+
+
+class _Head:
+    """The request head being received: when its first byte came, and what it holds so far
+    (each a lower bound of its size: the URL and header lines parsed, and the reads that fell
+    wholly inside it, which count a header line still arriving)."""
+
+    __slots__ = ("began", "parsed", "read")
+
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.parsed = 0
+        self.read = 0
 
 
 class Connection(asyncio.Protocol):
@@ -41,6 +70,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: ServerSide) -> None:
         self.server = server
         self.loop = server.loop
+        self.limits = server.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.cycle: Cycle | None = None  # the request being answered
@@ -52,6 +82,8 @@ class Connection(asyncio.Protocol):
         self._writable: asyncio.Future[None] | None = None
         self.reading_paused = False
         self.idle_since: float | None = None  # loop time the connection became idle
+        self._head: _Head | None = None  # the head being received, until it is complete
+        self._refusal: tuple[int, bytes] | None = None  # why a callback stopped the parser
         self._url = b""
         self._headers: list[Header] = []
         self._expect_continue = False
@@ -79,12 +111,19 @@ class Connection(asyncio.Protocol):
         self._parse(data)
 
     def _parse(self, data: bytes) -> None:
+        head = self._head  # a head still arriving: if it still is after this read, all of it was head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # as uvicorn without WebSockets: served as plain HTTP
             log.warning("Unsupported upgrade request.")
         except httptools.HttpParserError:
-            self._refuse(400, b"Invalid HTTP request received.")
+            refusal, self._refusal = self._refusal, None
+            self._refuse(*(refusal or BAD_REQUEST))
+            return
+        if head is not None and head is self._head:
+            head.read += len(data)
+            if head.read > self.limits.head_bytes:
+                self._refuse(*HEAD_TOO_LARGE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -112,17 +151,30 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._expect_continue = False
         self._cancel_idle_timer()
+        self._head = _Head(self.loop.time())
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.limits.url_bytes:
+            self._stop_parsing(URI_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        head, limits = self._head, self.limits
+        assert head is not None  # on_message_begin came first
+        head.parsed += len(name) + len(value) + _HEADER_LINE_EXTRA
+        if len(self._headers) >= limits.headers or head.parsed + len(self._url) > limits.head_bytes:
+            self._stop_parsing(HEAD_TOO_LARGE)
         name = name.lower()
         self._headers.append((name, value))
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
 
+    def _stop_parsing(self, refusal: tuple[int, bytes]) -> None:
+        self._refusal = refusal
+        raise _Refused
+
     def on_headers_complete(self) -> None:
+        self._head = None
         parser = self.parser
         url = self._url
         if b"?" in url or not url.startswith(b"/"):
@@ -168,7 +220,11 @@ class Connection(asyncio.Protocol):
             await server.drain.run(cycle, handler(cycle) if handler is not None
                                    else server.app(cycle.scope, cycle.receive, cycle.send))
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
+            if isinstance(exc, asyncio.CancelledError):
+                pass
+            elif cycle.disconnected:  # the client left (or its body did not parse): that is all
+                log.debug("the app gave up on a request whose client left: %r", exc)
+            else:
                 log.error("exception in the app", exc_info=exc)
             self._app_failed(cycle)
             if isinstance(exc, asyncio.CancelledError):
@@ -216,10 +272,29 @@ class Connection(asyncio.Protocol):
             self._parse(held)
 
     def _refuse(self, status: int, text: bytes) -> None:
-        if self.cycle is None or self.cycle.complete:
+        """Answer `status` and close: for a head, unless an earlier request's answer is due
+        first; for a body, if its own request has not begun its answer (its handler is told:
+        Cycle.refuse). Otherwise (a pipelined request, or the rest of a body already answered,
+        a 413) the connection is only closed."""
+        cycle, parsing = self.cycle, self.parsing
+        if parsing is None:
+            answer = cycle is None or cycle.complete
+        else:
+            answer = parsing is cycle and not parsing.started
+            if answer:
+                parsing.refuse()
+        if answer:
             self.write(plain_answer(status, text))
+        self._head = None  # refused: no more sweeps for it
         if self.transport is not None:
             self.transport.close()
+
+    def refuse_if_head_began_before(self, before: float) -> None:
+        """408 and close if the head still arriving began at `before` or earlier (the server's
+        sweep); a head behind a request being answered waits for that answer first."""
+        head = self._head
+        if head is not None and head.began <= before and self.cycle is None:
+            self._refuse(*HEAD_TIMEOUT)
 
     # --- I/O ------------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
