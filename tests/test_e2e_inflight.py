@@ -12,7 +12,7 @@ import aiohttp
 
 from cacheroute_sim.scheduler.requests import scheduler_body
 from tests.aio import OpenStream, get_json, meta_of
-from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
+from tests.harness import SimKdn, chat_body, get, http, post, wait_until
 
 K = 6
 # Characters of one large message: far past the read high-water mark of the worker's server
@@ -147,23 +147,17 @@ def test_a_client_that_leaves_a_large_request_while_it_waits_releases_it(make_cl
     """1 MB requests whose clients leave while they wait: one in the ready queue behind a held
     stream (READY_CONCURRENCY=1), one in prepare while its KV pull hangs at the KDN. Each
     leaves its lane at once and never reaches the instance."""
-    kdn_port = free_port()
-    kdn = Process(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", "0.05"], {},
-                  tmp_path / "kdn.log")
+    kdn = SimKdn(tmp_path)
     try:
-        kdn_url = f"http://127.0.0.1:{kdn_port}"
-        wait_until(lambda: get(f"{kdn_url}/healthz", timeout=1), 15, message="kdn up")
-        found = post(f"{kdn_url}/knowledge/search/text",
-                     {"knowledge_ids": [f"k{i:04d}" for i in range(20)], "need_fields": ["kv_ready"]})
-        kid = next(item["id"] for item in found["items"] if item["kv_ready"])
-        post(f"{kdn_url}/sim/config", {"hang": True, "fault_on": "inject"})
+        kid = kdn.kv_ready_id()
+        kdn.hang_injects()
         cluster = make_cluster(workers=1, env={"READY_CONCURRENCY": "1"})
         inst = cluster.add_instance("--hold-streams", time_scale=0.001)
         url = f"{cluster.dp_url}/v1/chat/completions"
         kvcache = scheduler_body(5, user_prompt="k" * LARGE)
         kvcache["Service"].update(Enable_know_injection=True, Injection_type="kvcache",
                                   Knowledge_List=[kid], Knowledge_length=600)
-        kvcache["Task"]["KDN_server_addr"] = f"127.0.0.1:{kdn_port}"
+        kvcache["Task"]["KDN_server_addr"] = kdn.addr
 
         def lanes() -> dict:
             row = _row(cluster, inst.instance_id)
@@ -184,13 +178,13 @@ def test_a_client_that_leaves_a_large_request_while_it_waits_releases_it(make_cl
                                         message="the queued request gone")
 
                 preparing = asyncio.ensure_future(session.post(url, json=kvcache))
-                await asyncio.to_thread(wait_until, lambda: get(f"{kdn_url}/sim/stats")["held"] == 1
+                await asyncio.to_thread(wait_until, lambda: kdn.held() == 1
                                         and lanes()["active_prepare"] == 1, 10,
                                         message="the KV pull hangs at the KDN")
                 preparing.cancel()
                 await asyncio.to_thread(wait_until, lambda: lanes() == held_only, 3,
                                         message="the preparing request gone")
-                post(f"{kdn_url}/sim/release", {})
+                kdn.release()
                 inst.release()
                 await held.finish()
 
