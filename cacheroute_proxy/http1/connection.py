@@ -111,7 +111,7 @@ class Connection(asyncio.Protocol):
         self._parse(data)
 
     def _parse(self, data: bytes) -> None:
-        head = self._head  # a head still arriving: if it still is after this read, all of it was head
+        head = self._head  # still arriving after this read too: all of the read was head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # as uvicorn without WebSockets: served as plain HTTP
