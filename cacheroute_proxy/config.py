@@ -46,6 +46,10 @@ ENV_NAMES: dict[str, str] = {
     "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
     "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
     "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
+    "max_url_bytes": "PROXY_MAX_URL_BYTES",
+    "max_head_bytes": "PROXY_MAX_HEAD_BYTES",
+    "max_headers": "PROXY_MAX_HEADERS",
+    "head_timeout_s": "PROXY_HEAD_TIMEOUT_S",
     "log_level": "PROXY_LOG_LEVEL",
     "log_format": "PROXY_LOG_FORMAT",
     "log_each_request": "PROXY_ACCESS_LOG",
@@ -175,6 +179,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # A worker closes a keep-alive connection idle this long (clients must use a shorter idle
     # timeout, or they may send on a connection the worker is closing).
     keepalive_timeout_s: float = 5.0
+    # What every listener (the workers', the sidecar's, the dashboard's) accepts of a request
+    # head, as nginx does: a longer request target is 414, a larger head or more headers 431,
+    # a head not complete this long after its first byte 408; then the connection is closed.
+    max_url_bytes: int = 8 * 1024
+    max_head_bytes: int = 32 * 1024
+    max_headers: int = 100
+    head_timeout_s: float = 60.0
     log_level: str = "info"
     # "text": time role[pid] level logger: message; "json": one object per line (cacheroute_proxy/logs.py).
     log_format: str = "text"
@@ -304,8 +315,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                "must look like /name (one leading slash, no other)")
         for name in ("instance_ttl_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
                      "upstream_idle_timeout_s", "reaper_interval_s", "drain_timeout_s",
-                     "keepalive_timeout_s"):
+                     "keepalive_timeout_s", "head_timeout_s"):
             _check(getattr(self, name) > 0, name, "must be > 0")
+        self._check_head_limits()
         _check(self.instance_purge_grace_s >= 0, "instance_purge_grace_s", "must be >= 0")
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
         _check(self.ready_release_policy in RELEASE_POLICIES, "ready_release_policy",
@@ -380,6 +392,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 _check(number and (value > low if low is not None else value >= 0), "kdn_links",
                        f"{key}: {name} must be a number {'> 0' if low is not None else '>= 0'}, "
                        f"got {value!r}")
+
+    def _check_head_limits(self) -> None:
+        for name in ("max_url_bytes", "max_head_bytes"):
+            _check(256 <= getattr(self, name) <= 1 << 20, name, "must be 256..1048576")
+        _check(1 <= self.max_headers <= 10_000, "max_headers", "must be 1..10000")
 
     def _check_kv_aware(self) -> None:
         _check(self.affinity_view in AFFINITY_VIEWS, "affinity_view", f"must be one of {AFFINITY_VIEWS}")

@@ -38,7 +38,7 @@ from cacheroute_proxy.routing.report import instance_loads
 
 from . import access_log, metrics
 from .exchange import ProxyExchange, Responder
-from cacheroute_proxy.http1 import BodyTooLarge, ClientGone, Cycle, Handler
+from cacheroute_proxy.http1 import BadBody, BodyTooLarge, ClientGone, Cycle, Handler
 from .pipeline import Pipeline
 from .request_model import Endpoint, recover
 from .router import Router
@@ -196,6 +196,9 @@ class DataPlane:
             proxy_request = recover(endpoint, await read_body(cycle, self._limit))
         except HTTPError as exc:
             responder.error(exc)
+            return
+        except BadBody:  # answered 400 by the server itself
+            responder.status = 400
             return
         except ClientGone:  # counted as 499, nothing to answer
             return

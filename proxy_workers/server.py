@@ -25,7 +25,7 @@ from . import metrics
 from .affinity import AffinityScorer, make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
-from cacheroute_proxy.http1 import Http1Server
+from cacheroute_proxy.http1 import Http1Server, head_limits
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
@@ -219,7 +219,8 @@ def run(settings: Settings, index: int) -> int:
 def _serve(app: WorkerApp, settings: Settings, sockets: list[socket.socket], index: int) -> int:
     """Serve until SIGTERM/SIGINT, drain (proxy_workers/drain.py), tell systemd what it does."""
     drain = Drain(settings.drain_timeout_s)
-    server = Http1Server(app.asgi, drain, settings.keepalive_timeout_s, routes=app.routes)
+    server = Http1Server(app.asgi, drain, settings.keepalive_timeout_s, head_limits(settings),
+                         routes=app.routes)
 
     def describe(server: Http1Server) -> str:  # systemd's STATUS= line, every few seconds
         return f"worker {index}: {server.requests_in_flight()} requests in flight"

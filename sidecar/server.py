@@ -19,7 +19,7 @@ from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.strategies import LeastLoadStrategy
-from cacheroute_proxy.http1 import GracefulExit, Http1Server
+from cacheroute_proxy.http1 import GracefulExit, Http1Server, head_limits
 from shm_schema import Segment, SegmentError, header
 
 from .affinity import AffinityModels, kv_capacity_tokens
@@ -211,7 +211,8 @@ def run(settings: Settings) -> int:
         if ui_socket is not None and settings.ui_address is not None:
             served = ByListener(served, ui_app(app.state.dashboard_routes, settings, not tokened),
                                 settings.ui_address[1])
-        server = Http1Server(served, GracefulExit(SHUTDOWN_GRACE_S), settings.keepalive_timeout_s)
+        server = Http1Server(served, GracefulExit(SHUTDOWN_GRACE_S), settings.keepalive_timeout_s,
+                             head_limits(settings))
         logs.keep_control_after_signals()
         serving.serve(server, [control] if ui_socket is None else [control, ui_socket],
                       lambda _server: status_line(state))

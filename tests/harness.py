@@ -16,7 +16,7 @@ from typing import Any
 from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_range
 from cacheroute_sim.processes import ChildProcess as Process
 
-__all__ = ["ROOT", "Agent", "Cluster", "Engine", "Process", "SimInstance", "alive", "chat_body",
+__all__ = ["ROOT", "Agent", "Cluster", "Engine", "Process", "SimInstance", "SimKdn", "alive", "chat_body",
            "free_port", "free_port_range", "get", "http", "listed", "post", "wait_until"]
 
 
@@ -89,6 +89,41 @@ class SimInstance:
 
     def stats(self) -> dict[str, Any]:
         return get(f"{self.url}/sim/stats")
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class SimKdn:
+    """A simulated KDN process on a free port, answering once constructed."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.addr}"
+        self.process = Process(["-m", "cacheroute_sim.kdn", "--port", str(self.port), "--time-scale",
+                                "0.05"], {}, log_dir / "kdn.log")
+        try:
+            wait_until(lambda: get(f"{self.url}/healthz", timeout=1), 15, message="kdn up")
+        except AssertionError:
+            self.process.stop()
+            raise
+
+    def kv_ready_id(self) -> str:
+        """A knowledge id whose KV this KDN holds: a kvcache request for it has its KV injected."""
+        found = post(f"{self.url}/knowledge/search/text",
+                     {"knowledge_ids": [f"k{i:04d}" for i in range(20)], "need_fields": ["kv_ready"]})
+        return next(item["id"] for item in found["items"] if item["kv_ready"])
+
+    def hang_injects(self) -> None:
+        """KV injects wait until `release()`: a kvcache request holds in prepare meanwhile."""
+        post(f"{self.url}/sim/config", {"hang": True, "fault_on": "inject"})
+
+    def held(self) -> int:
+        return get(f"{self.url}/sim/stats")["held"]
+
+    def release(self) -> None:
+        post(f"{self.url}/sim/release", {})
 
     def stop(self) -> None:
         self.process.stop()

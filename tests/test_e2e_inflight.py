@@ -10,10 +10,14 @@ import asyncio
 
 import aiohttp
 
+from cacheroute_sim.scheduler.requests import scheduler_body
 from tests.aio import OpenStream, get_json, meta_of
-from tests.harness import chat_body, get, http, post, wait_until
+from tests.harness import SimKdn, chat_body, get, http, post, wait_until
 
 K = 6
+# Characters of one large message: far past the read high-water mark of the worker's server
+# (64 KiB), where reading pauses until the body is taken.
+LARGE = 1_000_000
 
 
 def test_every_worker_sees_k_held_streams_then_zero(make_cluster):
@@ -109,6 +113,93 @@ def test_client_disconnect_mid_stream_releases(make_cluster):
     # The proxy closed its upstream connections too: the instance stopped generating.
     wait_until(lambda: inst.stats()["disconnected"] == 3 and inst.stats()["active"] == 0, 3,
                message="instance saw the disconnects")
+
+
+def test_a_client_that_leaves_a_large_request_during_relay_releases_it(make_cluster):
+    """1 MB messages: a stream whose client leaves after its first bytes, and a non-streaming
+    request whose client leaves while the instance has not answered. Each is released at once
+    and its upstream connection closed, as with a small body."""
+    cluster = make_cluster(workers=2)
+    # A 1 MB prompt is 250,000 tokens: time scale 0.001 keeps its simulated prefill short.
+    inst = cluster.add_instance("--hold-streams", time_scale=0.001)
+    url = f"{cluster.dp_url}/v1/chat/completions"
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            stream = await OpenStream.open(session, url, chat_body("s" * LARGE))
+            assert stream.response.status == 200 and stream.received
+            assert _row(cluster, inst.instance_id)["inflight"] == 1
+            stream.close()
+            await asyncio.to_thread(_released, cluster, inst, disconnected=1)
+
+            inst.configure(hang=True)  # accepted, never answered
+            whole = asyncio.ensure_future(session.post(url, json=chat_body("w" * LARGE, stream=False)))
+            await asyncio.to_thread(wait_until, lambda: inst.stats()["inflight"] == 1, 10,
+                                    message="the instance has the request")
+            assert _row(cluster, inst.instance_id)["inflight"] == 1
+            whole.cancel()  # the client goes away
+            await asyncio.to_thread(_released, cluster, inst, disconnected=2)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_a_large_request_while_it_waits_releases_it(make_cluster, tmp_path):
+    """1 MB requests whose clients leave while they wait: one in the ready queue behind a held
+    stream (READY_CONCURRENCY=1), one in prepare while its KV pull hangs at the KDN. Each
+    leaves its lane at once and never reaches the instance."""
+    kdn = SimKdn(tmp_path)
+    try:
+        kid = kdn.kv_ready_id()
+        kdn.hang_injects()
+        cluster = make_cluster(workers=1, env={"READY_CONCURRENCY": "1"})
+        inst = cluster.add_instance("--hold-streams", time_scale=0.001)
+        url = f"{cluster.dp_url}/v1/chat/completions"
+        kvcache = scheduler_body(5, user_prompt="k" * LARGE)
+        kvcache["Service"].update(Enable_know_injection=True, Injection_type="kvcache",
+                                  Knowledge_List=[kid], Knowledge_length=600)
+        kvcache["Task"]["KDN_server_addr"] = kdn.addr
+
+        def lanes() -> dict:
+            row = _row(cluster, inst.instance_id)
+            return {k: row[k] for k in ("inflight", "active_prepare", "prepare_queue_depth",
+                                        "active_ready", "ready_queue_depth")}
+
+        held_only = {"inflight": 1, "active_prepare": 0, "prepare_queue_depth": 0,
+                     "active_ready": 1, "ready_queue_depth": 0}
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as session:
+                held = await OpenStream.open(session, url, chat_body())  # the one ready place
+                queued = asyncio.ensure_future(session.post(url, json=chat_body("q" * LARGE)))
+                await asyncio.to_thread(wait_until, lambda: lanes()["ready_queue_depth"] == 1, 10,
+                                        message="the large request queued")
+                queued.cancel()
+                await asyncio.to_thread(wait_until, lambda: lanes() == held_only, 3,
+                                        message="the queued request gone")
+
+                preparing = asyncio.ensure_future(session.post(url, json=kvcache))
+                await asyncio.to_thread(wait_until, lambda: kdn.held() == 1
+                                        and lanes()["active_prepare"] == 1, 10,
+                                        message="the KV pull hangs at the KDN")
+                preparing.cancel()
+                await asyncio.to_thread(wait_until, lambda: lanes() == held_only, 3,
+                                        message="the preparing request gone")
+                kdn.release()
+                inst.release()
+                await held.finish()
+
+        asyncio.run(scenario())
+        wait_until(lambda: lanes() == dict.fromkeys(held_only, 0), 5, message="every lane 0")
+        assert inst.stats()["total"] == 1  # only the held stream reached the instance
+    finally:
+        kdn.stop()
+
+
+def _released(cluster, inst, disconnected: int) -> None:
+    """Inflight back to 0 within 3 s, and the instance saw `disconnected` disconnects."""
+    wait_until(lambda: _row(cluster, inst.instance_id)["inflight"] == 0, 3, message="inflight 0")
+    wait_until(lambda: inst.stats()["disconnected"] == disconnected and inst.stats()["active"] == 0,
+               3, message="the instance saw the disconnect")
 
 
 def test_upstream_errors_keep_status_and_release(make_cluster):

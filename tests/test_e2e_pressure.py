@@ -11,7 +11,7 @@ import time
 import aiohttp
 
 from tests.aio import OpenStream, meta_of
-from tests.harness import Process, chat_body, free_port, get, http, post, wait_until
+from tests.harness import Process, SimKdn, chat_body, free_port, get, http, post, wait_until
 
 
 def _row(cluster, instance_id: str, worker: int | None = None) -> dict:
@@ -217,16 +217,10 @@ def test_admission_wait_has_a_deadline(make_cluster):
 def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
     """A kvcache request whose KV pull hangs at the KDN blocks its instance's release order; a
     text request behind it passes it (text_bypass), and each meta says how it was released."""
-    kdn_port = free_port()
-    kdn = Process(["-m", "cacheroute_sim.kdn", "--port", str(kdn_port), "--time-scale", "0.05"], {},
-                  tmp_path / "kdn.log")
+    kdn = SimKdn(tmp_path)
     try:
-        kdn_url = f"http://127.0.0.1:{kdn_port}"
-        wait_until(lambda: get(f"{kdn_url}/healthz", timeout=1), 15, message="kdn up")
-        found = post(f"{kdn_url}/knowledge/search/text",
-                     {"knowledge_ids": [f"k{i:04d}" for i in range(20)], "need_fields": ["kv_ready"]})
-        kid = next(item["id"] for item in found["items"] if item["kv_ready"])
-        post(f"{kdn_url}/sim/config", {"hang": True, "fault_on": "inject"})
+        kid = kdn.kv_ready_id()
+        kdn.hang_injects()
         cluster = make_cluster(workers=1, env={"PROXY_READY_RELEASE_POLICY": "text_bypass"})
         cluster.add_instance()
 
@@ -235,17 +229,17 @@ def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
                                                 "max_tokens": 2, "stream": True},
                     "Service": {"Enable_know_injection": True, "Injection_type": injection,
                                 "Knowledge_List": [kid], "Knowledge_length": 600},
-                    "Task": {"KDN_server_addr": f"127.0.0.1:{kdn_port}"}}
+                    "Task": {"KDN_server_addr": kdn.addr}}
 
         async def scenario() -> tuple[dict, dict]:
             url = f"{cluster.dp_url}/v1/chat/completions"
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
                 head = asyncio.create_task(session.post(url, json=body("kvcache")))
-                await asyncio.to_thread(wait_until, lambda: get(f"{kdn_url}/sim/stats")["held"] == 1,
-                                        10, message="the KV pull hangs at the KDN")
+                await asyncio.to_thread(wait_until, lambda: kdn.held() == 1, 10,
+                                        message="the KV pull hangs at the KDN")
                 async with session.post(url, json=body("text")) as passing:
                     text_meta = meta_of(await passing.read())
-                post(f"{kdn_url}/sim/release", {})
+                kdn.release()
                 async with await head as blocked:
                     return meta_of(await blocked.read()), text_meta
 

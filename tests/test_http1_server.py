@@ -8,6 +8,7 @@ the server's own behaviour; the worker's routes on it are tested end to end by e
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import threading
@@ -20,18 +21,21 @@ from proxy_workers.app import read_body
 from proxy_workers.drain import Drain
 from proxy_workers.exchange import run_until_disconnect
 from cacheroute_proxy.http import HTTPError
-from cacheroute_proxy.http1 import ClientGone, Cycle, GracefulExit, Http1Server
+from cacheroute_proxy.config import Settings
+from cacheroute_proxy.http1 import BadBody, ClientGone, Cycle, GracefulExit, HeadLimits, Http1Server, head_limits
 from tests.harness import wait_until
 
 LIMIT = 1000
+LARGE_LIMIT = 2 * 1024 * 1024  # /hang-large, /echo-large: bodies far past the read high-water mark
 BIG_CHUNK = b"b" * 65536
 BIG_CHUNKS = 200  # 13 MB: far more than the kernel's socket buffers hold on loopback
 
 
 class App:
     """The server's own routes, given the Cycle (as the worker's proxied routes are): /echo the
-    body back (413 past LIMIT, by the worker's read_body); /whole one write through send_whole;
-    /hang waits until the client leaves (run_until_disconnect), and records it; /big-direct
+    body back (413 past LIMIT, by the worker's read_body; /echo-large past LARGE_LIMIT); /whole
+    one write through send_whole; /hang waits until the client leaves (run_until_disconnect),
+    and records it; /hang-large reads its body first, as the worker's routes do; /big-direct
     BIG_CHUNKS chunks by `write`; /boom-direct raises.
 
     And an ASGI app behind them (as Starlette is in the worker): /stream?n n chunks, /big
@@ -42,15 +46,21 @@ class App:
         self.sent = 0  # /big: chunks whose send returned
         self.progress: list[tuple[bool, bool]] = []
         self.release = asyncio.Event()
+        self.waiting: list[int] = []  # /hang-large: the size of each body read before waiting
         self.routes = {("POST", b"/echo"): self.echo, ("POST", b"/whole"): self.whole,
                        ("POST", b"/hang"): self.hang, ("POST", b"/big-direct"): self.big,
-                       ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late}
+                       ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late,
+                       ("POST", b"/echo-large"): functools.partial(self.echo, limit=LARGE_LIMIT),
+                       ("POST", b"/hang-large"): self.hang_large}
         self.late_go = asyncio.Event()
         self.ran: list[str] = []
 
-    async def echo(self, cycle: Cycle) -> None:
+    async def echo(self, cycle: Cycle, limit: int = LIMIT) -> None:
         try:
-            body = await read_body(cycle, LIMIT)
+            body = await read_body(cycle, limit)
+        except BadBody:
+            self.gone.append("bad body")
+            return
         except ClientGone:
             self.gone.append("body")
             return
@@ -68,6 +78,19 @@ class App:
         result = await run_until_disconnect(self.release.wait(), cycle)
         if result is None:
             self.gone.append("hang")
+        else:
+            cycle.start(200, [(b"content-length", b"2")])
+            cycle.end(b"ok")
+
+    async def hang_large(self, cycle: Cycle) -> None:
+        try:
+            body = await read_body(cycle, LARGE_LIMIT)
+        except ClientGone:
+            self.gone.append("body")
+            return
+        self.waiting.append(len(body))
+        if await run_until_disconnect(self.release.wait(), cycle) is None:
+            self.gone.append("hang-large")
         else:
             cycle.start(200, [(b"content-length", b"2")])
             cycle.end(b"ok")
@@ -126,10 +149,11 @@ class App:
 
 
 class Running:
-    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0, graceful: bool = False) -> None:
+    def __init__(self, keepalive_s: float = 5.0, drain_s: float = 5.0, graceful: bool = False,
+                 limits: HeadLimits = head_limits(Settings())) -> None:
         self.app = App()
         self.drain = GracefulExit(drain_s) if graceful else Drain(drain_s)
-        self.server = Http1Server(self.app, self.drain, keepalive_s, routes=self.app.routes,
+        self.server = Http1Server(self.app, self.drain, keepalive_s, limits, routes=self.app.routes,
                                   handle_signals=False)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -272,6 +296,37 @@ def test_a_malformed_request_gets_400_and_close(srv: Running) -> None:
     assert closed(sock)
 
 
+def test_a_chunk_size_that_does_not_parse_is_400_and_the_handler_is_told(srv: Running) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="the handler reads the body")
+    sock.sendall(b"zz\r\n")
+    status, headers, _ = read_response(sock, buf)
+    assert status == 400 and headers["connection"] == "close"
+    assert closed(sock)
+    wait_until(lambda: srv.app.gone == ["bad body"], 5, message="read_body raised BadBody")
+
+
+def test_a_head_line_still_arriving_is_refused_once_past_the_limit() -> None:
+    """A header value that never ends, 1 KiB a read: refused once what arrived of the head
+    passes the limit (4 KiB here), not held for ever."""
+    running = Running(limits=HeadLimits(url_bytes=1024, head_bytes=4096, headers=10, timeout_s=60))
+    try:
+        sock, buf = connect(running.port), bytearray()
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nx-long: ")
+        for _ in range(64):
+            try:
+                sock.sendall(b"v" * 1024)
+            except OSError:
+                break  # closed by the server
+            time.sleep(0.01)  # not a timing assertion: one piece a read
+        status, headers, _ = read_response(sock, buf)
+        assert status == 431 and headers["connection"] == "close"
+        assert closed(sock)
+    finally:
+        running.stop()
+
+
 @pytest.mark.parametrize("path", ["/boom", "/boom-direct"])
 def test_an_app_failure_before_answering_is_500(srv: Running, path: str) -> None:
     sock, buf = connect(srv.port), bytearray()
@@ -295,6 +350,48 @@ def test_a_client_that_leaves_while_waiting_cancels_the_work(srv: Running) -> No
     sock.close()
     wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
     wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_a_client_that_leaves_after_a_large_body_is_seen_while_waiting(srv: Running) -> None:
+    """A body past the read high-water mark (64 KiB) paused reading; once it is all in, the
+    server reads on, so the client's leaving is seen as it is after a small body."""
+    sock = connect(srv.port)
+    sock.sendall(post("/hang-large", b"m" * 1_000_000))
+    wait_until(lambda: srv.app.waiting == [1_000_000], 5, message="the body read, the app waiting")
+    sock.close()
+    wait_until(lambda: srv.app.gone == ["hang-large"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_a_client_that_pipelines_and_leaves_is_seen(srv: Running) -> None:
+    """A pipelined request waits its turn unparsed, and the socket is still read meanwhile."""
+    sock = connect(srv.port)
+    sock.sendall(post("/hang", b"") + post("/echo", b"next"))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    wait_until(lambda: any(c.queued for c in list(srv.server.connections)), 5,
+               message="the second request waits its turn")
+    sock.close()
+    wait_until(lambda: srv.app.gone == ["hang"], 5, message="disconnect callback")
+    wait_until(lambda: srv.server.requests_in_flight() == 0, 5, message="task ended")
+
+
+def test_pipelined_bytes_past_the_bound_wait_their_turn(srv: Running) -> None:
+    """Behind a request in flight, a pipelined request with a large body is read only up to a
+    bound, then reading pauses; once its turn comes it is read and answered, in order."""
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post("/hang", b""))
+    wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
+    large = b"p" * 1_000_000
+    sender = threading.Thread(target=sock.sendall,
+                              args=(post("/echo-large", large) + post("/echo", b"last"),))
+    sender.start()
+    wait_until(lambda: any(c.reading_paused for c in list(srv.server.connections)), 5,
+               message="reading paused past the bound")
+    srv.call(srv.app.release.set)
+    assert read_response(sock, buf)[2] == b"ok"
+    assert read_response(sock, buf)[2] == large
+    assert read_response(sock, buf)[2] == b"last"
+    sender.join(timeout=5)
 
 
 def test_work_is_not_started_for_a_client_already_gone(srv: Running) -> None:

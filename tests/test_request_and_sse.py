@@ -89,7 +89,11 @@ def test_settings_from_env_and_errors_name_the_variable():
                      ({"PROXY_LEAST_LOAD_WEIGHTS": "{"}, "PROXY_LEAST_LOAD_WEIGHTS"),
                      ({"PROXY_SHM_NAME": "no-slash"}, "PROXY_SHM_NAME"),
                      ({"PROXY_PACE_STEP": "1.5"}, "PROXY_PACE_STEP"),
-                     ({"PROXY_PACE_STEP": "-0.1"}, "PROXY_PACE_STEP")]:
+                     ({"PROXY_PACE_STEP": "-0.1"}, "PROXY_PACE_STEP"),
+                     ({"PROXY_MAX_HEAD_BYTES": "100"}, "PROXY_MAX_HEAD_BYTES"),
+                     ({"PROXY_MAX_URL_BYTES": "2000000"}, "PROXY_MAX_URL_BYTES"),
+                     ({"PROXY_MAX_HEADERS": "0"}, "PROXY_MAX_HEADERS"),
+                     ({"PROXY_HEAD_TIMEOUT_S": "0"}, "PROXY_HEAD_TIMEOUT_S")]:
         with pytest.raises((ConfigError, ValueError)) as info:
             Settings.from_env(env)
         assert var in str(info.value), (env, info.value)

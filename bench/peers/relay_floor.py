@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from cacheroute_proxy import serving
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.http1 import Cycle, GracefulExit, Http1Server
+from cacheroute_proxy.http1 import Cycle, GracefulExit, Http1Server, head_limits
 from proxy_workers.headers import relayed
 from proxy_workers.server import bind_socket
 from proxy_workers.upstream import Upstream
@@ -77,7 +77,7 @@ def serve_one(port: int, upstreams: list[str]) -> None:
     relay = Relay(upstreams)
     sock = bind_socket("127.0.0.1", port, reuse_port=True)  # as a worker binds the shared port
     routes = {("POST", path): relay.handle for path in ROUTES}
-    server = Http1Server(relay.asgi, GracefulExit(5.0), 5.0, routes=routes)
+    server = Http1Server(relay.asgi, GracefulExit(5.0), 5.0, head_limits(Settings()), routes=routes)
     serving.serve(server, [sock], lambda _server: "relay floor")
 
 

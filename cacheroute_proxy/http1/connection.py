@@ -1,5 +1,12 @@
 """One client connection (`Connection`, an asyncio Protocol): parses requests with httptools,
-answers them one at a time and in order, keeps the idle timer."""
+answers them one at a time and in order, keeps the idle timer, and holds every head to its
+limits (limits.HeadLimits: 414, 431, and 408 from the server's sweep).
+
+Reading stops only to bound memory, never for longer: while a body past the high-water mark
+waits for its handler to take it, or while more than that much of a pipelined request waits
+its turn. Otherwise the socket is read while a request is answered, so a client that leaves
+is seen whatever the size of its body (asyncio reports no EOF on a transport that does not
+read)."""
 
 from __future__ import annotations
 
@@ -10,9 +17,10 @@ from typing import Protocol
 
 import httptools
 
-from .cycle import Cycle, Handler
+from .cycle import BODY_HIGH_WATER, Cycle, Handler
 from .draining import Draining
 from .lifespan import ASGIApp
+from .limits import HeadLimits
 from .wire import Header, plain_answer
 
 log = logging.getLogger("cacheroute.http")
@@ -24,9 +32,36 @@ class ServerSide(Protocol):
     app: ASGIApp
     routes: dict[tuple[str, bytes], Handler]
     drain: Draining
+    limits: HeadLimits
     loop: asyncio.AbstractEventLoop
     connections: set[Connection]
     tasks: set[asyncio.Task[None]]
+
+
+BAD_REQUEST = (400, b"Invalid HTTP request received.")
+URI_TOO_LONG = (414, b"URI Too Long")
+HEAD_TOO_LARGE = (431, b"Request Header Fields Too Large")
+HEAD_TIMEOUT = (408, b"Request Timeout")
+# What a header line holds besides its name and value: ": " and CRLF, as usually written.
+_HEADER_LINE_EXTRA = 4
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing: the head broke a limit (Connection._refusal
+    says how to answer)."""
+
+
+class _Head:
+    """The request head being received: when its first byte came, and what it holds so far
+    (each a lower bound of its size: the URL and header lines parsed, and the reads that fell
+    wholly inside it, which count a header line still arriving)."""
+
+    __slots__ = ("began", "parsed", "read")
+
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.parsed = 0
+        self.read = 0
 
 
 class Connection(asyncio.Protocol):
@@ -35,15 +70,20 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: ServerSide) -> None:
         self.server = server
         self.loop = server.loop
+        self.limits = server.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.cycle: Cycle | None = None  # the request being answered
         self.queued: deque[Cycle] = deque()  # pipelined requests waiting their turn
         self.parsing: Cycle | None = None  # the request whose head or body is arriving
+        # What arrived after a pipelined request that waits its turn, parsed once it runs.
+        self._held = bytearray()
         self.write_paused = False
         self._writable: asyncio.Future[None] | None = None
-        self._reading_paused = False
+        self.reading_paused = False
         self.idle_since: float | None = None  # loop time the connection became idle
+        self._head: _Head | None = None  # the head being received, until it is complete
+        self._refusal: tuple[int, bytes] | None = None  # why a callback stopped the parser
         self._url = b""
         self._headers: list[Header] = []
         self._expect_continue = False
@@ -63,12 +103,27 @@ class Connection(asyncio.Protocol):
             self.shutdown()
 
     def data_received(self, data: bytes) -> None:
+        if self.queued:  # a pipelined request waits: parse no further until it runs
+            self._held += data
+            if len(self._held) >= BODY_HIGH_WATER:
+                self.pause_reading()
+            return
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        head = self._head  # still arriving after this read too: all of the read was head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # as uvicorn without WebSockets: served as plain HTTP
             log.warning("Unsupported upgrade request.")
         except httptools.HttpParserError:
-            self._refuse(400, b"Invalid HTTP request received.")
+            refusal, self._refusal = self._refusal, None
+            self._refuse(*(refusal or BAD_REQUEST))
+            return
+        if head is not None and head is self._head:
+            head.read += len(data)
+            if head.read > self.limits.head_bytes:
+                self._refuse(*HEAD_TOO_LARGE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -77,6 +132,7 @@ class Connection(asyncio.Protocol):
             if cycle is not None:
                 cycle.lost()
         self.queued.clear()
+        self._held.clear()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
@@ -95,17 +151,30 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._expect_continue = False
         self._cancel_idle_timer()
+        self._head = _Head(self.loop.time())
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.limits.url_bytes:
+            self._stop_parsing(URI_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        head, limits = self._head, self.limits
+        assert head is not None  # on_message_begin came first
+        head.parsed += len(name) + len(value) + _HEADER_LINE_EXTRA
+        if len(self._headers) >= limits.headers or head.parsed + len(self._url) > limits.head_bytes:
+            self._stop_parsing(HEAD_TOO_LARGE)
         name = name.lower()
         self._headers.append((name, value))
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
 
+    def _stop_parsing(self, refusal: tuple[int, bytes]) -> None:
+        self._refusal = refusal
+        raise _Refused
+
     def on_headers_complete(self) -> None:
+        self._head = None
         parser = self.parser
         url = self._url
         if b"?" in url or not url.startswith(b"/"):
@@ -122,9 +191,8 @@ class Connection(asyncio.Protocol):
         self.parsing = cycle
         if self.cycle is None:
             self._run(cycle)
-        else:  # pipelined: answered after the one before it; read no more meanwhile
+        else:  # pipelined: answered after the one before it (what follows is held meanwhile)
             self.queued.append(cycle)
-            self.pause_reading()
 
     def on_body(self, body: bytes) -> None:
         if self.parsing is not None:
@@ -134,6 +202,9 @@ class Connection(asyncio.Protocol):
         if self.parsing is not None:
             self.parsing.end_of_body()
             self.parsing = None
+        # Reading may have paused at the body's high-water mark: read on, to see the client
+        # leave (or its next request) while this one is answered.
+        self.resume_reading()
 
     # --- running requests -------------------------------------------------------------------------
     def _run(self, cycle: Cycle) -> None:
@@ -149,7 +220,11 @@ class Connection(asyncio.Protocol):
             await server.drain.run(cycle, handler(cycle) if handler is not None
                                    else server.app(cycle.scope, cycle.receive, cycle.send))
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
+            if isinstance(exc, asyncio.CancelledError):
+                pass
+            elif cycle.disconnected:  # the client left (or its body did not parse): that is all
+                log.debug("the app gave up on a request whose client left: %r", exc)
+            else:
                 log.error("exception in the app", exc_info=exc)
             self._app_failed(cycle)
             if isinstance(exc, asyncio.CancelledError):
@@ -183,16 +258,43 @@ class Connection(asyncio.Protocol):
         if self.queued:
             self._run(self.queued.popleft())
             if not self.queued:
-                self.resume_reading()
+                self._parse_held()
             return
         self.resume_reading()
         self._arm_idle_timer()
 
+    def _parse_held(self) -> None:
+        """The last pipelined request runs: what arrived behind it is parsed now, in order."""
+        held = bytes(self._held)
+        self._held.clear()
+        self.resume_reading()
+        if held:
+            self._parse(held)
+
     def _refuse(self, status: int, text: bytes) -> None:
-        if self.cycle is None or self.cycle.complete:
+        """Answer `status` and close: for a head, unless an earlier request's answer is due
+        first; for a body, if its own request has not begun its answer (its handler is told:
+        Cycle.refuse). Otherwise (a pipelined request, or the rest of a body already answered,
+        a 413) the connection is only closed."""
+        cycle, parsing = self.cycle, self.parsing
+        if parsing is None:
+            answer = cycle is None or cycle.complete
+        else:
+            answer = parsing is cycle and not parsing.started
+            if answer:
+                parsing.refuse()
+        if answer:
             self.write(plain_answer(status, text))
+        self._head = None  # refused: no more sweeps for it
         if self.transport is not None:
             self.transport.close()
+
+    def refuse_if_head_began_before(self, before: float) -> None:
+        """408 and close if the head still arriving began at `before` or earlier (the server's
+        sweep); a head behind a request being answered waits for that answer first."""
+        head = self._head
+        if head is not None and head.began <= before and self.cycle is None:
+            self._refuse(*HEAD_TIMEOUT)
 
     # --- I/O ------------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -208,16 +310,15 @@ class Connection(asyncio.Protocol):
         await self._writable
 
     def pause_reading(self) -> None:
-        if not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
+        if not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._reading_paused and self.transport is not None and self.cycle is not None \
-                and self.queued:
-            return  # a pipelined request waits: stay paused
-        if self._reading_paused and self.transport is not None:
-            self._reading_paused = False
+        if len(self._held) >= BODY_HIGH_WATER:
+            return  # held bytes of a pipelined request wait for its turn: stay paused
+        if self.reading_paused and self.transport is not None:
+            self.reading_paused = False
             self.transport.resume_reading()
 
     def _arm_idle_timer(self) -> None:

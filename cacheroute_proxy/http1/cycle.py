@@ -41,14 +41,19 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
+class BadBody(ClientGone):
+    """The request body did not parse (a malformed chunk): the server answered 400 itself and
+    closes the connection; there is nothing to answer."""
+
+
 class Cycle:
     """One request and its response: what a route handler reads and writes (`read_body`,
     `start`/`write`/`end`, `send_whole`, `on_disconnect`), and what ASGI calls `scope`,
     `receive` and `send` for the app behind the routes."""
 
     __slots__ = ("conn", "method", "raw_path", "query_string", "headers", "http_version",
-                 "keep_alive", "body", "body_size", "more_body", "disconnected", "started",
-                 "complete", "chunked", "head_only", "on_disconnect", "expect_continue",
+                 "keep_alive", "body", "body_size", "more_body", "disconnected", "malformed",
+                 "started", "complete", "chunked", "head_only", "on_disconnect", "expect_continue",
                  "handler", "_body_event", "_scope")
 
     def __init__(self, conn: ConnectionSide, method: str, raw_path: bytes, query_string: bytes,
@@ -66,6 +71,7 @@ class Cycle:
         self.body_size = 0
         self.more_body = True
         self.disconnected = False
+        self.malformed = False  # the body did not parse (refuse)
         self.started = False
         self.complete = False
         self.chunked = False
@@ -115,6 +121,12 @@ class Cycle:
             self.on_disconnect = None
             callback()
 
+    def refuse(self) -> None:
+        """The body did not parse: the server answers 400 and closes; for the handler, the
+        client is gone (read_body raises BadBody, receive says http.disconnect)."""
+        self.malformed = True
+        self.lost()
+
     def _wake(self) -> None:
         if self._body_event is not None:
             self._body_event.set()
@@ -140,13 +152,14 @@ class Cycle:
 
     async def read_body(self, limit: int) -> bytes:
         """The whole body; BodyTooLarge as soon as what arrived passes `limit` bytes (the rest
-        is then dropped as it comes), ClientGone if the client leaves first."""
+        is then dropped as it comes), ClientGone if the client leaves first (BadBody if the body
+        did not parse)."""
         while self.more_body and not self.disconnected:
             if self.body_size > limit:
                 break
             await self._more()
         if self.disconnected:
-            raise ClientGone
+            raise BadBody if self.malformed else ClientGone
         if self.body_size > limit:
             self.body.clear()
             raise BodyTooLarge

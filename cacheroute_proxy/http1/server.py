@@ -11,6 +11,7 @@ from .connection import Connection
 from .cycle import Handler
 from .draining import Draining
 from .lifespan import ASGIApp, Lifespan
+from .limits import HeadLimits
 
 CUT_FLUSH_S = 2.0
 
@@ -21,10 +22,11 @@ class Http1Server:
 
     Also runs the app's lifespan (startup before listening, shutdown after the drain)."""
 
-    def __init__(self, app: ASGIApp, drain: Draining, keepalive_timeout_s: float, *,
-                 routes: dict[tuple[str, bytes], Handler] | None = None,
+    def __init__(self, app: ASGIApp, drain: Draining, keepalive_timeout_s: float,
+                 limits: HeadLimits, *, routes: dict[tuple[str, bytes], Handler] | None = None,
                  handle_signals: bool = True) -> None:
         self.app = app
+        self.limits = limits
         # (method, path) -> a handler given the Cycle itself: the hot routes, without ASGI.
         self.routes = routes or {}
         self._signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
@@ -81,7 +83,7 @@ class Http1Server:
                 servers.append(await self.loop.create_server(lambda: Connection(self), sock=sock,
                                                              backlog=2048))
             self.started = True
-            sweep = self.loop.create_task(self._close_idle_connections())
+            sweep = self.loop.create_task(self._sweep())
             await self._exit.wait()
             for server in servers:
                 server.close()
@@ -95,16 +97,18 @@ class Http1Server:
             for signum in self._signals:  # ignored from now on: the caller's cleanup must run
                 self.loop.add_signal_handler(signum, _ignore)
 
-    async def _close_idle_connections(self) -> None:
-        """The keep-alive timeout of every connection, by one sweep a fraction of it apart
-        instead of a timer per connection re-armed on every request."""
-        timeout = self.keepalive_timeout_s
-        every = min(1.0, timeout / 4)
+    async def _sweep(self) -> None:
+        """The keep-alive timeout and the head timeout of every connection, by one sweep a
+        fraction of the shorter apart instead of timers per connection re-armed on every
+        request."""
+        idle_s, head_s = self.keepalive_timeout_s, self.limits.timeout_s
+        every = min(1.0, idle_s / 4, head_s / 4)
         while True:
             await asyncio.sleep(every)
-            before = self.loop.time() - timeout
+            now = self.loop.time()
             for conn in list(self.connections):
-                conn.close_if_idle_since(before)
+                conn.close_if_idle_since(now - idle_s)
+                conn.refuse_if_head_began_before(now - head_s)
 
     async def _drain(self) -> None:
         drain = self.drain
