@@ -120,11 +120,14 @@ class _Lead(NamedTuple):
 
 
 class MemoStats(NamedTuple):
-    """The leading-messages memo of one EnginePrefix: entries held now; chat requests whose keys
-    came from an entry (hits), that had none (misses: tokenized and memoized), and that had one
-    but were tokenized whole (fallbacks: the entry cannot serve, or its splice check failed)."""
+    """The leading-messages memo of one EnginePrefix: entries held now, and chat requests (of
+    two messages or more) by where their keys came from: the entry of all their leading messages
+    (hits); the entry of fewer of them, a conversation's earlier turns (partial); none, the whole
+    prompt tokenized (misses; both then memoize their leading messages); or the whole prompt
+    although an entry was there (fallbacks: it cannot serve, or its splice check failed)."""
     entries: int
     hits: int
+    partial: int
     misses: int
     fallbacks: int
 
@@ -148,7 +151,7 @@ class EnginePrefix:
         self._limit = (max_blocks * block_size + CUT_MARGIN_TOKENS) * CHARS_PER_TOKEN_BOUND
         self._memo: OrderedDict[int, _Lead | None] = OrderedDict()
         self._memo_entries = memo_entries
-        self._hits = self._misses = self._fallbacks = 0
+        self._hits = self._partial = self._misses = self._fallbacks = 0
 
     def chat_keys(self, messages: Sequence[Any]) -> list[int]:
         """The keys of chat `messages`' leading blocks; none when they cannot be rendered."""
@@ -179,7 +182,7 @@ class EnginePrefix:
                 for d in block_digests(token_ids, self.block_size, self.max_blocks, self.seed)]
 
     def memo_stats(self) -> MemoStats:
-        return MemoStats(len(self._memo), self._hits, self._misses, self._fallbacks)
+        return MemoStats(len(self._memo), self._hits, self._partial, self._misses, self._fallbacks)
 
     def _text_keys(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) <= self._limit:
@@ -202,16 +205,19 @@ class EnginePrefix:
             if lead is not None and prompt.startswith(lead.text):
                 self._memo[hashes[-1]] = None  # its splice check failed: it would again
             return self._text_keys(prompt, False)
-        self._misses += 1
         # The leading messages are new, but fewer of them (a conversation's earlier history, its
         # system prompt) may be known: the prompt's tokens come from there or from its start.
         found = self._shorter_lead(hashes[:-1], prompt)
         shorter = None if found is None else found[1]
         if shorter is not None and shorter.final:
+            self._partial += 1
             self._remember(hashes[-1], shorter)
             return list(shorter.keys)
         stream = None if shorter is None else self._splice(shorter, prompt)
-        if stream is None:
+        if stream is not None:
+            self._partial += 1
+        else:
+            self._misses += 1
             if found is not None:
                 self._memo[found[0]], shorter = None, None  # its splice check failed
             stream = _Stream((), self._none_digest, self._encode_spans(prompt[:self._limit]))
