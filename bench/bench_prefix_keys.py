@@ -171,17 +171,20 @@ def run_block(prefix: EnginePrefix, chats: list[list[Message]]) -> int:
 
 
 def measure(model_dir: Path, block_tokens: int, requests: int, repeats: int) -> dict[str, Any]:
-    make = lambda memo_entries: engine_prefix.load(str(model_dir), block_tokens, MAX_BLOCKS,  # noqa: E731
-                                                    memo_entries=memo_entries)
-    prefixes = {name: make(0 if name.endswith("whole") else engine_prefix.LEAD_MEMO_ENTRIES)
-                for name in ("whole", "memo", "memo_miss", "multiturn_whole", "multiturn_memo")}
+    def make(memo_entries: int) -> EnginePrefix:
+        return engine_prefix.load(str(model_dir), block_tokens, MAX_BLOCKS, memo_entries=memo_entries)
+
+    def make_for(case: str) -> EnginePrefix:
+        return make(0 if case.endswith("whole") else engine_prefix.LEAD_MEMO_ENTRIES)
+
     reference = make(0)
     work = Workload(reference, seed=block_tokens)
     for name, maker in cases(work).items():  # every case gives the whole prompt's keys
-        check = make(0 if name.endswith("whole") else engine_prefix.LEAD_MEMO_ENTRIES)
+        check = make_for(name)
         for chat in maker(requests):
             assert check.chat_keys(chat) == reference.chat_keys(chat), (name, chat)
     makers = cases(work)
+    prefixes = {name: make_for(name) for name in makers}
     for system in work.systems:  # the steady state: every system prompt seen once
         prefixes["memo"].chat_keys([Message("system", system), Message("user", "warm up")])
     totals: dict[str, list[float]] = {name: [] for name in makers}
@@ -196,17 +199,22 @@ def measure(model_dir: Path, block_tokens: int, requests: int, repeats: int) -> 
                 parts[name][part].append(timed.ns[part] / requests / 1000)
             parts[name]["other"].append((spent - sum(timed.ns.values())) / requests / 1000)
     tokens = sorted(len(reference.chat_tokens(chat) or []) for chat in steady(work)(51))
+    return {"prompt_tokens_median": tokens[len(tokens) // 2], **summary(totals, parts, prefixes)}
+
+
+def summary(totals: dict[str, list[float]], parts: dict[str, dict[str, list[float]]],
+            prefixes: dict[str, EnginePrefix]) -> dict[str, Any]:
+    """Medians per case, the memo's counts, and the ratios of the cases' medians."""
+    median = {name: statistics.median(values) for name, values in totals.items()}
     return {
-        "prompt_tokens_median": tokens[len(tokens) // 2],
         "cases": {name: {
-            "cpu_us_per_request": {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
-                                   "max": round(max(v), 1)},
-            "parts_us_median": {p: round(statistics.median(values), 1) for p, values in parts[name].items()},
-            "memo": prefixes[name].memo_stats()._asdict()} for name, v in totals.items()},
-        "whole_over_memo": round(statistics.median(totals["whole"]) / statistics.median(totals["memo"]), 1),
-        "multiturn_whole_over_memo": round(statistics.median(totals["multiturn_whole"])
-                                           / statistics.median(totals["multiturn_memo"]), 1),
-        "miss_over_whole": round(statistics.median(totals["memo_miss"]) / statistics.median(totals["whole"]), 2),
+            "cpu_us_per_request": {"median": round(median[name], 1), "min": round(min(values), 1),
+                                   "max": round(max(values), 1)},
+            "parts_us_median": {p: round(statistics.median(v), 1) for p, v in parts[name].items()},
+            "memo": prefixes[name].memo_stats()._asdict()} for name, values in totals.items()},
+        "whole_over_memo": round(median["whole"] / median["memo"], 1),
+        "multiturn_whole_over_memo": round(median["multiturn_whole"] / median["multiturn_memo"], 1),
+        "miss_over_whole": round(median["memo_miss"] / median["whole"], 2),
     }
 
 
@@ -217,7 +225,8 @@ def model_directory(given: Path | None, scratch: Path) -> tuple[Path, str]:
         return given, str(given)
     if (default / "tokenizer.json").is_file():
         return default, ".cache/tiny-llama"
-    return write_tokenizer_files(scratch / "tiny-llama"), "tests/real_engine/build_tiny_model.py write_tokenizer_files"
+    return (write_tokenizer_files(scratch / "tiny-llama"),
+            "tests/real_engine/build_tiny_model.py write_tokenizer_files")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, case in result["cases"].items():
             split = " / ".join(f"{v}" for v in case["parts_us_median"].values())
             print(f"  {name:<17}{case['cpu_us_per_request']['median']:9.1f}   ({split})")
-        print(f"  whole / memo {result['whole_over_memo']}×, multiturn {result['multiturn_whole_over_memo']}×, "
+        print(f"  whole / memo {result['whole_over_memo']}×, "
+              f"multiturn {result['multiturn_whole_over_memo']}×, "
               f"a miss {result['miss_over_whole']}× whole")
     if args.out:
         machine["at_end"] = {"loadavg": machine_info()["loadavg"]}

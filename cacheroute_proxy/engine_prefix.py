@@ -39,16 +39,17 @@ DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed of NONE_HASH when the engine has 
 # depend on the exact bytes.
 _PICKLE_PROTOCOL = 5
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
-# Tokenizing is the cost here (0.6 ms a kilobyte with tokenizers 0.23 on this project's 2-core
-# test machine), so for keys only the text that can hold max_blocks full blocks and a margin
-# is tokenized: at up to CHARS_PER_TOKEN_BOUND characters a token, more than tokenizers average.
+# Tokenizing is the cost here (~0.36 µs a token with tokenizers 0.23 and the tiny test model's
+# tokenizer on this project's 2-core test machine: bench/bench_prefix_keys.py), so for keys
+# only the text that can hold max_blocks full blocks and a margin is tokenized: at up to
+# CHARS_PER_TOKEN_BOUND characters a token, more than tokenizers average.
 # The last tokens before a cut may differ from the whole text's, so no block within
 # CUT_MARGIN_TOKENS of it counts.
 CHARS_PER_TOKEN_BOUND = 8
 CUT_MARGIN_TOKENS = 32
 # Leading messages memoized per worker: a few dozen system prompts and the histories of the
-# conversations in progress. An entry holds at most the text that is tokenized, ~64 token ids
-# and max_blocks keys.
+# conversations in progress. An entry holds at most the text that is tokenized, a block and
+# OVERLAP_TOKENS of token ids, and max_blocks keys.
 LEAD_MEMO_ENTRIES = 256
 # Tokens before the splice that are tokenized again and must come out as the memo has them.
 OVERLAP_TOKENS = 8
@@ -299,7 +300,8 @@ class EnginePrefix:
         final = cut >= self.max_blocks * self.block_size + CUT_MARGIN_TOKENS
         first = overlap if final else min(blocks * self.block_size, overlap)
         kept = slice(first - spans.first, cut - spans.first)
-        lead = _Lead(text, tuple(keys[:blocks]), digests[blocks - known - 1] if blocks > known else stream.parent,
+        parent = digests[blocks - known - 1] if blocks > known else stream.parent
+        lead = _Lead(text, tuple(keys[:blocks]), parent,
                      Spans(first, spans.ids[kept], spans.starts[kept], spans.words[kept]),
                      overlap - first, spans.starts[cut - spans.first], final)
         # A final lead is never spliced again, so its check is made now, on its own text.

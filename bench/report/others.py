@@ -80,7 +80,8 @@ def prefix_keys_section(data: dict[str, Any]) -> str:
             f"Blocks of {size} tokens, prompts of ~{num(result.get('prompt_tokens_median'))} tokens; "
             f"{num(data.get('repeats'))} interleaved blocks of {num(data.get('requests_per_block'))} "
             "requests a case:\n\n"
-            + table(["case", "median", "render", "tokenize", "hash", "other", "memo hits / partial / misses / fallbacks"], rows)
+            + table(["case", "median", "render", "tokenize", "hash", "other",
+                     "memo hits / partial / misses / fallbacks"], rows)
             + f"\n\nwhole / memo {num(result.get('whole_over_memo'))}×; multiturn whole / memo "
             f"{num(result.get('multiturn_whole_over_memo'))}×; a miss costs "
             f"{num(result.get('miss_over_whole'))}× whole")

@@ -16,8 +16,8 @@ CASES = {"whole", "memo", "memo_miss", "multiturn_whole", "multiturn_memo"}
 
 def test_a_short_run_times_every_case_and_its_parts(tmp_path: Path) -> None:
     out = tmp_path / "prefix_keys.json"
-    done = subprocess.run([sys.executable, "-m", "bench.bench_prefix_keys", "--requests", "8", "--repeats", "2",
-                           "--block-tokens", "16,128", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.bench_prefix_keys", "--requests", "8",
+                           "--repeats", "2", "--block-tokens", "16,128", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
