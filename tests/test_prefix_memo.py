@@ -22,7 +22,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from cacheroute_proxy import engine_prefix
 from cacheroute_proxy.engine_prefix import EnginePrefix
 from proxy_workers.request_model import Message
-from tests.real_engine.build_tiny_model import WORDS, write_tokenizer_files
+from tests.real_engine.build_tiny_model import CHAT_TEMPLATE, WORDS, write_tokenizer_files
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"cacheroute-hypothesis-{os.getuid()}")
 
@@ -215,3 +215,24 @@ def test_a_tokenizer_that_cannot_restart_mid_text_falls_back_to_the_whole_prompt
         assert prefix.chat_keys(chat) == whole.keys(whole.chat_tokens(chat))
     stats = prefix.memo_stats()
     assert stats.hits == 0 and stats.fallbacks == 2, stats
+
+
+def test_a_tokenizer_without_words_is_never_spliced(tmp_path) -> None:
+    """A tokenizer with no pre-tokenizer (a normalizer that prepends "▁", as Llama 2's does):
+    the whole text is one word, so no word starts where a splice could be, and every prompt is
+    tokenized whole."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>"], show_progress=False))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    prefix = engine_prefix.load(str(tmp_path), 4, 256)
+    whole = engine_prefix.load(str(tmp_path), 4, 256, memo_entries=0)
+    for question in ("who", "what", "fox"):
+        chat = [Message("system", SYSTEMS[0]), Message("user", question)]
+        assert prefix.chat_keys(chat) == whole.keys(whole.chat_tokens(chat))
+    stats = prefix.memo_stats()
+    assert stats.hits == 0 and stats.misses == 1 and stats.fallbacks == 2, stats
