@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(PY) -m bench.bench_events --out bench/results/events.json
 	$(PY) -m bench.pipeline_cost --out bench/results/pipeline_cost.json
 	$(PY) -m bench.bench_metrics --out bench/results/metrics.json
+	$(PY) -m bench.bench_prefix_keys --out bench/results/prefix_keys.json
 
 # The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
 # BASELINE=<git ref> the same scenarios against that ref too, interleaved).

@@ -9,6 +9,13 @@ the proxy renders chat messages with the model's own chat template and tokenizes
 model's own tokenizer, as vLLM's OpenAI server does (chat: the template adds the special
 tokens; completions: the tokenizer does).
 
+A worker renders and tokenizes each chat prompt, so it memoizes the leading messages (all but
+the last: a system prompt, a conversation's history) by a hash of their text, in a bounded LRU:
+their tokens and block chain are computed once, and only the rest of a prompt is tokenized, from
+a word boundary a margin before the splice, after a check that tokenizing from there gives the
+memo's own tokens (otherwise the whole prompt is tokenized). The keys are always those of the
+whole prompt.
+
 Loaded from a model directory (PROXY_AFFINITY_TOKENIZER: `tokenizer.json`, and the chat
 template in `chat_template.jinja` or `tokenizer_config.json`), with the optional `engine-kv`
 extra (tokenizers, jinja2).
@@ -16,11 +23,14 @@ extra (tokenizers, jinja2).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import pickle
+from collections import OrderedDict
+from operator import itemgetter, ne
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .affinity_keys import engine_block_key
 
@@ -29,13 +39,20 @@ DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed of NONE_HASH when the engine has 
 # depend on the exact bytes.
 _PICKLE_PROTOCOL = 5
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
-# Tokenizing is the cost here (0.6 ms a kilobyte with tokenizers 0.23 on this project's 2-core
-# test machine), so for keys only the text that can hold max_blocks full blocks and a margin
-# is tokenized: at up to CHARS_PER_TOKEN_BOUND characters a token, more than tokenizers average.
+# Tokenizing is the cost here (~0.36 µs a token with tokenizers 0.23 and the tiny test model's
+# tokenizer on this project's 2-core test machine: bench/bench_prefix_keys.py), so for keys
+# only the text that can hold max_blocks full blocks and a margin is tokenized: at up to
+# CHARS_PER_TOKEN_BOUND characters a token, more than tokenizers average.
 # The last tokens before a cut may differ from the whole text's, so no block within
 # CUT_MARGIN_TOKENS of it counts.
 CHARS_PER_TOKEN_BOUND = 8
 CUT_MARGIN_TOKENS = 32
+# Leading messages memoized per worker: a few dozen system prompts and the histories of the
+# conversations in progress. An entry holds at most the text that is tokenized, a block and
+# OVERLAP_TOKENS of token ids, and max_blocks keys.
+LEAD_MEMO_ENTRIES = 256
+# Tokens before the splice that are tokenized again and must come out as the memo has them.
+OVERLAP_TOKENS = 8
 
 
 class EnginePrefixError(Exception):
@@ -46,15 +63,19 @@ def _digest(value: Any) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=_PICKLE_PROTOCOL)).digest()
 
 
-def block_digests(token_ids: Sequence[int], block_size: int, max_blocks: int,
-                  seed: str = DEFAULT_SEED) -> list[bytes]:
-    """The full 32-byte digests of the full blocks of `token_ids`, at most `max_blocks`."""
-    parent = _digest(seed)
+def chain_digests(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The digests of the full blocks of `token_ids`, chained on from `parent`."""
     digests: list[bytes] = []
-    for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
         parent = _digest((parent, tuple(token_ids[start:start + block_size]), None))
         digests.append(parent)
     return digests
+
+
+def block_digests(token_ids: Sequence[int], block_size: int, max_blocks: int,
+                  seed: str = DEFAULT_SEED) -> list[bytes]:
+    """The full 32-byte digests of the full blocks of `token_ids`, at most `max_blocks`."""
+    return chain_digests(_digest(seed), token_ids[:max_blocks * block_size], block_size)
 
 
 def published_hash(digest: bytes) -> int:
@@ -63,23 +84,85 @@ def published_hash(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+class Spans(NamedTuple):
+    """A text's tokens from token number `first` on: their ids, the character each starts at,
+    and whether each starts a word (a pre-token: no token spans two words)."""
+    first: int
+    ids: list[int]
+    starts: list[int]
+    words: list[bool]
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.ids)
+
+
+class _Stream(NamedTuple):
+    """A prompt's tokens as far as they are tokenized: the keys of its first full blocks, the
+    digest they end on, and its tokens from spans.first (at most the first one not hashed) on."""
+    keys: tuple[int, ...]
+    parent: bytes
+    spans: Spans
+
+
+class _Lead(NamedTuple):
+    """Memoized leading messages. `text`: what the template renders of them (cut just past the
+    text that is tokenized). `keys`, `parent`: the full blocks before `cut`, the character (a
+    word start) where a prompt's own tokens take over. `spans`: the tokens up to `cut` from the
+    overlap window's first (`overlap` in spans) or the first one not hashed, whichever is first.
+    `final`: every prompt that starts with `text` has exactly `keys`."""
+    text: str
+    keys: tuple[int, ...]
+    parent: bytes
+    spans: Spans
+    overlap: int
+    cut: int
+    final: bool
+
+
+class MemoStats(NamedTuple):
+    """The leading-messages memo of one EnginePrefix: entries held now, and chat requests (of
+    two messages or more) by where their keys came from: the entry of all their leading messages
+    (hits); the entry of fewer of them, a conversation's earlier turns (partial); none, the whole
+    prompt tokenized (misses; both then memoize their leading messages); or the whole prompt
+    although an entry was there (fallbacks: it cannot serve, or its splice check failed)."""
+    entries: int
+    hits: int
+    partial: int
+    misses: int
+    fallbacks: int
+
+
 class EnginePrefix:
     """Token ids and block keys of plain requests, as the engine serving `model_dir` sees them."""
 
-    def __init__(self, encode: Callable[[str, bool], list[int]], template: Any | None,
-                 special_tokens: dict[str, str], block_size: int, max_blocks: int,
-                 seed: str = DEFAULT_SEED) -> None:
+    def __init__(self, encode: Callable[[str, bool], list[int]], encode_spans: Callable[[str], Spans],
+                 template: Any | None, special_tokens: dict[str, str], block_size: int,
+                 max_blocks: int, seed: str = DEFAULT_SEED,
+                 memo_entries: int = LEAD_MEMO_ENTRIES) -> None:
         self._encode = encode
+        self._encode_spans = encode_spans  # a chat prompt's (no special tokens added)
         self._template = template
         self._special_tokens = special_tokens
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.seed = seed
+        self._none_digest = _digest(seed)
+        # The characters tokenized at most: max_blocks full blocks and the margin before the cut.
+        self._limit = (max_blocks * block_size + CUT_MARGIN_TOKENS) * CHARS_PER_TOKEN_BOUND
+        self._memo: OrderedDict[int, _Lead | None] = OrderedDict()
+        self._memo_entries = memo_entries
+        self._hits = self._partial = self._misses = self._fallbacks = 0
 
     def chat_keys(self, messages: Sequence[Any]) -> list[int]:
         """The keys of chat `messages`' leading blocks; none when they cannot be rendered."""
-        prompt = self._render(messages)
-        return [] if prompt is None else self._text_keys(prompt, False)
+        rendered = _template_messages(messages)
+        prompt = None if rendered is None else self._render(rendered, True)
+        if prompt is None:
+            return []
+        if self._memo_entries <= 0 or len(rendered) < 2:
+            return self._text_keys(prompt, False)
+        return self._memo_keys(rendered, prompt)
 
     def completion_keys(self, prompt: str) -> list[int]:
         return self._text_keys(prompt, True)
@@ -87,7 +170,8 @@ class EnginePrefix:
     def chat_tokens(self, messages: Sequence[Any]) -> list[int] | None:
         """The prompt tokens of chat `messages` (objects with .role and .content): the template
         adds the special tokens, the tokenizer none (vLLM's default for chat)."""
-        prompt = self._render(messages)
+        rendered = _template_messages(messages)
+        prompt = None if rendered is None else self._render(rendered, True)
         return None if prompt is None else self._encode(prompt, False)
 
     def completion_tokens(self, prompt: str) -> list[int]:
@@ -98,29 +182,170 @@ class EnginePrefix:
         return [engine_block_key(published_hash(d))
                 for d in block_digests(token_ids, self.block_size, self.max_blocks, self.seed)]
 
+    def memo_stats(self) -> MemoStats:
+        return MemoStats(len(self._memo), self._hits, self._partial, self._misses, self._fallbacks)
+
     def _text_keys(self, text: str, add_special_tokens: bool) -> list[int]:
-        limit = (self.max_blocks * self.block_size + CUT_MARGIN_TOKENS) * CHARS_PER_TOKEN_BOUND
-        if len(text) <= limit:
+        if len(text) <= self._limit:
             return self.keys(self._encode(text, add_special_tokens))
-        tokens = self._encode(text[:limit], add_special_tokens)
+        tokens = self._encode(text[:self._limit], add_special_tokens)
         return self.keys(tokens[:max(0, len(tokens) - CUT_MARGIN_TOKENS)])
 
-    def _render(self, messages: Sequence[Any]) -> str | None:
-        """The chat template's prompt for `messages`; None when the model has no template, a
-        message is not text (an image part), or the template refuses them."""
+    # --- the memo of leading messages --------------------------------------------------------------
+    def _memo_keys(self, rendered: list[dict[str, str]], prompt: str) -> list[int]:
+        hashes = _leading_hashes(rendered)
+        if hashes[-1] in self._memo:
+            self._memo.move_to_end(hashes[-1])
+            lead = self._memo[hashes[-1]]
+            keys = self._lead_keys(lead, prompt) if lead is not None and prompt.startswith(lead.text) \
+                else None
+            if keys is not None:
+                self._hits += 1
+                return keys
+            self._fallbacks += 1
+            if lead is not None and prompt.startswith(lead.text):
+                self._memo[hashes[-1]] = None  # its splice check failed: it would again
+            return self._text_keys(prompt, False)
+        # The leading messages are new, but fewer of them (a conversation's earlier history, its
+        # system prompt) may be known: the prompt's tokens come from there or from its start.
+        found = self._shorter_lead(hashes[:-1], prompt)
+        shorter = None if found is None else found[1]
+        if shorter is not None and shorter.final:
+            self._partial += 1
+            self._remember(hashes[-1], shorter)
+            return list(shorter.keys)
+        stream = None if shorter is None else self._splice(shorter, prompt)
+        if stream is not None:
+            self._partial += 1
+        else:
+            self._misses += 1
+            if found is not None:
+                self._memo[found[0]], shorter = None, None  # its splice check failed
+            stream = _Stream((), self._none_digest, self._encode_spans(prompt[:self._limit]))
+        keys, digests = self._finish(stream, len(prompt) > self._limit)
+        leading = self._render(rendered[:-1], False)
+        # The template may render the leading messages otherwise when they end the chat: then
+        # they are not the prompt's start, and nothing is memoized for them.
+        lead = self._lead(leading, stream, keys, digests) if leading and prompt.startswith(leading) \
+            else None
+        self._remember(hashes[-1], lead or shorter)
+        return keys
+
+    def _shorter_lead(self, hashes: list[int], prompt: str) -> tuple[int, _Lead] | None:
+        """The memo of the most leading messages (fewer than all but the last) that serves."""
+        for key in reversed(hashes):
+            lead = self._memo.get(key)
+            if lead is not None and prompt.startswith(lead.text):
+                self._memo.move_to_end(key)
+                return key, lead
+        return None
+
+    def _remember(self, key: int, lead: _Lead | None) -> None:
+        self._memo[key] = lead
+        while len(self._memo) > self._memo_entries:
+            self._memo.popitem(last=False)
+
+    def _lead_keys(self, lead: _Lead, prompt: str) -> list[int] | None:
+        """The keys of a prompt that starts with `lead.text`; None if the splice check fails."""
+        if lead.final:
+            return list(lead.keys)
+        stream = self._splice(lead, prompt)
+        return None if stream is None else self._finish(stream, len(prompt) > self._limit)[0]
+
+    def _splice(self, lead: _Lead, text: str) -> _Stream | None:
+        """`text`'s tokens (it starts with `lead.text`): the memo's up to lead.cut, then those of
+        tokenizing it from the overlap window's first token on. None unless that tokenizing
+        gives the window's tokens and word starts exactly, and a word starting at the cut: a
+        tokenizer that treats a text's start apart (a prefix space, a normalizer's) shows here."""
+        start = lead.spans.starts[lead.overlap]
+        window = len(lead.spans.ids) - lead.overlap
+        tail = self._encode_spans(text[start:self._limit])
+        if len(tail.ids) <= window or tail.ids[:window] != lead.spans.ids[lead.overlap:] \
+                or tail.words[:window] != lead.spans.words[lead.overlap:] \
+                or not tail.words[window] or tail.starts[window] != lead.cut - start:
+            return None
+        spans = Spans(lead.spans.first, lead.spans.ids + tail.ids[window:],
+                      lead.spans.starts + [at + start for at in tail.starts[window:]],
+                      lead.spans.words + tail.words[window:])
+        return _Stream(lead.keys, lead.parent, spans)
+
+    def _finish(self, stream: _Stream, cut: bool) -> tuple[list[int], list[bytes]]:
+        """The keys of a prompt's tokens, as _text_keys computes them (without the margin before
+        the end of the text tokenized if it was `cut`), and the digests of the blocks beyond
+        stream.keys."""
+        keys, parent, spans = stream
+        usable = spans.end - CUT_MARGIN_TOKENS if cut else spans.end
+        blocks = min(max(0, usable) // self.block_size, self.max_blocks)
+        if blocks <= len(keys):
+            return list(keys[:blocks]), []
+        start = len(keys) * self.block_size - spans.first
+        digests = chain_digests(parent, spans.ids[start:start + (blocks - len(keys)) * self.block_size],
+                                self.block_size)
+        return [*keys, *(engine_block_key(published_hash(d)) for d in digests)], digests
+
+    def _lead(self, text: str, stream: _Stream, keys: list[int], digests: list[bytes]) -> _Lead | None:
+        """The memo of leading messages that render as `text`, from the stream of a prompt that
+        starts with it, and the prompt's keys and digests (_finish); None if no word starts far
+        enough before the text's end to splice at."""
+        if len(text) > self._limit:  # every prompt's keys are those of the text tokenized
+            return _Lead(text[:self._limit + 1], tuple(keys), b"", Spans(0, [], [], []), 0, 0, True)
+        known, spans = len(stream.keys), stream.spans
+        inside = spans.first + bisect.bisect_left(spans.starts, len(text))  # tokens starting in text
+        cut = _word_start(spans, inside - CUT_MARGIN_TOKENS)
+        overlap = None if cut is None else _word_start(spans, cut - OVERLAP_TOKENS)
+        if overlap is None or cut < known * self.block_size:
+            return None
+        # Its blocks end before the cut, so before the prompt's usable end: the prompt's digests.
+        blocks = min(cut // self.block_size, self.max_blocks)
+        final = cut >= self.max_blocks * self.block_size + CUT_MARGIN_TOKENS
+        first = overlap if final else min(blocks * self.block_size, overlap)
+        kept = slice(first - spans.first, cut - spans.first)
+        parent = digests[blocks - known - 1] if blocks > known else stream.parent
+        lead = _Lead(text, tuple(keys[:blocks]), parent,
+                     Spans(first, spans.ids[kept], spans.starts[kept], spans.words[kept]),
+                     overlap - first, spans.starts[cut - spans.first], final)
+        # A final lead is never spliced again, so its check is made now, on its own text.
+        return None if final and self._splice(lead, text) is None else lead
+
+    def _render(self, rendered: list[dict[str, str]], add_generation_prompt: bool) -> str | None:
+        """The chat template's prompt; None when the model has no template or the template
+        refuses the messages."""
         if self._template is None:
             return None
-        rendered = []
-        for message in messages:
-            content = _text_of(message.content)
-            if content is None:
-                return None
-            rendered.append({"role": message.role, "content": content})
         try:
-            return self._template.render(messages=rendered, add_generation_prompt=True,
+            return self._template.render(messages=rendered, add_generation_prompt=add_generation_prompt,
                                          **self._special_tokens)
         except Exception:  # the template refuses these messages (raise_exception): so would vLLM
             return None
+
+
+def _template_messages(messages: Sequence[Any]) -> list[dict[str, str]] | None:
+    """Messages as the chat template gets them; None if one is not text (an image part)."""
+    rendered = []
+    for message in messages:
+        content = _text_of(message.content)
+        if content is None:
+            return None
+        rendered.append({"role": message.role, "content": content})
+    return rendered
+
+
+def _leading_hashes(rendered: list[dict[str, str]]) -> list[int]:
+    """A hash of the text of each run of leading messages: the first, the first two, ..., all
+    but the last. Only a lookup: an entry serves a prompt only if it starts with its text."""
+    hashes, running = [], 0
+    for message in rendered[:-1]:
+        running = hash((running, message["role"], message["content"]))
+        hashes.append(running)
+    return hashes
+
+
+def _word_start(spans: Spans, at_most: int) -> int | None:
+    """The last token at or before number `at_most` that starts a word, if spans has one."""
+    for index in range(min(at_most, spans.end - 1), spans.first - 1, -1):
+        if spans.words[index - spans.first]:
+            return index
+    return None
 
 
 def _text_of(content: Any) -> str | None:
@@ -138,7 +363,8 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
-def load(model_dir: str, block_size: int, max_blocks: int, seed: str = DEFAULT_SEED) -> EnginePrefix:
+def load(model_dir: str, block_size: int, max_blocks: int, seed: str = DEFAULT_SEED,
+         memo_entries: int = LEAD_MEMO_ENTRIES) -> EnginePrefix:
     """The tokenizer and chat template of the model in `model_dir`; EnginePrefixError if either
     library is missing or the directory has no tokenizer.json."""
     try:
@@ -162,8 +388,17 @@ def load(model_dir: str, block_size: int, max_blocks: int, seed: str = DEFAULT_S
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    return EnginePrefix(encode, template, {k: v for k, v in special.items() if v is not None},
-                        block_size, max_blocks, seed)
+    def encode_spans(text: str) -> Spans:
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        words = encoding.word_ids
+        # A token starts a word where its word differs from the one before (two tokens of no
+        # word, None, count as one word: a splice point fewer, never a wrong one).
+        return Spans(0, encoding.ids, list(map(itemgetter(0), encoding.offsets)),
+                     [True, *map(ne, words[1:], words[:-1])] if words else [])
+
+    return EnginePrefix(encode, encode_spans, template,
+                        {k: v for k, v in special.items() if v is not None},
+                        block_size, max_blocks, seed, memo_entries)
 
 
 def from_settings(settings: Any) -> EnginePrefix | None:

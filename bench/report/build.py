@@ -54,6 +54,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("metrics.json", others.metrics_section),
+        ("prefix_keys.json", others.prefix_keys_section),
         ("events.json", others.events_section),
         ("events_warm.json", lambda d: others.events_section(
             d, "events_warm.json", "Sidecar event cost, ticks back to back (caches warm)")),

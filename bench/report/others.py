@@ -1,6 +1,7 @@
 """Sections for the older results files, in their own shapes: the selection path
 (bench/results/select.json, bench/bench_select.py), a worker's own CPU per request
-(pipeline_cost.json, bench/pipeline_cost.py) and predicted pressure
+(pipeline_cost.json, bench/pipeline_cost.py), naming a chat prompt's blocks as the engine
+does (prefix_keys.json, bench/bench_prefix_keys.py) and predicted pressure
 (bench/results/pressure.json and pressure_vllm.json, bench/bench_pressure.py: simulated
 instances, and real vLLM engines)."""
 
@@ -58,6 +59,32 @@ def metrics_section(data: dict[str, Any]) -> str:
                      + table(["case", "median (ns)", "fastest (ns)"], rows)
                      + "\n\nprometheus_client's multiprocess values over the product's: "
                      + "; ".join(f"`{k}` {num(v)}×" for k, v in ratios.items()))
+    parts.append(blocks.method(data))
+    return "\n\n".join(p for p in parts if p)
+
+
+def prefix_keys_section(data: dict[str, Any]) -> str:
+    """bench/results/prefix_keys.json (bench/bench_prefix_keys.py): a worker's CPU to name a
+    chat request's blocks as the engine does, the whole prompt against the memo."""
+    parts = ["## Naming a chat prompt's blocks as the engine does (µs of CPU per request)",
+             *blocks.header_blocks(data, "prefix_keys.json")]
+    for size, result in (data.get("results") or {}).items():
+        rows = []
+        for name, case in (result.get("cases") or {}).items():
+            split = case.get("parts_us_median") or {}
+            memo = case.get("memo") or {}
+            rows.append([f"`{name}`", num((case.get("cpu_us_per_request") or {}).get("median")),
+                         *[num(split.get(p)) for p in ("render", "tokenize", "hash", "other")],
+                         " / ".join(num(memo.get(k)) for k in ("hits", "partial", "misses", "fallbacks"))])
+        parts.append(
+            f"Blocks of {size} tokens, prompts of ~{num(result.get('prompt_tokens_median'))} tokens; "
+            f"{num(data.get('repeats'))} interleaved blocks of {num(data.get('requests_per_block'))} "
+            "requests a case:\n\n"
+            + table(["case", "median", "render", "tokenize", "hash", "other",
+                     "memo hits / partial / misses / fallbacks"], rows)
+            + f"\n\nwhole / memo {num(result.get('whole_over_memo'))}×; multiturn whole / memo "
+            f"{num(result.get('multiturn_whole_over_memo'))}×; a miss costs "
+            f"{num(result.get('miss_over_whole'))}× whole")
     parts.append(blocks.method(data))
     return "\n\n".join(p for p in parts if p)
 
