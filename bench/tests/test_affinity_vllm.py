@@ -16,7 +16,8 @@ from bench.affinity_vllm import contenders, engine_side, figures, runner, target
 from bench.affinity_vllm.load import Outcome
 from bench.machine import run_record
 from bench.report import affinity_vllm as report
-from tests.real_engine.engines import TINY_MODEL, VllmEngine
+from tests.real_engine.build_tiny_model import write_tokenizer_files
+from tests.real_engine.engines import VllmEngine
 
 
 # --- the workload ----------------------------------------------------------------------------------
@@ -69,17 +70,17 @@ def test_the_body_is_a_streaming_chat_that_decodes_exactly_max_tokens():
     assert body["messages"] == [{"role": "system", "content": "sys one"}, {"role": "user", "content": "Request 0: w1"}]
 
 
-@pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="the tiny model (make install-vllm)")
-def test_with_the_engines_tokenizer_requests_of_one_system_prompt_share_its_seven_blocks():
+def test_with_the_engines_tokenizer_requests_of_one_system_prompt_share_its_seven_blocks(tmp_path):
     from cacheroute_proxy import engine_prefix
 
-    tokenizer = workload.load_tokenizer(TINY_MODEL)
+    model = write_tokenizer_files(tmp_path / "tiny-llama")  # the tiny model's own tokenizer and template
+    tokenizer = workload.load_tokenizer(model)
     prompts = workload.system_prompts(tokenizer, seed=1)
     assert {len(tokenizer.encode(p)) for p in prompts} == {896}
     planned = workload.plan(tokenizer, 1, 50)
     assert {len(tokenizer.encode(p.user)) for p in planned} == {64}
     first, second = [p for p in planned if p.system == planned[0].system][:2]
-    prefix = engine_prefix.load(str(TINY_MODEL), workload.BLOCK_TOKENS, 32)
+    prefix = engine_prefix.load(str(model), workload.BLOCK_TOKENS, 32)
 
     def keys(request: workload.Planned) -> list[int]:
         return prefix.chat_keys([SimpleNamespace(**m) for m in workload.body(request, prompts, 8)["messages"]])
