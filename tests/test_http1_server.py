@@ -464,6 +464,7 @@ def test_drain_deadline_cuts_a_request_with_503() -> None:
         running.call(running.server.request_exit)
         status, headers, body = read_response(sock, buf)
         assert status == 503 and json.loads(body)["error"] == "worker_draining"
+        assert headers["retry-after"] == "1"  # as every 429 and 503 the proxy answers itself
         running.thread.join(timeout=10)
         assert running.drain.cut == 1
     finally:

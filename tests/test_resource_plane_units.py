@@ -420,7 +420,7 @@ def test_static_instances_parse_with_default_ids() -> None:
     ("https://127.0.0.1:8000", "http://"), ("127.0.0.1:8000", "http://"), ("http://:8000", "no host"),
     ("http://127.0.0.1:99999", "port"), ("http://127.0.0.1:8000/v1", "path"),
     ("http://127.0.0.1:8000?x=1", "path"), ("http://u:p@127.0.0.1:8000", "password"),
-    ("http://a_b:1", "host"), ("http://127.0.0.1:8000=", "empty id"),
+    ("http://a_b:1", "host 'a_b' is not a host name, an IPv4 address or an IPv6 address"), ("http://127.0.0.1:8000=", "empty id"),
     ("http://127.0.0.1:8000=a,http://127.0.0.1:8001=a", "twice"),
     ("http://127.0.0.1:8000,http://127.0.0.1:8000", "twice"),
     ("http://127.0.0.1:8000=" + "x" * 113, "112 bytes"),
