@@ -376,15 +376,20 @@ def test_a_client_that_pipelines_and_leaves_is_seen(srv: Running) -> None:
 
 
 def test_pipelined_bytes_past_the_bound_wait_their_turn(srv: Running) -> None:
-    """Behind a request in flight, a pipelined request with a large body is read only up to a
-    bound, then reading pauses; once its turn comes it is read and answered, in order."""
+    """Behind a request in flight, what follows a pipelined request's head is held unparsed
+    only up to a bound, then reading pauses; once its turn comes it is read and answered, in
+    order."""
     sock, buf = connect(srv.port), bytearray()
     sock.sendall(post("/hang", b""))
     wait_until(lambda: srv.server.requests_in_flight() == 1, 5, message="request running")
     large = b"p" * 1_000_000
-    sender = threading.Thread(target=sock.sendall,
-                              args=(post("/echo-large", large) + post("/echo", b"last"),))
-    sender.start()
+    pipelined = post("/echo-large", large) + post("/echo", b"last")
+    head_end = pipelined.index(b"\r\n\r\n") + 4
+    sock.sendall(pipelined[:head_end])  # the head alone: its request waits its turn
+    wait_until(lambda: any(c.queued for c in list(srv.server.connections)), 5,
+               message="the second request waits its turn")
+    sender = threading.Thread(target=sock.sendall, args=(pipelined[head_end:],))
+    sender.start()  # its body and the next request, held behind it
     wait_until(lambda: any(c.reading_paused for c in list(srv.server.connections)), 5,
                message="reading paused past the bound")
     srv.call(srv.app.release.set)
