@@ -51,10 +51,11 @@ from typing import Any
 import aiohttp
 
 from bench.affinity_ceiling import ceilings
-from bench.launch import wait_for
+from bench.launch import name_values, wait_for
 from bench.machine import machine_info, run_record, utc_now, write_report
 from bench.stats import percentile
-from bench.streamed import stream_chat
+from bench.arrivals import closed_loop, open_loop
+from bench.streamed import kv_aware_choice, stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
 SYSTEM_PROMPTS = 4
@@ -176,18 +177,19 @@ class Outcome:
     resident: int = 0
     guard: bool | None = None
     saved_ms: float | None = None
+    ended_at: float | None = None  # time.monotonic() when the answer ended
     error: str | None = None
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], knowledge: bool) -> Outcome:
     streamed = await stream_chat(session, url, body)
-    outcome = Outcome(knowledge, streamed.ttft_ms, streamed.instance, error=streamed.error)
+    choice = kv_aware_choice(streamed.meta)
+    outcome = Outcome(knowledge, streamed.ttft_ms, streamed.instance, guard=choice.guard,
+                      saved_ms=choice.saved_ms, ended_at=streamed.ended_at, error=streamed.error)
     meta = streamed.meta
     if meta is not None:
         outcome.kv_ready = len(meta.get("kv_ready_kids") or [])
         outcome.resident = len(meta.get("resident_kids") or [])
-        outcome.guard = meta["trace"].get("affinity_guard")
-        outcome.saved_ms = meta["trace"].get("affinity_saved_ms")
         if meta.get("error"):
             outcome.error = meta["error"]
     return outcome
@@ -201,40 +203,24 @@ def _session() -> aiohttp.ClientSession:
 async def drive(url: str, planned: list[Planned], kdn_addr: str, tokens: dict[str, int]) -> list[Outcome]:
     """Open loop: each request at its planned time, whatever the others are doing."""
     async with _session() as session:
-        begin = time.monotonic()
-        tasks = []
-        for request in planned:
-            delay = request.at_s - (time.monotonic() - begin)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, url, body_of(request, kdn_addr, tokens),
-                                                  bool(request.kids))))
-        return list(await asyncio.gather(*tasks))
+        return await open_loop(((p.at_s, p) for p in planned), lambda request: _one(
+            session, url, body_of(request, kdn_addr, tokens), bool(request.kids)))
 
 
-async def closed_loop(url: str, workload: Workload, seed: int, kdn_addr: str, tokens: dict[str, int],
-                      concurrency: int, seconds: float) -> dict[str, Any]:
+async def closed_loop_rate(url: str, workload: Workload, seed: int, kdn_addr: str, tokens: dict[str, int],
+                           concurrency: int, seconds: float) -> dict[str, Any]:
     """`concurrency` streams back to back for `seconds` (the first BURST_S warm up, uncounted):
     completed requests a second."""
-    stream = requests_of(workload, random.Random(seed))
-    done: list[float] = []
-    errors = 0
     begin = time.monotonic()
-
-    async def loop(session: aiohttp.ClientSession) -> None:
-        nonlocal errors
-        while time.monotonic() - begin < seconds:
-            kids, system, question = next(stream)
-            outcome = await _one(session, url, body_of(Planned(0.0, kids, system, question), kdn_addr, tokens),
-                                 bool(kids))
-            if outcome.error is None:
-                done.append(time.monotonic() - begin)
-            else:
-                errors += 1
     async with _session() as session:
-        await asyncio.gather(*(loop(session) for _ in range(concurrency)))
-    counted = [t for t in done if BURST_S <= t <= seconds]
-    return {"concurrency": concurrency, "seconds": seconds, "completed": len(counted), "errors": errors,
+        outcomes = await closed_loop(requests_of(workload, random.Random(seed)), concurrency,
+                                     lambda request: _one(session, url, body_of(Planned(0.0, *request), kdn_addr,
+                                                                                 tokens), bool(request[0])),
+                                     seconds)
+    counted = [o for o in outcomes if o.error is None and o.ended_at is not None
+               and BURST_S <= o.ended_at - begin <= seconds]
+    return {"concurrency": concurrency, "seconds": seconds, "completed": len(counted),
+            "errors": sum(1 for o in outcomes if o.error is not None),
             "saturation_rps": round(len(counted) / (seconds - BURST_S), 2)}
 
 
@@ -387,7 +373,7 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
 def _stack(contender: Contender, args: argparse.Namespace, workload: Workload) -> Stack:
     return Stack(contender, workload, args.time_scale, args.capacity_tokens,
                  Path(tempfile.mkdtemp(prefix="bench-affinity-")),
-                 extra_env=dict(item.split("=", 1) for item in args.env))
+                 extra_env=name_values(args.env))
 
 
 def calibrate(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -395,7 +381,7 @@ def calibrate(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     try:
         stack.start()
         tokens = corpus_tokens(stack.kdn_url, workload)
-        return {"contender": CALIBRATION.name, **asyncio.run(closed_loop(
+        return {"contender": CALIBRATION.name, **asyncio.run(closed_loop_rate(
             stack.ports.dp_url, workload, args.seed + 1000, stack.kdn_addr, tokens,  # type: ignore[union-attr]
             CALIBRATION_CONCURRENCY, args.calibration_s))}
     finally:
@@ -472,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
               "mean_rate_rps": round(mean_rate, 3), "duration_s": round(planned[-1].at_s, 1),
               "capacity_tokens": args.capacity_tokens, "instances": INSTANCES, "slow_factor": SLOW_FACTOR,
               "fair_share": fair_shares(), "replayed_without_load": ceiling,
-              "proxy_env": dict(item.split("=", 1) for item in args.env), "results": results}
+              "proxy_env": name_values(args.env), "results": results}
     write_report(args.out, report)
     return 0
 

@@ -55,6 +55,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
     raise StartError(f"{what}: not ready after {timeout:.0f} s\n{log()}")
 
 
+def name_values(items: list[str]) -> dict[str, str]:
+    """A command line's repeated NAME=VALUE options (proxy settings) as a dict; a malformed one
+    stops the benchmark naming it."""
+    found = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
+        found[name] = value
+    return found
+
+
 def answers_ok(url: str) -> bool:
     return http_json("GET", url, timeout=2.0)[0] == 200
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -49,3 +49,19 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, 
         begin = at + len(_META_MARKER)
         out.meta = json.loads(received[begin:received.index(b"\n", begin)])
     return out
+
+
+class KvAwareChoice(NamedTuple):
+    """What kv_aware said of its choice in `cacheroute_meta.trace` (all None for another
+    strategy): the balance guard fired, what the chosen instance's holding saved of the
+    predicted TTFT, and that prediction."""
+    guard: bool | None = None
+    saved_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+
+
+def kv_aware_choice(meta: dict[str, Any] | None) -> KvAwareChoice:
+    trace = (meta or {}).get("trace") or {}
+    return KvAwareChoice(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
+                         trace.get("route_predicted_ttft_ms"))
+

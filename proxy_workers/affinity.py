@@ -1,54 +1,30 @@
-"""Affinity for kv_aware (docs/architecture.md §4.4): which keys each instance holds KV for, or
-is about to, and what the request would cost on each.
+"""kv_aware's pricing (docs/architecture.md §4.4): what a request would cost on each candidate,
+given what each holds of it (`affinity_index`).
 
 Keys (cacheroute_proxy/affinity_keys.py) are 64-bit hashes: of a knowledge id, or of a block
 of a plain OpenAI request's rendered prompt (fixed-size blocks, each hash chained on the one
 before, so two prompts that share a prefix share their leading hashes, as vLLM's automatic
 prefix cache shares their leading KV blocks).
 
-A key is held by an instance when the affinity index confirms it (the sidecar heard the inject
-acknowledged, the prompt sent, or the engine's own KV event) or when a routing decision claims
-it (`Claim`): the deciding worker appends the claim to the shared claims ring the moment it
-chooses, so a second request for the same knowledge or prompt, on any worker, goes the same
-way before anything is confirmed. A claim ends when the index confirms its keys, when its
-request withdraws what it did not make resident (a failed attempt, a refused inject) or after
-PROXY_AFFINITY_PENDING_S.
-
-Two views, by PROXY_AFFINITY_VIEW:
-- `SharedAffinity` (the default) reads the host-wide index the sidecar publishes in the shared
-  segment (shm_schema.affinity) and every worker's claims (shm_schema.claims);
-- `PerWorkerAffinity`, the ablation, knows only what this worker itself sent and claimed, with
-  the same LRU bound (the capacity the sidecar publishes for the instance), like N proxies that
-  each keep their own index.
-Both report what this worker sends (acknowledged knowledge, forwarded prefix blocks) to the
-sidecar as RESIDENT / PREFIX events, so the shared index hears from every worker.
-
-`AffinityScorer.assess` prices what a request would cost on each candidate given what it holds:
-the prefill of the prompt tokens not held and the KV transfer of the knowledge not held; the
-router adds each instance's queue wait and pace (KvAwareStrategy).
+`AffinityScorer.assess` prices what a request would cost on each candidate: the prefill of the
+prompt tokens not held and the KV transfer of the knowledge not held; the router adds each
+instance's queue wait and pace (KvAwareStrategy).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_proxy.routing.strategies import Prediction
-from shm_schema import InstanceSlot, Segment, layout
-from shm_schema.affinity import AFFINITY_ENTRIES, AffinityReader
-from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
-from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM
+from shm_schema import InstanceSlot, layout
+from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
 
+from .affinity_index import AffinityIndex, Claim
 from .request_model import Endpoint, ProxyRequest
-from .tracker import RequestTracker
-
-Where = tuple[int, int, int]  # (slot, generation, kind)
-PRUNE_EVERY_US = 1_000_000
 
 
 def rendered_prompt(request: ProxyRequest) -> str | None:
@@ -63,202 +39,6 @@ def rendered_prompt(request: ProxyRequest) -> str | None:
         return "".join(f"<|{m.role}|>{m.content if isinstance(m.content, str) else m.content!s}"
                        for m in raw)
     return raw if isinstance(raw, str) else str(raw)
-
-
-class Residency(NamedTuple):
-    """What the index confirms an instance holds."""
-    knowledge: frozenset[int]
-    prefix: frozenset[int]
-
-
-_NOTHING = Residency(frozenset(), frozenset())
-
-
-class PendingClaims:
-    """Routing decisions the index has not confirmed yet: per (instance, kind), key -> {claim id:
-    expiry (us)}. A key is pending while one of its claims stands."""
-
-    def __init__(self, ttl_s: float) -> None:
-        self._ttl_us = int(ttl_s * 1e6)
-        self._held: dict[Where, dict[int, dict[int, int]]] = {}
-        self._next_prune_us = 0
-
-    def add(self, where: Where, keys: Sequence[int], claim: int, t_us: int) -> None:
-        held = self._held.setdefault(where, {})
-        expires = t_us + self._ttl_us
-        for key in keys:
-            held.setdefault(key, {})[claim] = expires
-
-    def remove(self, where: Where, keys: Sequence[int], claim: int) -> None:
-        held = self._held.get(where)
-        if not held:
-            return
-        for key in keys:
-            claims = held.get(key)
-            if claims is not None:
-                claims.pop(claim, None)
-                if not claims:
-                    del held[key]
-
-    def apply(self, record: Claimed) -> None:
-        """A record of the claims ring (any worker's)."""
-        where = (record.slot, record.generation, record.kind)
-        if record.op == CLAIM_OP_CLAIM:
-            self.add(where, record.keys, record.claim, record.t_us)
-        else:
-            self.remove(where, record.keys, record.claim)
-
-    def holds(self, where: Where, key: int, now: int) -> bool:
-        held = self._held.get(where)
-        claims = held.get(key) if held else None
-        if not claims:
-            return False
-        if max(claims.values()) > now:
-            return True
-        del held[key]  # type: ignore[union-attr]  # every claim on it lapsed
-        return False
-
-    def confirmed(self, where: Where, key: int) -> None:
-        """The index holds `key` now: the claims on it are done (so that an eviction the index
-        reports later is not hidden by them)."""
-        held = self._held.get(where)
-        if held:
-            held.pop(key, None)
-
-    def count(self, where: Where, now: int) -> int:
-        held = self._held.get(where)
-        return sum(1 for claims in held.values() if max(claims.values()) > now) if held else 0
-
-    def prune(self, now: int) -> None:
-        """Forget lapsed claims (at most once a second)."""
-        if now < self._next_prune_us:
-            return
-        self._next_prune_us = now + PRUNE_EVERY_US
-        for where in list(self._held):
-            held = self._held[where]
-            for key in [k for k, claims in held.items() if max(claims.values()) <= now]:
-                del held[key]
-            if not held:
-                del self._held[where]
-
-
-class AffinityIndex(Protocol):
-    mode: str
-    pending: PendingClaims
-
-    def refresh(self, now: int) -> None: ...
-
-    def residency(self, instance: InstanceSlot) -> Residency: ...
-
-    def capacity_tokens(self, instance: InstanceSlot) -> int: ...
-
-    def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int: ...
-
-    def drop(self, instance: InstanceSlot, claim: int, groups: Sequence[KeyGroup]) -> None: ...
-
-    def acknowledged(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None: ...
-
-    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None: ...
-
-
-class SharedAffinity:
-    """The host-wide index: read from the segment, fed through the event channel; every
-    worker's claims, from the claims ring."""
-
-    mode = "shared"
-
-    def __init__(self, seg: Segment, tracker: RequestTracker, pending_s: float) -> None:
-        self._reader = AffinityReader(seg)
-        self._tracker = tracker
-        self.pending = PendingClaims(pending_s)
-        self._claim_writer = ClaimWriter(seg)
-        self._claim_reader = ClaimReader(seg)
-
-    def refresh(self, now: int) -> None:
-        """Take in the claims every worker made since the last selection."""
-        for record in self._claim_reader.poll(now):
-            self.pending.apply(record)
-        self.pending.prune(now)
-
-    def residency(self, instance: InstanceSlot) -> Residency:
-        row = self._reader.row(instance.slot, instance.generation)
-        return Residency(row.knowledge, row.prefix)
-
-    def capacity_tokens(self, instance: InstanceSlot) -> int:
-        return self._reader.row(instance.slot, instance.generation).capacity_tokens
-
-    def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int:
-        return self._claim_writer.claim(instance.slot, instance.generation, groups)
-
-    def drop(self, instance: InstanceSlot, claim: int, groups: Sequence[KeyGroup]) -> None:
-        self._claim_writer.drop(claim, instance.slot, instance.generation, groups)
-
-    def acknowledged(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        self._tracker.residency(instance.slot, instance.generation, keys, tokens_each, prefix=False)
-
-    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        self._tracker.residency(instance.slot, instance.generation, keys, tokens_each, prefix=True)
-
-
-class PerWorkerAffinity(SharedAffinity):
-    """Only what this worker sent and claimed: its own LRU per instance (bounded as the sidecar's
-    model: by the capacity the sidecar publishes, and by AFFINITY_ENTRIES) and its own claims,
-    which no other worker reads."""
-
-    mode = "per_worker"
-
-    def __init__(self, seg: Segment, tracker: RequestTracker, pending_s: float) -> None:
-        super().__init__(seg, tracker, pending_s)
-        self._models: dict[tuple[int, int], OrderedDict[int, tuple[bool, int]]] = {}
-        self._claim_ids = itertools.count()
-
-    def refresh(self, now: int) -> None:
-        self.pending.prune(now)
-
-    def residency(self, instance: InstanceSlot) -> Residency:
-        model = self._models.get((instance.slot, instance.generation))
-        if not model:
-            return _NOTHING
-        return Residency(frozenset(k for k, (prefix, _) in model.items() if not prefix),
-                         frozenset(k for k, (prefix, _) in model.items() if prefix))
-
-    def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int:
-        claim, now = next(self._claim_ids), now_us()
-        for group in groups:
-            self.pending.add((instance.slot, instance.generation, group.kind), group.keys, claim, now)
-        return claim
-
-    def drop(self, instance: InstanceSlot, claim: int, groups: Sequence[KeyGroup]) -> None:
-        for group in groups:
-            self.pending.remove((instance.slot, instance.generation, group.kind), group.keys, claim)
-
-    def acknowledged(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        super().acknowledged(instance, keys, tokens_each)
-        self._remember(instance, keys, tokens_each, prefix=False)
-
-    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        super().forwarded(instance, keys, tokens_each)
-        self._remember(instance, keys, tokens_each, prefix=True)
-
-    def _remember(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int,
-                  prefix: bool) -> None:
-        where = (instance.slot, instance.generation)
-        if len(self._models) > 4 * 1024:  # forget instances long gone
-            self._models.clear()
-        model = self._models.setdefault(where, OrderedDict())
-        for key in keys:
-            model.pop(key, None)
-            model[key] = (prefix, tokens_each)
-        capacity = self.capacity_tokens(instance)
-        used = sum(tokens for _, tokens in model.values())
-        while model and (len(model) > AFFINITY_ENTRIES or (capacity and used > capacity)):
-            _, (_, tokens) = model.popitem(last=False)
-            used -= tokens
-
-
-def make_index(settings: Settings, seg: Segment, tracker: RequestTracker) -> AffinityIndex:
-    view = PerWorkerAffinity if settings.affinity_view == "per_worker" else SharedAffinity
-    return view(seg, tracker, settings.affinity_pending_s)
 
 
 class _Holding(NamedTuple):
@@ -458,54 +238,6 @@ def _rounded(values: dict[str, float | None]) -> dict[str, float | None]:
     return {name: None if value is None else round(value, 1) for name, value in values.items()}
 
 
-class Claim:
-    """A request's routing decision, pending residency on its instance for every worker until the
-    index confirms it. What the attempt does not make resident -- knowledge whose inject was not
-    acknowledged, a prompt the instance did not take -- is withdrawn when its lease ends."""
-
-    __slots__ = ("id", "_index", "_instance", "_knowledge", "_tokens_each", "_prefix",
-                 "_block_tokens", "_kept_kids", "_prefix_kept", "_settled")
-
-    def __init__(self, index: AffinityIndex, instance: InstanceSlot, knowledge: dict[str, int],
-                 tokens_each: int, prefix: tuple[int, ...], block_tokens: int) -> None:
-        self.id = -1
-        self._index = index
-        self._instance = instance
-        self._knowledge = knowledge  # kid -> key
-        self._tokens_each = tokens_each
-        self._prefix = prefix
-        self._block_tokens = block_tokens
-        self._kept_kids: set[str] = set()
-        self._prefix_kept = False
-        self._settled = False
-
-    def groups(self, knowledge_keys: Any, prefix: Sequence[int]) -> list[KeyGroup]:
-        groups = []
-        if knowledge_keys:
-            groups.append(KeyGroup(AFFINITY_KNOWLEDGE, self._tokens_each, tuple(knowledge_keys)))
-        if prefix:
-            groups.append(KeyGroup(AFFINITY_PREFIX, self._block_tokens, tuple(prefix)))
-        return groups
-
-    def knowledge_acknowledged(self, kids: Sequence[str]) -> None:
-        """The instance acknowledged these ids' inject: the index will confirm them."""
-        self._kept_kids.update(kids)
-
-    def prompt_taken(self) -> None:
-        """The instance accepted the request: its prefill will cache the prompt's blocks."""
-        self._prefix_kept = True
-
-    def settle(self) -> None:
-        """At the end of the attempt: withdraw what it did not make resident (once)."""
-        if self._settled:
-            return
-        self._settled = True
-        dropped = [key for kid, key in self._knowledge.items() if kid not in self._kept_kids]
-        groups = self.groups(dropped, () if self._prefix_kept else self._prefix)
-        if groups:
-            self._index.drop(self._instance, self.id, groups)
-
-
 def debug_request(query: Any) -> ProxyRequest | None:
     """The request `/debug/instance_loads?knowledge=k1,k2` (kvcache injection,
     `knowledge_tokens` in all, 1000 an id by default) or `?prompt=TEXT` (a plain completion)
@@ -526,22 +258,3 @@ def debug_request(query: Any) -> ProxyRequest | None:
                             model=None, request_id=0, token_length=None, source="openai",
                             prompt_tokens=max(1, -(-len(prompt) // 4)), parsed_prompt=prompt)
     return None
-
-
-def report_residency(index: AffinityIndex, instance: InstanceSlot, request: ProxyRequest,
-                     acknowledged_kids: Sequence[str], prefix: Sequence[int],
-                     block_tokens: int) -> None:
-    """After a request: the knowledge the instance acknowledged (or already held) and the
-    prefix blocks it was sent are now resident there, most recently used."""
-    spec = request.knowledge
-    if acknowledged_kids and spec is not None:
-        wanted = max(1, len(spec.knowledge_ids))
-        index.acknowledged(instance, [knowledge_key(k) for k in acknowledged_kids],
-                           spec.knowledge_tokens // wanted)
-    if prefix:
-        index.forwarded(instance, prefix, block_tokens)
-
-
-__all__ = ["AffinityIndex", "AffinityScorer", "Assessment", "Claim", "PendingClaims",
-           "PerWorkerAffinity", "Residency", "SharedAffinity", "knowledge_key", "make_index",
-           "prefix_keys", "rendered_prompt", "report_residency"]

@@ -32,7 +32,7 @@ from shm_schema import Admission, layout
 
 from . import metrics
 from .admission import AdmissionQueue
-from .affinity import AffinityIndex, report_residency
+from .affinity_index import AffinityIndex, report_residency
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
 from .refusals import no_instance, queue_full, queue_timeout

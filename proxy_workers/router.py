@@ -24,7 +24,8 @@ from shm_schema import (
     header,
 )
 
-from .affinity import AffinityScorer, Assessment, Claim, debug_request
+from .affinity import AffinityScorer, Assessment, debug_request
+from .affinity_index import Claim
 from .outliers import OutlierTracker
 from .refusals import NO_ALIVE_INSTANCE, no_instance
 from .request_model import ProxyRequest

@@ -22,7 +22,8 @@ from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 from proxy_workers.predictors import get_predictors
 
 from . import metrics
-from .affinity import AffinityScorer, make_index
+from .affinity import AffinityScorer
+from .affinity_index import make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
 from cacheroute_proxy.http1 import Http1Server, head_limits

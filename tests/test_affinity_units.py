@@ -7,7 +7,8 @@ import pytest
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys
 from cacheroute_proxy.config import ConfigError, Settings
-from proxy_workers.affinity import AffinityScorer, PerWorkerAffinity, SharedAffinity, rendered_prompt
+from proxy_workers.affinity import AffinityScorer, rendered_prompt
+from proxy_workers.affinity_index import PerWorkerAffinity, SharedAffinity
 from proxy_workers.kdn_links import LinkTable
 from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.predictors import get_predictors

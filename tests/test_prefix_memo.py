@@ -179,17 +179,24 @@ def test_the_memo_is_bounded_and_rebuilds_what_it_evicted(tiny_model) -> None:
     assert prefix.chat_keys(chat) == full_keys(tiny_model, chat) and prefix.memo_stats().hits == 1
 
 
+def _memo_stats_of_whole_prompts(model_dir: Path, block: int, max_blocks: int, system: str,
+                                 questions: tuple[str, ...]) -> Any:
+    """Chats of `system` and each question: the memoized keys equal the whole prompt's; the
+    memo's counters after them."""
+    prefix = engine_prefix.load(str(model_dir), block, max_blocks)
+    whole = engine_prefix.load(str(model_dir), block, max_blocks, memo_entries=0)
+    for question in questions:
+        chat = [Message("system", system), Message("user", question)]
+        assert prefix.chat_keys(chat) == whole.keys(whole.chat_tokens(chat))
+    return prefix.memo_stats()
+
+
 def test_leading_messages_the_template_renders_differently_are_not_memoized(tmp_path, tiny_model) -> None:
     """A template that renders the last message apart: what it renders of the leading messages
     alone is not the start of the prompt, so every such prompt is tokenized whole."""
     (tmp_path / "tokenizer.json").write_bytes((tiny_model / "tokenizer.json").read_bytes())
     (tmp_path / "chat_template.jinja").write_text(TEMPLATE_LAST)
-    prefix = engine_prefix.load(str(tmp_path), 16, 64)
-    whole = engine_prefix.load(str(tmp_path), 16, 64, memo_entries=0)
-    for question in ("one", "two", "three"):
-        chat = [Message("system", SYSTEMS[0]), Message("user", question)]
-        assert prefix.chat_keys(chat) == whole.keys(whole.chat_tokens(chat))
-    stats = prefix.memo_stats()
+    stats = _memo_stats_of_whole_prompts(tmp_path, 16, 64, SYSTEMS[0], ("one", "two", "three"))
     assert stats.hits == 0 and stats.misses == 1 and stats.fallbacks == 2
 
 
@@ -208,12 +215,7 @@ def test_a_tokenizer_that_cannot_restart_mid_text_falls_back_to_the_whole_prompt
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}))
-    prefix = engine_prefix.load(str(tmp_path), 4, 256)
-    whole = engine_prefix.load(str(tmp_path), 4, 256, memo_entries=0)
-    for question in ("who", "what", "fox"):
-        chat = [Message("system", lines), Message("user", question)]
-        assert prefix.chat_keys(chat) == whole.keys(whole.chat_tokens(chat))
-    stats = prefix.memo_stats()
+    stats = _memo_stats_of_whole_prompts(tmp_path, 4, 256, lines, ("who", "what", "fox"))
     assert stats.hits == 0 and stats.fallbacks == 2, stats
 
 
@@ -229,10 +231,5 @@ def test_a_tokenizer_without_words_is_never_spliced(tmp_path) -> None:
         vocab_size=200, special_tokens=["<unk>"], show_progress=False))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    prefix = engine_prefix.load(str(tmp_path), 4, 256)
-    whole = engine_prefix.load(str(tmp_path), 4, 256, memo_entries=0)
-    for question in ("who", "what", "fox"):
-        chat = [Message("system", SYSTEMS[0]), Message("user", question)]
-        assert prefix.chat_keys(chat) == whole.keys(whole.chat_tokens(chat))
-    stats = prefix.memo_stats()
+    stats = _memo_stats_of_whole_prompts(tmp_path, 4, 256, SYSTEMS[0], ("who", "what", "fox"))
     assert stats.hits == 0 and stats.misses == 1 and stats.fallbacks == 2, stats

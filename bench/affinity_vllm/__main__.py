@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.launch import name_values
 from bench.machine import git_commit, machine_info, run_record, uncommitted_changes, utc_now, write_report
 from tests.real_engine.engines import TINY_MODEL, stop_engines
 
@@ -27,16 +28,6 @@ from . import contenders, engine_side, figures, runner, targets, workload
 MAX_TOKENS = 32
 CALIBRATION_REQUESTS = 300
 CALIBRATION_CONCURRENCY = 16  # twice the engines' slots (2 × max_num_seqs 4): a queue, never an idle slot
-
-
-def _pairs(items: list[str]) -> dict[str, str]:
-    found = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
-        found[name] = value
-    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = engine_side.start(log_dir)
     try:
         setup = runner.Setup(engines, prompts, args.max_tokens, log_dir,
-                             _pairs(args.proxy_env), _pairs(args.kv_aware_env))
+                             name_values(args.proxy_env), name_values(args.kv_aware_env))
         engine = engine_side.describe(engines)
         if args.saturation_rps is None:
             calibration = runner.calibrate(setup, planned[:args.calibration_requests], args.calibration_concurrency)

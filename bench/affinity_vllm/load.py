@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from bench.streamed import stream_chat
+from bench import arrivals
+from bench.streamed import kv_aware_choice, stream_chat
 
 from .workload import Planned, body
 
@@ -34,17 +35,14 @@ class Outcome:
 
 async def _one(session: aiohttp.ClientSession, url: str, request_body: dict[str, Any], begin: float) -> Outcome:
     streamed = await stream_chat(session, url, request_body)
+    choice = kv_aware_choice(streamed.meta)
     outcome = Outcome(streamed.ttft_ms, None if streamed.ended_at is None else streamed.ended_at - begin,
-                      streamed.instance, error=streamed.error)
+                      streamed.instance, choice.guard, choice.saved_ms, choice.predicted_ttft_ms,
+                      streamed.error)
     if outcome.error is None and not streamed.finished:
         outcome.error = "stream ended without [DONE]"
-    meta = streamed.meta
-    if meta is not None:
-        trace = meta.get("trace") or {}
-        outcome.guard = trace.get("affinity_guard")
-        outcome.saved_ms = trace.get("affinity_saved_ms")
-        outcome.predicted_ttft_ms = trace.get("route_predicted_ttft_ms")
-        outcome.error = outcome.error or meta.get("error")
+    if streamed.meta is not None:
+        outcome.error = outcome.error or streamed.meta.get("error")
     return outcome
 
 
@@ -56,18 +54,14 @@ def _session() -> aiohttp.ClientSession:
 async def _open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate: float,
                      max_tokens: int) -> tuple[list[Outcome], float]:
     async with _session() as session:
-        begin, tasks = time.monotonic(), []
-        for request in planned:
-            delay = request.unit_at / rate - (time.monotonic() - begin)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, url, body(request, prompts, max_tokens), begin)))
-        outcomes = list(await asyncio.gather(*tasks))
+        begin = time.monotonic()
+        outcomes = await arrivals.open_loop(((p.unit_at / rate, p) for p in planned), lambda request: _one(
+            session, url, body(request, prompts, max_tokens), begin))
         return outcomes, time.monotonic() - begin
 
 
 def open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate: float,
-              max_tokens: int) -> tuple[list[Outcome], float]:
+                 max_tokens: int) -> tuple[list[Outcome], float]:
     """Every request at its planned time at `rate` requests/s; the outcomes in plan order and
     the seconds from the first send to the last end. Bounded: each request ends by
     REQUEST_TIMEOUT_S."""
@@ -76,20 +70,13 @@ def open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate
 
 async def _closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], concurrency: int,
                        max_tokens: int) -> list[Outcome]:
-    pending = iter(planned)
-    outcomes: list[Outcome] = []
     async with _session() as session:
         begin = time.monotonic()
-
-        async def sender() -> None:
-            for request in pending:
-                outcomes.append(await _one(session, url, body(request, prompts, max_tokens), begin))
-
-        await asyncio.gather(*(sender() for _ in range(concurrency)))
-    return outcomes
+        return await arrivals.closed_loop(iter(planned), concurrency, lambda request: _one(
+            session, url, body(request, prompts, max_tokens), begin))
 
 
 def closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], concurrency: int,
-                max_tokens: int) -> list[Outcome]:
+                   max_tokens: int) -> list[Outcome]:
     """`concurrency` requests in flight until `planned` is used up; outcomes in the order they ended."""
     return asyncio.run(_closed_loop(url, planned, prompts, concurrency, max_tokens))

@@ -14,6 +14,7 @@ import pytest
 from bench.affinity_vllm import __main__ as cli
 from bench.affinity_vllm import contenders, engine_side, figures, runner, targets, workload
 from bench.affinity_vllm.load import Outcome
+from bench.launch import name_values
 from bench.machine import run_record
 from bench.report import affinity_vllm as report
 from tests.real_engine.build_tiny_model import write_tokenizer_files
@@ -286,9 +287,9 @@ def test_against_the_peers_each_figure_is_judged_against_the_best_peer_on_it():
 
 # --- the command line and the report -----------------------------------------------------------------
 def test_settings_are_name_value_pairs_and_an_unknown_contender_fails_before_the_engines_start():
-    assert cli._pairs(["PROXY_A=1", "PROXY_B=x=y"]) == {"PROXY_A": "1", "PROXY_B": "x=y"}
+    assert name_values(["PROXY_A=1", "PROXY_B=x=y"]) == {"PROXY_A": "1", "PROXY_B": "x=y"}
     with pytest.raises(SystemExit):
-        cli._pairs(["PROXY_A"])
+        name_values(["PROXY_A"])
     with pytest.raises(ValueError, match="unknown contender 'nginx'"):
         cli.main(["--contenders", "kv_aware,nginx", "--out", "/nonexistent/never-written.json"])
 
