@@ -50,21 +50,18 @@ class _Holding(NamedTuple):
 
 
 def _homes(candidates: Sequence[InstanceSlot], holdings: Sequence[_Holding],
-           kid_keys: list[tuple[str, int]], blocks: list[int]) -> dict[int, tuple[int, int]]:
-    """Per candidate index: how many of the request's knowledge ids, and of its prompt's blocks,
-    it holds as their home. What no candidate holds, confirmed or claimed, has a home among the
-    candidates (a rendezvous hash of its key), which counts as holding it: so a prompt or an id
-    held nowhere -- never seen, or evicted everywhere -- goes back where it went before unless
-    that instance's queue costs more than a hit would save, and the instances' caches keep
-    apart what they hold instead of each coming to hold everything."""
+           kid_keys: list[tuple[str, int]]) -> dict[int, int]:
+    """Per candidate index: how many of the request's knowledge ids it holds as their home.
+    An id no candidate holds, confirmed or claimed (never sent, or evicted everywhere), counts
+    as held by its home, so it goes back where it went before unless that queue costs more
+    than a hit saves."""
     names = [c.instance_id for c in candidates]
-    homes: dict[int, list[int]] = {}
+    homes: dict[int, int] = {}
     for kid, key in kid_keys:
         if not any(kid in h.resident or kid in h.claimed for h in holdings):
-            homes.setdefault(rendezvous_home(key, names), [0, 0])[0] += 1
-    if blocks and not any(h.cached for h in holdings):
-        homes.setdefault(rendezvous_home(blocks[0], names), [0, 0])[1] += len(blocks)
-    return {index: (kids, prompt) for index, (kids, prompt) in homes.items()}
+            home = rendezvous_home(key, names)
+            homes[home] = homes.get(home, 0) + 1
+    return homes
 
 
 class Assessment(NamedTuple):
@@ -74,10 +71,14 @@ class Assessment(NamedTuple):
     prefix_blocks: int   # leading prompt blocks it holds, confirmed, claimed or as their home
     pending_blocks: int  # of those, claimed and not confirmed yet
     home_kids: int       # ids it counts as holding only as their home: no candidate holds them
-    home_blocks: int     # blocks likewise (the prompt's first block is held nowhere)
+    home_blocks: int     # the prompt's home: the blocks it is credited with and does not hold
     prefill_ms: float    # the prefill of what it does not hold, at the profile's pace
     transfer_ms: float   # the KDN -> instance transfer of the knowledge KV it does not hold
     saved_ms: float      # what holding what it holds saves, at the profile's pace
+    # Away from the prompt's home: what its blocks would save there, at the profile's pace --
+    # the cost of keeping them here, where they take the place of this instance's own prompts.
+    displace_ms: float
+    held_tokens: int     # prompt tokens it holds, confirmed or claimed: what its prefill skips
 
 
 # (instance id, KDN address, effective knowledge tokens) -> ms a KV transfer would take now
@@ -132,8 +133,13 @@ class AffinityScorer:
         if claims:
             self.index.refresh(now)
         holdings = [self._holding(instance, kid_keys, blocks, now if claims else 0) for instance in candidates]
-        homes = _homes(candidates, holdings, kid_keys, blocks) if claims and len(candidates) > 1 else {}
-        return [self._assessment(request, instance, holding, homes.get(index, (0, 0)), len(kid_keys))
+        homes = _homes(candidates, holdings, kid_keys) if claims and len(candidates) > 1 else {}
+        prompt_home = rendezvous_home(blocks[0], [c.instance_id for c in candidates]) \
+            if claims and blocks and len(candidates) > 1 else None
+        displace = self._prompt_saving(request, len(blocks)) if prompt_home is not None else 0.0
+        return [self._assessment(request, instance, holding, homes.get(index, 0),
+                                 len(blocks) - holding.cached if index == prompt_home else 0,
+                                 0.0 if index == prompt_home else displace, len(kid_keys))
                 for index, (instance, holding) in enumerate(zip(candidates, holdings))]
 
     def _holding(self, instance: InstanceSlot, kid_keys: list[tuple[str, int]], blocks: list[int],
@@ -164,12 +170,12 @@ class AffinityScorer:
         return _Holding(tuple(resident), tuple(claimed), cached, pending_blocks)
 
     def _assessment(self, request: ProxyRequest, instance: InstanceSlot, holding: _Holding,
-                    home: tuple[int, int], wanted: int) -> Assessment:
-        home_kids, home_blocks = home
+                    home_kids: int, home_blocks: int, displace_ms: float, wanted: int) -> Assessment:
         held_kids, cached = len(holding.resident) + len(holding.claimed) + home_kids, holding.cached + home_blocks
         prefill, transfer, saved = self._costs(request, instance, held_kids, wanted, cached)
+        held_tokens = min(request.prompt_tokens, holding.cached * self._settings.affinity_block_tokens)
         return Assessment(holding.resident, holding.claimed, cached, holding.pending_blocks, home_kids,
-                          home_blocks, prefill, transfer, saved)
+                          home_blocks, prefill, transfer, saved, displace_ms, held_tokens)
 
     def _costs(self, request: ProxyRequest, instance: InstanceSlot, held_kids: int, wanted: int,
                cached_blocks: int) -> tuple[float, float, float]:
@@ -188,10 +194,17 @@ class AffinityScorer:
                                         effective(knowledge * (wanted - held_kids) // wanted))
             everything = self._transfer_ms(instance.instance_id, spec.kdn_addr, effective(knowledge))
             return prefill, missing, everything - missing
-        cached = min(prompt, cached_blocks * self._settings.affinity_block_tokens)
-        prefill = predictors.text_service_ms(prompt - cached, 0)
-        saved = predictors.text_service_ms(prompt, 0) - prefill if cached else 0.0
-        return prefill, 0.0, saved
+        saved = self._prompt_saving(request, cached_blocks)
+        return predictors.text_service_ms(prompt, 0) - saved, 0.0, saved
+
+    def _prompt_saving(self, request: ProxyRequest, blocks: int) -> float:
+        """The prefill that holding the prompt's first `blocks` blocks saves, at the profile's pace."""
+        prompt = request.prompt_tokens
+        cached = min(prompt, blocks * self._settings.affinity_block_tokens)
+        if not cached:
+            return 0.0
+        text_service_ms = self._predictors.text_service_ms
+        return text_service_ms(prompt, 0) - text_service_ms(prompt - cached, 0)
 
     def claim(self, request: ProxyRequest, instance: InstanceSlot,
               assessment: Assessment) -> Claim | None:
@@ -229,6 +242,7 @@ class AffinityScorer:
                     "prefix_blocks": pending.count((instance.slot, instance.generation, AFFINITY_PREFIX), now)},
                 "capacity_tokens": self.index.capacity_tokens(instance) or None,
                 "saved_ms": round(assessment.saved_ms, 1),
+                "displace_ms": round(assessment.displace_ms, 1),
                 "predicted_ttft_ms": _rounded({"queue": prediction.queue_ms, "prefill": prediction.prefill_ms,
                                                "transfer": prediction.transfer_ms,
                                                "total": prediction.total_ms})}

@@ -277,8 +277,9 @@ class Pipeline:
             service = predictors.kvcache_service(request.prompt_tokens, knowledge_tokens).total_ms
         elif knowledge.kv_ready_kids or knowledge.text_only_kids:  # knowledge text in the prompt
             service = predictors.text_service_ms(request.prompt_tokens, knowledge_tokens)
-        else:
-            service = predictors.text_service_ms(request.prompt_tokens, 0)
+        else:  # less the prompt's leading blocks the instance holds (kv_aware knows them)
+            held = 0 if lease.choice.affinity is None else lease.choice.affinity.held_tokens
+            service = predictors.text_service_ms(request.prompt_tokens - held, 0)
         decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, 1)
         ready_wait = self._pressure_of(lease.instance)
         trace.predict_service_ms = round(service, 1)

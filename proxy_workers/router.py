@@ -191,7 +191,7 @@ class Router:
                      inflight: Sequence[int | None], assessments: Sequence[Assessment]) -> list[Prediction]:
         """Each candidate's queue wait and pace, with what the request would cost there."""
         waits = self.view.queue_waits(candidates, span, inflight)
-        return [Prediction(queue_ms, pace * a.prefill_ms, a.transfer_ms)
+        return [Prediction(queue_ms, pace * a.prefill_ms, a.transfer_ms, pace * a.displace_ms)
                 for (queue_ms, pace), a in zip(waits, assessments)]
 
     def _plan_for(self, snapshot: DirectorySnapshot) -> SelectionPlan | None:

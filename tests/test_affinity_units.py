@@ -259,7 +259,7 @@ def test_the_strategy_is_accepted_under_its_aliases():
 
 
 
-def test_what_no_candidate_holds_has_one_home_every_worker_names_the_same(segment):
+def test_a_prompt_has_one_home_every_worker_names_the_same_and_away_from_it_pays_the_displacement(segment):
     directory = DirectoryWriter(segment)
     for port in (9001, 9002, 9003):
         directory.allocate(f"i{port}", "127.0.0.1", port)
@@ -274,12 +274,21 @@ def test_what_no_candidate_holds_has_one_home_every_worker_names_the_same(segmen
         assert sorted(a.home_blocks for a in mine) == [0, 0, 4]
         home = next(i for i, a in enumerate(mine) if a.home_blocks)
         assert mine[home].prefill_ms < min(a.prefill_ms for a in mine if not a.home_blocks)
-        assert one.assess(plain, instances, claims=False)[home].home_blocks == 0  # not for the prepare stage
+        # Away from home: what the prompt's blocks save at home, which they would displace.
+        assert [a.displace_ms for a in mine] == [0.0 if i == home else mine[home].saved_ms for i in range(3)]
+        assert mine[home].saved_ms > 0
+        assert all(a.held_tokens == 0 for a in mine)  # a credit, not a holding
+        unpriced = one.assess(plain, instances, claims=False)  # the prepare stage's view
+        assert unpriced[home].home_blocks == 0 and not any(a.displace_ms for a in unpriced)
         homes.append(home)
     assert len(set(homes)) > 1  # prompts spread over the instances
-    # Once a candidate holds the prompt (here: a claim), the home is that holder alone.
+    # Another instance comes to hold the prompt (here: a claim): the home keeps its credit, and
+    # the holder away from it holds the blocks (its prefill skips them) but pays the displacement.
     plain = prompts[0]
     elsewhere = (homes[0] + 1) % 3
     one.claim(plain, instances[elsewhere], one.assess(plain, instances)[elsewhere])
     held = one.assess(plain, instances)
-    assert [a.home_blocks for a in held] == [0, 0, 0] and held[elsewhere].pending_blocks == 4
+    assert held[homes[0]].home_blocks == 4 and held[homes[0]].displace_ms == 0.0
+    assert held[elsewhere].pending_blocks == 4 and held[elsewhere].home_blocks == 0
+    assert held[elsewhere].held_tokens == plain.prompt_tokens and held[elsewhere].displace_ms > 0
+    assert held[elsewhere].prefill_ms == held[homes[0]].prefill_ms

@@ -440,3 +440,16 @@ def test_a_prefix_is_resident_once_sent_not_once_its_answer_ends(make_cluster):
                 wait_until(lambda: resident_blocks(worker) == 3, 10,
                            message=f"worker {worker} sees the prefix resident while its answer streams")
     asyncio.run(scenario())
+
+
+def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_holds(make_cluster):
+    """The sidecar learns an instance's pace from predicted against observed first tokens: a
+    request whose prompt the instance holds must be predicted as the short prefill it is, or the
+    instance that holds the most looks the fastest and draws every prompt."""
+    cluster = make_cluster(workers=1, env=KV_AWARE)
+    cluster.add_instance("--prefix-caching")
+    first = ask(cluster.dp_url, prefix_body("first", stream=False))["trace"]
+    held = ask(cluster.dp_url, prefix_body("second", stream=False))["trace"]
+    assert held["instance_id"] == first["instance_id"]
+    assert held["affinity_saved_ms"] > 0
+    assert held["predict_service_ms"] < first["predict_service_ms"] - held["affinity_saved_ms"] / 2

@@ -48,8 +48,9 @@ def test_default_strategy_is_round_robin():
 
 
 # --- kv_aware: the lowest predicted time to first token, within the balance guard ------------------
-def _predicted(queue: float | None, prefill: float, transfer: float = 0.0) -> Prediction:
-    return Prediction(queue, prefill, transfer)
+def _predicted(queue: float | None, prefill: float, transfer: float = 0.0,
+               displace: float = 0.0) -> Prediction:
+    return Prediction(queue, prefill, transfer, displace)
 
 
 def test_kv_aware_a_holder_wins_unless_its_queue_costs_more_than_the_prefill_it_saves():
@@ -65,6 +66,26 @@ def test_kv_aware_a_holder_wins_unless_its_queue_costs_more_than_the_prefill_it_
     chosen, _ = kv.choose(["holder", "other"], [1.0, 0.0], [1, 0],
                           [_predicted(30.0, 20.0, 0.0), _predicted(0.0, 20.0, 50.0)])
     assert chosen == "holder"
+
+
+def test_kv_aware_keeps_a_prompt_at_its_home_unless_the_home_queue_costs_more_than_moving_it():
+    """The home is credited with the prompt (prefill 10 of 40); elsewhere its blocks would save
+    30 ms there, which they would displace."""
+    kv = KvAwareStrategy()
+    home = _predicted(0.0, 10.0)
+    # A duplicate away from home loses at equal queues: 10 < 10 + 30.
+    duplicate = _predicted(0.0, 10.0, displace=30.0)
+    assert kv.choose(["home", "away"], [0.0, 0.0], [0, 0], [home, duplicate])[0] == "home"
+    # ...and wins once the home's queue costs more than the displacement: 35 + 10 > 10 + 30.
+    assert kv.choose(["home", "away"], [2.0, 0.0], [2, 0],
+                     [_predicted(35.0, 10.0), duplicate])[0] == "away"
+    # Moving the prompt to an instance that holds nothing costs its prefill and the displacement:
+    # 50 + 10 < 0 + 40 + 30, so the home keeps it; at 65 ms of queue it moves.
+    cold = _predicted(0.0, 40.0, displace=30.0)
+    assert kv.choose(["home", "away"], [2.0, 0.0], [2, 0], [_predicted(50.0, 10.0), cold])[0] == "home"
+    assert kv.choose(["home", "away"], [2.0, 0.0], [2, 0], [_predicted(65.0, 10.0), cold])[0] == "away"
+    # The trace's TTFT is the time to first token alone.
+    assert (cold.total_ms, cold.score_ms) == (40.0, 70.0)
 
 
 def test_kv_aware_equal_predictions_rotate():

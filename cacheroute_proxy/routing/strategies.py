@@ -145,28 +145,37 @@ class Guard(NamedTuple):
 
 
 class Prediction(NamedTuple):
-    """kv_aware's score of one candidate: the request's predicted time to its first token
-    there, in milliseconds, in its three parts."""
+    """kv_aware's price of one candidate, in milliseconds: the request's predicted time to first
+    token there, in its three parts, and what serving it there does to the caches."""
     queue_ms: float | None  # wait before its prefill could start; None: the predicted layer is unknown
     prefill_ms: float       # prefill of what the instance does not hold, at the instance's pace
     transfer_ms: float      # KDN -> instance transfer of the knowledge KV it does not hold
+    displace_ms: float = 0.0  # away from the prompt's home: the prefill its blocks would save there
 
     @property
     def own_ms(self) -> float:
         """What the request itself costs there, whatever waits before it."""
-        return self.prefill_ms + self.transfer_ms
+        return self.prefill_ms + self.transfer_ms + self.displace_ms
 
     @property
     def total_ms(self) -> float | None:
+        """The predicted time to first token."""
         return None if self.queue_ms is None else self.queue_ms + self.prefill_ms + self.transfer_ms
+
+    @property
+    def score_ms(self) -> float | None:
+        """What kv_aware selects by: the predicted time to first token and the cache cost."""
+        return None if self.queue_ms is None else self.queue_ms + self.own_ms
 
 
 class KvAwareStrategy(LeastLoadStrategy):
     """The candidate with the lowest predicted time to first token (docs/architecture.md §4.4):
     queue wait, plus the prefill of the prompt tokens not already resident at the instance's
-    measured pace, plus the KV transfer of the knowledge not already resident. Load and
-    affinity in one unit: an instance holding the prefix wins unless its queue costs more than
-    the prefill it saves. Ties rotate, as least_load's.
+    measured pace, plus the KV transfer of the knowledge not already resident -- plus, away
+    from the prompt's home, the prefill its blocks would save there (they would take the place
+    of that instance's own prompts). Load and affinity in one unit: an instance holding the
+    prefix wins unless its queue costs more than the prefill it saves. Ties rotate, as
+    least_load's.
 
     Where the predicted layer is unknown (no fresh snapshot), least_load's score chooses and
     what the request itself costs breaks its ties. The balance guard, after SGLang's router,
@@ -203,12 +212,12 @@ class KvAwareStrategy(LeastLoadStrategy):
     def scores(self, totals: list[float | None], inflight: Sequence[int | None],
                predictions: Sequence[Prediction]) -> tuple[list[Any], Guard]:
         """What to select by (lowest wins, equal ones rotate): the predicted times to first
-        token; least_load's totals if the guard fires; least_load's totals with the request's
-        own cost as the tie-break where a prediction is unknown."""
+        token with the cache cost; least_load's totals if the guard fires; least_load's totals
+        with the request's own cost as the tie-break where a prediction is unknown."""
         verdict = self.guard(inflight)
         if verdict.fired:
             return totals, verdict
-        predicted = [p.total_ms for p in predictions]
+        predicted = [p.score_ms for p in predictions]
         if None not in predicted:
             return predicted, verdict
         return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict
