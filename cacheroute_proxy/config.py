@@ -214,7 +214,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     snapshot_stale_ms: float = 2000.0
     # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
     # cacheroute_proxy/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
-    pace_step: float = 0.2
+    pace_step: float = 0.05
     # kv_aware (docs/architecture.md §4.4). "shared": every worker reads the host-wide affinity
     # index the sidecar keeps; "per_worker": each worker remembers only what it itself sent (an
     # ablation for benchmarks, like N proxies that each keep their own index).
