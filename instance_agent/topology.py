@@ -1,4 +1,5 @@
-"""The measured link from this host to each KDN server, as the original Instances reported it.
+"""The measured link from this host to each KDN (Knowledge Delivery Network: the knowledge
+server an instance pulls prebuilt KV from), as the original Instances reported it.
 
 For a target host:port: `POST /v1/topology/hello` names the KDN (`kdn_id`), three
 `GET /v1/topology/ping` round trips give `latency_ms` (their mean), and the speed of the

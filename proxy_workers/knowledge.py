@@ -1,5 +1,6 @@
 """Knowledge preparation (docs/protocol.md §2.5, §5): fetch from the KDN, classify, inject into
-the body, and on the kvcache path have the instance pull prebuilt KV blocks first.
+the body, and on the kvcache path have the instance pull prebuilt KV blocks first. The KDN
+(Knowledge Delivery Network) is the server that holds each knowledge id's text and prebuilt KV.
 
 Differences from the original, on purpose: the instance's control-plane port comes from its
 registration (`meta.cp_port`) or `PROXY_INSTANCE_CP_PORT_OFFSET`, not a hard-coded 9002; every
