@@ -20,6 +20,8 @@ import aiohttp
 import msgspec
 import psutil
 
+from cacheroute_proxy.kdn_wire import KdnReplyError, TopologyHello, decode_hello
+
 log = logging.getLogger("cacheroute.agent.topology")
 
 PINGS = 3
@@ -31,11 +33,6 @@ class LinkMetrics(msgspec.Struct):
     latency_ms: float
     iface: str | None
     measured_by: str = "cacheroute-instance-agent"
-
-
-class _Hello(msgspec.Struct):
-    ok: bool = False
-    kdn_id: str | None = None
 
 
 class LinkProbe:
@@ -62,7 +59,7 @@ class LinkProbe:
         try:
             async with self._session.post(f"{base}/v1/topology/hello", json={"instance_id": instance_id},
                                           timeout=timeout) as resp:
-                hello = msgspec.json.decode(await resp.read(), type=_Hello) if resp.status == 200 else _Hello()
+                hello = decode_hello(await resp.read()) if resp.status == 200 else TopologyHello()
             rtts = []
             for _ in range(PINGS):
                 started = time.perf_counter()
@@ -71,7 +68,7 @@ class LinkProbe:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 rtts.append((time.perf_counter() - started) * 1000)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.DecodeError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KdnReplyError) as exc:
             if target not in self._failing:
                 self._failing.add(target)
                 log.warning("KDN %s does not answer its topology probe (%s): left out of the report",
