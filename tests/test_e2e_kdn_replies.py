@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from tests.aio import meta_of
-from tests.background_http import BackgroundHTTPServer
+from tests.background_http import BackgroundHTTPServer, answer_json
 from tests.harness import http, wait_until
 
 SEARCH = "/knowledge/search/text"
@@ -44,11 +44,7 @@ class ScriptedKdn(BackgroundHTTPServer):
                 with kdn._lock:
                     kdn.calls.append(self.path)
                     reply = kdn.replies[self.path]
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
+                answer_json(self, reply)
 
             def log_message(self, *args: Any) -> None:
                 pass

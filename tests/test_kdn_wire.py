@@ -4,6 +4,9 @@ shape is refused with a message naming the field."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -40,22 +43,6 @@ def test_a_search_reply_with_null_or_absent_lists_has_none() -> None:
         assert (reply.found, reply.missing) == ([], [])
 
 
-@pytest.mark.parametrize("body, where", [
-    (b"[]", "Expected `object`, got `array`"),
-    (b'{"items": "k1"}', "at `$.items`"),
-    (b'{"items": ["k1"]}', "at `$.items[0]`"),
-    (b'{"items": [{"id": 7}]}', "at `$.items[0].id`"),
-    (b'{"items": [{"id": "k1", "content": 7}]}', "at `$.items[0].content`"),
-    (b'{"items": [{"id": "k1", "kv_ready": "no"}]}', "at `$.items[0].kv_ready`"),
-    (b'{"miss": [1]}', "at `$.miss[0]`"),
-    (b"<html>502</html>", "JSON is malformed"),
-])
-def test_a_search_reply_of_the_wrong_shape_is_refused_naming_the_field(body: bytes, where: str) -> None:
-    with pytest.raises(KdnReplyError, match="^KDN search reply: ") as refused:
-        decode_search_reply(body)
-    assert where in str(refused.value)
-
-
 def test_an_inject_ack_is_read_and_kept_whole() -> None:
     sent = {"ok": True, "injected_kids": ["k1"], "payload_bytes": 4096, "resident_kids": [],
             "detail": None}
@@ -67,13 +54,24 @@ def test_an_inject_ack_is_read_and_kept_whole() -> None:
     assert decode_inject_ack(b"{}")[0].ok is False
 
 
-@pytest.mark.parametrize("body, where", [
-    (b'{"ok": "yes"}', "at `$.ok`"),
-    (b'{"ok": 1}', "at `$.ok`"),
-    (b'["ok"]', "Expected `object`, got `array`"),
-    (b"Bad Gateway", "JSON is malformed"),
+@pytest.mark.parametrize("decode, reply, body, where", [
+    *[(decode_search_reply, "KDN search reply", body, where) for body, where in (
+        (b"[]", "Expected `object`, got `array`"),
+        (b'{"items": "k1"}', "at `$.items`"),
+        (b'{"items": ["k1"]}', "at `$.items[0]`"),
+        (b'{"items": [{"id": 7}]}', "at `$.items[0].id`"),
+        (b'{"items": [{"id": "k1", "content": 7}]}', "at `$.items[0].content`"),
+        (b'{"items": [{"id": "k1", "kv_ready": "no"}]}', "at `$.items[0].kv_ready`"),
+        (b'{"miss": [1]}', "at `$.miss[0]`"),
+        (b"<html>502</html>", "JSON is malformed"))],
+    *[(decode_inject_ack, "KV inject reply", body, where) for body, where in (
+        (b'{"ok": "yes"}', "at `$.ok`"),
+        (b'{"ok": 1}', "at `$.ok`"),
+        (b'["ok"]', "Expected `object`, got `array`"),
+        (b"Bad Gateway", "JSON is malformed"))],
 ])
-def test_an_inject_ack_of_the_wrong_shape_is_refused_naming_the_field(body: bytes, where: str) -> None:
-    with pytest.raises(KdnReplyError, match="^KV inject reply: ") as refused:
-        decode_inject_ack(body)
+def test_a_reply_of_the_wrong_shape_is_refused_naming_the_field(
+        decode: Callable[[bytes], Any], reply: str, body: bytes, where: str) -> None:
+    with pytest.raises(KdnReplyError, match=f"^{reply}: ") as refused:
+        decode(body)
     assert where in str(refused.value)
