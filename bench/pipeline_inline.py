@@ -54,7 +54,7 @@ class InlinePlainRequest:
             decode = predictors.decode_ms(request.prompt_tokens, request.decode_tokens, 1)
             trace.predict_service_ms, trace.predict_decode_ms = round(service, 1), round(decode, 1)
             events.reserve(key, instance.slot, instance.generation, service, decode,
-                            request.decode_tokens, request.prompt_tokens)
+                           request.decode_tokens, request.prompt_tokens)
             lease.try_admit(layout.LANE_READY_ACTIVE, ctx.settings.ready_concurrency)
             trace.ready_dequeue_ms = trace.forward_start_ms = now_ms()
             response = await upstream.open(instance.host, instance.port, request.endpoint.path,

@@ -32,8 +32,8 @@ from shm_schema.affinity import AFFINITY_ENTRIES, AffinityReader
 from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM
 
-from .request_model import ProxyRequest
 from .event_channel import EventChannelWriter
+from .request_model import ProxyRequest
 
 Where = tuple[int, int, int]  # (slot, generation, kind)
 PRUNE_EVERY_US = 1_000_000

@@ -33,6 +33,7 @@ from shm_schema import Admission, layout
 from . import metrics
 from .admission import AdmissionQueue
 from .affinity_index import AffinityIndex, report_residency
+from .event_channel import EventChannelWriter
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
 from .refusals import no_instance, queue_full, queue_timeout
@@ -40,7 +41,6 @@ from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
 from .trace import Knowledge, Trace
-from .event_channel import EventChannelWriter
 
 T = TypeVar("T")
 
@@ -291,7 +291,7 @@ class Pipeline:
             job.predicted_first_token_ms = time.time() * 1000 + ready_wait + service
             trace.pred_first_token_ts_ms = int(job.predicted_first_token_ms)
         self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
-                              decode, request.decode_tokens, request.prompt_tokens)
+                             decode, request.decode_tokens, request.prompt_tokens)
 
     async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         limit = self._settings.ready_concurrency

@@ -26,13 +26,13 @@ from .affinity import AffinityScorer
 from .affinity_index import make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
+from .event_channel import EventChannelWriter
 from cacheroute_proxy.http1 import Http1Server, head_limits
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router
 from .tracing import start_tracing
-from .event_channel import EventChannelWriter
 from .upstream import Upstream
 
 log = logging.getLogger("cacheroute.worker")

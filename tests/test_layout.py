@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PRODUCT = ("shm_schema", "cacheroute_proxy", "sidecar", "proxy_workers", "instance_agent")
 DOUBLES = "cacheroute_sim"
-TOOLS = "tools"  # offline: run by hand from the checkout (a predictor profile's calibration), never by a role
+# Offline tools: run by hand from the checkout (a predictor profile's calibration), never by a role.
+TOOLS = "tools"
 TOP_LEVEL = {*PRODUCT, DOUBLES, TOOLS, "bench", "tests"}
 
 # Which top-level package may import which (itself always). Layering goes one way: the
