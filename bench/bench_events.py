@@ -5,7 +5,7 @@ Run:  python -m bench.bench_events --out bench/results/events.json [--baseline G
 
 In one process, on a real private Segment (default geometry, READY_CONCURRENCY 64): 2 or 16
 instances registered through DirectoryWriter, four claimed worker rows, each with the workers'
-own producer (proxy_workers.tracker.RequestTracker, so the events are exactly those a worker
+own producer (proxy_workers.event_channel.EventChannelWriter, so the events are exactly those a worker
 writes), and the sidecar's consumer (sidecar.pressure.PressurePublisher, with the affinity
 models the sidecar runs). Every 5 ms (PROXY_EVENT_POLL_MS' default) the producers write one
 poll interval's worth of requests, spread over instances and rows, and then `tick()` runs as the
@@ -65,7 +65,7 @@ class Scenario:
 
     def __init__(self, instances: int, mode: str, seed: int) -> None:
         from cacheroute_proxy.config import Settings
-        from proxy_workers.tracker import RequestTracker
+        from proxy_workers.event_channel import EventChannelWriter
         from shm_schema import DirectoryWriter, Segment, WorkerRow, header
         from sidecar.affinity import AffinityModels
         from sidecar.pressure import PressurePublisher
@@ -82,7 +82,7 @@ class Scenario:
         self.instances = [writer.allocate(f"instance-{i:02d}", "127.0.0.1", 9000 + i,
                                           now_ms=int(time.time() * 1000)) for i in range(instances)]
         self.rows = [WorkerRow.claim(self.seg, index) for index in range(WORKER_ROWS)]
-        self.trackers = [RequestTracker(self.seg, row) for row in self.rows]
+        self.event_writers = [EventChannelWriter(self.seg, row) for row in self.rows]
         self.publisher = PressurePublisher(self.seg, epoch, READY_CONCURRENCY, settings.pace_step,
                                            affinity=AffinityModels(self.seg, lambda s, g: 0))
         self.per_tick = round(REQUESTS_PER_S * POLL_S)
@@ -95,23 +95,23 @@ class Scenario:
         """One poll interval of worker activity; returns the requests it completed."""
         now = self.tick_number
         for _ in range(self.per_tick):
-            tracker = self.trackers[self.rng.randrange(len(self.trackers))]
+            events = self.event_writers[self.rng.randrange(len(self.event_writers))]
             instance = self.instances[self._next_instance % len(self.instances)]
             self._next_instance += 1
-            key = tracker.new_key()
-            tracker.reserve(key, instance.slot, instance.generation, 20.0, 80.0, 64, 512)
+            key = events.new_key()
+            events.reserve(key, instance.slot, instance.generation, 20.0, 80.0, 64, 512)
             life = self.life_ticks + self.rng.randrange(-1, 2)
             if self.stream:
-                self._due[now + max(1, round(life * FIRST_TOKEN_AT))].append(("first", tracker, key))
-            self._due[now + life].append(("complete", tracker, key))
+                self._due[now + max(1, round(life * FIRST_TOKEN_AT))].append(("first", events, key))
+            self._due[now + life].append(("complete", events, key))
         completed = 0
         due = self._due.pop(now, [])
         self.rng.shuffle(due)  # the rows' writes interleave as the workers' requests end
-        for what, tracker, key in due:
+        for what, events, key in due:
             if what == "first":
-                tracker.first_token(key)
+                events.first_token(key)
             else:
-                tracker.complete(key, False)
+                events.complete(key, False)
                 completed += 1
         self.tick_number += 1
         return completed
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                 "scenario": f"{'/'.join(map(str, INSTANCE_COUNTS))} instances, READY_CONCURRENCY "
                             f"{READY_CONCURRENCY}, ~{IN_FLIGHT_PER_INSTANCE} in flight per instance, "
                             f"{REQUESTS_PER_S} requests/s over {WORKER_ROWS} worker rows",
-                "producer": "proxy_workers.tracker.RequestTracker (the workers' own writer); "
+                "producer": "proxy_workers.event_channel.EventChannelWriter (the workers' own writer); "
                             "stream: reserve, first token, complete; non_stream: reserve, complete",
                 "measured": f"thread CPU of PressurePublisher.tick() every {args.poll_ms:g} ms "
                             f"(drain + apply + publish), over {args.measured} ticks after "

@@ -184,13 +184,13 @@ def a_cycle(connection: Any = None) -> Any:
 
 
 def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
-    from proxy_workers import exchange, metrics, tracker
+    from proxy_workers import event_channel, exchange, metrics
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
     return {
         "full": (worker.full, contextlib.nullcontext),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
-        "without events": (worker.full, lambda: _without_events(tracker.RequestTracker, nothing)),
+        "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
         "parts inline": (worker.inline, contextlib.nullcontext),
         "relay floor": (worker.floor, contextlib.nullcontext),

@@ -2,7 +2,7 @@
 path runs for a plain request, called from one coroutine with none of the layers between them.
 
 The parts: the body read and decoded, `Router.acquire` and its lease, the predictions, the
-tracker's reservation and completion, ready admission, the forward and the answer read, the
+event channel's reservation and completion, ready admission, the forward and the answer read, the
 outlier count, the trace and its meta spliced in, the relayed headers, the request's metrics.
 Left out are the layers: the app's handler and Responder, the exchange and its retries, the
 pipeline's stages and release order, the disconnect watch, the error answers. So it costs what
@@ -32,11 +32,11 @@ _JSON = (b"content-type", b"application/json")
 
 class InlinePlainRequest:
     def __init__(self, parts: WorkerParts, predictors: Predictors) -> None:
-        self._ctx, self._tracker, self._predictors = parts.ctx, parts.tracker, predictors
+        self._ctx, self._events, self._predictors = parts.ctx, parts.events, predictors
         self._worker_header = (b"x-cacheroute-worker", parts.ctx.name.encode())
 
     async def __call__(self, cycle: Any) -> None:
-        ctx, tracker, predictors = self._ctx, self._tracker, self._predictors
+        ctx, events, predictors = self._ctx, self._events, self._predictors
         upstream = ctx.upstream
         started = time.perf_counter()
         trace = Trace(proxy_recv_ms=now_ms(), worker=ctx.name)
@@ -46,22 +46,22 @@ class InlinePlainRequest:
         trace.route_select_start_ms = now_ms()
         lease = ctx.router.acquire(frozenset(), request)
         instance = lease.instance
-        key = tracker.new_key()
+        key = events.new_key()
         try:
             trace.route_select_end_ms = trace.proxy_enqueue_ms = trace.ready_enqueue_ms = now_ms()
             trace.instance_id = instance.instance_id
             service = predictors.text_service_ms(request.prompt_tokens, 0)
             decode = predictors.decode_ms(request.prompt_tokens, request.decode_tokens, 1)
             trace.predict_service_ms, trace.predict_decode_ms = round(service, 1), round(decode, 1)
-            tracker.reserve(key, instance.slot, instance.generation, service, decode,
-                            request.decode_tokens, request.prompt_tokens)
+            events.reserve(key, instance.slot, instance.generation, service, decode,
+                           request.decode_tokens, request.prompt_tokens)
             lease.try_admit(layout.LANE_READY_ACTIVE, ctx.settings.ready_concurrency)
             trace.ready_dequeue_ms = trace.forward_start_ms = now_ms()
             response = await upstream.open(instance.host, instance.port, request.endpoint.path,
                                            request.encoded_body(), forwarded)
             answer = await upstream.read_all(response)
             lease.leave(layout.LANE_READY_ACTIVE)
-            tracker.complete(key, False)
+            events.complete(key, False)
             ctx.router.outliers.succeeded((instance.slot, instance.generation))
             trace.forward_end_ms = now_ms()
             answer = meta_spliced(answer, encode_meta(trace, None, Knowledge()))[0]

@@ -1,5 +1,7 @@
 """The KDN -> instance link a KV transfer is estimated over (docs/protocol.md §5.5): by IWS when
-it weighs kvcache against text, and for the reservation on the link's timeline.
+it weighs kvcache against text, and for the reservation on the link's timeline. The KDN
+(Knowledge Delivery Network) is the server that holds each knowledge id's text and prebuilt KV;
+IWS (the Injection Willingness Strategy, proxy_workers/iws.py) picks text or kvcache.
 
 Where a link comes from, in this order, for the chosen instance and the request's
 `Task.KDN_server_addr`:

@@ -1,5 +1,6 @@
 """Knowledge preparation (docs/protocol.md §2.5, §5): fetch from the KDN, classify, inject into
-the body, and on the kvcache path have the instance pull prebuilt KV blocks first.
+the body, and on the kvcache path have the instance pull prebuilt KV blocks first. The KDN
+(Knowledge Delivery Network) is the server that holds each knowledge id's text and prebuilt KV.
 
 Differences from the original, on purpose: the instance's control-plane port comes from its
 registration (`meta.cp_port`) or `PROXY_INSTANCE_CP_PORT_OFFSET`, not a hard-coded 9002; every
@@ -15,10 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
-import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.kdn_wire import KnowledgeItem, decode_inject_ack, decode_search_reply
 from cacheroute_proxy.pace import Pace
 from shm_schema import InstanceSlot, layout
 
@@ -136,7 +137,7 @@ class KnowledgePreparer:
         return result
 
     async def _fetch(self, kdn_addr: str, kids: list[str],
-                     headers: dict[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+                     headers: dict[str, str] | None = None) -> tuple[dict[str, KnowledgeItem], list[str]]:
         if not kdn_addr:
             return {}, list(kids)
         url = f"http://{kdn_addr}/knowledge/search/text"
@@ -145,17 +146,12 @@ class KnowledgePreparer:
                                       timeout=aiohttp.ClientTimeout(total=self._settings.kdn_timeout_s)) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"KDN search answered {resp.status}")
-            payload = msgspec.json.decode(await resp.read())
-        items = {}
-        for item in payload.get("items") or []:
-            if isinstance(item, dict):
-                kid = item.get("knowledge_id") or item.get("kid") or item.get("id")
-                if kid is not None:
-                    items[str(kid).lower()] = item
-        return items, [str(k) for k in payload.get("miss") or []]
+            reply = decode_search_reply(await resp.read())
+        items = {item.key.lower(): item for item in reply.found if item.key is not None}
+        return items, list(reply.missing)
 
     @staticmethod
-    def _classify(kids: list[str], items: dict[str, dict[str, Any]], result: Knowledge) -> str:
+    def _classify(kids: list[str], items: dict[str, KnowledgeItem], result: Knowledge) -> str:
         """Request order: missing, kv-ready, text-only; context = kv-ready then text-only."""
         missing = {m.lower() for m in result.miss_kids}
         kv_texts, text_texts = [], []
@@ -165,8 +161,8 @@ class KnowledgePreparer:
                 if kid not in result.miss_kids:
                     result.miss_kids.append(kid)
                 continue
-            content = str(item.get("content") or "").strip()
-            if item.get("kv_ready"):
+            content = (item.content or "").strip()
+            if item.kv_ready:
                 result.kv_ready_kids.append(kid)
                 kv_texts.append(content)
             else:
@@ -254,11 +250,10 @@ class KnowledgePreparer:
         try:
             async with self._session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self._settings.kv_inject_timeout_s)) as resp:
-                ack = msgspec.json.decode(await resp.read())
-                if resp.status >= 400 or not isinstance(ack, dict) or not ack.get("ok"):
-                    detail = ack.get("detail") if isinstance(ack, dict) else None
-                    raise RuntimeError(f"KV inject answered {resp.status}: {detail}")
-            result.kv_ack = ack
+                ack, as_sent = decode_inject_ack(await resp.read())
+                if resp.status >= 400 or not ack.ok:
+                    raise RuntimeError(f"KV inject answered {resp.status}: {ack.detail}")
+            result.kv_ack = as_sent
             result.prefix_tokens = effective
             trace.kvcache_actual_path = "kv_injected"
         except Exception as exc:

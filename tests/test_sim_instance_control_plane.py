@@ -43,7 +43,7 @@ from tests.sim_harness import (
     running_sim,
     wait_stats,
 )
-from tests.background_http import BackgroundHTTPServer
+from tests.background_http import BackgroundHTTPServer, answer_json
 from tests.sim_harness import shared_sim, sim  # noqa: F401 - pytest fixtures
 
 
@@ -85,12 +85,7 @@ class FakeControlPlane(BackgroundHTTPServer):
                     fake.calls.append({"path": self.path, "body": body, "t": time.monotonic(),
                                        "auth": self.headers.get("authorization")})
                     fake.cond.notify_all()
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer_json(self, json.dumps(reply).encode())
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -1,4 +1,5 @@
-"""Simulated KDN (knowledge server), for the demo and the test suite. No Redis needed.
+"""Simulated KDN (Knowledge Delivery Network: the knowledge server, which holds each knowledge
+id's text and prebuilt KV), for the demo and the test suite. No Redis needed.
 
 Run: ``python -m cacheroute_sim.kdn --port 9101 [--knowledge FILE.json] [--time-scale 0.05] [--seed N]``
 (``--help`` lists every flag).

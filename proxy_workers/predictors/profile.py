@@ -256,10 +256,3 @@ def _clear_cache() -> None:
     with _cache_lock:
         _by_name.clear()
         _by_path.clear()
-
-
-def profile_to_json(profile: PredictorProfile) -> str:
-    """Pretty JSON for a profile file (what the refit script writes)."""
-    from proxy_workers.predictors.tables import dumps_pretty
-
-    return dumps_pretty(profile)

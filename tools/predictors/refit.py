@@ -1,14 +1,14 @@
 """Fit predictor coefficients from benchmark tables and write (or check) a model profile.
 
     D=proxy_workers/predictors/data/sim
-    python -m proxy_workers.predictors.refit --base llama3-70b-8x5090 --name sim --aggregate median \\
+    python -m tools.predictors.refit --base llama3-70b-8x5090 --name sim --aggregate median \\
         --ttft $D/ttft.json --tpot $D/tpot.json --out proxy_workers/predictors/profiles/sim.json
-    python -m proxy_workers.predictors.refit --base sim --check --aggregate median \\
+    python -m tools.predictors.refit --base sim --check --aggregate median \\
         --ttft $D/ttft.json --tpot $D/tpot.json
 
-Inputs are the table files of :mod:`proxy_workers.predictors.tables` (what
-``proxy_workers/predictors/calibrate.py`` writes). Each given kind is fitted by ordinary least squares
-(pure Python, :mod:`proxy_workers.predictors.fitting`; numpy is not used):
+Inputs are the table files of :mod:`tools.predictors.tables` (what
+``tools/predictors/calibrate.py`` writes). Each given kind is fitted by ordinary least squares
+(pure Python, :mod:`tools.predictors.fitting`; numpy is not used):
 
 - TTFT rows (tokens, bs, ms) → ``a·bs·L + b·L + c·bs + d`` (seconds). With a single batch
   size only a line in L is identifiable: stored as a = slope/bs, b = c = 0, d = intercept.
@@ -38,7 +38,15 @@ from typing import NamedTuple, TypeVar
 
 import msgspec
 
-from proxy_workers.predictors.fitting import (
+from proxy_workers.predictors.profile import (
+    PredictorProfile,
+    ProfileError,
+    RedisPullModel,
+    TpotLine,
+    load_profile,
+    resolve_profile_path,
+)
+from tools.predictors.fitting import (
     FitError,
     RedisFit,
     Residuals,
@@ -49,24 +57,16 @@ from proxy_workers.predictors.fitting import (
     fit_ttft,
     residual_stats_of,
 )
-from proxy_workers.predictors.profile import (
-    PredictorProfile,
-    ProfileError,
-    RedisPullModel,
-    TpotLine,
-    load_profile,
-    profile_to_json,
-    resolve_profile_path,
-)
-from proxy_workers.predictors.tables import (
+from tools.predictors.tables import (
     RedisTable,
     TableError,
     TpotTable,
     TtftTable,
     load_table,
+    profile_to_json,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: proxy_workers/predictors/refit.py
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: tools/predictors/refit.py
 
 Row = TypeVar("Row", bound=tuple)  # type: ignore[type-arg]
 
@@ -174,7 +174,7 @@ def refit(base: PredictorProfile, tables: Tables, *, name: str | None = None,
     fits = (("ttft", ttft_fit), ("tpot", tpot_fit), ("redis_pull", redis_fit))
     fitted = [kind for kind, fit in fits if fit is not None]
     kept = [kind for kind in ("ttft", "tpot", "redis_pull") if kind not in fitted] + ["kv"]
-    default_provenance = (f"Fitted by proxy_workers/predictors/refit.py "
+    default_provenance = (f"Fitted by tools/predictors/refit.py "
                           f"({', '.join(fitted) or 'nothing'}); "
                           f"{', '.join(kept)} copied from base profile {base.name!r}.")
     profile = msgspec.structs.replace(
@@ -282,7 +282,7 @@ def check_report(old: PredictorProfile, result: Refit, tables: Tables) -> tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m proxy_workers.predictors.refit",
+    p = argparse.ArgumentParser(prog="python -m tools.predictors.refit",
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--base", default="llama3-70b-8x5090",
                    help="profile (name or path) giving everything not fitted, and the 'old' "
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         base = load_profile(args.base)
         tables = read_tables(args.ttft, args.tpot, args.redis, args.aggregate)
-        command = "python -m proxy_workers.predictors.refit " + shlex.join(
+        command = "python -m tools.predictors.refit " + shlex.join(
             _relative_args(list(sys.argv[1:] if argv is None else argv)))
         provenance = f"Command: {command}." + (f" {args.provenance}" if args.provenance else "")
         result = refit(base, tables, name=args.name, description=args.description,

@@ -1,5 +1,4 @@
-"""The machine's kernel settings the proxy depends on (not to be confused with
-sidecar/host_check.py, the control plane's check of the Host header): checked and said once
+"""The sysctl check: the machine's kernel settings the proxy depends on, checked and said once
 per start of the proxy, by the sidecar (the one role a machine runs once, first, under
 `cacheroute-proxy run` and under systemd alike), never by each worker at each of its starts
 and restarts.

@@ -1,5 +1,5 @@
-"""Benchmark tables: the input of ``proxy_workers/predictors/refit.py`` and the output of
-``proxy_workers/predictors/calibrate.py``. One JSON file per kind::
+"""Benchmark tables: the input of ``tools/predictors/refit.py`` and the output of
+``tools/predictors/calibrate.py``. One JSON file per kind::
 
     {"kind": "ttft", "columns": ["tokens", "bs", "ms"], "rows": [[89, 1, 88.4], ...]}
     {"kind": "tpot", "columns": ["context_tokens", "bs", "ms_per_token"],
@@ -8,6 +8,7 @@
 
 plus optional ``source`` (free text: where the numbers come from, the command that produced
 them). Rows are raw samples; repeated x values are allowed (the refit can aggregate them).
+Tables and the profiles fitted from them are written in one layout (``dumps_pretty``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+
+from proxy_workers.predictors.profile import PredictorProfile
 
 TtftColumns = tuple[Literal["tokens"], Literal["bs"], Literal["ms"]]
 TpotColumns = tuple[Literal["context_tokens"], Literal["bs"], Literal["ms_per_token"]]
@@ -105,6 +108,11 @@ def _pretty(value: Any, level: int) -> str:
         items = [inner + _pretty(v, level + 1) for v in value]
         return "[\n" + ",\n".join(items) + "\n" + pad + "]"
     return json.dumps(value, ensure_ascii=False)
+
+
+def profile_to_json(profile: PredictorProfile) -> str:
+    """Pretty JSON for a profile file (what the refit writes; the workers only read them)."""
+    return dumps_pretty(profile)
 
 
 def write_table(path: str | Path, table: Table) -> None:

@@ -1,9 +1,9 @@
 """Measure a running OpenAI-compatible instance into predictor benchmark tables.
 
     # an engine on loopback (vLLM, or the simulated instance: docs/testing.md), then
-    python -m proxy_workers.predictors.calibrate --url http://127.0.0.1:9901 --out-dir /tmp/cal
+    python -m tools.predictors.calibrate --url http://127.0.0.1:9901 --out-dir /tmp/cal
     # then fit a profile from the tables:
-    python -m proxy_workers.predictors.refit --base llama3-70b-8x5090 --name NAME --aggregate median \\
+    python -m tools.predictors.refit --base llama3-70b-8x5090 --name NAME --aggregate median \\
         --ttft /tmp/cal/ttft.json --tpot /tmp/cal/tpot.json --out proxy_workers/predictors/profiles/NAME.json
 
 What is measured (all over loopback only; the whole run is bounded by ``--max-seconds``):
@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from proxy_workers.predictors.tables import TpotTable, TtftTable, write_table
+from tools.predictors.tables import TpotTable, TtftTable, write_table
 
 DEFAULT_TTFT_LENGTHS = (400, 700, 1000, 1500, 2000, 2500, 3000)
 DEFAULT_TPOT_BATCH_SIZES = (1, 2, 4, 8)
@@ -330,9 +330,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m proxy_workers.predictors.calibrate",
+    p = argparse.ArgumentParser(prog="python -m tools.predictors.calibrate",
                                 description="Measure TTFT and TPOT of a loopback instance into "
-                                            "tables for proxy_workers/predictors/refit.py.")
+                                            "tables for tools/predictors/refit.py.")
     p.add_argument("--url", required=True,
                    help="base URL of a running instance on loopback, e.g. http://127.0.0.1:9001")
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
@@ -375,8 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("calibrate_instance: nothing measured", file=sys.stderr)
         return 1
 
-    command = "python -m proxy_workers.predictors.calibrate " + shlex.join(argv_list)
-    source = (f"Measured by proxy_workers/predictors/calibrate.py on {started} against {target} "
+    command = "python -m tools.predictors.calibrate " + shlex.join(argv_list)
+    source = (f"Measured by tools/predictors/calibrate.py on {started} against {target} "
               f"(model {args.model!r}) in {elapsed:.0f} s; command: {command}")
     out: Path = args.out_dir
     written = []
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         written.append(out / "tpot.json")
     print("wrote " + ", ".join(str(p) for p in written))
     flags = " ".join(f"--{p.stem} {p}" for p in written)
-    print(f"next: python -m proxy_workers.predictors.refit --base llama3-70b-8x5090 --name NAME "
+    print(f"next: python -m tools.predictors.refit --base llama3-70b-8x5090 --name NAME "
           f"--aggregate median {flags} --out proxy_workers/predictors/profiles/NAME.json")
     return 0
 

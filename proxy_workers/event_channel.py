@@ -29,7 +29,10 @@ class LiveRequest:
     first_token_us: int | None = None
 
 
-class RequestTracker:
+class EventChannelWriter:
+    """Writes this worker's events for the sidecar: a key per request, its reserve, first token
+    and completion, the KV an instance now holds; and re-announces the live ones to a new sidecar."""
+
     def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536) -> None:
         self._seg = seg
         self._writer = EventWriter(seg, row.row, spill_limit)

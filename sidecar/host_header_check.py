@@ -1,10 +1,11 @@
-"""DNS rebinding: a web page the host's browser opens can make it send requests to 127.0.0.1
-under the page's own name (the attacker's DNS answers 127.0.0.1 for it), so a loopback control
-plane without a token would take a register or unregister from any web site. The browser
-always sends the name it resolved as Host, though: this middleware answers 421 to any request
-whose Host is not one of the listener's own names, and says in words which names those are and
-which settings make them. With a token configured it is not needed (a page cannot know the
-token) and not installed.
+"""The Host header check of the sidecar's listeners, against DNS rebinding: a web page the
+host's browser opens can make it send requests to 127.0.0.1 under the page's own name (the
+attacker's DNS answers 127.0.0.1 for it), so a loopback control plane without a token would
+take a register or unregister from any web site. The browser always sends the name it
+resolved as Host, though: this middleware answers 421 to any request whose Host is not one of
+the listener's own names, and says in words which names those are and which settings make
+them. With a token configured it is not needed (a page cannot know the token) and not
+installed.
 
 Only the sidecar's listeners check Host: the workers' data plane answers under any name (a
 load balancer or a DNS name in front of it is the usual way to reach it).
@@ -40,7 +41,7 @@ def own_names(host: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name.lower() for name in names))
 
 
-class HostCheck:
+class HostHeaderCheck:
     def __init__(self, app: ASGIApp, host: str, port: int, extra: Iterable[str] = (),
                  listener: Listener = CONTROL_PLANE) -> None:
         """`extra`: Host values of a URL the listener is published under (PROXY_UI_URL)."""

@@ -7,7 +7,7 @@ with partial pivoting then solves the (well-scaled) 4×4 system; a pivot that va
 data cannot separate two parameters (e.g. a four-term TTFT fit from a single batch size), which
 is reported instead of returning arbitrary numbers.
 
-Used by ``proxy_workers/predictors/refit.py`` (and its tests); the Proxy itself never fits.
+Used by ``tools/predictors/refit.py`` (and its tests); the Proxy itself never fits.
 """
 
 from __future__ import annotations
