@@ -18,7 +18,7 @@ T = TypeVar("T")
 Cursor = Callable[[], int]
 Components = Mapping[str, Sequence[float | None]]
 
-# The original Proxy's default weights (docs/architecture.md §4.1). A zero weight excludes the
+# The original Proxy's default weights. A zero weight excludes the
 # component. Layers: lifecycle (inflight); instantaneous queue (active_*, *_queue_depth);
 # predicted reservation pressure (pending_prefill_count, active_decode_count, backlog ms:
 # 1000 ms of predicted backlog weighs as much as one request in flight).
@@ -162,9 +162,10 @@ class Prediction(NamedTuple):
 
 
 class KvAwareStrategy(LeastLoadStrategy):
-    """The candidate with the lowest predicted time to first token (docs/architecture.md §4.4):
-    queue wait, plus the prefill of the prompt tokens not already resident at the instance's
-    measured pace, plus the KV transfer of the knowledge not already resident. Load and
+    """The candidate with the lowest predicted time to first token (docs/architecture.md,
+    "kv_aware and the host-wide affinity index"): queue wait, plus the prefill of the prompt
+    tokens not already resident at the instance's measured pace, plus the KV transfer of the
+    knowledge not already resident. Load and
     affinity in one unit: an instance holding the prefix wins unless its queue costs more than
     the prefill it saves. Ties rotate, as least_load's.
 
