@@ -162,10 +162,9 @@ class Prediction(NamedTuple):
 
 
 class KvAwareStrategy(LeastLoadStrategy):
-    """The candidate with the lowest predicted time to first token (docs/architecture.md,
-    "kv_aware and the host-wide affinity index"): queue wait, plus the prefill of the prompt
-    tokens not already resident at the instance's measured pace, plus the KV transfer of the
-    knowledge not already resident. Load and
+    """The candidate with the lowest predicted time to first token (docs/architecture.md §4.4):
+    queue wait, plus the prefill of the prompt tokens not already resident at the instance's
+    measured pace, plus the KV transfer of the knowledge not already resident. Load and
     affinity in one unit: an instance holding the prefix wins unless its queue costs more than
     the prefill it saves. Ties rotate, as least_load's.
 
