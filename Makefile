@@ -103,7 +103,7 @@ $(PEERS_DIR)/%/.installed: bench/affinity_vllm/peers/%.txt
 
 peers: $(PEER_STAMPS)
 
-# "kv_aware that wins", the real-engine leg (docs/benchmarks.md §11): this proxy's kv_aware (on
+# kv_aware on real engines (docs/benchmarks.md): this proxy's kv_aware (on
 # the engines' KV events) and least_load, 4 workers, against vllm-router cache_aware and kv_aware
 # and the SGLang router cache_aware, over two CPU vLLM engines (64 KV blocks of 128 each, prefix
 # caching and KV events on); least_load's saturation calibrated first, then 600 streaming chats
@@ -112,7 +112,7 @@ peers: $(PEER_STAMPS)
 bench-affinity-vllm: install-vllm peers
 	$(CACHE_ENV) $(PY) -m bench.affinity_vllm --out bench/results/affinity_vllm.json $(ARGS)
 
-# Server and client comparison behind the stack choice (docs/benchmarks.md §7), ~6 minutes.
+# Server and client comparison behind the stack choice, ~6 minutes.
 bench-stack: $(STAMP)
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(PY) -m pip install --quiet -e '.[bench]'
@@ -128,7 +128,7 @@ bench-routing: $(STAMP)
 # This proxy (2 workers, least_load) against nginx least_conn (2 workers) and vllm-router
 # power_of_two, over two instances of each backend in turn: the simulator (sim), then a plain
 # Starlette/uvicorn OpenAI fake (starlette): added latency, req/s, p99, streams/s, CPU/1k (the
-# proxy's also by role: workers, sidecar, launcher), RSS, and issue 15's targets PASS/FAIL with
+# proxy's also by role: workers, sidecar, launcher), RSS, and the peer targets PASS/FAIL with
 # per-repeat ratios (~10 min with 3 repeats of 5 s points; QUICK=1: one repeat of 2 s points,
 # ~2-4 min; BACKEND=sim|starlette: one backend only; ISOLATE=1: each contender up only for its
 # own points). More contenders (1/4 workers, round_robin): python -m bench.peers --contenders.

@@ -10,7 +10,7 @@ curves as the default predictor profile).
 --vllm: starts real vLLM engines instead (tests/real_engine/engines.py: the CPU build in
 .venv-vllm serving the tiny model, each pinned to its own core; `make install-vllm` makes both)
 and `python -m cacheroute_proxy run` with the `vllm-cpu-tiny` predictor profile, measured on the
-same engine (docs/predictors.md §2); each engine is registered by an instance agent beside it
+same engine (docs/predictors.md); each engine is registered by an instance agent beside it
 (tests/real_engine/registration.py). Prompts and outputs fit the engine's 1,024-token
 context, and arrivals are sized for it.
 

@@ -52,8 +52,8 @@ from shm_schema.snapshot import Pressure, SnapshotWriter
 
 SIZES = (4, 16, 64, 256)
 CAPACITY = 256
-TARGET_SELECT_16_US = 5.0  # issue 15
-TARGET_BEGIN_END_US = 1.0  # issue 15
+TARGET_SELECT_16_US = 5.0  # docs/benchmarks.md, "Selection path"
+TARGET_BEGIN_END_US = 1.0
 TARGET_SECONDS_PER_LOOP = 0.04
 
 

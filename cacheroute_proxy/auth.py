@@ -1,7 +1,7 @@
 """An optional bearer token for the control plane (and, if asked, the debug endpoints).
 
 Without it anyone who reaches the control port could register an instance and receive
-traffic, or unregister the real ones (the original's defect, docs/protocol.md §7.5). The
+traffic, or unregister the real ones, as with the original Proxy. The
 comparison is constant-time; the token is never logged.
 """
 

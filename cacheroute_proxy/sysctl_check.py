@@ -5,7 +5,7 @@ and restarts.
 
 Said at debug level: a machine without the sysctl file (a laptop running the demo, a test
 machine) would otherwise print the same warning at every start; installing the file is a step
-of docs/INSTALL.md, and docs/operations.md §4.3 says what it changes."""
+of docs/INSTALL.md."""
 
 from __future__ import annotations
 

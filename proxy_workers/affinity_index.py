@@ -1,4 +1,4 @@
-"""What each instance holds of kv_aware's keys, or is about to (docs/architecture.md §4.4).
+"""What each instance holds of kv_aware's keys, or is about to.
 
 A key is held by an instance when the affinity index confirms it (the sidecar heard the inject
 acknowledged, the prompt sent, or the engine's own KV event) or when a routing decision claims

@@ -1,6 +1,7 @@
-"""Knowledge preparation (docs/protocol.md §2.5, §5): fetch from the KDN, classify, inject into
-the body, and on the kvcache path have the instance pull prebuilt KV blocks first. The KDN
-(Knowledge Delivery Network) is the server that holds each knowledge id's text and prebuilt KV.
+"""Knowledge preparation (docs/protocol.md, "Knowledge injection into the body" and "Knowledge"):
+fetch from the KDN, classify, inject into the body, and on the kvcache path have the instance pull
+prebuilt KV blocks first. The KDN (Knowledge Delivery Network) is the server that holds each
+knowledge id's text and prebuilt KV.
 
 Differences from the original, on purpose: the instance's control-plane port comes from its
 registration (`meta.cp_port`) or `PROXY_INSTANCE_CP_PORT_OFFSET`, not a hard-coded 9002; every
@@ -39,10 +40,10 @@ TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below t
 
 
 class LinkTimeline:
-    """KV transfers over one (instance, KDN) link (docs/protocol.md §5.5): they run one at a
+    """KV transfers over one (instance, KDN) link: they run one at a
     time (the lock: serialized by real completion, not by a prediction that may be far off),
     and `free_at` predicts when the link frees, for IWS and the trace. Per worker: a host-wide
-    link schedule would need the sidecar; see docs/architecture.md §9.
+    link schedule would need the sidecar.
 
     `on_wire_until` predicts the end of the transfer on the wire now (0: none), from when it
     really started: behind a transfer that ran long it ends after `free_at` said, and a text

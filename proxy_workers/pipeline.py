@@ -1,5 +1,4 @@
-"""The prepare/ready pipeline of one worker (docs/architecture.md §5), without the original's
-stalls.
+"""The prepare/ready pipeline of one worker, without the original's stalls.
 
     prepare (PREPARE_CONCURRENCY per instance in this worker: KDN fetch, injection, KV inject)
     -> release in prepare order (`ordered`) or let text requests pass a blocked head
@@ -78,7 +77,7 @@ class Pipeline:
     def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
                  predictors: Any, pressure_of: Any, affinity: AffinityIndex | None = None) -> None:
         self._settings = settings
-        self._affinity = affinity  # told what each instance now holds (docs/architecture.md §4.4)
+        self._affinity = affinity  # told what each instance now holds
         self._events = events
         self._preparer = preparer
         self._predictors = predictors

@@ -47,7 +47,7 @@ BACKLOG = 2048
 # Collections start after this many more tracked objects allocated than freed (Python's
 # default: 700). A request in flight holds ~25 of them and frees nearly all by reference
 # counting, so at 32 requests in flight the default ran a collection every ~35 requests that
-# found almost nothing: 2 % of a worker's CPU, 7 % at 256 (docs/architecture.md §8).
+# found almost nothing.
 GC_FIRST_THRESHOLD = 20_000
 
 

@@ -1,4 +1,4 @@
-"""vLLM's KV cache events in the affinity index (docs/architecture.md §4.4): prompt keys computed
+"""vLLM's KV cache events in the affinity index: prompt keys computed
 as the engine names its blocks, the events' wire format, what each event does to an instance's
 prefix entries, and, end to end, a real sidecar subscribed to a ZMQ publisher standing in for an
 engine while real workers look the same prompt up.

@@ -190,7 +190,7 @@ def test_profile_round_trips_through_the_writer() -> None:
     assert pred.parse_profile(profile_to_json(p).encode()) == p
 
 
-# --- prefill (docs/predictors.md §3.1) -----------------------------------------------------
+# --- prefill ------------------------------------------------------------------------------
 
 
 def test_prefill_reference_values(p70: Predictors) -> None:
@@ -241,7 +241,7 @@ def test_prefill_rejects_non_positive(p70: Predictors, tokens: int, bs: int) -> 
         p70.prefill_ms(tokens, bs)
 
 
-# --- decode (docs/predictors.md §3.2) -------------------------------------------------------
+# --- decode --------------------------------------------------------------------------------
 
 
 def test_tpot_by_batch_size(p70: Predictors) -> None:
@@ -283,7 +283,7 @@ def test_decode_sums_the_steps(p70: Predictors) -> None:
         p70.decode_ms(0, 5)
 
 
-# --- Redis pull, service, transfer (docs/predictors.md §3.3-§3.5) ---------------------------
+# --- Redis pull, service, transfer -----------------------------------------------------------
 
 
 def test_redis_pull(p70: Predictors) -> None:
@@ -310,8 +310,7 @@ def test_kvcache_service_composition(p70: Predictors) -> None:
     assert s.total_ms == pytest.approx(s.redis_ms + s.residual_prefill_ms)
     # Long knowledge: pulling KV beats recomputing it (with zero coefficients it never did).
     assert s.total_ms < p70.text_service_ms(200, 4000) / 3
-    # Knowledge below one chunk: nothing served from KV, the pull intercept remains
-    # (docs/predictors.md §3.4).
+    # Knowledge below one chunk: nothing served from KV, the pull intercept remains.
     small = p70.kvcache_service(10, 100)
     assert (small.effective_knowledge_tokens, small.residual_tokens) == (0, 146)
     assert small.redis_ms == pytest.approx(12.460820712239126)

@@ -233,7 +233,7 @@ def test_sigterm_with_a_hung_request_exits_zero(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ KV path: pure parts
 
 def test_redis_pull_and_kv_hit_prefill_follow_the_reference() -> None:
-    # docs/predictors.md §3.3: 2764.34 ms/GB x tokens x 0.0000381 GB + 12.46 ms.
+    # The Redis pull: 2764.34 ms/GB x tokens x 0.0000381 GB + 12.46 ms.
     assert timing.redis_pull_ms(0) == pytest.approx(12.4608, abs=1e-3)
     assert timing.redis_pull_ms(2560) == pytest.approx(2764.3408 * 2560 * 0.0000381 + 12.4608)
     # The hit skips N tokens of prefill and costs their pull instead.

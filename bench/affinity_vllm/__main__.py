@@ -1,6 +1,6 @@
-"""kv_aware that wins, the real-engine leg: this proxy's kv_aware and least_load, vllm-router
+"""kv_aware on real engines: this proxy's kv_aware and least_load, vllm-router
 (cache_aware, kv_aware) and the SGLang router (cache_aware) over the same two CPU vLLM engines
-(docs/benchmarks.md §11).
+(docs/benchmarks.md).
 
     python -m bench.affinity_vllm --out bench/results/affinity_vllm.json
         [--requests 600] [--loads 0.4,0.6] [--repeats 2] [--contenders NAME,...]

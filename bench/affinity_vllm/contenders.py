@@ -9,7 +9,7 @@ by pid (bench.contenders.Contender: url, pids for CPU, describe()):
   engines' KV events) and the SGLang router (`--policy cache_aware`), each from its own venv
   under PEERS_DIR (`make peers`), pinned in PEER_REQUIREMENTS.
 
-Nothing here is tuned per contender beyond what the issue names: the peers run with their
+Nothing here is tuned per contender beyond what the benchmark names: the peers run with their
 defaults, at log level warning like the proxy."""
 
 from __future__ import annotations

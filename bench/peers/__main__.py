@@ -6,7 +6,7 @@ vllm-router (power_of_two), over two instances of each backend in turn: the proj
 simulator (sim) and a plain Starlette/uvicorn OpenAI fake (starlette). Per backend: added
 latency at c1 (paired with direct), requests/s and p99 at c32, streams/s and TTFT at c32, CPU
 per 1,000 requests of each contender's process tree (this proxy's also by role: launcher,
-sidecar, workers), RSS, and issue 15's targets (PASS/FAIL with per-repeat ratios).
+sidecar, workers), RSS, and the peer targets (PASS/FAIL with per-repeat ratios).
 --quick: 1 repeat of 2 s points (a smoke run, about 2-4 minutes for both backends).
 """
 

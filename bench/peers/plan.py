@@ -77,7 +77,7 @@ KNOWN: dict[str, ContenderPlan] = {p.name: p for p in [
     ContenderPlan("nginx-rr", "nginx", 2, "round_robin"),
     ContenderPlan("vllm-router-cache-aware", "router", None, "cache_aware"),
 ]}
-# Issue 15's set: what its targets compare (bench/peers/targets.py), and the floor under the
+# The default set: what the targets compare (bench/peers/targets.py), and the floor under the
 # proxy; small enough that both backends take about the time one took with all six proxy variants.
 DEFAULT_CONTENDERS = ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2", "relay-floor-w2"]
 

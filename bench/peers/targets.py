@@ -1,4 +1,4 @@
-"""Issue 15's targets, computed from one bench-peers run on one backend: this proxy (2 workers,
+"""The peer targets, computed from one bench-peers run on one backend: this proxy (2 workers,
 least_load) against nginx (least_conn, 2 workers) and vllm-router (power_of_two), each verdict
 from the run's medians, with every repeat's ratios listed beside it (a median that passes while
 repeats disagree is worth seeing).

@@ -1,6 +1,6 @@
 """The side-by-side section (this proxy, nginx, an LLM router), from bench/results/peers.json
 (bench/peers): one subsection per backend (`backends`: sim, starlette), each with its medians,
-ratios, issue 15's targets, per-repeat ratios and this proxy's CPU split by role. A file
+ratios, the peer targets, per-repeat ratios and this proxy's CPU split by role. A file
 without `backends` (written before there were two) is rendered as one backend. Only the shared
 schema is assumed: contenders with `median` figures, ratios, notes; latency samples are found
 by their key names (see `distributions`)."""
@@ -72,7 +72,7 @@ def idle_cpu(cores: dict[str, Any]) -> str:
 
 
 def targets_table(verdicts: list[dict[str, Any]]) -> str:
-    """Issue 15's targets for this backend: measured (ratio of medians or the median itself),
+    """The peer targets for this backend: measured (ratio of medians or the median itself),
     the bound, PASS/FAIL, and each repeat's figure."""
     if not verdicts:
         return ""

@@ -25,7 +25,7 @@ class Scenario:
     drain_timeout_s: float = 90.0     # after the last arrival, then unfinished streams are errors
     nginx_workers: int = 4
     # PROXY_LEAST_LOAD_WEIGHTS for every proxy contender. The original's default weighs 1 s of
-    # predicted backlog like one request in flight (docs/architecture.md §4.2), so within a
+    # predicted backlog like one request in flight, so within a
     # burst each view sends the slow instance its count share; 10x that lets the (learned)
     # backlog steer. Same for all proxy contenders: the ablation compares views, not weights.
     least_load_weights: tuple[tuple[str, float], ...] = (("predicted_total_backlog_ms", 0.01),)

@@ -1,5 +1,5 @@
 """From raw observations to figures: one run's summary, medians over repeats, ratios to nginx,
-and the checks the issue asks for. Pure functions over plain data (unit-testable)."""
+and the routing checks. Pure functions over plain data (unit-testable)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def medians(runs: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
     for metric in MEDIAN_METRICS:
         values = [r[metric] for r in runs if r.get(metric) is not None]
         out[metric] = round(statistics.median(values), 4) if values else None
-    # Context for the noisy median-of-p99 (the checks use the median, as the issue asks).
+    # Context for the noisy median-of-p99 (the checks use the median).
     out["ttft_p99_pooled_ms"] = _q(pooled_ttfts(runs), 0.99)
     for label in labels:
         values = [r["share"][label] for r in runs if label in r.get("share", {})]
@@ -130,7 +130,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-# The issue's claims: (name, contender, compared with, threshold, threshold inclusive).
+# The claims checked: (name, contender, compared with, threshold, threshold inclusive).
 CHECK_SPECS: tuple[tuple[str, str, str, float, bool], ...] = (
     ("4 workers least_load shared: TTFT p99 within 10 % of the 1-worker reference "
      "(ratio shared / reference <= 1.10)", SHARED, REFERENCE, 1.10, True),
@@ -142,7 +142,7 @@ CHECK_SPECS: tuple[tuple[str, str, str, float, bool], ...] = (
 
 
 def checks(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's claims about TTFT p99 (medians over repeats); a missing contender gives a
+    """The claims about TTFT p99 (medians over repeats); a missing contender gives a
     check with value and pass None (not measured)."""
     p99 = {c["name"]: c["median"].get("ttft_p99_ms") for c in contenders}
     # TTFTs come from answered requests only: a contender that failed some could look better

@@ -1,4 +1,4 @@
-"""The two Markdown tables of docs/benchmarks.md §7, from the medians."""
+"""The two Markdown tables of the stack choice, from the medians."""
 
 from __future__ import annotations
 

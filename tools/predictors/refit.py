@@ -140,7 +140,7 @@ def refit(base: PredictorProfile, tables: Tables, *, name: str | None = None,
 
     no_anchors: drop the base's short-prompt anchors, so the fitted TTFT model applies from the
     first token. The anchors are another engine's measured short-prompt times; kept, they would
-    override the fit up to their last token count (docs/predictors.md §3.1)."""
+    override the fit up to their last token count."""
     ttft_fit = fit_ttft(tables.ttft) if tables.ttft else None
     tpot_fit = fit_tpot(tables.tpot) if tables.tpot else None
     redis_fit = fit_redis(tables.redis) if tables.redis else None
