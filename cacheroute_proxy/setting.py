@@ -137,11 +137,10 @@ def problem(env: Env, value: Any) -> str | None:
 
 
 def _out_of_bounds(env: Env, value: Any) -> bool:
-    if env.finite and not math.isfinite(value):
-        return True
-    # `not x >= low` rather than `x < low`: nan passes no bound.
-    return any(bound is not None and not holds(value, bound) for bound, holds in (
-        (env.ge, lambda v, b: v >= b), (env.gt, lambda v, b: v > b), (env.le, lambda v, b: v <= b)))
+    # Written as "inside" so that nan, which compares false with everything, is outside.
+    inside = (env.ge is None or value >= env.ge) and (env.gt is None or value > env.gt) \
+        and (env.le is None or value <= env.le)
+    return not inside or (env.finite and not math.isfinite(value))
 
 
 # --- how a definition reads -------------------------------------------------------------------------
@@ -153,47 +152,20 @@ def bounds_text(env: Env, words: bool = False) -> str:
                         if bound is not None)
 
 
-def rule_text(env: Env) -> str:
-    """The listing's bounds: range, choices (aliases in brackets) or the rule's words."""
-    if env.choices:
-        return ", ".join(_choice_text(name, env.choices) for name in dict.fromkeys(_canonical(env.choices)))
-    text = bounds_text(env)
-    if env.finite and text:
-        text = f"finite, {text}"
-    return " ".join(filter(None, (text, env.rule.text if env.rule else "")))
-
-
-def _canonical(choices: tuple[str, ...] | Mapping[str, str]) -> list[str]:
-    return list(choices.values()) if isinstance(choices, Mapping) else list(choices)
-
-
-def _choice_text(name: str, choices: tuple[str, ...] | Mapping[str, str]) -> str:
-    if not isinstance(choices, Mapping):
-        return name
-    aliases = [alias for alias, canonical in choices.items() if canonical == name and alias != name]
-    return f"{name} ({', '.join(aliases)})" if aliases else name
-
-
 def type_words(hint: Any) -> str:
-    """The type as the listing and the errors say it: "an integer", "a number", ..."""
-    hint = _optional_of(hint)
+    """The type as an error says it: "an integer", "a number", ..."""
+    hint = optional_of(hint)
     if is_json(hint):
         return "a JSON object"
     return {int: "an integer", float: "a number", bool: "true or false (or 1 or 0)", str: "text"}[hint]
 
 
-def type_name(hint: Any) -> str:
-    """The listing's type column: integer, number, boolean, text, JSON."""
-    hint = _optional_of(hint)
-    return "JSON" if is_json(hint) else {int: "integer", float: "number", bool: "boolean", str: "text"}[hint]
-
-
 def is_json(hint: Any) -> bool:
     """Maps (and lists) are given as JSON text."""
-    return typing.get_origin(_optional_of(hint)) in (dict, list)
+    return typing.get_origin(optional_of(hint)) in (dict, list)
 
 
-def _optional_of(hint: Any) -> Any:
+def optional_of(hint: Any) -> Any:
     """T for `T | None`, else the hint."""
     if typing.get_origin(hint) in (Union, types.UnionType):
         others = [arg for arg in typing.get_args(hint) if arg is not type(None)]

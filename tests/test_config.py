@@ -5,11 +5,25 @@ reading of the environment, the error a bad value gets (the variable, the value,
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
+from cacheroute_proxy import settings_table
 from cacheroute_proxy.config import ENV_NAMES, FIELDS, ConfigError, Settings
+from tests.harness import ROOT
+
+DOC = ROOT / "docs" / "configuration.md"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
+    return subprocess.run([sys.executable, "-m", "cacheroute_proxy", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=clean)
 
 
 # --- reading the environment ------------------------------------------------------------------
@@ -92,3 +106,44 @@ def test_a_setting_given_in_code_is_checked_as_one_from_the_environment() -> Non
     assert str(refused.value) == "PROXY_WORKERS: must be between 1 and 256, got 0"
     with pytest.raises(ConfigError, match="^PROXY_EJECT_S: must be > 0, got nan$"):
         Settings().with_overrides(eject_s=math.nan)
+
+
+# --- the listing and the docs ---------------------------------------------------------------------
+def test_config_lists_every_setting_with_its_type_default_bounds_and_help() -> None:
+    listed = run_cli("config")
+    assert listed.returncode == 0, listed.stderr
+    for var in ENV_NAMES.values():
+        assert var in listed.stdout, var
+    workers = listed.stdout[listed.stdout.index("PROXY_WORKERS "):].splitlines()
+    assert workers[0].split() == ["PROXY_WORKERS", "integer", "4", "1..256"], workers[0]
+    assert "workers started by cacheroute-proxy run" in workers[1]
+    assert "PROXY_KV_AWARE_CREDIT_PER_MS" in listed.stdout  # retired, refused at start
+    one = run_cli("config", "--json", "shm")
+    rows = json.loads(one.stdout)
+    assert {row["variable"] for row in rows} == {"PROXY_SHM_NAME", "PROXY_SHM_INSTANCE_CAPACITY",
+                                                 "PROXY_SHM_WORKER_CAPACITY"}, rows
+    assert next(r for r in rows if r["variable"] == "PROXY_SHM_NAME")["default"] == "/cacheroute_proxy"
+
+
+def test_the_docs_tables_are_current() -> None:
+    text = DOC.read_text()
+    assert settings_table.rewrite_doc(text) == text, (
+        "docs/configuration.md's settings tables are not what cacheroute_proxy/config.py defines: "
+        "run `make config-doc`")
+
+
+def test_update_doc_rewrites_a_stale_table(tmp_path) -> None:
+    stale = tmp_path / "configuration.md"
+    stale.write_text(DOC.read_text().replace("| `PROXY_DP_PORT` |", "| `PROXY_OLD_PORT` |"))
+    assert stale.read_text() != DOC.read_text()
+    done = run_cli("config", "--update-doc", str(stale))
+    assert done.returncode == 0, done.stderr
+    assert stale.read_text() == DOC.read_text()
+
+
+def test_a_doc_without_a_topics_table_is_refused() -> None:
+    text = DOC.read_text()
+    start = text.index("<!-- settings: tracing")
+    end = text.index("-->", text.index("<!-- end of settings", start)) + 3
+    with pytest.raises(ValueError, match="tracing"):
+        settings_table.rewrite_doc(text[:start] + text[end:])
