@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -147,3 +148,10 @@ def test_a_doc_without_a_topics_table_is_refused() -> None:
     end = text.index("-->", text.index("<!-- end of settings", start)) + 3
     with pytest.raises(ValueError, match="tracing"):
         settings_table.rewrite_doc(text[:start] + text[end:])
+
+
+def test_the_systemd_environment_file_names_only_settings() -> None:
+    example = ROOT / "deploy" / "systemd" / "proxy.env.example"
+    named = re.findall(r"^#?([A-Z][A-Z0-9_]*)=", example.read_text(), re.M)
+    unknown = set(named) - set(ENV_NAMES.values())
+    assert len(named) > 20 and not unknown, f"not a setting: {sorted(unknown)}"
