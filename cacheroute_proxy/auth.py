@@ -11,7 +11,8 @@ import hmac
 
 from starlette.requests import Request
 
-from .config import ENV_NAMES, ConfigError, read_token_file
+from .config import ENV_NAMES, ConfigError
+from .value_rules import read_token_file
 from .http import HTTPError
 
 

@@ -11,17 +11,16 @@ start with a message naming the variable, the value and the rule, never later on
 
 # No `from __future__ import annotations`: the Env(...) of each field is built once, where the
 # class is, so its rules see this module.
-import ipaddress
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Mapping
-from urllib.parse import urlsplit
 
 import msgspec
 
 from .static_instances import StaticInstance, parse_static_instances
 from .setting import ConfigError, Env, Rule, Topic, check, convert, fields_of, read, to_text
+from .value_rules import (check_kdn_links, host_port, http_url, is_loopback, kv_event_endpoints,
+                          read_token_file)
 
 STRATEGY_ALIASES: dict[str, str] = {
     "round_robin": "round_robin", "round-robin": "round_robin", "rr": "round_robin",
@@ -53,69 +52,6 @@ TRACING = Topic("tracing", "Tracing (OpenTelemetry)")
 
 PORT: dict[str, Any] = {"ge": 1, "le": 65535, "what": "a TCP port"}
 QUEUE_BOUND: dict[str, Any] = {"ge": 1, "le": 100_000}
-
-
-def _is_http_url(value: str) -> bool:
-    """An http(s) URL with a host and, if any, a numeric port."""
-    url = urlsplit(value)
-    try:
-        url.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError:
-        return False
-    return url.scheme in ("http", "https") and bool(url.hostname)
-
-
-def _host_port(value: str) -> tuple[str, int] | None:
-    """"host:port" or "[v6]:port" -> (host, port); None if it is not one."""
-    host, sep, port = value.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host, int(port)
-
-
-def read_token_file(path: str) -> str:
-    """The token a file holds; ValueError saying why there is none."""
-    try:
-        value = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    if not value:
-        raise ValueError(f"{path} is empty")
-    return value
-
-
-def kv_event_endpoints(text: str) -> dict[str, str]:
-    """"instance_id=tcp://host:port,..." as {instance id: ZMQ endpoint}; ValueError if not one."""
-    endpoints: dict[str, str] = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        instance_id, _, endpoint = (part.strip() for part in entry.partition("="))
-        if not instance_id or not endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"{entry!r} is not instance_id=tcp://host:port (or ipc://path)")
-        if "://*" in endpoint:
-            raise ValueError(f"{entry!r}: name the engine's host (as 127.0.0.1), not the * it binds")
-        if instance_id in endpoints:
-            raise ValueError(f"instance {instance_id!r} is given twice")
-        endpoints[instance_id] = endpoint
-    return endpoints
-
-
-def _check_kdn_links(links: dict[str, dict[str, Any]]) -> None:
-    """The numbers IWS reads from a static link: a bandwidth > 0 and an RTT >= 0, when given."""
-    for key, metrics in links.items():
-        for name, low in (("bandwidth_mbps", 0.0), ("latency_ms", None), ("rtt_ms", None)):
-            value = metrics.get(name)
-            if value is None:
-                continue
-            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not (number and (value > low if low is not None else value >= 0)):
-                raise ValueError(f"{key}: {name} must be a number {'> 0' if low is not None else '>= 0'}, "
-                                 f"got {value!r}")
-
-
-def _url(example: str, empty: bool = False) -> Rule:
-    """An http(s) URL (or, with `empty`, "" for none)."""
-    return Rule.holds(f"an http(s) URL such as {example}", lambda v: (empty and not v) or _is_http_url(v))
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,13 +106,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "plane's and the data plane's; beyond loopback only with a token, like the control plane. "
         "Unset: the dashboard is at `http://<control plane>/dashboard` only"),
         rule=Rule.holds("HOST:PORT such as 127.0.0.1:8202",
-                        lambda v: not v or _host_port(v) is not None))] = ""
+                        lambda v: not v or host_port(v) is not None))] = ""
     ui_url: Annotated[str, Env("PROXY_UI_URL", PROCESSES, (
         "the dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in "
         "the supervisor's ready line; its host is also accepted as `Host` on the UI listener. "
         "Unset: the ready line prints the `PROXY_UI_LISTEN` URL, else the control plane's "
         "`/dashboard`"),
-        rule=_url("http://127.0.0.1:8202/", empty=True))] = ""
+        rule=http_url("http://127.0.0.1:8202/", empty=True))] = ""
     log_format: Annotated[str, Env("PROXY_LOG_FORMAT", PROCESSES, (
         "`text`: `time role[pid] level logger: message`; `json`: one object per line with `time`, "
         "`level`, `role`, `pid`, `logger`, `message`, and `request_id` on a request's lines "
@@ -364,7 +300,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # --- registration with the Scheduler control plane (docs/protocol.md §6), from the sidecar ---
     scheduler_cp_url: Annotated[str | None, Env("SCHEDULER_CP_URL", SCHEDULER, (
         "the Scheduler's control plane; unset = no registration (logged once)"),
-        rule=_url("http://127.0.0.1:7002"))] = None
+        rule=http_url("http://127.0.0.1:7002"))] = None
     proxy_id: Annotated[str | None, Env("PROXY_ID", SCHEDULER, (
         "the id the proxy registers under; unset: `hp_<advertised host>:<port>`, the original's"))] = None
     advertise_host: Annotated[str | None, Env("PROXY_ADVERTISE_HOST", SCHEDULER, (
@@ -393,18 +329,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "§3.8), sent as `meta.kdn_links` at register and as a heartbeat's `meta_patch` when that "
         "changes; also the link KV transfers are estimated over when no instance measured it "
         "(docs/protocol.md §5.5). Keys like `kdn://host:port`"),
-        rule=Rule.raises("a bandwidth_mbps > 0, a latency_ms or rtt_ms >= 0", _check_kdn_links))] = {}
+        rule=Rule.raises("a bandwidth_mbps > 0, a latency_ms or rtt_ms >= 0", check_kdn_links))] = {}
 
     # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
     # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
     otel_exporter_otlp_endpoint: Annotated[str | None, Env("OTEL_EXPORTER_OTLP_ENDPOINT", TRACING, (
         "set, every worker exports spans to `<URL>/v1/traces`. Unset (with the next one unset "
         "too), no span is built and the client's `traceparent` passes through untouched"),
-        rule=_url("http://127.0.0.1:4318"))] = None
+        rule=http_url("http://127.0.0.1:4318"))] = None
     otel_exporter_otlp_traces_endpoint: Annotated[str | None, Env(
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", TRACING,
         "the same for traces only, as a full URL; wins over the one above",
-        rule=_url("http://127.0.0.1:4318/v1/traces"))] = None
+        rule=http_url("http://127.0.0.1:4318/v1/traces"))] = None
     otel_sdk_disabled: Annotated[bool, Env("OTEL_SDK_DISABLED", TRACING,
                                            "`true`: no spans whatever the endpoints say")] = False
 
@@ -431,7 +367,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ui_address(self) -> tuple[str, int] | None:
         """(host, port) of the dashboard's own listener, None when there is none."""
-        return _host_port(self.ui_listen) if self.ui_listen else None
+        return host_port(self.ui_listen) if self.ui_listen else None
 
     @property
     def dashboard_url(self) -> str:
@@ -523,13 +459,3 @@ def _check_across(s: Settings) -> None:
 def _refuse(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{ENV_NAMES[field]}: {message}")
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or the name localhost."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

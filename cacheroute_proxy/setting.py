@@ -110,7 +110,7 @@ def convert(field: Field, value: Any, shown: Any = None) -> Any:
     except msgspec.ValidationError as exc:
         detail = f" ({str(exc).replace(' - at `$`', '')})" if is_json(field.type) else ""
         shown = value if shown is None else shown
-        expected = type_words(field.type)
+        expected = type_name(field.type, in_a_sentence=True)
         raise ConfigError(f"{field.env.var}: expected {expected}, got {shown!r}{detail}") from None
 
 
@@ -152,12 +152,17 @@ def bounds_text(env: Env, words: bool = False) -> str:
                         if bound is not None)
 
 
-def type_words(hint: Any) -> str:
-    """The type as an error says it: "an integer", "a number", ..."""
-    hint = optional_of(hint)
-    if is_json(hint):
-        return "a JSON object"
-    return {int: "an integer", float: "a number", bool: "true or false (or 1 or 0)", str: "text"}[hint]
+# type -> (its name in the listing, in an error)
+_TYPE_NAMES: dict[Any, tuple[str, str]] = {
+    int: ("integer", "an integer"), float: ("number", "a number"),
+    bool: ("boolean", "true or false (or 1 or 0)"), str: ("text", "text"), "json": ("JSON", "a JSON object"),
+}
+
+
+def type_name(hint: Any, in_a_sentence: bool = False) -> str:
+    """"integer", "number", "boolean", "text", "JSON"; in a sentence: "an integer", ..."""
+    names = _TYPE_NAMES["json" if is_json(hint) else optional_of(hint)]
+    return names[in_a_sentence]
 
 
 def is_json(hint: Any) -> bool:

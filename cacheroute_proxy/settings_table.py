@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from .config import FIELDS, RETIRED
-from .setting import Env, Field, Topic, bounds_text, is_json, optional_of
+from .setting import Env, Field, Topic, bounds_text, type_name
 
 BLOCK = re.compile(r"(<!-- settings: (?P<topic>[\w-]+)[^\n]*-->\n)(?P<table>.*?)(<!-- end of settings -->)", re.S)
 _HEADER = "| variable | type | default | bounds | meaning |\n|---|---|---|---|---|\n"
@@ -38,13 +38,8 @@ def topics() -> list[Topic]:
 
 def _row(field: Field) -> Row:
     env = field.env
-    return Row(env.var, _type_name(field.type), _default_text(field.default), _rule_text(env), env.help,
+    return Row(env.var, type_name(field.type), _default_text(field.default), _rule_text(env), env.help,
                env.topic.key)
-
-
-def _type_name(hint: object) -> str:
-    hint = optional_of(hint)
-    return "JSON" if is_json(hint) else {int: "integer", float: "number", bool: "boolean", str: "text"}[hint]
 
 
 def _default_text(value: object) -> str:
