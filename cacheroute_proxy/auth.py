@@ -12,8 +12,8 @@ import hmac
 from starlette.requests import Request
 
 from .config import ENV_NAMES, ConfigError
-from .value_rules import read_token_file
 from .http import HTTPError
+from .value_rules import read_token_file
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Mapping
 
 import msgspec
 
-from .static_instances import StaticInstance, parse_static_instances
 from .setting import ConfigError, Env, Rule, Topic, check, convert, fields_of, read, to_text
+from .static_instances import StaticInstance, parse_static_instances
 from .value_rules import (check_kdn_links, host_port, http_url, is_loopback, kv_event_endpoints,
                           read_token_file)
 
@@ -321,7 +321,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "advertised `instance_count`; unset = instances alive when registering"), ge=0)] = None
     kv_mem_per_instance_gb: Annotated[float, Env("PROXY_KV_MEM_PER_INSTANCE_GB", SCHEDULER, (
         "advertised; also the KV capacity the affinity index models for an instance that "
-        "registers neither `meta.kv_capacity_tokens` nor `meta.kv_mem_gb` (§1.2)"), ge=0)] = 128.0
+        "registers neither `meta.kv_capacity_tokens` nor `meta.kv_mem_gb` (see "
+        "`PROXY_AFFINITY_KV_MB_PER_TOKEN`)"), ge=0)] = 128.0
     kv_cache_update_policy: Annotated[str, Env("PROXY_KV_CACHE_UPDATE_POLICY", SCHEDULER,
                                                "advertised")] = "lru"
     kdn_links: Annotated[dict[str, dict[str, Any]], Env("PROXY_KDN_LINKS_JSON", SCHEDULER, (

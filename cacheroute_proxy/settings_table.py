@@ -14,8 +14,10 @@ import msgspec
 from .config import FIELDS, RETIRED
 from .setting import Env, Field, Topic, bounds_text, type_name
 
-BLOCK = re.compile(r"(<!-- settings: (?P<topic>[\w-]+)[^\n]*-->\n)(?P<table>.*?)(<!-- end of settings -->)", re.S)
+BLOCK = re.compile(r"(<!-- settings: (?P<topic>[\w-]+)[^\n]*-->\n)(?P<table>.*?)(<!-- end of settings -->)",
+                   re.S)
 _HEADER = "| variable | type | default | bounds | meaning |\n|---|---|---|---|---|\n"
+UNSET = "unset"  # the default of a setting that is None or ""
 
 
 class Row(msgspec.Struct, frozen=True):
@@ -44,7 +46,7 @@ def _row(field: Field) -> Row:
 
 def _default_text(value: object) -> str:
     if value is None or value == "":
-        return "unset"
+        return UNSET
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float) and value.is_integer():
@@ -83,9 +85,9 @@ def text_listing(listed: list[Row], width: int = 100) -> str:
     for topic in topics():
         block = [topic.title]
         for r in (r for r in listed if r.topic == topic.key):
-            cells = (r.variable.ljust(widths[0]), r.type.ljust(widths[1]), r.default.ljust(widths[2]), r.bounds)
-            block.append(("  " + "  ".join(cells)).rstrip())
-            block += textwrap.wrap(_plain(r.help), width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            cells = [cell.ljust(width) for cell, width in zip((r.variable, r.type, r.default), widths)]
+            block.append("  ".join(["", *cells, r.bounds]).rstrip())
+            block += _indented(r.help, width)
         if len(block) > 1:
             blocks.append("\n".join(block))
     return "\n\n".join(blocks) + "\n"
@@ -94,8 +96,12 @@ def text_listing(listed: list[Row], width: int = 100) -> str:
 def retired_listing(width: int = 100) -> str:
     lines = ["Retired: no longer read, refused at start"]
     for var, why in RETIRED.items():
-        lines += [f"  {var}", *textwrap.wrap(_plain(why), width, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+        lines += [f"  {var}", *_indented(why, width)]
     return "\n".join(lines) + "\n"
+
+
+def _indented(markdown: str, width: int) -> list[str]:
+    return textwrap.wrap(_plain(markdown), width, initial_indent=" " * 6, subsequent_indent=" " * 6)
 
 
 def _plain(markdown: str) -> str:
@@ -110,7 +116,7 @@ def markdown_table(topic_key: str, word: str = "") -> str:
         return text.replace("|", "\\|")
 
     body = "".join(
-        f"| `{r.variable}` | {r.type} | {'unset' if r.default == 'unset' else f'`{r.default}`'} | "
+        f"| `{r.variable}` | {r.type} | {r.default if r.default == UNSET else f'`{r.default}`'} | "
         f"{cell(r.bounds)} | {cell(r.help)} |\n"
         for r in rows(word) if r.topic == topic_key)
     return _HEADER + body

@@ -77,10 +77,12 @@ BAD = [
     ({"PROXY_PACE_STEP": "soon"}, "PROXY_PACE_STEP: expected a number, got 'soon'"),
     ({"PROXY_QUEUE_TIMEOUT_S": "0"}, "PROXY_QUEUE_TIMEOUT_S: must be > 0, got 0.0"),
     ({"PROXY_INSTANCE_PURGE_GRACE_S": "-1"}, "PROXY_INSTANCE_PURGE_GRACE_S: must be >= 0, got -1.0"),
-    ({"PROXY_KV_AWARE_BALANCE_REL": "inf"}, "PROXY_KV_AWARE_BALANCE_REL: must be a finite number >= 1, got inf"),
+    ({"PROXY_KV_AWARE_BALANCE_REL": "inf"},
+     "PROXY_KV_AWARE_BALANCE_REL: must be a finite number >= 1, got inf"),
     ({"PROXY_AFFINITY_PENDING_S": "4000"},
      "PROXY_AFFINITY_PENDING_S: must be a finite number > 0 and <= 3600, got 4000.0"),
-    ({"PROXY_LOAD_VIEW": "global"}, "PROXY_LOAD_VIEW: unknown load view 'global'; choose one of shared, per_worker"),
+    ({"PROXY_LOAD_VIEW": "global"},
+     "PROXY_LOAD_VIEW: unknown load view 'global'; choose one of shared, per_worker"),
     ({"PROXY_ACCESS_LOG": "maybe"}, "PROXY_ACCESS_LOG: expected true or false (or 1 or 0), got 'maybe'"),
     ({"PROXY_SHM_NAME": "no-slash"},
      "PROXY_SHM_NAME: must be /name (one leading slash, no other), got 'no-slash'"),
@@ -94,7 +96,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("env", "message"), BAD, ids=[next(iter(e)) + "=" + v for e, _ in BAD for v in e.values()])
+@pytest.mark.parametrize(("env", "message"), BAD, ids=[f"{var}={text}" for env, _ in BAD for var, text in env.items()])
 def test_a_bad_value_is_told_its_variable_value_and_rule(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError) as refused:
         Settings.from_env(env)
