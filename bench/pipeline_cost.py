@@ -13,11 +13,6 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
 - `without metrics`, `without events`, `without meta`: the same with one part replaced by a
   no-op (the metric files' writes; the reserve/complete events to the sidecar; encoding the trace and
   splicing it into the answer), so the difference is that part's cost;
-- `parts inline`: the parts `full` runs for a plain request (the body's decode, the choice and
-  the lease, the predictions and the reservation, admission, the forward, the completion, the
-  trace and the meta, the headers, the metrics) called from one coroutine, with none of the
-  layers between them (app, exchange, pipeline, release order, disconnect watch, retries,
-  error answers): what doing the same work costs in Python at least (bench/pipeline_inline.py);
 - `relay floor`: bench-peers' relay floor (bench/peers/relay_floor.py) on the same client:
   read the body, open the next upstream, read its answer, send it whole: what any proxy on this
   client and server pays.
@@ -120,10 +115,8 @@ class Worker:
 
     def __init__(self, ports: list[int]) -> None:
         from bench.peers.relay_floor import Relay
-        from bench.pipeline_inline import InlinePlainRequest
         from cacheroute_proxy.config import Settings
         from proxy_workers.app import DataPlane
-        from proxy_workers.predictors import get_predictors
         from proxy_workers.server import assemble
         from shm_schema import DirectoryWriter, Segment, WorkerRow
         from shm_schema.events import EventReader
@@ -139,7 +132,6 @@ class Worker:
         ctx = parts.ctx
         self.upstream = ctx.upstream
         self.plane = DataPlane(ctx)
-        self.inline = InlinePlainRequest(parts, get_predictors(settings.predictor_profile))
         self.events = EventReader(self.seg)
         # bench-peers' relay floor over the same client and instances: one floor for both benches.
         self.floor = Relay([f"http://127.0.0.1:{port}" for port in ports], ctx.upstream).handle
@@ -192,7 +184,6 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(tracker.RequestTracker, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
-        "parts inline": (worker.inline, contextlib.nullcontext),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 
