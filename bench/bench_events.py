@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         return serve()
     if args.profile:
         return profile(args.profile, args.measured * 2, 25)
-    from bench.machine import machine_info
+    from bench.harness.results import machine_info
 
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     info = machine_info()
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                 tree.close()
     info["at_end"] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
     # Imported here, not at the top: a baseline tree runs this file with its own bench/ (--serve).
-    from bench.machine import git_commit
+    from bench.harness.results import git_commit
 
     command = "python -m bench.bench_events" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_info, run_record, tool_versions, utc_now, write_report
+from bench.harness.results import machine_info, run_record, tool_versions, utc_now, write_report
 from cacheroute_proxy import engine_prefix
 from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_sim.processes import ROOT

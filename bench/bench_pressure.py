@@ -43,8 +43,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.machine import write_report
-from bench.stats import percentile
+from bench.harness.results import write_report
+from bench.harness.stats import percentile
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_range
 
 

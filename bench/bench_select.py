@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from bench.machine import write_report
+from bench.harness.results import write_report
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from proxy_workers.fast_score import NATIVE_SELECTION

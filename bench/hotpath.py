@@ -1,7 +1,7 @@
 """A quick A/B probe of the worker's request hot path (`python -m bench.hotpath`).
 
 One fast simulated instance (time scale 0: no simulated sleeping) and, over that same
-process, these contenders (bench/contenders.py starts and stops them by pid):
+process, these contenders (bench/harness/contenders.py starts and stops them by pid):
 
 - `direct`: the instance itself, the baseline for added latency;
 - `proxy-1w` / `proxy-2w`: this proxy through its supervisor with 1 and 2 workers;
@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from cacheroute_sim.processes import ROOT, ChildProcess, free_port
-from bench.backends import InstanceSpec, SimInstances
-from bench.contenders import Contender, DirectContender, NginxContender, ProxyContender
-from bench.launch import StartError, http_json, wait_for
+from bench.harness.backends import InstanceSpec, SimInstances
+from bench.harness.contenders import Contender, DirectContender, NginxContender, ProxyContender
+from bench.harness.processes import StartError, http_json, wait_for
 
 CHAT_BODY = ('{"model":"sim-model","messages":[{"role":"user","content":"Say something short."}],'
              '"max_tokens":8%s}')

@@ -42,7 +42,7 @@ from typing import Any
 
 import uvloop
 
-from bench.machine import machine_info, run_record, utc_now, write_report
+from bench.harness.results import machine_info, run_record, utc_now, write_report
 
 BODY = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
                    "max_tokens": 4, "stream": False}, separators=(",", ":")).encode()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.backends import FakeInstances, InstanceSpec, Instances, SimInstances
-from bench.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
+from bench.harness.backends import FakeInstances, InstanceSpec, Instances, SimInstances
+from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                               RelayFloorContender, RouterContender)
 
 SCENARIOS = ("c1", "c32", "stream32")

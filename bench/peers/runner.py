@@ -24,10 +24,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.machine import machine_info, tool_versions
-from bench.backends import Instances
-from bench.contenders import Contender, router_available
-from bench.launch import StartError
+from bench.harness.results import machine_info, tool_versions
+from bench.harness.backends import Instances
+from bench.harness.contenders import Contender, router_available
+from bench.harness.processes import StartError
 from bench.peers import measure, summary, targets
 from bench.peers.plan import SCENARIOS, ContenderPlan, RunConfig, chosen, instances_for
 

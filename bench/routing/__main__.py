@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bench.launch import StartError
+from bench.harness.processes import StartError
 from bench.routing.run import log, reanalysed, run_benchmark
 from bench.routing.scenario import Scenario, contender_defs, quick
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import psutil
 
-from bench.machine import machine_info, tool_versions
-from bench.backends import SimInstances
-from bench.contenders import Contender, ProxyContender
-from bench.launch import StartError, http_json
+from bench.harness.results import machine_info, tool_versions
+from bench.harness.backends import SimInstances
+from bench.harness.contenders import Contender, ProxyContender
+from bench.harness.processes import StartError, http_json
 from bench.routing import summary, uncertainty
 from bench.routing.client import run_schedule
 from bench.routing.sampler import InflightSampler

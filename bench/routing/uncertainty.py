@@ -17,7 +17,7 @@ import random
 import statistics
 from typing import Any, Callable, Sequence
 
-from bench.stats import percentile
+from bench.harness.stats import percentile
 from bench.routing.summary import CHECK_SPECS, PER_WORKER, REFERENCE, pooled_ttfts, ratio
 
 # The checks' comparisons, and what the per_worker ablation costs against the reference.

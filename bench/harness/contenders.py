@@ -1,4 +1,4 @@
-"""Start and stop what the benchmarks compare, all over the SAME instances (bench/backends.py).
+"""Start and stop what the benchmarks compare, all over the SAME instances (bench/harness/backends.py).
 
 - Contenders (context managers, each with .name, .kind, .url and the root pids whose process
   trees the benchmarks charge CPU and RSS to):
@@ -18,10 +18,10 @@ import shutil
 import signal
 from typing import Any
 
-from bench.backends import Instances
-from bench.launch import (HOST, START_TIMEOUT_S, Started, StartError, answers_ok, http_json, remove_dir,
-                          scratch_dir, wait_for)
-from bench.machine import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
+from bench.harness.backends import Instances
+from bench.harness.processes import (HOST, START_TIMEOUT_S, Started, StartError, answers_ok, http_json,
+                                     remove_dir, scratch_dir, wait_for)
+from bench.harness.cpu import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
 

@@ -1,7 +1,7 @@
 """What starting and stopping a benchmark's processes shares: the address, small HTTP calls,
 waiting for a process to be ready, scratch directories, and `Started` (a context manager that
-stops what did start when a start fails). bench/backends.py starts the instances,
-bench/contenders.py what is measured over them."""
+stops what did start when a start fails). bench/harness/backends.py starts the instances,
+bench/harness/contenders.py what is measured over them."""
 
 from __future__ import annotations
 
@@ -53,18 +53,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
             pass  # not listening yet, or not answering in full yet
         time.sleep(0.1)
     raise StartError(f"{what}: not ready after {timeout:.0f} s\n{log()}")
-
-
-def name_values(items: list[str]) -> dict[str, str]:
-    """A command line's repeated NAME=VALUE options (proxy settings) as a dict; a malformed one
-    stops the benchmark naming it."""
-    found = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
-        found[name] = value
-    return found
 
 
 def answers_ok(url: str) -> bool:
