@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,7 +41,8 @@ from typing import Any
 
 import uvloop
 
-from bench.harness.results import machine_info, run_record, utc_now, write_report
+from bench.harness.results import Run, write_report
+from bench.harness.stats import median
 
 BODY = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
                    "max_tokens": 4, "stream": False}, separators=(",", ":")).encode()
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="blocks per variant")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    started_at = utc_now()
-    machine = machine_info()
+    provenance = Run("bench.pipeline_cost", argv)
     metrics_dir = tempfile.mkdtemp(prefix="cacheroute-cost-metrics-")
     from proxy_workers import metrics
     metrics.open_store(metrics_dir)  # as a worker does: its own file, real writes
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     # A part's cost from the fastest blocks: on a shared machine other tenants only ever add.
     full = min(samples["full"])
-    results = {name: {"median_us": round(statistics.median(values), 1), "min_us": round(min(values), 1),
+    results = {name: {"median_us": median(values, 1), "min_us": round(min(values), 1),
                       "part_us": round(full - min(values), 1) if name != "full" else None}
                for name, values in samples.items()}
     print(f"# CPU us per request, median of {args.repeats} blocks of {args.requests} "
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
         print(f"{name:<18}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
     if args.out:
-        report = {**run_record("bench.pipeline_cost", argv, started_at, machine),
+        report = {**provenance.record(),
                   "requests_per_block": args.requests, "repeats": args.repeats,
                   "concurrency": CONCURRENCY, "results": results,
                   "method": ("CPU time (time.process_time) per request of each variant, blocks "

@@ -1,8 +1,10 @@
-"""Statistics the benchmarks report."""
+"""Statistics the benchmarks report, one definition each: percentiles, medians, ratios."""
 
 from __future__ import annotations
 
 import math
+import statistics
+from typing import Iterable
 
 
 def percentile(values: list[float], q: float, *, method: str = "nearest_rank") -> float:
@@ -22,3 +24,20 @@ def percentile(values: list[float], q: float, *, method: str = "nearest_rank") -
     return ordered[min(len(ordered) - 1, max(0, index))]
 
 
+def median(values: Iterable[float | None], digits: int | None = 4) -> float | None:
+    """The median of the known values (None ones left out), rounded to `digits` (None: not
+    rounded); None when no value is known."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    middle = statistics.median(known)
+    return middle if digits is None else round(middle, digits)
+
+
+def ratio(value: float | None, base: float | None, digits: int | None = None) -> float | None:
+    """value / base, rounded to `digits` (None: not rounded); None where either is unknown or
+    the base is not positive (an added latency at or below zero has no meaningful ratio)."""
+    if value is None or base is None or base <= 0:
+        return None
+    quotient = value / base
+    return quotient if digits is None else round(quotient, digits)

@@ -1,5 +1,6 @@
 """One measured point: a load generator against one contender, with the contender's process-tree
-CPU (user+sys delta over the load) and RSS (after it) charged to it (bench/harness/cpu.py)."""
+CPU (user+sys delta over the load) and RSS (after it) charged to it (bench/harness/cpu.py): wrk
+(bench/harness/wrk.py) or the streaming client (stream_load.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from bench.harness.contenders import Contender
 from bench.harness.cpu import charged, per_1k
-from bench.harness.wrk import run_wrk, wrk_post_script
+from bench.harness.wrk import wrk_post_script
 from bench.peers import stream_load
 
 PATH = "/v1/chat/completions"
@@ -23,11 +24,6 @@ def chat_body(max_tokens: int) -> str:
 
 def write_script(directory: Path, max_tokens: int) -> Path:
     return wrk_post_script(directory / "post_chat.lua", chat_body(max_tokens), PATH)
-
-
-def wrk_point(contender: Contender, script: Path, connections: int, seconds: float) -> dict[str, Any]:
-    result = charged(contender, lambda: run_wrk(contender.url, script, connections, seconds))
-    return per_1k(result, result.get("requests"))
 
 
 def stream_point(contender: Contender, concurrency: int, seconds: float,

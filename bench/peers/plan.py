@@ -33,7 +33,6 @@ class RunConfig:
     instance_max_concurrency: int = 64
     max_tokens: int = 4        # content chunks per answer (a few SSE chunks per stream)
     high_concurrency: int = 32
-    command: str = ""
 
 
 @dataclass(frozen=True)

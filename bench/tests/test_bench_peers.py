@@ -127,7 +127,7 @@ def test_proxy_contender_routes_over_the_shared_instances(instances: SimInstance
         assert set(point["cpu_s_per_1k_by_role"]) == set(split)
         stream = stream_load.run_process(proxy.url, 4, 1.0, 3)
         assert stream["streams_ok"] > 0 and stream["errors"] == 0, stream
-        shm = proxy.ports.shm_name
+        shm = proxy.supervisor.shm_name
     assert proxy.pids() == [] and not os.path.exists(f"/dev/shm{shm}")
     assert not any(p.is_running() and p.status() != "zombie" for p in tree)
 
