@@ -90,8 +90,9 @@ async def _drive(url: str, workload: Workload, seed: int) -> tuple[list[dict], l
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         streamed = await open_loop(plan(workload, seed),
                                    lambda sizes: stream_chat(session, url, body(workload, *sizes)))
+    answered = [s.meta for s in streamed if s.error is None and s.meta is not None]
     failures = [s.error or "the stream carried no cacheroute_meta" for s in streamed if s.error or s.meta is None]
-    return [s.meta for s in streamed if s.error is None and s.meta is not None], failures
+    return answered, failures
 
 
 # --- what the load runs against ----------------------------------------------------------------

@@ -39,4 +39,5 @@ def launcher_command(tree: Path) -> tuple[tuple[str, ...], str]:
     product package) from inside it: `python -m` puts the working directory first on sys.path,
     and the workers it starts inherit it."""
     module = "cacheroute_proxy" if (tree / "cacheroute_proxy" / "__main__.py").exists() else "supervisor"
-    return ("-c", f"cd {shlex.quote(str(tree))} && exec {shlex.quote(sys.executable)} -m {module} run"), "/bin/sh"
+    script = f"cd {shlex.quote(str(tree))} && exec {shlex.quote(sys.executable)} -m {module} run"
+    return ("-c", script), "/bin/sh"

@@ -119,5 +119,3 @@ def tool_versions(packages: tuple[str, ...] = (), commands: tuple[tuple[str, ...
         except (OSError, subprocess.TimeoutExpired):
             out[argv[0]] = None
     return out
-
-

@@ -77,4 +77,3 @@ def kv_aware_choice(meta: dict[str, Any] | None) -> KvAwareChoice:
     trace = (meta or {}).get("trace") or {}
     return KvAwareChoice(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
                          trace.get("route_predicted_ttft_ms"))
-

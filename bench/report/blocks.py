@@ -41,8 +41,8 @@ def provenance(data: dict[str, Any], file_name: str) -> str:
     given = command(data)
     if given:
         shown = without_commits(given)
-        lines.append(f"Command: `{shown}`" + ("" if shown == given else
-                                              " (REF: the git commit it compared against, recorded in the file)"))
+        ref = "" if shown == given else " (REF: the git commit it compared against, recorded in the file)"
+        lines.append(f"Command: `{shown}`{ref}")
     else:
         lines.append("Command: not recorded in the file")
     return "  \n".join(lines)
@@ -54,7 +54,8 @@ def machine(data: dict[str, Any]) -> str:
         return "Machine: not recorded in the file"
     parts = [f"{key} {_value(key, info[key])}" for key in MACHINE_KEYS if info.get(key) is not None]
     end = info.get("at_end") or {}
-    at_end = end.get("loadavg") or info.get("loadavg_end") or info.get("loadavg_at_end") or data.get("loadavg_at_end")
+    at_end = next((v for v in (end.get("loadavg"), info.get("loadavg_end"), data.get("loadavg_at_end"))
+                   if v is not None), None)
     if at_end is not None:
         parts.append(f"loadavg at end {num(at_end)}")
     if end.get("pressure_cpu"):

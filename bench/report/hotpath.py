@@ -30,13 +30,13 @@ def section(data: dict[str, Any], file_name: str) -> str:
     rows = [[f"`{c['name']}`", num(c.get("kind")), num(c.get("workers")),
              *[num((c.get("median") or {}).get(key)) for key, _ in columns],
              num(sum(r.get("errors", 0) for r in c.get("runs") or []))] for c in contenders]
-    parts.append(f"Medians over {num(method.get('repeats'))} repeats of {num(method.get('seconds_per_point'))} s "
-                 "points (`base-*`: the proxy as it was at the `--baseline` commit, in the same run):\n\n"
+    parts.append(f"Medians over {num(method.get('repeats'))} repeats of "
+                 f"{num(method.get('seconds_per_point'))} s points (`base-*`: the proxy as it was at the `--baseline` commit, in the same run):\n\n"
                  + table(["contender", "kind", "workers", *[head for _, head in columns], "errors"], rows))
     to_nginx = data.get("ratios_to_nginx") or {}
     if to_nginx:
         keys = list(dict.fromkeys(k for values in to_nginx.values() for k in values))
-        parts.append("Ratios to nginx in the same run:\n\n" + table(
-            ["contender", *keys], [[f"`{name}`", *[ratio(v.get(k)) for k in keys]] for name, v in to_nginx.items()]))
+        rows_to_nginx = [[f"`{name}`", *[ratio(v.get(k)) for k in keys]] for name, v in to_nginx.items()]
+        parts.append("Ratios to nginx in the same run:\n\n" + table(["contender", *keys], rows_to_nginx))
     parts += [blocks.method(data), blocks.notes(data)]
     return "\n\n".join(p for p in parts if p)

@@ -153,7 +153,8 @@ def pipeline_cost_ab_section(data: dict[str, Any]) -> str:
     rows = []
     for r in runs:
         results = r.get("results") or {}
-        full, floor = (results.get("full") or {}).get("min_us"), (results.get("relay floor") or {}).get("min_us")
+        full = (results.get("full") or {}).get("min_us")
+        floor = (results.get("relay floor") or {}).get("min_us")
         rows.append([num(r.get("run")), names.get(r.get("tree"), DASH), num(full), num(floor),
                      num(None if full is None or floor is None else full - floor),
                      num((results.get("without metrics") or {}).get("part_us"))])
@@ -168,10 +169,12 @@ def soak_section(data: dict[str, Any]) -> str:
     invariant."""
     requests, chaos, rss = data.get("requests") or {}, data.get("chaos") or {}, data.get("worker_rss") or {}
     latency = requests.get("latency") or {}
-    verdict_text = "**PASSED**" if data.get("passed") else "**FAILED**: " + ", ".join(data.get("failed_checks") or [])
+    failed = ", ".join(data.get("failed_checks") or [])
+    categories = ", ".join(f"{k} {num(v)}" for k, v in (requests.get("categories") or {}).items())
     parts = ["## Soak under chaos", *blocks.header_blocks(data, "soak.json"),
-             f"{verdict_text}: {num(requests.get('total'))} requests ({num(requests.get('per_second'))}/s); "
-             f"outcomes by category: " + ", ".join(f"{k} {num(v)}" for k, v in (requests.get("categories") or {}).items()),
+             ("**PASSED**" if data.get("passed") else f"**FAILED**: {failed}")
+             + f": {num(requests.get('total'))} requests ({num(requests.get('per_second'))}/s); "
+             f"outcomes by category: {categories}",
              f"Chaos: {num(chaos.get('worker_kills'))} workers SIGKILLed, {num(chaos.get('flap_503_windows'))} "
              f"windows of the flapper's 503s, {num(chaos.get('flapper_restarts'))} flapper restarts. Worker RSS: "
              f"largest growth {num(rss.get('max_growth_pct'))} % over {num(rss.get('reported_lineages'))} "
@@ -179,9 +182,10 @@ def soak_section(data: dict[str, Any]) -> str:
     lat_rows = [[name, num(v.get("count")), num(v.get("p50_ms")), num(v.get("p99_ms")), num(v.get("max_ms"))]
                 for name, v in latency.items()]
     if lat_rows:
-        parts.append("Latency of the `ok` requests (ms):\n\n" + table(["requests", "count", "p50", "p99", "max"], lat_rows))
+        parts.append("Latency of the `ok` requests (ms):\n\n"
+                     + table(["requests", "count", "p50", "p99", "max"], lat_rows))
     checks = data.get("end_checks") or {}
     if checks:
-        parts.append("End invariants:\n\n" + table(["invariant", "result"],
-                                                    [[f"`{name}`", verdict(c.get("pass"))] for name, c in checks.items()]))
+        parts.append("End invariants:\n\n" + table(
+            ["invariant", "result"], [[f"`{name}`", verdict(c.get("pass"))] for name, c in checks.items()]))
     return "\n\n".join(p for p in parts if p)

@@ -74,8 +74,9 @@ def stack_choice_section(data: dict[str, Any]) -> str:
                      f"{num(meta.get('repeats'))} repeats, ratios to uvicorn + httptools:\n\n"
                      + data["asgi_servers_table_md"])
     if data.get("upstream_clients_table_md"):
-        parts.append("Upstream clients: a Starlette-on-uvicorn proxy forwarding to an aiohttp.web backend over a "
-                     "pooled keep-alive connection; ratios to aiohttp:\n\n" + data["upstream_clients_table_md"])
+        parts.append("Upstream clients: a Starlette-on-uvicorn proxy forwarding to an aiohttp.web backend "
+                     "over a pooled keep-alive connection; ratios to aiohttp:\n\n"
+                     + data["upstream_clients_table_md"])
     if data.get("unavailable"):
         parts.append("Not measured: " + "; ".join(f"{k}: {num(v)}" for k, v in data["unavailable"].items()))
     return "\n\n".join(p for p in parts if p)
