@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-stack bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
+.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
 # setup.py builds the C parts (shm_schema/_lanes.c, proxy_workers/_select.c) into the
 # checkout: an edit rebuilds them.
@@ -78,7 +78,6 @@ bench: $(STAMP)
 	$(PY) -m bench.bench_select --out bench/results/select.json
 	$(PY) -m bench.bench_events --out bench/results/events.json
 	$(PY) -m bench.pipeline_cost --out bench/results/pipeline_cost.json
-	$(PY) -m bench.bench_metrics --out bench/results/metrics.json
 	$(PY) -m bench.bench_prefix_keys --out bench/results/prefix_keys.json
 
 # The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
@@ -116,12 +115,6 @@ peers: $(PEER_STAMPS)
 # ARGS='--kv-aware-env PROXY_X=1'; python -m bench.affinity_vllm --help).
 bench-affinity-vllm: install-vllm peers
 	$(CACHE_ENV) $(PY) -m bench.affinity_vllm --out bench/results/affinity_vllm.json $(ARGS)
-
-# Server and client comparison behind the stack choice, ~6 minutes.
-bench-stack: $(STAMP)
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
-	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) -m bench.stack_choice --out bench/results/stack_choice.json
 
 # Routing quality with many workers: 1-worker least_load reference, 4 workers shared /
 # per_worker / round_robin, nginx least_conn, over one slow and two fast simulated instances

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime as dt
 import json
 import os
 import pstats
@@ -205,7 +204,8 @@ class Tree:
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
-    from bench.hotpath import baseline_tree as archive
+    """The product at `ref` (bench/harness/baseline.py) with this file copied in, for --serve."""
+    from bench.harness.baseline import baseline_tree as archive
 
     tree = archive(ref, into)
     shutil.copy(Path(__file__), tree / "bench" / "bench_events.py")
@@ -288,10 +288,10 @@ def main(argv: list[str] | None = None) -> None:
         return serve()
     if args.profile:
         return profile(args.profile, args.measured * 2, 25)
-    from bench.machine import machine_info
+    # Imported here, not at the top: a baseline tree runs this file with its own bench/ (--serve).
+    from bench.harness.results import Run, git_commit, write_report
 
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    info = machine_info()
+    provenance = Run("bench.bench_events", argv)
     with tempfile.TemporaryDirectory(prefix="bench_events_") as tmp:
         trees = [Tree("current", ROOT)]
         try:
@@ -301,17 +301,10 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for tree in trees:
                 tree.close()
-    info["at_end"] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
-    # Imported here, not at the top: a baseline tree runs this file with its own bench/ (--serve).
-    from bench.machine import git_commit
-
-    command = "python -m bench.bench_events" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    data = {"benchmark": "events", "command": command, "started_at": started,
-            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    data = {**provenance.record(), "benchmark": "events",
             "commit": git_commit(), "baseline_ref": args.baseline,
             "baseline_commit": git_commit(args.baseline) if args.baseline else None,
-            "poll_ms": args.poll_ms, "machine": info, "results": results, "speedup_vs_baseline": ratios(results),
+            "poll_ms": args.poll_ms, "results": results, "speedup_vs_baseline": ratios(results),
             "method": {
                 "scenario": f"{'/'.join(map(str, INSTANCE_COUNTS))} instances, READY_CONCURRENCY "
                             f"{READY_CONCURRENCY}, ~{IN_FLIGHT_PER_INSTANCE} in flight per instance, "
@@ -322,11 +315,9 @@ def main(argv: list[str] | None = None) -> None:
                             f"(drain + apply + publish), over {args.measured} ticks after "
                             f"{args.warmup}, divided by the requests completed in them",
                 "repeats": f"{args.repeats}, interleaved across cases and A/B; medians"}}
-    text = json.dumps(data, indent=2)
+    print(json.dumps(data, indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+        write_report(args.out, data)
 
 
 if __name__ == "__main__":

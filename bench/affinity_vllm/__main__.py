@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.launch import name_values
-from bench.machine import git_commit, machine_info, run_record, uncommitted_changes, utc_now, write_report
+from bench.harness.cli import name_values
+from bench.harness.results import (git_commit, machine_info, run_record, uncommitted_changes, utc_now,
+                                   write_report)
 from tests.real_engine.engines import TINY_MODEL, stop_engines
 
 from . import contenders, engine_side, figures, runner, targets, workload

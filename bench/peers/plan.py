@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.backends import FakeInstances, InstanceSpec, Instances, SimInstances
-from bench.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
+from bench.harness.backends import FakeInstances, InstanceSpec, Instances, SimInstances
+from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                               RelayFloorContender, RouterContender)
 
 SCENARIOS = ("c1", "c32", "stream32")
@@ -33,7 +33,6 @@ class RunConfig:
     instance_max_concurrency: int = 64
     max_tokens: int = 4        # content chunks per answer (a few SSE chunks per stream)
     high_concurrency: int = 32
-    command: str = ""
 
 
 @dataclass(frozen=True)

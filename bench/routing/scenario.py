@@ -7,8 +7,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-from bench.backends import InstanceSpec, SimInstances
-from bench.contenders import Contender, NginxContender, ProxyContender
+from bench.harness.backends import InstanceSpec, SimInstances
+from bench.harness.contenders import Contender, NginxContender, ProxyContender
 from bench.routing.schedule import ScheduleSpec
 from bench.routing.summary import NGINX, PER_WORKER, REFERENCE, ROUND_ROBIN, SHARED
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.stats import percentile
+from bench.harness.stats import percentile
 
 # The proxy's own error codes (docs/protocol.md, "Error bodies"): a 5xx carrying one of these did not come
 # from an instance.

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.launch import (HOST, START_TIMEOUT_S, Started, answers_ok, http_json, remove_dir, scratch_dir,
-                          wait_for)
+from bench.harness.processes import (HOST, START_TIMEOUT_S, Started, answers_ok, http_json, remove_dir,
+                                     scratch_dir, wait_for)
 from cacheroute_sim.instance.registration import register_meta
 from cacheroute_sim.processes import ChildProcess, free_port
 

@@ -1,28 +1,42 @@
-"""Start and stop what the benchmarks compare, all over the SAME instances (bench/backends.py).
+"""Start and stop what the benchmarks compare, all over the SAME instances
+(bench/harness/backends.py).
 
 - Contenders (context managers, each with .name, .kind, .url and the root pids whose process
   trees the benchmarks charge CPU and RSS to):
   DirectContender (instance 0 itself, the baseline), ProxyContender (this proxy through its
-  supervisor), NginxContender (Debian nginx as a foreground process with its own config and
-  temp dir), RouterContender (vllm-router from PyPI, the Rust LLM router of vllm-project).
+  supervisor, or as it was at a git ref), NginxContender (Debian nginx as a foreground process
+  with its own config and temp dir), RouterContender (vllm-router from PyPI, the Rust LLM router
+  of vllm-project), RelayFloorContender (the product's server and client, nothing between).
+- `rotated`: the order of an interleaved run's repeat.
 
-`with contender:` starts and stops one; a harness starting many may call launch() on each,
+`with contender:` starts and stops one; a benchmark starting many may call launch() on each,
 then wait_ready() on each, so they come up in parallel (stop() is safe in any state).
 Every process is started in its own session and stopped by its pid, also when a start fails.
-Only 127.0.0.1 is used. Keep this API stable: the three bench harnesses share it.
+Only 127.0.0.1 is used.
 """
 
 from __future__ import annotations
 
 import shutil
 import signal
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
 
-from bench.backends import Instances
-from bench.launch import (HOST, START_TIMEOUT_S, Started, StartError, answers_ok, http_json, remove_dir,
-                          scratch_dir, wait_for)
-from bench.machine import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
+from bench.harness.backends import Instances
+from bench.harness.baseline import launcher_command
+from bench.harness.processes import (HOST, START_TIMEOUT_S, Started, StartError, Supervisor, answers_ok,
+                                     http_json, remove_dir, scratch_dir, wait_for)
+from bench.harness.cpu import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
+from cacheroute_sim.processes import ChildProcess, free_port
+
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], shift: int) -> list[T]:
+    """`items` starting at `shift` (modulo their number): repeat r of an interleaved run starts
+    with the r-th contender, so none always runs first, or last."""
+    k = shift % len(items) if items else 0
+    return [*items[k:], *items[:k]]
 
 
 class Contender(Started):
@@ -111,57 +125,49 @@ class DirectContender(Contender):
 
 
 class ProxyContender(ProcessContender):
-    """This proxy via `python -m cacheroute_proxy run`: free ports, a private segment, no simulated
+    """This proxy via `python -m cacheroute_proxy run` (or, with `tree`, as it was in that
+    baseline tree: bench/harness/baseline.py): free ports, a private segment, no simulated
     instances of its own; every instance of `instances` registered on its control plane."""
 
     kind = "proxy"
-    stop_signal = signal.SIGINT  # the supervisor stops workers and sidecar and unlinks the segment
-    stop_timeout_s = 45.0
 
     def __init__(self, name: str, instances: Instances, workers: int, strategy: str,
-                 load_view: str = "shared", extra_env: dict[str, str] | None = None) -> None:
+                 load_view: str = "shared", extra_env: dict[str, str] | None = None,
+                 tree: Path | None = None) -> None:
         super().__init__(name)
         self.instances = instances
         self.workers = workers
         self.strategy = strategy
-        self.ports = SupervisorPorts(workers, "cacheroute_bench")
-        self.env = {**self.ports.supervisor_env(strategy), "PROXY_LOAD_VIEW": load_view,
-                    # Registered once by us, never heartbeated: a TTL longer than any run.
-                    "PROXY_INSTANCE_TTL_S": "86400", "PROXY_LOG_LEVEL": "warning",
-                    **(extra_env or {})}
-        self.url = self.ports.dp_url
+        command, program = launcher_command(tree) if tree else (("-m", "cacheroute_proxy", "run"), None)
+        env = {"PROXY_LOAD_VIEW": load_view,
+               # Registered once by us, never heartbeated: a TTL longer than any run.
+               "PROXY_INSTANCE_TTL_S": "86400", "PROXY_LOG_LEVEL": "warning", **(extra_env or {})}
+        self.supervisor = Supervisor(workers, strategy, self.log_dir / "supervisor.log", env, name=name,
+                                     command=command, program=program)
+        self.url = self.supervisor.dp_url
 
     def launch(self) -> None:
-        self._child = ChildProcess(["-m", "cacheroute_proxy", "run"], self.env,
-                                   self.log_dir / "supervisor.log", die_with_parent=True)
+        self.supervisor.launch()
+        self._child = self.supervisor.child
 
     def wait_ready(self) -> None:
-        assert self._child is not None, "launch() first"
-        child = self._child
-        for i in range(self.ports.workers):
-            wait_for(lambda i=i: answers_ok(f"{self.ports.worker_url(i)}/healthz"), START_TIMEOUT_S,
-                     f"{self.name} worker {i}", child.running, child.tail)
+        self.supervisor.wait_up()
         for i in range(len(self.instances.urls)):
             self._register(i)
-        wanted = set(self.instances.ids)
-        for i in range(self.ports.workers):
-            wait_for(lambda i=i: wanted <= self._alive_seen_by(i), START_TIMEOUT_S,
-                     f"{self.name} worker {i} sees every instance", child.running, child.tail)
+        self.supervisor.wait_seen(set(self.instances.ids))
+
+    def stop(self) -> None:
+        self.supervisor.stop()  # it stops its workers and sidecar and unlinks the segment
+        remove_dir(self.log_dir)
 
     def cpu_seconds_by_role(self) -> dict[str, float]:
         return tree_cpu_s_by_role(self.pids(), proxy_role)
 
     def _register(self, i: int) -> None:
-        status, body = http_json("POST", f"{self.ports.cp_url}/v1/instance/register",
+        status, body = http_json("POST", f"{self.supervisor.cp_url}/v1/instance/register",
                                  self.instances.register_body(i))
         if status != 200:
             raise StartError(f"{self.name}: register {self.instances.urls[i]} -> {status} {body}")
-
-    def _alive_seen_by(self, worker: int) -> set[str]:
-        status, loads = http_json("GET", f"{self.ports.worker_url(worker)}/debug/instance_loads")
-        if status != 200 or not isinstance(loads, dict):
-            return set()
-        return {r["instance_id"] for r in loads.get("instances", []) if r.get("is_alive")}
 
 
 PROXY_ROLES = (("sidecar", ("-m", "sidecar")), ("workers", ("-m", "proxy_workers")))

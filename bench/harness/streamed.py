@@ -1,5 +1,6 @@
-"""One streaming chat through the proxy, as the affinity benchmarks send it: which instance
-answered, the time to the first chunk, and the stream's `cacheroute_meta`."""
+"""One streaming chat through the proxy, as the affinity and pressure benchmarks send it: which
+instance answered, the time to the first chunk, and the stream's `cacheroute_meta` (meta_of,
+which the soak reads too)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,23 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, 
         return out
     out.ended_at = time.monotonic()
     out.finished = _DONE in received
-    at = received.rfind(_META_MARKER)
-    if at >= 0:
-        begin = at + len(_META_MARKER)
-        out.meta = json.loads(received[begin:received.index(b"\n", begin)])
+    out.meta = meta_of(received)
     return out
+
+
+def meta_of(stream: bytes) -> dict[str, Any] | None:
+    """The `cacheroute_meta` event at the end of a proxied stream; None without one (or with one
+    cut short)."""
+    at = stream.rfind(_META_MARKER)
+    if at < 0:
+        return None
+    begin = at + len(_META_MARKER)
+    end = stream.find(b"\n", begin)
+    try:
+        meta = json.loads(stream[begin:end if end >= 0 else len(stream)])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 class KvAwareChoice(NamedTuple):
@@ -64,4 +77,3 @@ def kv_aware_choice(meta: dict[str, Any] | None) -> KvAwareChoice:
     trace = (meta or {}).get("trace") or {}
     return KvAwareChoice(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
                          trace.get("route_predicted_ttft_ms"))
-

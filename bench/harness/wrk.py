@@ -1,10 +1,13 @@
-"""wrk (the C load generator) with a POST Lua script whose done() hook prints a JSON summary."""
+"""wrk (the C load generator) with a POST Lua script whose done() hook prints a JSON summary,
+and one measured point: a wrk run against a contender, its process tree's CPU charged to it."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from bench.harness.cpu import Charged, charged, per_1k
 
 
 # Percentiles wrk's done() hook reports, for latency-distribution charts (p in percent).
@@ -27,13 +30,16 @@ end
 """
 
 
-def wrk_post_script(path: Path, body: str, url_path: str | None = None) -> Path:
-    """Write a wrk Lua script that POSTs `body` (JSON text, no single quotes) and prints the
-    summary, error counts and latency percentiles as one JSON line (read by run_wrk)."""
+def wrk_post_script(path: Path, body: str, url_path: str | None = None,
+                    headers: dict[str, str] | None = None) -> Path:
+    """Write a wrk Lua script that POSTs `body` (JSON text, no single quotes) with `headers`
+    besides its content type, and prints the summary, error counts and latency percentiles as
+    one JSON line (read by run_wrk)."""
     if "'" in body or "\n" in body:
         raise ValueError("the body must be one line of JSON without single quotes")
     lines = ['wrk.method = "POST"', f"wrk.body = '{body}'",
-             'wrk.headers["Content-Type"] = "application/json"']
+             *(f'wrk.headers["{name}"] = "{value}"'
+               for name, value in {"Content-Type": "application/json", **(headers or {})}.items())]
     if url_path:
         lines.append(f'wrk.path = "{url_path}"')
     percentiles = ",".join(str(p) for p in WRK_PERCENTILES)
@@ -55,6 +61,19 @@ def run_wrk(url: str, script: Path, connections: int, seconds: float, *, threads
     except subprocess.TimeoutExpired as exc:  # run() has killed it
         out, code = f"wrk did not finish: {exc}", -1
     return _wrk_result(out, code)
+
+
+class Target(Charged, Protocol):
+    """A contender (bench/harness/contenders.py) as wrk_point sees it: its URL and its CPU."""
+
+    url: str
+
+
+def wrk_point(contender: Target, script: Path, connections: int, seconds: float) -> dict[str, Any]:
+    """run_wrk against the contender's URL, with its CPU over the run (cpu_s, per 1,000
+    requests, by role where it has roles) and its RSS after it."""
+    result = charged(contender, lambda: run_wrk(contender.url, script, connections, seconds))
+    return per_1k(result, result.get("requests"))
 
 
 def _wrk_result(out: str, code: int) -> dict[str, Any]:
