@@ -51,11 +51,12 @@ from typing import Any
 import aiohttp
 
 from bench.affinity_ceiling import ceilings
-from bench.launch import name_values, wait_for
-from bench.machine import machine_info, run_record, utc_now, write_report
-from bench.stats import percentile
-from bench.arrivals import closed_loop, open_loop
-from bench.streamed import kv_aware_choice, stream_chat
+from bench.harness.cli import name_values
+from bench.harness.processes import wait_for
+from bench.harness.results import machine_info, run_record, utc_now, write_report
+from bench.harness.stats import percentile
+from bench.harness.arrivals import closed_loop, open_loop
+from bench.harness.streamed import kv_aware_choice, stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
 SYSTEM_PROMPTS = 4

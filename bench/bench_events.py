@@ -5,7 +5,7 @@ Run:  python -m bench.bench_events --out bench/results/events.json [--baseline G
 
 In one process, on a real private Segment (default geometry, READY_CONCURRENCY 64): 2 or 16
 instances registered through DirectoryWriter, four claimed worker rows, each with the workers'
-own producer (proxy_workers.tracker.RequestTracker, so the events are exactly those a worker
+own producer (proxy_workers.event_channel.EventChannelWriter, so the events are exactly those a worker
 writes), and the sidecar's consumer (sidecar.pressure.PressurePublisher, with the affinity
 models the sidecar runs). Every 5 ms (PROXY_EVENT_POLL_MS' default) the producers write one
 poll interval's worth of requests, spread over instances and rows, and then `tick()` runs as the
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime as dt
 import json
 import os
 import pstats
@@ -65,7 +64,7 @@ class Scenario:
 
     def __init__(self, instances: int, mode: str, seed: int) -> None:
         from cacheroute_proxy.config import Settings
-        from proxy_workers.tracker import RequestTracker
+        from proxy_workers.event_channel import EventChannelWriter
         from shm_schema import DirectoryWriter, Segment, WorkerRow, header
         from sidecar.affinity import AffinityModels
         from sidecar.pressure import PressurePublisher
@@ -82,7 +81,7 @@ class Scenario:
         self.instances = [writer.allocate(f"instance-{i:02d}", "127.0.0.1", 9000 + i,
                                           now_ms=int(time.time() * 1000)) for i in range(instances)]
         self.rows = [WorkerRow.claim(self.seg, index) for index in range(WORKER_ROWS)]
-        self.trackers = [RequestTracker(self.seg, row) for row in self.rows]
+        self.event_writers = [EventChannelWriter(self.seg, row) for row in self.rows]
         self.publisher = PressurePublisher(self.seg, epoch, READY_CONCURRENCY, settings.pace_step,
                                            affinity=AffinityModels(self.seg, lambda s, g: 0))
         self.per_tick = round(REQUESTS_PER_S * POLL_S)
@@ -95,23 +94,23 @@ class Scenario:
         """One poll interval of worker activity; returns the requests it completed."""
         now = self.tick_number
         for _ in range(self.per_tick):
-            tracker = self.trackers[self.rng.randrange(len(self.trackers))]
+            events = self.event_writers[self.rng.randrange(len(self.event_writers))]
             instance = self.instances[self._next_instance % len(self.instances)]
             self._next_instance += 1
-            key = tracker.new_key()
-            tracker.reserve(key, instance.slot, instance.generation, 20.0, 80.0, 64, 512)
+            key = events.new_key()
+            events.reserve(key, instance.slot, instance.generation, 20.0, 80.0, 64, 512)
             life = self.life_ticks + self.rng.randrange(-1, 2)
             if self.stream:
-                self._due[now + max(1, round(life * FIRST_TOKEN_AT))].append(("first", tracker, key))
-            self._due[now + life].append(("complete", tracker, key))
+                self._due[now + max(1, round(life * FIRST_TOKEN_AT))].append(("first", events, key))
+            self._due[now + life].append(("complete", events, key))
         completed = 0
         due = self._due.pop(now, [])
         self.rng.shuffle(due)  # the rows' writes interleave as the workers' requests end
-        for what, tracker, key in due:
+        for what, events, key in due:
             if what == "first":
-                tracker.first_token(key)
+                events.first_token(key)
             else:
-                tracker.complete(key, False)
+                events.complete(key, False)
                 completed += 1
         self.tick_number += 1
         return completed
@@ -205,7 +204,8 @@ class Tree:
 
 
 def baseline_tree(ref: str, into: Path) -> Path:
-    from bench.hotpath import baseline_tree as archive
+    """The product at `ref` (bench/harness/baseline.py) with this file copied in, for --serve."""
+    from bench.harness.baseline import baseline_tree as archive
 
     tree = archive(ref, into)
     shutil.copy(Path(__file__), tree / "bench" / "bench_events.py")
@@ -288,10 +288,10 @@ def main(argv: list[str] | None = None) -> None:
         return serve()
     if args.profile:
         return profile(args.profile, args.measured * 2, 25)
-    from bench.machine import machine_info
+    # Imported here, not at the top: a baseline tree runs this file with its own bench/ (--serve).
+    from bench.harness.results import Run, git_commit, write_report
 
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    info = machine_info()
+    provenance = Run("bench.bench_events", argv)
     with tempfile.TemporaryDirectory(prefix="bench_events_") as tmp:
         trees = [Tree("current", ROOT)]
         try:
@@ -301,32 +301,23 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for tree in trees:
                 tree.close()
-    info["at_end"] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
-    # Imported here, not at the top: a baseline tree runs this file with its own bench/ (--serve).
-    from bench.machine import git_commit
-
-    command = "python -m bench.bench_events" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    data = {"benchmark": "events", "command": command, "started_at": started,
-            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    data = {**provenance.record(), "benchmark": "events",
             "commit": git_commit(), "baseline_ref": args.baseline,
             "baseline_commit": git_commit(args.baseline) if args.baseline else None,
-            "poll_ms": args.poll_ms, "machine": info, "results": results, "speedup_vs_baseline": ratios(results),
+            "poll_ms": args.poll_ms, "results": results, "speedup_vs_baseline": ratios(results),
             "method": {
                 "scenario": f"{'/'.join(map(str, INSTANCE_COUNTS))} instances, READY_CONCURRENCY "
                             f"{READY_CONCURRENCY}, ~{IN_FLIGHT_PER_INSTANCE} in flight per instance, "
                             f"{REQUESTS_PER_S} requests/s over {WORKER_ROWS} worker rows",
-                "producer": "proxy_workers.tracker.RequestTracker (the workers' own writer); "
+                "producer": "proxy_workers.event_channel.EventChannelWriter (the workers' own writer); "
                             "stream: reserve, first token, complete; non_stream: reserve, complete",
                 "measured": f"thread CPU of PressurePublisher.tick() every {args.poll_ms:g} ms "
                             f"(drain + apply + publish), over {args.measured} ticks after "
                             f"{args.warmup}, divided by the requests completed in them",
                 "repeats": f"{args.repeats}, interleaved across cases and A/B; medians"}}
-    text = json.dumps(data, indent=2)
+    print(json.dumps(data, indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+        write_report(args.out, data)
 
 
 if __name__ == "__main__":

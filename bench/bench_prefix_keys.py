@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import hashlib
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +43,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_info, run_record, tool_versions, utc_now, write_report
+from bench.harness.results import Run, tool_versions, write_report
+from bench.harness.stats import median, ratio
 from cacheroute_proxy import engine_prefix
 from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_sim.processes import ROOT
@@ -205,16 +205,16 @@ def measure(model_dir: Path, block_tokens: int, requests: int, repeats: int) -> 
 def summary(totals: dict[str, list[float]], parts: dict[str, dict[str, list[float]]],
             prefixes: dict[str, EnginePrefix]) -> dict[str, Any]:
     """Medians per case, the memo's counts, and the ratios of the cases' medians."""
-    median = {name: statistics.median(values) for name, values in totals.items()}
+    middle = {name: median(values, None) for name, values in totals.items()}
     return {
         "cases": {name: {
-            "cpu_us_per_request": {"median": round(median[name], 1), "min": round(min(values), 1),
+            "cpu_us_per_request": {"median": round(middle[name], 1), "min": round(min(values), 1),
                                    "max": round(max(values), 1)},
-            "parts_us_median": {p: round(statistics.median(v), 1) for p, v in parts[name].items()},
+            "parts_us_median": {p: median(v, 1) for p, v in parts[name].items()},
             "memo": prefixes[name].memo_stats()._asdict()} for name, values in totals.items()},
-        "whole_over_memo": round(median["whole"] / median["memo"], 1),
-        "multiturn_whole_over_memo": round(median["multiturn_whole"] / median["multiturn_memo"], 1),
-        "miss_over_whole": round(median["memo_miss"] / median["whole"], 2),
+        "whole_over_memo": ratio(middle["whole"], middle["memo"], 1),
+        "multiturn_whole_over_memo": ratio(middle["multiturn_whole"], middle["multiturn_memo"], 1),
+        "miss_over_whole": ratio(middle["memo_miss"], middle["whole"], 2),
     }
 
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=11, help="blocks per case")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    started_at, machine = utc_now(), machine_info()
+    provenance = Run("bench.bench_prefix_keys", argv)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-keys-") as scratch:
         model_dir, source = model_directory(args.model_dir, Path(scratch))
         tokenizer_sha256 = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()
@@ -255,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
               f"multiturn {result['multiturn_whole_over_memo']}×, "
               f"a miss {result['miss_over_whole']}× whole")
     if args.out:
-        machine["at_end"] = {"loadavg": machine_info()["loadavg"]}
         write_report(args.out, {
-            **run_record("bench.bench_prefix_keys", argv, started_at, machine),
+            **provenance.record(),
             "versions": tool_versions(("tokenizers", "jinja2")),
             "model_dir": source, "tokenizer_sha256": tokenizer_sha256,
             "workload": {"system_prompt_tokens": SYSTEM_TOKENS, "system_prompts": POOL,

@@ -10,15 +10,16 @@ curves as the default predictor profile).
 --vllm: starts real vLLM engines instead (tests/real_engine/engines.py: the CPU build in
 .venv-vllm serving the tiny model, each pinned to its own core; `make install-vllm` makes both)
 and `python -m cacheroute_proxy run` with the `vllm-cpu-tiny` predictor profile, measured on the
-same engine (docs/predictors.md §2); each engine is registered by an instance agent beside it
+same engine (docs/predictors.md); each engine is registered by an instance agent beside it
 (tests/real_engine/registration.py). Prompts and outputs fit the engine's 1,024-token
 context, and arrivals are sized for it.
 
-Both drive streaming requests with Poisson arrivals and mixed prompt lengths for a bounded
-time, on free 127.0.0.1 ports and a private segment. Every request's `cacheroute_meta.trace`
-carries `predict_error_ms` (actual first token minus the first token predicted at release to
-ready) and `snapshot_age_ms` (age of the sidecar snapshot the selection read). Everything
-started is stopped at the end; nothing is left behind.
+Both drive streaming requests with Poisson arrivals (open loop: bench/harness/arrivals.py) and
+mixed prompt lengths for a bounded time, on free 127.0.0.1 ports and a private segment
+(bench/harness/processes.py, Supervisor). Every request's `cacheroute_meta.trace` carries
+`predict_error_ms` (actual first token minus the first token predicted at release to ready)
+and `snapshot_age_ms` (age of the sidecar snapshot the selection read). Everything started is
+stopped at the end; nothing is left behind but the logs' directory.
 """
 
 from __future__ import annotations
@@ -26,26 +27,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
 import sys
-import tempfile
-import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.machine import write_report
-from bench.stats import percentile
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_range
+from bench.harness.arrivals import open_loop
+from bench.harness.processes import Supervisor, http_json, scratch_dir
+from bench.harness.results import Run, write_report
+from bench.harness.stats import percentile
+from bench.harness.streamed import stream_chat
+from cacheroute_sim.processes import free_port, free_port_range
+
+WORKERS = 2
+STRATEGY = "least_load"
+SIM_INSTANCES = 2
 
 
 @dataclass(frozen=True)
@@ -66,115 +69,72 @@ SIM_PROMPT_TOKENS = (50, 200, 500, 1000, 2000)
 VLLM_PROMPT_TOKENS = (50, 100, 200, 300, 400)
 
 
-class RequestFailed(RuntimeError):
-    pass
+def plan(workload: Workload, seed: int) -> list[tuple[float, tuple[int, int]]]:
+    """(seconds after the start, (prompt tokens, max tokens)) of every request: Poisson arrivals
+    at the workload's rate for its duration, seeded."""
+    rng = random.Random(seed)
+    planned, at = [], 0.0
+    while at < workload.duration_s:
+        planned.append((at, (rng.choice(workload.prompt_tokens), rng.randint(*workload.max_tokens))))
+        at += rng.expovariate(workload.rate_per_s)
+    return planned
 
 
-def _wait_ready(url: str, instances: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                loads = json.loads(response.read())
-                if len([i for i in loads["instances"] if i["is_alive"]]) >= instances:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"proxy not ready at {url}")
-
-
-async def _one(session: aiohttp.ClientSession, url: str, workload: Workload, tokens: int,
-               max_tokens: int) -> dict:
-    body = {"model": workload.model, "stream": True, "max_tokens": max_tokens,
+def body(workload: Workload, tokens: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": workload.model, "stream": True, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "x" * (4 * tokens)}], **workload.extra_body}
-    async with session.post(url, json=body) as response:
-        text = await response.text()
-    if response.status != 200:
-        raise RequestFailed(f"{response.status} {text[:160]}")
-    marker = "event: cacheroute_meta\ndata: "
-    start = text.rindex(marker) + len(marker)
-    return json.loads(text[start:text.index("\n", start)])
 
 
 async def _drive(url: str, workload: Workload, seed: int) -> tuple[list[dict], list[str]]:
     """The cacheroute_meta of every whole answer, and why each other request failed."""
-    rng = random.Random(seed)
-    tasks = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        end = time.monotonic() + workload.duration_s
-        while time.monotonic() < end:
-            tokens, max_tokens = rng.choice(workload.prompt_tokens), rng.randint(*workload.max_tokens)
-            tasks.append(asyncio.ensure_future(_one(session, url, workload, tokens, max_tokens)))
-            await asyncio.sleep(rng.expovariate(workload.rate_per_s))
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-    failures = [f"{type(r).__name__}: {r}" for r in results if not isinstance(r, dict)]
-    return [m for m in results if isinstance(m, dict)], failures
+        streamed = await open_loop(plan(workload, seed),
+                                   lambda sizes: stream_chat(session, url, body(workload, *sizes)))
+    answered = [s.meta for s in streamed if s.error is None and s.meta is not None]
+    failures = [s.error or "the stream carried no cacheroute_meta" for s in streamed if s.error or s.meta is None]
+    return answered, failures
 
 
 # --- what the load runs against ----------------------------------------------------------------
 @contextmanager
-def simulated_proxy() -> Iterator[str]:
-    """The demo launcher: the proxy (2 workers) and its two simulated instances. Yields the
-    data plane's URL."""
-    ports = SupervisorPorts(2, "cacheroute_bench")
-    cp = ports.cp_port
-    env = {"PROXY_DP_PORT": str(ports.dp_port), "PROXY_CP_PORT": str(cp),
-           "PROXY_WORKER_PRIVATE_PORT_BASE": str(ports.private_base), "PROXY_WORKERS": "2",
-           "PROXY_SIM_INSTANCES": "2", "PROXY_SIM_INSTANCE_PORT_BASE": str(free_port_range(12)),  # base+10i, +1
-           "PROXY_SIM_KDN_PORT": str(free_port()),
-           "PROXY_INSTANCE_STRATEGY": "least_load",
-           "PROXY_SHM_NAME": ports.shm_name}
-    supervisor = ChildProcess(["-m", "cacheroute_sim.demo"], env, Path("/tmp/bench_pressure_supervisor.log"))
-    try:
-        _wait_ready(f"http://127.0.0.1:{cp}/debug/instance_loads", 2, 30)
-        yield ports.dp_url
-    finally:
-        supervisor.stop(signal.SIGINT, 60)
+def simulated_proxy(log_dir: Path) -> Iterator[Supervisor]:
+    """The demo launcher: the proxy (2 workers) and its two simulated instances, up."""
+    env = {"PROXY_SIM_INSTANCES": str(SIM_INSTANCES),
+           "PROXY_SIM_INSTANCE_PORT_BASE": str(free_port_range(12)),  # instance i: base+10i, +1
+           "PROXY_SIM_KDN_PORT": str(free_port())}
+    with Supervisor(WORKERS, STRATEGY, log_dir / "demo.log", env, command=("-m", "cacheroute_sim.demo"),
+                    stop_timeout_s=60.0) as proxy:
+        proxy.wait_seen(SIM_INSTANCES)
+        yield proxy
 
 
 @contextmanager
-def vllm_proxy(engines: int, profile: str, log_dir: Path, info: dict[str, Any]) -> Iterator[str]:
+def vllm_proxy(engines: int, profile: str, log_dir: Path, info: dict[str, Any]) -> Iterator[Supervisor]:
     """`engines` real vLLM engines behind `cacheroute-proxy run` (2 workers, least_load, the
-    given predictor profile). Fills `info` with the engines' facts; yields the data plane's URL."""
+    given predictor profile), each registered by an instance agent, up. Fills `info` with the
+    engines' facts."""
     # tests/ holds the engine launcher and the agent registration the real-engine suite uses.
     from tests.real_engine.engines import MAX_MODEL_LEN, MAX_NUM_SEQS, start_engines, stop_engines
     from tests.real_engine.registration import AgentRegistration
 
     started = start_engines(engines, log_dir)
-    ports = SupervisorPorts(2, "cacheroute_bench")
-    env = {**ports.supervisor_env("least_load"), "PROXY_PREDICTOR_PROFILE": profile}
-    supervisor = ChildProcess(["-m", "cacheroute_proxy", "run"], env, log_dir / "supervisor.log")
+    proxy = Supervisor(WORKERS, STRATEGY, log_dir / "supervisor.log", {"PROXY_PREDICTOR_PROFILE": profile},
+                       stop_timeout_s=60.0)
     registrations: list[AgentRegistration] = []
     try:
-        # The sidecar, then every worker and the shared data-plane port: a request sent before
-        # a worker listens would be refused and counted as failed.
-        for url in (ports.cp_url, *(ports.worker_url(i) for i in range(ports.workers)), ports.dp_url):
-            _wait_until_up(f"{url}/healthz", 30)
-        registrations = [AgentRegistration(ports.cp_url, engine, f"vllm-{i}", log_dir / f"agent-{i}.log")
+        proxy.start()
+        registrations = [AgentRegistration(proxy.cp_url, engine, f"vllm-{i}", log_dir / f"agent-{i}.log")
                          for i, engine in enumerate(started)]
-        _wait_ready(f"{ports.cp_url}/debug/instance_loads", engines, 30)
-        with urllib.request.urlopen(f"{started[0].url}/version", timeout=5) as response:
-            info.update(vllm_version=json.loads(response.read())["version"], engines=engines,
-                        max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                        engine_cores=[e.cpu for e in started])
-        yield ports.dp_url
+        proxy.wait_seen(engines)
+        info.update(vllm_version=http_json("GET", f"{started[0].url}/version")[1]["version"], engines=engines,
+                    max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                    engine_cores=[e.cpu for e in started])
+        yield proxy
     finally:
         for registration in registrations:
             registration.stop()
-        supervisor.stop(signal.SIGINT, 60)
+        proxy.stop()
         stop_engines(started)
-
-
-def _wait_until_up(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"nothing answers at {url}")
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -214,31 +174,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    loadavg_at_start = os.getloadavg()
+    provenance = Run("bench.bench_pressure", argv)
     engine_info: dict[str, Any] = {}
+    log_dir = scratch_dir("pressure")
+    target: Callable[[Path, dict[str, Any]], AbstractContextManager[Supervisor]]
     if args.vllm:
         if args.engines not in (1, 2):
             raise SystemExit("--engines: 1 or 2 (one core each on this machine)")
         workload = Workload("tiny", VLLM_PROMPT_TOKENS, (10, 80), args.duration or 60.0, args.rate or 4.0,
                             {"ignore_eos": True})  # outputs as long as asked: decode time is predictable
-        log_dir = Path(tempfile.mkdtemp(prefix="bench_pressure_vllm_"))
-        target: Callable[[], Any] = lambda: vllm_proxy(args.engines, args.profile, log_dir, engine_info)
+        target = lambda logs, info: vllm_proxy(args.engines, args.profile, logs, info)  # noqa: E731
     else:
         workload = Workload("sim", SIM_PROMPT_TOKENS, (10, 80), args.duration or 45.0, args.rate or 1.0, {})
-        target = simulated_proxy
-    with target() as dp_url:
-        metas, failures = asyncio.run(_drive(f"{dp_url}/v1/chat/completions", workload, args.seed))
+        target = lambda logs, info: simulated_proxy(logs)  # noqa: E731
+    with target(log_dir, engine_info) as proxy:
+        metas, failures = asyncio.run(_drive(proxy.dp_url, workload, args.seed))
     report: dict[str, Any] = {
-        "command": "python -m bench.bench_pressure " + " ".join(sys.argv[1:] if argv is None else argv),
+        **provenance.record(),
         "workload": {"duration_s": workload.duration_s, "rate_per_s": workload.rate_per_s,
                      "prompt_tokens": workload.prompt_tokens, "max_tokens": "uniform 10..80",
-                     "workers": 2, "instances": args.engines if args.vllm else 2, "strategy": "least_load",
+                     "workers": WORKERS, "instances": args.engines if args.vllm else SIM_INSTANCES,
+                     "strategy": STRATEGY,
                      **({"engine": "vLLM CPU, tiny model", "profile": args.profile} if args.vllm
                         else {"sim_time_scale": 1.0})},
         **({"engine": engine_info} if args.vllm else {}),
         **summarize(metas, failures),
-        "loadavg_at_start": loadavg_at_start,
-        "loadavg": os.getloadavg(),
+        "logs": str(log_dir),
     }
     print(json.dumps(report, indent=2))
     if args.out:

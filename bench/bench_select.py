@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import platform
 import random
-import statistics
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Callable
 
-from bench.machine import write_report
+from bench.harness.results import Run, write_report
+from bench.harness.stats import median
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
 from proxy_workers.fast_score import NATIVE_SELECTION
@@ -52,35 +51,21 @@ from shm_schema.snapshot import Pressure, SnapshotWriter
 
 SIZES = (4, 16, 64, 256)
 CAPACITY = 256
-TARGET_SELECT_16_US = 5.0  # issue 15
-TARGET_BEGIN_END_US = 1.0  # issue 15
+TARGET_SELECT_16_US = 5.0  # docs/benchmarks.md, "Selection path"
+TARGET_BEGIN_END_US = 1.0
 TARGET_SECONDS_PER_LOOP = 0.04
 
 
-def machine() -> dict:
-    model = None
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+def build() -> dict[str, str]:
+    """What the figures depend on beside the machine: how the shared words are updated and how
+    the choice is made (C where the install built it)."""
     import atomicshm
     return {
-        "nproc": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "python": sys.version.split()[0],
         "implementation": platform.python_implementation(),
-        "kernel": platform.release(),
-        "machine": platform.machine(),
         "atomicshm": atomicshm.__version__,
         "atomic_backend": BACKEND,
         "lane_updates": "C (shm_schema/_lanes.c)" if NATIVE_UPDATES else "Python closures",
         "selection": "C (proxy_workers/_select.c)" if NATIVE_SELECTION else "generated Python",
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -188,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 7")
     rng = random.Random(args.seed)
     started = time.monotonic()
-    info = machine()
+    provenance = Run("bench.bench_select", argv)
 
     tables: dict[int, Table] = {}
     cases: dict[tuple[str, int | None], Callable[[int], None]] = {}
@@ -252,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     for (case, n), values in samples.items():
         results.setdefault(case, {})[str(n) if n is not None else "any"] = {
-            "median_us": round(statistics.median(values), 3),
+            "median_us": median(values, 3),
             "min_us": round(min(values), 3),
             "max_us": round(max(values), 3),
             "loops": loops[(case, n)],
@@ -262,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     rr16 = results["round_robin_router_choose"]["16"]["median_us"]
     pair = results["begin_end_pair"]["any"]["median_us"]
     report = {
-        "command": "python -m bench.bench_select " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": info,
+        **provenance.record(),
+        "build": build(),
         "method": ("median over interleaved repeats of one timed loop of many calls "
                    "(time.perf_counter_ns); per-call microseconds, loop overhead included; "
                    f"segments of capacity {CAPACITY}, inflight counts random 0..31 (seed {args.seed})"),
@@ -276,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             "round_robin_select_16_met": rr16 <= TARGET_SELECT_16_US,
             "begin_end_pair_met": pair <= TARGET_BEGIN_END_US,
         },
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     print_table(report)
@@ -287,12 +271,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(report: dict) -> None:
     res = report["results"]
-    m = report["machine"]
-    print(f"# {m['cpu_model']} | nproc {m['nproc']} | Python {m['python']} | {m['atomic_backend']} | "
-          f"updates in {m.get('lane_updates', 'Python closures')} | "
-          f"selection in {m.get('selection', 'generated Python')}")
+    m, b = report["machine"], report["build"]
+    print(f"# {m['cpu_model']} | nproc {m['nproc']} | Python {m['python']} | {b['atomic_backend']} | "
+          f"updates in {b['lane_updates']} | selection in {b['selection']}")
     print(f"# median us per call over {res['begin_end_pair']['any']['repeats']} repeats; "
-          f"loadavg {m['loadavg_at_start']} -> {report['loadavg_at_end']}")
+          f"loadavg {m['loadavg']} -> {m['at_end']['loadavg']}")
     header = f"{'case':<36}" + "".join(f"{'n=' + str(n):>10}" for n in report["sizes"])
     print(header)
     print("-" * len(header))

@@ -13,11 +13,6 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
 - `without metrics`, `without events`, `without meta`: the same with one part replaced by a
   no-op (the metric files' writes; the reserve/complete events to the sidecar; encoding the trace and
   splicing it into the answer), so the difference is that part's cost;
-- `parts inline`: the parts `full` runs for a plain request (the body's decode, the choice and
-  the lease, the predictions and the reservation, admission, the forward, the completion, the
-  trace and the meta, the headers, the metrics) called from one coroutine, with none of the
-  layers between them (app, exchange, pipeline, release order, disconnect watch, retries,
-  error answers): what doing the same work costs in Python at least (bench/pipeline_inline.py);
 - `relay floor`: bench-peers' relay floor (bench/peers/relay_floor.py) on the same client:
   read the body, open the next upstream, read its answer, send it whole: what any proxy on this
   client and server pays.
@@ -36,7 +31,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -47,7 +41,8 @@ from typing import Any
 
 import uvloop
 
-from bench.machine import machine_info, run_record, utc_now, write_report
+from bench.harness.results import Run, write_report
+from bench.harness.stats import median
 
 BODY = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
                    "max_tokens": 4, "stream": False}, separators=(",", ":")).encode()
@@ -120,10 +115,8 @@ class Worker:
 
     def __init__(self, ports: list[int]) -> None:
         from bench.peers.relay_floor import Relay
-        from bench.pipeline_inline import InlinePlainRequest
         from cacheroute_proxy.config import Settings
         from proxy_workers.app import DataPlane
-        from proxy_workers.predictors import get_predictors
         from proxy_workers.server import assemble
         from shm_schema import DirectoryWriter, Segment, WorkerRow
         from shm_schema.events import EventReader
@@ -139,7 +132,6 @@ class Worker:
         ctx = parts.ctx
         self.upstream = ctx.upstream
         self.plane = DataPlane(ctx)
-        self.inline = InlinePlainRequest(parts, get_predictors(settings.predictor_profile))
         self.events = EventReader(self.seg)
         # bench-peers' relay floor over the same client and instances: one floor for both benches.
         self.floor = Relay([f"http://127.0.0.1:{port}" for port in ports], ctx.upstream).handle
@@ -184,15 +176,14 @@ def a_cycle(connection: Any = None) -> Any:
 
 
 def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
-    from proxy_workers import exchange, metrics, tracker
+    from proxy_workers import event_channel, exchange, metrics
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
     return {
         "full": (worker.full, contextlib.nullcontext),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
-        "without events": (worker.full, lambda: _without_events(tracker.RequestTracker, nothing)),
+        "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
-        "parts inline": (worker.inline, contextlib.nullcontext),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 
@@ -237,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="blocks per variant")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    started_at = utc_now()
-    machine = machine_info()
+    provenance = Run("bench.pipeline_cost", argv)
     metrics_dir = tempfile.mkdtemp(prefix="cacheroute-cost-metrics-")
     from proxy_workers import metrics
     metrics.open_store(metrics_dir)  # as a worker does: its own file, real writes
@@ -249,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     # A part's cost from the fastest blocks: on a shared machine other tenants only ever add.
     full = min(samples["full"])
-    results = {name: {"median_us": round(statistics.median(values), 1), "min_us": round(min(values), 1),
+    results = {name: {"median_us": median(values, 1), "min_us": round(min(values), 1),
                       "part_us": round(full - min(values), 1) if name != "full" else None}
                for name, values in samples.items()}
     print(f"# CPU us per request, median of {args.repeats} blocks of {args.requests} "
@@ -258,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
         print(f"{name:<18}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
     if args.out:
-        report = {**run_record("bench.pipeline_cost", argv, started_at, machine),
+        report = {**provenance.record(),
                   "requests_per_block": args.requests, "repeats": args.repeats,
                   "concurrency": CONCURRENCY, "results": results,
                   "method": ("CPU time (time.process_time) per request of each variant, blocks "

@@ -1,4 +1,4 @@
-"""The affinity index's keys (docs/architecture.md §4.4), spelled once for the workers, which
+"""The affinity index's keys, spelled once for the workers, which
 report and look them up, and the sidecar, which turns an instance's `resident_keys` into them.
 
 A key is a 64-bit hash, never 0: of a knowledge id (case-insensitive, as the KDN looks ids

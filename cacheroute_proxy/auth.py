@@ -1,19 +1,19 @@
 """An optional bearer token for the control plane (and, if asked, the debug endpoints).
 
 Without it anyone who reaches the control port could register an instance and receive
-traffic, or unregister the real ones (the original's defect, docs/protocol.md §7.5). The
+traffic, or unregister the real ones, as with the original Proxy. The
 comparison is constant-time; the token is never logged.
 """
 
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 
 from starlette.requests import Request
 
-from .config import ConfigError
+from .config import ENV_NAMES, ConfigError
 from .http import HTTPError
+from .value_rules import read_token_file
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:
@@ -21,12 +21,9 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     PROXY_CP_TOKEN; None when neither is set."""
     if token_file:
         try:
-            value = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"PROXY_CP_TOKEN_FILE: cannot read {token_file}: {exc.strerror}") from None
-        if not value:
-            raise ConfigError(f"PROXY_CP_TOKEN_FILE: {token_file} is empty")
-        return value
+            return read_token_file(token_file)
+        except ValueError as exc:
+            raise ConfigError(f"{ENV_NAMES['cp_token_file']}: {exc}") from None
     return token or None
 
 

@@ -1,360 +1,355 @@
 """The one typed place for configuration.
 
-Every knob has a default here and an environment variable, named as in the original Proxy
-where one existed (`PROXY_INSTANCE_STRATEGY`, `PROXY_INSTANCE_TTL_S`, `PROXY_CP_PORT`, ...).
-Command-line flags override the environment by calling :meth:`Settings.with_overrides`.
-A bad value fails at start with a message naming the variable, never later on a request.
+Each setting is defined once, here: a field of `Settings` whose `Env(...)` gives its environment
+variable (the original Proxy's name where one existed: `PROXY_INSTANCE_STRATEGY`,
+`PROXY_INSTANCE_TTL_S`, `PROXY_CP_PORT`, ...), its topic, one line of help and the rule its value
+keeps (cacheroute_proxy/setting.py). Reading the environment, the errors, `cacheroute-proxy
+config` and the tables of docs/configuration.md (`make config-doc`) all come from it. Command-line
+flags override the environment through :meth:`Settings.with_overrides`. A bad value fails at
+start with a message naming the variable, the value and the rule, never later on a request.
 """
 
-from __future__ import annotations
-
-import ipaddress
-import math
+# No `from __future__ import annotations`: the Env(...) of each field is built once, where the
+# class is, so its rules see this module.
 import os
 from pathlib import Path
-from typing import Any, Mapping
-from urllib.parse import urlsplit
+from typing import Annotated, Any, Mapping
 
 import msgspec
 
-from . import static_instances
-
-# (field name, environment variable); docs/configuration.md §1 lists every one by topic.
-ENV_NAMES: dict[str, str] = {
-    "dp_host": "PROXY_DP_HOST",
-    "dp_port": "PROXY_DP_PORT",
-    "cp_host": "PROXY_CP_HOST",
-    "cp_port": "PROXY_CP_PORT",
-    "workers": "PROXY_WORKERS",
-    "worker_private_host": "PROXY_WORKER_PRIVATE_HOST",
-    "worker_private_port_base": "PROXY_WORKER_PRIVATE_PORT_BASE",
-    "instance_strategy": "PROXY_INSTANCE_STRATEGY",
-    "load_view": "PROXY_LOAD_VIEW",
-    "instance_ttl_s": "PROXY_INSTANCE_TTL_S",
-    "instance_purge_grace_s": "PROXY_INSTANCE_PURGE_GRACE_S",
-    "shm_name": "PROXY_SHM_NAME",
-    "shm_instance_capacity": "PROXY_SHM_INSTANCE_CAPACITY",
-    "shm_worker_capacity": "PROXY_SHM_WORKER_CAPACITY",
-    "upstream_connect_timeout_s": "PROXY_UPSTREAM_CONNECT_TIMEOUT_S",
-    "upstream_first_byte_timeout_s": "PROXY_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
-    "upstream_idle_timeout_s": "PROXY_UPSTREAM_IDLE_TIMEOUT_S",
-    "upstream_pool_size": "PROXY_UPSTREAM_POOL_SIZE",
-    "max_body_bytes": "PROXY_MAX_BODY_BYTES",
-    "openai_api_key": "OPENAI_API_KEY",
-    "least_load_weights": "PROXY_LEAST_LOAD_WEIGHTS",
-    "worker_restart_backoff_s": "PROXY_WORKER_RESTART_BACKOFF_S",
-    "reaper_interval_s": "PROXY_REAPER_INTERVAL_S",
-    "drain_timeout_s": "PROXY_DRAIN_TIMEOUT_S",
-    "keepalive_timeout_s": "PROXY_KEEPALIVE_TIMEOUT_S",
-    "max_url_bytes": "PROXY_MAX_URL_BYTES",
-    "max_head_bytes": "PROXY_MAX_HEAD_BYTES",
-    "max_headers": "PROXY_MAX_HEADERS",
-    "head_timeout_s": "PROXY_HEAD_TIMEOUT_S",
-    "log_level": "PROXY_LOG_LEVEL",
-    "log_format": "PROXY_LOG_FORMAT",
-    "log_each_request": "PROXY_ACCESS_LOG",
-    # --- the prepare/ready pipeline and predicted pressure (docs/architecture.md §5, §6) ---
-    "prepare_concurrency": "PREPARE_CONCURRENCY",
-    "ready_concurrency": "READY_CONCURRENCY",
-    "ready_release_policy": "PROXY_READY_RELEASE_POLICY",
-    "text_bypass_max_per_flush": "PROXY_TEXT_BYPASS_MAX_PER_FLUSH",
-    "max_queue_per_instance": "PROXY_MAX_QUEUE_PER_INSTANCE",
-    "queue_timeout_s": "PROXY_QUEUE_TIMEOUT_S",
-    "injection_strategy": "PROXY_INJECTION_STRATEGY",
-    "iws_kdn_queue_penalty_alpha": "IWS_KDN_QUEUE_PENALTY_ALPHA",
-    "iws_decision_margin_ms": "IWS_DECISION_MARGIN_MS",
-    "kdn_default_bandwidth_mbps": "KDN_DEFAULT_BANDWIDTH_MBPS",
-    "kdn_timeout_s": "PROXY_KDN_TIMEOUT_S",
-    "kv_inject_timeout_s": "PROXY_KV_INJECT_TIMEOUT_S",
-    "instance_cp_port_offset": "PROXY_INSTANCE_CP_PORT_OFFSET",
-    "predictor_profile": "PROXY_PREDICTOR_PROFILE",
-    "event_ring_capacity": "PROXY_EVENT_RING_CAPACITY",
-    "event_poll_ms": "PROXY_EVENT_POLL_MS",
-    "snapshot_stale_ms": "PROXY_SNAPSHOT_STALE_MS",
-    "pace_step": "PROXY_PACE_STEP",
-    # --- kv_aware and the affinity index (docs/architecture.md §4.4) ---
-    "affinity_view": "PROXY_AFFINITY_VIEW",
-    "kv_aware_balance_abs": "PROXY_KV_AWARE_BALANCE_ABS",
-    "kv_aware_balance_rel": "PROXY_KV_AWARE_BALANCE_REL",
-    "affinity_pending_s": "PROXY_AFFINITY_PENDING_S",
-    "affinity_block_tokens": "PROXY_AFFINITY_BLOCK_TOKENS",
-    "affinity_max_blocks": "PROXY_AFFINITY_MAX_BLOCKS",
-    "affinity_kv_mb_per_token": "PROXY_AFFINITY_KV_MB_PER_TOKEN",
-    "affinity_tokenizer": "PROXY_AFFINITY_TOKENIZER",
-    "affinity_engine_hash_seed": "PROXY_AFFINITY_ENGINE_HASH_SEED",
-    "kv_events": "PROXY_KV_EVENTS",
-    # --- faults ---
-    "eject_after_failures": "PROXY_EJECT_AFTER_FAILURES",
-    "eject_s": "PROXY_EJECT_S",
-    "retry_attempts": "PROXY_RETRY_ATTEMPTS",
-    "metrics_dir": "PROXY_METRICS_DIR",
-    # --- security ---
-    "cp_token": "PROXY_CP_TOKEN",
-    "cp_token_file": "PROXY_CP_TOKEN_FILE",
-    "debug_requires_token": "PROXY_DEBUG_REQUIRES_TOKEN",
-    # --- registration with the Scheduler control plane (docs/protocol.md §6), from the sidecar ---
-    "scheduler_cp_url": "SCHEDULER_CP_URL",
-    "proxy_id": "PROXY_ID",
-    "advertise_host": "PROXY_ADVERTISE_HOST",
-    "advertise_port": "PROXY_ADVERTISE_PORT",
-    "scheduler_heartbeat_s": "PROXY_HEARTBEAT_S",
-    "scheduler_timeout_s": "PROXY_SCHEDULER_TIMEOUT_S",
-    "scheduler_backoff_max_s": "PROXY_SCHEDULER_BACKOFF_MAX_S",
-    "max_capacity": "PROXY_MAX_CAPACITY",
-    "instance_count": "PROXY_INSTANCE_COUNT",
-    "kv_mem_per_instance_gb": "PROXY_KV_MEM_PER_INSTANCE_GB",
-    "kv_cache_update_policy": "PROXY_KV_CACHE_UPDATE_POLICY",
-    "kdn_links": "PROXY_KDN_LINKS_JSON",
-    "kdn_links_refresh_s": "PROXY_KDN_LINKS_REFRESH_S",
-    # --- engines without an agent, registered and probed by the sidecar (docs/operations.md §9) ---
-    "static_instances": "PROXY_STATIC_INSTANCES",
-    "static_probe_s": "PROXY_STATIC_PROBE_S",
-    # --- the browser dashboard (docs/operations.md, dashboard section) ---
-    "ui_listen": "PROXY_UI_LISTEN",
-    "ui_url": "PROXY_UI_URL",
-    # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
-    # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
-    "otel_exporter_otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "otel_exporter_otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "otel_sdk_disabled": "OTEL_SDK_DISABLED",
-}
+from .setting import ConfigError, Env, Rule, Topic, check, convert, fields_of, read, to_text
+from .static_instances import StaticInstance, parse_static_instances
+from .value_rules import (check_kdn_links, host_port, http_url, is_loopback, kv_event_endpoints,
+                          read_token_file)
 
 STRATEGY_ALIASES: dict[str, str] = {
-    "round_robin": "round_robin",
-    "round-robin": "round_robin",
-    "rr": "round_robin",
-    "least_load": "least_load",
-    "least-load": "least_load",
-    "ll": "least_load",
-    "kv_aware": "kv_aware",
-    "kv-aware": "kv_aware",
-    "kv": "kv_aware",
+    "round_robin": "round_robin", "round-robin": "round_robin", "rr": "round_robin",
+    "least_load": "least_load", "least-load": "least_load", "ll": "least_load",
+    "kv_aware": "kv_aware", "kv-aware": "kv_aware", "kv": "kv_aware",
 }
-
 LOAD_VIEWS = ("shared", "per_worker")
 AFFINITY_VIEWS = ("shared", "per_worker")
+LOG_FORMATS = ("text", "json")
+RELEASE_POLICIES = ("ordered", "text_bypass")
+INJECTION_STRATEGIES = ("default", "iws")
+
 # Settings an earlier release read, refused at start rather than silently ignored.
 _PREDICTED_TTFT = ("kv_aware weighs each instance by its predicted time to first token, queue "
                    "wait plus the prefill and KV transfer of what it does not hold "
                    "(docs/architecture.md §4.4), with no credit to scale")
 RETIRED = {"PROXY_KV_AWARE_CREDIT_PER_MS": _PREDICTED_TTFT, "PROXY_KV_AWARE_MAX_CREDIT": _PREDICTED_TTFT}
-LOG_FORMATS = ("text", "json")
-RELEASE_POLICIES = ("ordered", "text_bypass")
-INJECTION_STRATEGIES = ("default", "iws")
 
+# The topics, in the order of docs/configuration.md §1 (one table each).
+PROCESSES = Topic("processes", "Addresses and processes")
+SELECTION = Topic("selection", "Instance selection")
+INSTANCES = Topic("instances", "Instances and the upstream")
+PIPELINE = Topic("pipeline", "The prepare/ready pipeline")
+KNOWLEDGE = Topic("knowledge", "Knowledge and predictions")
+SHARED_MEMORY = Topic("shm", "Shared memory, events, metrics")
+SECURITY = Topic("security", "Security")
+SCHEDULER = Topic("scheduler", "Registration with the Scheduler")
+TRACING = Topic("tracing", "Tracing (OpenTelemetry)")
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the variable."""
+PORT: dict[str, Any] = {"ge": 1, "le": 65535, "what": "a TCP port"}
+QUEUE_BOUND: dict[str, Any] = {"ge": 1, "le": 100_000}
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    dp_host: str = "127.0.0.1"
-    dp_port: int = 8001
-    cp_host: str = "127.0.0.1"
-    cp_port: int = 8002
-    workers: int = 4
-    worker_private_host: str = "127.0.0.1"
-    # Worker i is also reachable on worker_private_port_base + i (to ask one specific worker).
-    worker_private_port_base: int = 8100
-    instance_strategy: str = "round_robin"
-    # "shared": least_load reads the host-wide table. "per_worker": each worker sees only its
-    # own contributions, like N copies of the original Proxy (an ablation for benchmarks).
-    load_view: str = "shared"
-    instance_ttl_s: float = 30.0
-    instance_purge_grace_s: float = 60.0
-    shm_name: str = "/cacheroute_proxy"
-    shm_instance_capacity: int = 256
-    shm_worker_capacity: int = 64
-    upstream_connect_timeout_s: float = 5.0
-    upstream_first_byte_timeout_s: float = 600.0
-    upstream_idle_timeout_s: float = 120.0
-    upstream_pool_size: int = 256
-    max_body_bytes: int = 8 * 1024 * 1024
-    openai_api_key: str | None = None
-    least_load_weights: dict[str, float] = {}
-    worker_restart_backoff_s: float = 0.2
-    reaper_interval_s: float = 0.25
-    # On SIGTERM a worker lets requests and streams finish this long, then cuts the rest cleanly.
-    drain_timeout_s: float = 30.0
-    # A worker closes a keep-alive connection idle this long (clients must use a shorter idle
-    # timeout, or they may send on a connection the worker is closing).
-    keepalive_timeout_s: float = 5.0
+    # --- addresses and processes ---
+    dp_host: Annotated[str, Env("PROXY_DP_HOST", PROCESSES, (
+        "the shared service address every worker binds (`SO_REUSEPORT`); `0.0.0.0` to serve other "
+        "hosts"))] = "127.0.0.1"
+    dp_port: Annotated[int, Env("PROXY_DP_PORT", PROCESSES, "the shared service port", **PORT)] = 8001
+    cp_host: Annotated[str, Env("PROXY_CP_HOST", PROCESSES, (
+        "the sidecar's control plane, where instances register; beyond loopback only with a token "
+        "(`PROXY_CP_TOKEN_FILE` or `PROXY_CP_TOKEN`)"))] = "127.0.0.1"
+    cp_port: Annotated[int, Env("PROXY_CP_PORT", PROCESSES, "the control plane's port", **PORT)] = 8002
+    worker_private_host: Annotated[str, Env("PROXY_WORKER_PRIVATE_HOST", PROCESSES,
+                                            "each worker's private listener")] = "127.0.0.1"
+    worker_private_port_base: Annotated[int, Env("PROXY_WORKER_PRIVATE_PORT_BASE", PROCESSES, (
+        "worker *i* also answers on base + *i* (what a rolling restart waits for)"), **PORT)] = 8100
+    workers: Annotated[int, Env("PROXY_WORKERS", PROCESSES, (
+        "workers started by `cacheroute-proxy run`, at most `PROXY_SHM_WORKER_CAPACITY`; under "
+        "systemd N is the number of enabled worker units"), ge=1, le=256)] = 4
+    worker_restart_backoff_s: Annotated[float, Env("PROXY_WORKER_RESTART_BACKOFF_S", PROCESSES, (
+        "restart delay of a crashed child that had run for 5 s or more; one dying sooner waits "
+        "twice as long each time, up to 10 s"))] = 0.2
+    drain_timeout_s: Annotated[float, Env("PROXY_DRAIN_TIMEOUT_S", PROCESSES, (
+        "after SIGTERM a worker lets requests and streams finish this long, then cuts the rest "
+        "cleanly (docs/operations.md §4); the supervisor's stop waits this + 10 s before SIGKILL"),
+        gt=0)] = 30.0
+    keepalive_timeout_s: Annotated[float, Env("PROXY_KEEPALIVE_TIMEOUT_S", PROCESSES, (
+        "a worker closes a keep-alive connection idle this long; clients and load balancers in "
+        "front must use a shorter idle timeout"), gt=0)] = 5.0
     # What every listener (the workers', the sidecar's, the dashboard's) accepts of a request
-    # head, as nginx does: a longer request target is 414, a larger head or more headers 431,
-    # a head not complete this long after its first byte 408; then the connection is closed.
-    max_url_bytes: int = 8 * 1024
-    max_head_bytes: int = 32 * 1024
-    max_headers: int = 100
-    head_timeout_s: float = 60.0
-    log_level: str = "info"
-    # "text": time role[pid] level logger: message; "json": one object per line (cacheroute_proxy/logs.py).
-    log_format: str = "text"
-    # One line per proxied request from the worker that served it, at its end (off: nothing per request).
-    log_each_request: bool = False
-    prepare_concurrency: int = 8
-    # Host-wide: N workers together never forward more than this to one instance at once.
-    ready_concurrency: int = 8
-    ready_release_policy: str = "ordered"
-    text_bypass_max_per_flush: int = 1
-    # Requests one worker lets wait per instance (prepare + ready) before answering 429.
-    max_queue_per_instance: int = 256
-    queue_timeout_s: float = 60.0
-    injection_strategy: str = "default"
-    iws_kdn_queue_penalty_alpha: float = 0.5
-    iws_decision_margin_ms: float = 100.0
-    kdn_default_bandwidth_mbps: float = 1000.0
-    kdn_timeout_s: float = 10.0
-    kv_inject_timeout_s: float = 60.0
-    # Where an instance's control plane (KV inject) listens when it does not say (meta.cp_port).
-    instance_cp_port_offset: int = 1
-    predictor_profile: str = "llama3-70b-8x5090"
-    event_ring_capacity: int = 1024
-    event_poll_ms: float = 5.0
-    # Older than this, the sidecar's pressure snapshot is "stale" and not used for scoring.
-    snapshot_stale_ms: float = 2000.0
-    # How fast the sidecar learns each instance's pace (observed / predicted first-token time,
-    # cacheroute_proxy/pace.py): 0 trusts the predictor profile as is, 1 follows the last request.
-    pace_step: float = 0.05
-    # kv_aware (docs/architecture.md §4.4). "shared": every worker reads the host-wide affinity
-    # index the sidecar keeps; "per_worker": each worker remembers only what it itself sent (an
-    # ablation for benchmarks, like N proxies that each keep their own index).
-    affinity_view: str = "shared"
-    # The balance guard: kv_aware chooses as least_load does when the candidates' requests in
-    # flight spread by more than `abs` AND the busiest holds more than `rel` x the idlest's.
-    kv_aware_balance_abs: float = 4.0
-    kv_aware_balance_rel: float = 1.5
-    # How long a routing decision counts as pending residency on the instance it chose, unless
-    # the affinity index confirms it sooner or the request withdraws it (it failed).
-    affinity_pending_s: float = 30.0
-    # Prompt prefixes are hashed in blocks of this many tokens (x4 characters), chained, at
-    # most `max_blocks` of them (longer prompts: only the leading blocks count).
-    affinity_block_tokens: int = 64
-    affinity_max_blocks: int = 32
-    # KV bytes a token occupies on an instance, to turn a KV capacity in GB
-    # (PROXY_KV_MEM_PER_INSTANCE_GB or the instance's meta.kv_mem_gb) into tokens when the
-    # instance does not register meta.kv_capacity_tokens (the default: the profiles'
-    # kv.transfer_mb_per_token).
-    affinity_kv_mb_per_token: float = 0.096
-    # A model directory (tokenizer.json, chat template) to hash prompt prefixes as the engine
-    # does, in its own tokens and blocks (cacheroute_proxy/engine_prefix.py; set
-    # PROXY_AFFINITY_BLOCK_TOKENS to the engine's block size, 128 on vLLM's CPU build); "" =
-    # the proxy's own character blocks. Needs the engine-kv extra.
-    affinity_tokenizer: str = ""
-    # The engines' PYTHONHASHSEED, if they run with one (it seeds vLLM's block hashes).
-    affinity_engine_hash_seed: str = ""
-    # vLLM KV cache event publishers the sidecar subscribes to, "instance_id=tcp://host:port,..."
-    # (sidecar/kv_events.py), besides those an agent or the static prober found in an engine's
-    # /kv_event_sources (meta.kv_events_endpoint). Followed only with affinity_tokenizer.
-    kv_events: str = ""
-    # prometheus_client multiprocess files; "" = a private directory named after the segment.
-    metrics_dir: str = ""
-    # A worker leaves an instance out for eject_s after this many failures in a row (0: never).
-    eject_after_failures: int = 3
-    eject_s: float = 10.0
-    # Tries on other instances when one fails before anything reached the client.
-    retry_attempts: int = 1
-    # Bearer token required for register/heartbeat/unregister when set (the file is preferred:
-    # it keeps the secret out of the environment and the process table).
-    cp_token: str | None = None
-    cp_token_file: str | None = None
-    # Also require it for /debug/* and the instance list, on the control plane and the workers.
-    debug_requires_token: bool = False
-    # Scheduler control plane (e.g. http://127.0.0.1:7002); None: registration is off.
-    scheduler_cp_url: str | None = None
-    # None: hp_{advertise_host}:{advertise_port}, the original's default.
-    proxy_id: str | None = None
-    # What the Scheduler is told to send requests to; None: dp_host (the machine's name if
-    # that is a wildcard) and dp_port, the port every worker shares.
-    advertise_host: str | None = None
-    advertise_port: int | None = None
-    # Heartbeat interval when the register reply names none.
-    scheduler_heartbeat_s: float = 5.0
-    # Every call to the Scheduler gives up after this; retries back off up to the cap.
-    scheduler_timeout_s: float = 5.0
-    scheduler_backoff_max_s: float = 30.0
-    # Advertised in the register body; max_capacity is also pool_resource's `capacity`.
-    max_capacity: int = 8
-    # None: the number of instances registered when the proxy registers.
-    instance_count: int | None = None
-    kv_mem_per_instance_gb: float = 128.0
-    kv_cache_update_policy: str = "lru"
-    # Static KDN links {kdn_key: {metrics}}, sent in the register meta as `kdn_links`, and what
-    # IWS estimates a KV transfer over when no instance measured that link.
-    kdn_links: dict[str, dict[str, Any]] = {}
-    # How often each worker copies the links instances measured from the sidecar.
-    kdn_links_refresh_s: float = 5.0
-    # Engines the sidecar registers itself: "url[=id],..." (cacheroute_proxy/static_instances.py).
-    static_instances: str = ""
-    # How often the sidecar probes each one's GET /health.
-    static_probe_s: float = 2.0
-    # A second listener of the sidecar for the dashboard alone, "host:port" (the original's
-    # 127.0.0.1:8202); "": only http://<control plane>/dashboard.
-    ui_listen: str = ""
-    # The dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in
-    # the ready line; "": the listener's own URL.
-    ui_url: str = ""
-    # Spans are exported over OTLP/HTTP when one of the endpoints is set, unless disabled;
-    # the traceparent header passes through untouched either way.
-    otel_exporter_otlp_endpoint: str | None = None
-    otel_exporter_otlp_traces_endpoint: str | None = None
-    otel_sdk_disabled: bool = False
+    # head, as nginx does.
+    max_url_bytes: Annotated[int, Env("PROXY_MAX_URL_BYTES", PROCESSES, (
+        "a longer request target (path and query) gets `414 URI Too Long` and the connection is "
+        "closed; on every listener: the workers', the control plane, the dashboard's"),
+        ge=256, le=1 << 20)] = 8 * 1024
+    max_head_bytes: Annotated[int, Env("PROXY_MAX_HEAD_BYTES", PROCESSES, (
+        "a larger request head (request line and header lines; nginx allows 4 × 8 KiB) gets "
+        "`431 Request Header Fields Too Large` and the connection is closed; every listener"),
+        ge=256, le=1 << 20)] = 32 * 1024
+    max_headers: Annotated[int, Env("PROXY_MAX_HEADERS", PROCESSES,
+                                    "more header lines than this: 431 and close; every listener",
+                                    ge=1, le=10_000)] = 100
+    head_timeout_s: Annotated[float, Env("PROXY_HEAD_TIMEOUT_S", PROCESSES, (
+        "a request head not complete this long after its first byte gets `408 Request Timeout` and "
+        "the connection is closed (nginx's `client_header_timeout`); one behind a request still "
+        "being answered (pipelined) gets it once that answer is out. Every listener; a connection "
+        "idle between requests is `PROXY_KEEPALIVE_TIMEOUT_S`'s"), gt=0)] = 60.0
+    log_level: Annotated[str, Env("PROXY_LOG_LEVEL", PROCESSES, "every process")] = "info"
+    ui_listen: Annotated[str, Env("PROXY_UI_LISTEN", PROCESSES, (
+        "`HOST:PORT` (the original's `127.0.0.1:8202`): the sidecar also serves the dashboard "
+        "there, and only the dashboard (docs/operations.md §3.2); a port other than the control "
+        "plane's and the data plane's; beyond loopback only with a token, like the control plane. "
+        "Unset: the dashboard is at `http://<control plane>/dashboard` only"),
+        rule=Rule.holds("HOST:PORT such as 127.0.0.1:8202",
+                        lambda v: not v or host_port(v) is not None))] = ""
+    ui_url: Annotated[str, Env("PROXY_UI_URL", PROCESSES, (
+        "the dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in "
+        "the supervisor's ready line; its host is also accepted as `Host` on the UI listener. "
+        "Unset: the ready line prints the `PROXY_UI_LISTEN` URL, else the control plane's "
+        "`/dashboard`"),
+        rule=http_url("http://127.0.0.1:8202/", empty=True))] = ""
+    log_format: Annotated[str, Env("PROXY_LOG_FORMAT", PROCESSES, (
+        "`text`: `time role[pid] level logger: message`; `json`: one object per line with `time`, "
+        "`level`, `role`, `pid`, `logger`, `message`, and `request_id` on a request's lines "
+        "(docs/operations.md §8)"), choices=LOG_FORMATS, what="log format")] = "text"
+    log_each_request: Annotated[bool, Env("PROXY_ACCESS_LOG", PROCESSES, (
+        "one line per proxied request (method, path, status, duration, instance, request id) from "
+        "the worker that served it, at its end, at any `PROXY_LOG_LEVEL`"))] = False
+
+    # --- instance selection ---
+    instance_strategy: Annotated[str, Env("PROXY_INSTANCE_STRATEGY", SELECTION, (
+        "how a worker chooses an instance (docs/architecture.md §4)"),
+        choices=STRATEGY_ALIASES, what="strategy")] = "round_robin"
+    least_load_weights: Annotated[dict[str, float], Env("PROXY_LEAST_LOAD_WEIGHTS", SELECTION, (
+        "weight overrides of least_load's score, e.g. `{\"predicted_total_backlog_ms\": 0.01}`; "
+        "unset: the defaults of docs/architecture.md §4.1. An unknown component or a negative "
+        "weight fails at start"))] = {}
+    load_view: Annotated[str, Env("PROXY_LOAD_VIEW", SELECTION, (
+        "`shared`: least_load reads the host-wide table; `per_worker` is a benchmark ablation: "
+        "each worker sees only its own share, like N copies of the original Proxy "
+        "(docs/architecture.md §4.3)"), choices=LOAD_VIEWS, what="load view")] = "shared"
+    snapshot_stale_ms: Annotated[float, Env("PROXY_SNAPSHOT_STALE_MS", SELECTION, (
+        "an older pressure snapshot of the sidecar's is `stale` and not used for scoring"),
+        gt=0)] = 2000.0
+    pace_step: Annotated[float, Env("PROXY_PACE_STEP", SELECTION, (
+        "how fast the sidecar learns each instance's pace (and each worker a KDN link's), observed / "
+        "predicted time (0 = trust the predictor profile as is, 1 = the last request decides)"),
+        ge=0, le=1)] = 0.05
+    kv_aware_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_ABS", SELECTION, (
+        "`kv_aware`'s balance guard: it chooses as least_load does when the candidates' requests "
+        "in flight spread by more than this ... (docs/architecture.md §4.4)"),
+        ge=0, finite=True)] = 4.0
+    kv_aware_balance_rel: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_REL", SELECTION, (
+        "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
+        "sooner"), ge=1, finite=True)] = 1.5
+    affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
+        "how long a kv_aware routing decision counts as pending residency on the instance it "
+        "chose, unless the affinity index confirms it sooner or its request withdraws it (it "
+        "failed)"), gt=0, le=3600, finite=True)] = 30.0
+    affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
+        "`shared`: every worker reads the host-wide affinity index the sidecar keeps; "
+        "`per_worker` is a benchmark ablation: each worker routes on an index of only what it "
+        "sent itself"), choices=AFFINITY_VIEWS, what="affinity view")] = "shared"
+    affinity_block_tokens: Annotated[int, Env("PROXY_AFFINITY_BLOCK_TOKENS", SELECTION, (
+        "prompt-prefix blocks of this many tokens (× 4 characters) are hashed, chained, for plain "
+        "OpenAI requests"), ge=1, le=4096)] = 64
+    affinity_max_blocks: Annotated[int, Env("PROXY_AFFINITY_MAX_BLOCKS", SELECTION, (
+        "at most this many leading blocks a request (0 = no prefix affinity)"), ge=0, le=256)] = 32
+    affinity_tokenizer: Annotated[str, Env("PROXY_AFFINITY_TOKENIZER", SELECTION, (
+        "a model directory (`tokenizer.json`, chat template): blocks are then the engine's own, "
+        "in its tokens, named as vLLM names them, so its KV cache events match (set "
+        "`PROXY_AFFINITY_BLOCK_TOKENS` to the engine's block size: 128 on vLLM's CPU build); "
+        "needs the `engine-kv` extra (docs/architecture.md §4.4). Unset: the proxy's own "
+        "character blocks"),
+        rule=Rule.holds("a model directory (with tokenizer.json)", lambda v: not v or Path(v).is_dir()))] = ""
+    affinity_engine_hash_seed: Annotated[str, Env("PROXY_AFFINITY_ENGINE_HASH_SEED", SELECTION, (
+        "the engines' `PYTHONHASHSEED`, if they run with one (it seeds vLLM's block hashes); "
+        "unset = vLLM's fixed seed"))] = ""
+    kv_events: Annotated[str, Env("PROXY_KV_EVENTS", SELECTION, (
+        "vLLM KV cache event publishers the sidecar follows, `instance_id=tcp://host:port,...` "
+        "(or `ipc://path`), besides those an agent or the static prober finds in an engine's "
+        "`/kv_event_sources`; only with `PROXY_AFFINITY_TOKENIZER` (refused without it)"),
+        rule=Rule.raises("instance_id=tcp://host:port,...", kv_event_endpoints))] = ""
+    affinity_kv_mb_per_token: Annotated[float, Env("PROXY_AFFINITY_KV_MB_PER_TOKEN", SELECTION, (
+        "MB of KV a token takes on an instance, to turn a capacity in GB "
+        "(`PROXY_KV_MEM_PER_INSTANCE_GB`, or the instance's `meta.kv_mem_gb`) into tokens when the "
+        "instance registers no `meta.kv_capacity_tokens` (an agent beside vLLM, and the static "
+        "prober, register the one vLLM states). The default is the profiles' "
+        "`kv.transfer_mb_per_token`"), gt=0, finite=True)] = 0.096
+    retry_attempts: Annotated[int, Env("PROXY_RETRY_ATTEMPTS", SELECTION, (
+        "tries on another instance when one fails before anything reached the client"),
+        ge=0, le=5)] = 1
+    eject_after_failures: Annotated[int, Env("PROXY_EJECT_AFTER_FAILURES", SELECTION, (
+        "a worker leaves an instance out for `PROXY_EJECT_S` after this many failures in a row "
+        "(0 = never)"), ge=0, le=1000)] = 3
+    eject_s: Annotated[float, Env("PROXY_EJECT_S", SELECTION, "for this long", gt=0)] = 10.0
+
+    # --- instances and the upstream ---
+    instance_ttl_s: Annotated[float, Env("PROXY_INSTANCE_TTL_S", INSTANCES, (
+        "alive while the last heartbeat (or resource snapshot) is at most this old; instances are "
+        "told to heartbeat every min(10, max(1, TTL ÷ 3)) s"), gt=0)] = 30.0
+    instance_purge_grace_s: Annotated[float, Env("PROXY_INSTANCE_PURGE_GRACE_S", INSTANCES, (
+        "dead this much longer → purged: slot freed, generation bumped"), ge=0)] = 60.0
+    static_instances: Annotated[str, Env("PROXY_STATIC_INSTANCES", INSTANCES, (
+        "engines the sidecar registers and probes itself (no agent, no heartbeats): "
+        "comma-separated `url` or `url=id`, e.g. `http://127.0.0.1:8000=vllm-a,"
+        "http://127.0.0.1:8001`; plain `http://host:port`, no path; the id defaults to "
+        "`hp_<host>:<port>` ([operations.md](operations.md) §9)"),
+        rule=Rule.raises("url[=id],...", parse_static_instances))] = ""
+    static_probe_s: Annotated[float, Env("PROXY_STATIC_PROBE_S", INSTANCES, (
+        "how often the sidecar probes each static instance's `GET /health`; each probe gives up "
+        "after min(1 s, this)"), ge=0.1, le=3600)] = 2.0
+    instance_cp_port_offset: Annotated[int, Env("PROXY_INSTANCE_CP_PORT_OFFSET", INSTANCES, (
+        "an instance's control plane (KV inject) is at port + offset, unless it registers "
+        "`meta.cp_port`"))] = 1
+    upstream_connect_timeout_s: Annotated[float, Env("PROXY_UPSTREAM_CONNECT_TIMEOUT_S", INSTANCES,
+                                                     "connecting to an instance", gt=0)] = 5.0
+    upstream_first_byte_timeout_s: Annotated[float, Env("PROXY_UPSTREAM_FIRST_BYTE_TIMEOUT_S", INSTANCES,
+                                                        "until the instance's response head (504 after)",
+                                                        gt=0)] = 600.0
+    upstream_idle_timeout_s: Annotated[float, Env("PROXY_UPSTREAM_IDLE_TIMEOUT_S", INSTANCES, (
+        "the longest silence inside a response (the answer is cut after)"), gt=0)] = 120.0
+    upstream_pool_size: Annotated[int, Env("PROXY_UPSTREAM_POOL_SIZE", INSTANCES, (
+        "idle keep-alive connections a worker keeps per instance, and the aiohttp limit for KDN "
+        "and instance control-plane calls; concurrency per instance is bounded by "
+        "`READY_CONCURRENCY`, not by this"))] = 256
+    max_body_bytes: Annotated[int, Env("PROXY_MAX_BODY_BYTES", INSTANCES,
+                                       "larger request bodies get 413 (the default is 8 MiB)",
+                                       gt=0)] = 8 * 1024 * 1024
+    openai_api_key: Annotated[str | None, Env("OPENAI_API_KEY", INSTANCES, (
+        "sent to instances as `Authorization: Bearer ...`, replacing the client's; unset: the "
+        "client's `Authorization` is forwarded as it came (docs/protocol.md §2.4)"))] = None
+
+    # --- the prepare/ready pipeline ---
+    prepare_concurrency: Annotated[int, Env("PREPARE_CONCURRENCY", PIPELINE, (
+        "knowledge preparations at once per instance, per worker"), **QUEUE_BOUND)] = 8
+    ready_concurrency: Annotated[int, Env("READY_CONCURRENCY", PIPELINE, (
+        "requests forwarded to one instance at once, **host-wide** (all workers together); also "
+        "the timelines' slots per instance"), **QUEUE_BOUND)] = 8
+    ready_release_policy: Annotated[str, Env("PROXY_READY_RELEASE_POLICY", PIPELINE, (
+        "`text_bypass`: text requests may pass a head still preparing (docs/architecture.md "
+        "§5.2)"), choices=RELEASE_POLICIES, what="release policy")] = "ordered"
+    text_bypass_max_per_flush: Annotated[int, Env("PROXY_TEXT_BYPASS_MAX_PER_FLUSH", PIPELINE,
+                                                  "how many may pass per release round",
+                                                  **QUEUE_BOUND)] = 1
+    max_queue_per_instance: Annotated[int, Env("PROXY_MAX_QUEUE_PER_INSTANCE", PIPELINE, (
+        "requests one worker lets wait per instance (prepare + ready) before answering 429"),
+        **QUEUE_BOUND)] = 256
+    queue_timeout_s: Annotated[float, Env("PROXY_QUEUE_TIMEOUT_S", PIPELINE, (
+        "longest wait for preparation and admission before 503"), gt=0)] = 60.0
+
+    # --- knowledge and predictions ---
+    injection_strategy: Annotated[str, Env("PROXY_INJECTION_STRATEGY", KNOWLEDGE, (
+        "`default` uses the Scheduler's `Injection_type`; `iws` decides text or kvcache per "
+        "request (docs/architecture.md §5.4)"), choices=INJECTION_STRATEGIES,
+        what="injection strategy")] = "default"
+    iws_kdn_queue_penalty_alpha: Annotated[float, Env("IWS_KDN_QUEUE_PENALTY_ALPHA", KNOWLEDGE, (
+        "IWS: weight of the KV link's queue wait against kvcache"))] = 0.5
+    iws_decision_margin_ms: Annotated[float, Env("IWS_DECISION_MARGIN_MS", KNOWLEDGE,
+                                                 "IWS: kvcache must win by this much")] = 100.0
+    kdn_default_bandwidth_mbps: Annotated[float, Env("KDN_DEFAULT_BANDWIDTH_MBPS", KNOWLEDGE, (
+        "the KDN → instance link for KV transfer predictions, when no instance measured it and "
+        "`PROXY_KDN_LINKS_JSON` does not name it (docs/protocol.md §5.5)"), gt=0)] = 1000.0
+    kdn_links_refresh_s: Annotated[float, Env("PROXY_KDN_LINKS_REFRESH_S", KNOWLEDGE, (
+        "how often each worker copies the links instances measured from the sidecar"), gt=0)] = 5.0
+    kdn_timeout_s: Annotated[float, Env("PROXY_KDN_TIMEOUT_S", KNOWLEDGE, "the KDN search call", gt=0)] = 10.0
+    kv_inject_timeout_s: Annotated[float, Env("PROXY_KV_INJECT_TIMEOUT_S", KNOWLEDGE,
+                                              "the instance's KV inject call", gt=0)] = 60.0
+    predictor_profile: Annotated[str, Env("PROXY_PREDICTOR_PROFILE", KNOWLEDGE, (
+        "a profile in `proxy_workers/predictors/profiles/` by name, or a path to a JSON file "
+        "([predictors.md](predictors.md))"))] = "llama3-70b-8x5090"
+
+    # --- shared memory, events, metrics ---
+    shm_name: Annotated[str, Env("PROXY_SHM_NAME", SHARED_MEMORY, (
+        "the segment's name (`/dev/shm/cacheroute_proxy`)"),
+        rule=Rule.holds("/name (one leading slash, no other)",
+                        lambda v: v.startswith("/") and "/" not in v[1:]))] = "/cacheroute_proxy"
+    shm_instance_capacity: Annotated[int, Env("PROXY_SHM_INSTANCE_CAPACITY", SHARED_MEMORY, (
+        "instance slots; past it, registration answers 507"), ge=1, le=4096)] = 256
+    shm_worker_capacity: Annotated[int, Env("PROXY_SHM_WORKER_CAPACITY", SHARED_MEMORY, (
+        "worker rows; at least the number of workers (one more lets a rolling restart start each "
+        "replacement before its predecessor has exited)"), ge=1, le=1024)] = 64
+    event_ring_capacity: Annotated[int, Env("PROXY_EVENT_RING_CAPACITY", SHARED_MEMORY,
+                                            "events per worker ring", ge=64, le=1 << 20)] = 1024
+    event_poll_ms: Annotated[float, Env("PROXY_EVENT_POLL_MS", SHARED_MEMORY,
+                                        "how often the sidecar drains the rings", gt=0)] = 5.0
+    reaper_interval_s: Annotated[float, Env("PROXY_REAPER_INTERVAL_S", SHARED_MEMORY, (
+        "how often the sidecar checks the worker rows for dead processes"), gt=0)] = 0.25
+    metrics_dir: Annotated[str, Env("PROXY_METRICS_DIR", SHARED_MEMORY, (
+        "the workers' metrics files (`worker-<pid>.db`, summed at each scrape; a dead worker's "
+        "file stays, so totals never go down); a worker creates it if missing (mode 0700), and one "
+        "that cannot stops the worker (exit 2) or the launch (exit 1), naming it; the supervisor "
+        "empties it at start and removes it at stop (under systemd: `/run/cacheroute-proxy/metrics`, "
+        "docs/operations.md §3.3). Unset: `/tmp/cacheroute-metrics-<segment name>`"))] = ""
+
+    # --- security ---
+    cp_token_file: Annotated[str | None, Env("PROXY_CP_TOKEN_FILE", SECURITY, (
+        "file holding the control-plane bearer token (preferred: keeps the secret out of the "
+        "environment and the process table)"),
+        rule=Rule.raises("a readable file, not empty", read_token_file))] = None
+    cp_token: Annotated[str | None, Env("PROXY_CP_TOKEN", SECURITY,
+                                        "the token itself, if no file is given")] = None
+    debug_requires_token: Annotated[bool, Env("PROXY_DEBUG_REQUIRES_TOKEN", SECURITY, (
+        "also require it for `/debug/*`, the instance list and `/metrics`, on the control plane "
+        "and every worker"))] = False
+
+    # --- registration with the Scheduler control plane (docs/protocol.md §6), from the sidecar ---
+    scheduler_cp_url: Annotated[str | None, Env("SCHEDULER_CP_URL", SCHEDULER, (
+        "the Scheduler's control plane; unset = no registration (logged once)"),
+        rule=http_url("http://127.0.0.1:7002"))] = None
+    proxy_id: Annotated[str | None, Env("PROXY_ID", SCHEDULER, (
+        "the id the proxy registers under; unset: `hp_<advertised host>:<port>`, the original's"))] = None
+    advertise_host: Annotated[str | None, Env("PROXY_ADVERTISE_HOST", SCHEDULER, (
+        "where the Scheduler sends requests; unset: `PROXY_DP_HOST` (the machine's name if a "
+        "wildcard)"))] = None
+    advertise_port: Annotated[int | None, Env("PROXY_ADVERTISE_PORT", SCHEDULER, (
+        "unset: `PROXY_DP_PORT`, the port every worker shares"), **PORT)] = None
+    scheduler_heartbeat_s: Annotated[float, Env("PROXY_HEARTBEAT_S", SCHEDULER, (
+        "heartbeat interval when the register reply names none"), gt=0)] = 5.0
+    scheduler_timeout_s: Annotated[float, Env("PROXY_SCHEDULER_TIMEOUT_S", SCHEDULER,
+                                              "every Scheduler call's timeout", gt=0)] = 5.0
+    scheduler_backoff_max_s: Annotated[float, Env("PROXY_SCHEDULER_BACKOFF_MAX_S", SCHEDULER, (
+        "retry backoff cap (from 0.5 s, doubling)"), gt=0)] = 30.0
+    max_capacity: Annotated[int, Env("PROXY_MAX_CAPACITY", SCHEDULER, (
+        "advertised as `max_capacity`; also `pool_resource.load.capacity` (for `load_ratio` and "
+        "`queue_pressure`)"), ge=0)] = 8
+    instance_count: Annotated[int | None, Env("PROXY_INSTANCE_COUNT", SCHEDULER, (
+        "advertised `instance_count`; unset = instances alive when registering"), ge=0)] = None
+    kv_mem_per_instance_gb: Annotated[float, Env("PROXY_KV_MEM_PER_INSTANCE_GB", SCHEDULER, (
+        "advertised; also the KV capacity the affinity index models for an instance that "
+        "registers neither `meta.kv_capacity_tokens` nor `meta.kv_mem_gb` (see "
+        "`PROXY_AFFINITY_KV_MB_PER_TOKEN`)"), ge=0)] = 128.0
+    kv_cache_update_policy: Annotated[str, Env("PROXY_KV_CACHE_UPDATE_POLICY", SCHEDULER,
+                                               "advertised")] = "lru"
+    kdn_links: Annotated[dict[str, dict[str, Any]], Env("PROXY_KDN_LINKS_JSON", SCHEDULER, (
+        "static `{kdn_key: {metrics}}`; overlaid by the links instances report (docs/protocol.md "
+        "§3.8), sent as `meta.kdn_links` at register and as a heartbeat's `meta_patch` when that "
+        "changes; also the link KV transfers are estimated over when no instance measured it "
+        "(docs/protocol.md §5.5). Keys like `kdn://host:port`"),
+        rule=Rule.raises("a bandwidth_mbps > 0, a latency_ms or rtt_ms >= 0", check_kdn_links))] = {}
+
+    # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
+    # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
+    otel_exporter_otlp_endpoint: Annotated[str | None, Env("OTEL_EXPORTER_OTLP_ENDPOINT", TRACING, (
+        "set, every worker exports spans to `<URL>/v1/traces`. Unset (with the next one unset "
+        "too), no span is built and the client's `traceparent` passes through untouched"),
+        rule=http_url("http://127.0.0.1:4318"))] = None
+    otel_exporter_otlp_traces_endpoint: Annotated[str | None, Env(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", TRACING,
+        "the same for traces only, as a full URL; wins over the one above",
+        rule=http_url("http://127.0.0.1:4318/v1/traces"))] = None
+    otel_sdk_disabled: Annotated[bool, Env("OTEL_SDK_DISABLED", TRACING,
+                                           "`true`: no spans whatever the endpoints say")] = False
 
     def __post_init__(self) -> None:
-        _check(self.instance_strategy in STRATEGY_ALIASES, "instance_strategy",
-               f"unknown strategy {self.instance_strategy!r}; choose one of {sorted(STRATEGY_ALIASES)}")
-        _check(self.load_view in LOAD_VIEWS, "load_view", f"must be one of {LOAD_VIEWS}")
-        _check(self.log_format in LOG_FORMATS, "log_format", f"must be one of {LOG_FORMATS}")
-        for name in ("dp_port", "cp_port", "worker_private_port_base"):
-            _check(0 < getattr(self, name) < 65536, name, "must be a TCP port (1..65535)")
-        _check(1 <= self.workers <= 256, "workers", "must be between 1 and 256")
-        _check(self.workers <= self.shm_worker_capacity, "workers",
-               f"exceeds the shared table's worker capacity ({self.shm_worker_capacity})")
-        _check(1 <= self.shm_instance_capacity <= 4096, "shm_instance_capacity", "must be 1..4096")
-        _check(1 <= self.shm_worker_capacity <= 1024, "shm_worker_capacity", "must be 1..1024")
-        _check(self.shm_name.startswith("/") and "/" not in self.shm_name[1:], "shm_name",
-               "must look like /name (one leading slash, no other)")
-        for name in ("instance_ttl_s", "upstream_connect_timeout_s", "upstream_first_byte_timeout_s",
-                     "upstream_idle_timeout_s", "reaper_interval_s", "drain_timeout_s",
-                     "keepalive_timeout_s", "head_timeout_s"):
-            _check(getattr(self, name) > 0, name, "must be > 0")
-        self._check_head_limits()
-        _check(self.instance_purge_grace_s >= 0, "instance_purge_grace_s", "must be >= 0")
-        _check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
-        _check(self.ready_release_policy in RELEASE_POLICIES, "ready_release_policy",
-               f"must be one of {RELEASE_POLICIES}")
-        _check(self.injection_strategy in INJECTION_STRATEGIES, "injection_strategy",
-               f"must be one of {INJECTION_STRATEGIES}")
-        for name in ("prepare_concurrency", "ready_concurrency", "max_queue_per_instance",
-                     "text_bypass_max_per_flush"):
-            _check(1 <= getattr(self, name) <= 100_000, name, "must be 1..100000")
-        for name in ("queue_timeout_s", "kdn_timeout_s", "kv_inject_timeout_s", "event_poll_ms",
-                     "snapshot_stale_ms", "kdn_default_bandwidth_mbps"):
-            _check(getattr(self, name) > 0, name, "must be > 0")
-        _check(self.kdn_links_refresh_s > 0, "kdn_links_refresh_s", "must be > 0")
-        self._check_kdn_links()
-        _check(0 <= self.pace_step <= 1, "pace_step", "must be 0..1")
-        self._check_kv_aware()
-        _check(64 <= self.event_ring_capacity <= 1 << 20, "event_ring_capacity", "must be 64..1048576")
-        _check(0 <= self.eject_after_failures <= 1000, "eject_after_failures", "must be 0..1000")
-        _check(self.eject_s > 0, "eject_s", "must be > 0")
-        _check(0 <= self.retry_attempts <= 5, "retry_attempts", "must be 0..5")
-        if self.cp_token_file:
-            try:
-                readable = bool(open(self.cp_token_file).read().strip())
-            except OSError as exc:
-                raise ValueError(f"PROXY_CP_TOKEN_FILE: cannot read {self.cp_token_file}: {exc.strerror}") from None
-            _check(readable, "cp_token_file", f"{self.cp_token_file} is empty")
-        _check(is_loopback(self.cp_host) or bool(self.cp_token or self.cp_token_file), "cp_host",
-               f"{self.cp_host} is not a loopback address: anyone who reaches it could register an "
-               f"instance or remove one, so a control plane bound beyond loopback needs a token "
-               f"(PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
-        self._check_scheduler_link()
-        static_instances.parse(self.static_instances)  # raises naming PROXY_STATIC_INSTANCES
-        _check(0.1 <= self.static_probe_s <= 3600, "static_probe_s", "must be 0.1..3600 seconds")
-        self._check_ui()
-        for name in ("otel_exporter_otlp_endpoint", "otel_exporter_otlp_traces_endpoint"):
-            _check(_is_http_url(getattr(self, name)), name,
-                   f"must be an http(s) URL such as http://127.0.0.1:4318, got {getattr(self, name)!r}")
+        for field in FIELDS:
+            check(field, getattr(self, field.name))
+        _check_across(self)
 
     @property
     def otel_traces_on(self) -> bool:
@@ -365,94 +360,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def kv_event_endpoints(self) -> dict[str, str]:
         """PROXY_KV_EVENTS as {instance id: ZMQ endpoint}."""
-        endpoints: dict[str, str] = {}
-        for entry in filter(None, (e.strip() for e in self.kv_events.split(","))):
-            instance_id, _, endpoint = (part.strip() for part in entry.partition("="))
-            _check(bool(instance_id) and endpoint.startswith(("tcp://", "ipc://")), "kv_events",
-                   f"{entry!r} is not instance_id=tcp://host:port (or ipc://path)")
-            _check("://*" not in endpoint, "kv_events",
-                   f"{entry!r}: name the engine's host (as 127.0.0.1), not the * it binds")
-            _check(instance_id not in endpoints, "kv_events", f"instance {instance_id!r} is given twice")
-            endpoints[instance_id] = endpoint
-        return endpoints
+        return kv_event_endpoints(self.kv_events)
 
     @property
-    def static_targets(self) -> tuple[static_instances.StaticInstance, ...]:
-        return static_instances.parse(self.static_instances)
-
-    def _check_kdn_links(self) -> None:
-        """The numbers IWS reads from a static link: a bandwidth > 0 and an RTT >= 0, when given."""
-        for key, metrics in self.kdn_links.items():
-            for name, low in (("bandwidth_mbps", 0.0), ("latency_ms", None), ("rtt_ms", None)):
-                value = metrics.get(name)
-                if value is None:
-                    continue
-                number = isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value)
-                _check(number and (value > low if low is not None else value >= 0), "kdn_links",
-                       f"{key}: {name} must be a number {'> 0' if low is not None else '>= 0'}, "
-                       f"got {value!r}")
-
-    def _check_head_limits(self) -> None:
-        for name in ("max_url_bytes", "max_head_bytes"):
-            _check(256 <= getattr(self, name) <= 1 << 20, name, "must be 256..1048576")
-        _check(1 <= self.max_headers <= 10_000, "max_headers", "must be 1..10000")
-
-    def _check_kv_aware(self) -> None:
-        _check(self.affinity_view in AFFINITY_VIEWS, "affinity_view", f"must be one of {AFFINITY_VIEWS}")
-        _check(math.isfinite(self.kv_aware_balance_abs) and self.kv_aware_balance_abs >= 0,
-               "kv_aware_balance_abs", "must be a finite number >= 0")
-        _check(math.isfinite(self.affinity_pending_s) and 0 < self.affinity_pending_s <= 3600,
-               "affinity_pending_s", "must be a number of seconds in (0, 3600]")
-        _check(math.isfinite(self.kv_aware_balance_rel) and self.kv_aware_balance_rel >= 1,
-               "kv_aware_balance_rel", "must be a finite number >= 1")
-        _check(1 <= self.affinity_block_tokens <= 4096, "affinity_block_tokens", "must be 1..4096")
-        _check(0 <= self.affinity_max_blocks <= 256, "affinity_max_blocks", "must be 0..256")
-        _check(math.isfinite(self.affinity_kv_mb_per_token) and self.affinity_kv_mb_per_token > 0,
-               "affinity_kv_mb_per_token", "must be a finite number > 0")
-        _check(not self.affinity_tokenizer or Path(self.affinity_tokenizer).is_dir(),
-               "affinity_tokenizer", "must be a model directory (with tokenizer.json)")
-        _check(not self.kv_event_endpoints or bool(self.affinity_tokenizer), "kv_events",
-               "needs PROXY_AFFINITY_TOKENIZER: without the engine's tokenizer the workers' "
-               "prefix keys are not the engine's blocks")
-
-    def _check_scheduler_link(self) -> None:
-        if self.scheduler_cp_url is not None:
-            url = urlsplit(self.scheduler_cp_url)
-            try:
-                url.port  # noqa: B018 - raises ValueError for a port that is not a number
-            except ValueError:
-                url = urlsplit("")
-            _check(url.scheme in ("http", "https") and bool(url.hostname), "scheduler_cp_url",
-                   f"must be an http(s) URL such as http://127.0.0.1:7002, got {self.scheduler_cp_url!r}")
-        _check(self.advertise_port is None or 0 < self.advertise_port < 65536, "advertise_port",
-               "must be a TCP port (1..65535)")
-        for name in ("scheduler_heartbeat_s", "scheduler_timeout_s", "scheduler_backoff_max_s"):
-            _check(getattr(self, name) > 0, name, "must be > 0")
-        _check(self.max_capacity >= 0, "max_capacity", "must be >= 0")
-        _check(self.instance_count is None or self.instance_count >= 0, "instance_count", "must be >= 0")
-        _check(self.kv_mem_per_instance_gb >= 0, "kv_mem_per_instance_gb", "must be >= 0")
-
-    def _check_ui(self) -> None:
-        if self.ui_listen:
-            address = _host_port(self.ui_listen)
-            _check(address is not None, "ui_listen",
-                   f"must be HOST:PORT such as 127.0.0.1:8202, got {self.ui_listen!r}")
-            assert address is not None
-            _check(address[1] not in (self.cp_port, self.dp_port), "ui_listen",
-                   f"port {address[1]} is already the control plane's or the data plane's")
-            _check(is_loopback(address[0]) or bool(self.cp_token or self.cp_token_file), "ui_listen",
-                   f"{address[0]} is not a loopback address: like the control plane, a dashboard "
-                   f"bound beyond loopback needs a token (PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
-        if self.ui_url:
-            url = urlsplit(self.ui_url)
-            _check(url.scheme in ("http", "https") and bool(url.hostname), "ui_url",
-                   f"must be an http(s) URL such as http://127.0.0.1:8202/, got {self.ui_url!r}")
+    def static_targets(self) -> tuple[StaticInstance, ...]:
+        return parse_static_instances(self.static_instances)
 
     @property
     def ui_address(self) -> tuple[str, int] | None:
         """(host, port) of the dashboard's own listener, None when there is none."""
-        return _host_port(self.ui_listen) if self.ui_listen else None
+        return host_port(self.ui_listen) if self.ui_listen else None
 
     @property
     def dashboard_url(self) -> str:
@@ -493,89 +410,54 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     def with_overrides(self, **overrides: Any) -> "Settings":
         """A copy with the non-None overrides applied (for CLI flags), validated again."""
-        given = {k: v for k, v in overrides.items() if v is not None}
+        given = {name: convert(FIELD[name], value) for name, value in overrides.items() if value is not None}
         if not given:
             return self
-        return _convert({**msgspec.structs.asdict(self), **given})
+        return msgspec.structs.replace(self, **given)
 
     def to_env(self) -> dict[str, str]:
         """Environment that reproduces these settings in a child process."""
-        env: dict[str, str] = {}
-        for field, var in ENV_NAMES.items():
-            value = getattr(self, field)
-            if value is None:
-                continue
-            env[var] = msgspec.json.encode(value).decode() if isinstance(value, dict) else str(value)
-        return env
+        values = {f.env.var: getattr(self, f.name) for f in FIELDS}
+        return {var: to_text(value) for var, value in values.items() if value is not None}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Settings from the environment; an empty variable is the same as an unset one."""
         environ = os.environ if environ is None else environ
         for var, why in RETIRED.items():
             if environ.get(var, "") != "":
                 raise ConfigError(f"{var} is no longer read: {why}; unset it")
-        raw: dict[str, Any] = {}
-        for field, var in ENV_NAMES.items():
-            if var in environ and environ[var] != "":
-                raw[field] = _parse_env_value(field, var, environ[var])
-        return _convert(raw)
+        given = {f.name: environ[f.env.var] for f in FIELDS if environ.get(f.env.var, "") != ""}
+        return cls(**{name: read(FIELD[name], text) for name, text in given.items()})
 
 
-def _parse_env_value(field: str, var: str, text: str) -> Any:
-    if field in ("least_load_weights", "kdn_links"):
-        try:
-            return msgspec.json.decode(text)
-        except msgspec.DecodeError as exc:
-            raise ConfigError(f"{var}: not valid JSON ({exc})") from None
-    return text
+FIELDS = fields_of(Settings)
+FIELD = {f.name: f for f in FIELDS}
+ENV_NAMES: dict[str, str] = {f.name: f.env.var for f in FIELDS}
 
 
-def _convert(raw: dict[str, Any]) -> Settings:
-    try:
-        return msgspec.convert(raw, Settings, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_name_the_variable(str(exc))) from None
+# --- rules that join two settings -------------------------------------------------------------------
+def _check_across(s: Settings) -> None:
+    _refuse(s.workers <= s.shm_worker_capacity, "workers",
+            f"{s.workers} exceeds the shared table's worker capacity (PROXY_SHM_WORKER_CAPACITY "
+            f"{s.shm_worker_capacity})")
+    tokened = bool(s.cp_token or s.cp_token_file)
+    _refuse(is_loopback(s.cp_host) or tokened, "cp_host",
+            f"{s.cp_host} is not a loopback address: anyone who reaches it could register an "
+            f"instance or remove one, so a control plane bound beyond loopback needs a token "
+            f"(PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
+    if s.ui_address is not None:
+        host, port = s.ui_address
+        _refuse(port not in (s.cp_port, s.dp_port), "ui_listen",
+                f"port {port} is already the control plane's or the data plane's")
+        _refuse(is_loopback(host) or tokened, "ui_listen",
+                f"{host} is not a loopback address: like the control plane, a dashboard bound "
+                f"beyond loopback needs a token (PROXY_CP_TOKEN_FILE or PROXY_CP_TOKEN)")
+    _refuse(not s.kv_event_endpoints or bool(s.affinity_tokenizer), "kv_events",
+            "needs PROXY_AFFINITY_TOKENIZER: without the engine's tokenizer the workers' prefix "
+            "keys are not the engine's blocks")
 
 
-def _name_the_variable(message: str) -> str:
-    # msgspec says "... - at `$.dp_port`"; operators set PROXY_DP_PORT, so say that.
-    for field, var in ENV_NAMES.items():
-        if f"`$.{field}`" in message or f"`$.{field}[" in message:
-            return f"{var}: {message}"
-    return message
-
-
-def _is_http_url(value: str | None) -> bool:
-    """None (not set) or an http(s) URL with a host and, if any, a numeric port."""
-    if value is None:
-        return True
-    url = urlsplit(value)
-    try:
-        url.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError:
-        return False
-    return url.scheme in ("http", "https") and bool(url.hostname)
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or the name localhost."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _check(ok: bool, field: str, message: str) -> None:
+def _refuse(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{ENV_NAMES.get(field, field)}: {message}")
-
-
-def _host_port(value: str) -> tuple[str, int] | None:
-    """"host:port" or "[v6]:port" -> (host, port); None if it is not one."""
-    host, sep, port = value.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host, int(port)
+        raise ConfigError(f"{ENV_NAMES[field]}: {message}")

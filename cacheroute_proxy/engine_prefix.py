@@ -1,5 +1,5 @@
-"""A plain request's prompt-prefix keys as a vLLM engine names its KV blocks (docs/architecture.md
-§4.4), so the affinity index can hold what the engine itself reports in its KV cache events.
+"""A plain request's prompt-prefix keys as a vLLM engine names its KV blocks, so the affinity
+index can hold what the engine itself reports in its KV cache events.
 
 vLLM's automatic prefix cache (0.32, `--prefix-caching-hash-algo sha256`, the default) names each
 full block of `block_size` prompt tokens sha256(pickle((parent digest, token ids, extra keys))),

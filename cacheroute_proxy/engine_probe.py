@@ -37,7 +37,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     kv_events_endpoint: str | None = None  # where to subscribe to its KV cache events
 
     def capabilities(self, cache_features: list[str] | None = None) -> Capabilities | None:
-        """The registration's capabilities (docs/protocol.md §3.4), or None if the engine said
+        """The registration's capabilities, or None if the engine said
         nothing. `cache_features` is what the caller knows the instance can do besides serving
         (the engine cannot say): `[]` for a plain engine, whose knowledge then goes in as text."""
         if self.model_id is None and self.version is None:
@@ -51,7 +51,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     def meta(self) -> dict[str, Any]:
         """Registration meta: every model id the engine serves (the proxy's `/v1/models` lists
         them), the context length, and the KV capacity that bounds the affinity index's model of
-        what the engine's prefix cache still holds (docs/architecture.md §4.4)."""
+        what the engine's prefix cache still holds."""
         meta: dict[str, Any] = {}
         if self.models:  # sent whole each time: meta is merged, a stale list would stay
             meta["served_models"] = list(self.models)

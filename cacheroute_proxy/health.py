@@ -1,5 +1,5 @@
-"""Why an instance is or is not a candidate for selection (docs/protocol.md §3.6), as every
-process reads it from the instance's slot."""
+"""Why an instance is or is not a candidate for selection, as every process reads it from the
+instance's slot (docs/protocol.md, "Liveness, purge and restarts")."""
 
 from __future__ import annotations
 

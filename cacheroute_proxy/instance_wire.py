@@ -1,6 +1,6 @@
 """The wire format between an instance (or the agent beside it) and the proxy's control plane
-(docs/protocol.md §3), one msgspec Struct per payload: the sidecar decodes them, an agent
-encodes them.
+(docs/protocol.md, "Instance control plane"), one msgspec Struct per payload: the sidecar
+decodes them, an agent encodes them.
 
 Decoding validates: a wrong type or a missing required field is rejected with msgspec's
 message, which names the field (``Expected `int`, got `str` - at `$.port```).
@@ -120,14 +120,14 @@ class HeartbeatRequest(msgspec.Struct, omit_defaults=True):
     gpu_util: NonNegative | None = None
     capabilities: Capabilities | None = None
     capability_fingerprint: str | None = None
-    # An extension of the original's heartbeat (absent: as before; docs/protocol.md §3.3): the
-    # agent beside an engine says whether the engine answers. False takes the instance out of
-    # the candidate set at once, without forgetting it; the next heartbeat without it, or with
-    # true, brings it back.
+    # An extension of the original's heartbeat (absent: as before): the agent beside an
+    # engine says whether the engine answers. False takes the instance out of the candidate
+    # set at once, without forgetting it; the next heartbeat without it, or with true, brings
+    # it back.
     healthy: bool | None = None
-    # Another extension (docs/protocol.md §3.3): the knowledge ids whose KV the instance holds
-    # now, its own account. When present it replaces what the proxy's affinity index modelled
-    # for the instance's knowledge (an empty list: none is resident); absent: the model stands.
+    # Another extension: the knowledge ids whose KV the instance holds now, its own account.
+    # When present it replaces what the proxy's affinity index modelled for the instance's
+    # knowledge (an empty list: none is resident); absent: the model stands.
     resident_keys: Annotated[list[KnowledgeId], msgspec.Meta(max_length=MAX_RESIDENT_KEYS)] | None = None
 
 
@@ -135,7 +135,7 @@ class UnregisterRequest(msgspec.Struct):
     instance_id: InstanceId
 
 
-# --- resource snapshots (docs/protocol.md §3.7) -----------------------------------------------------
+# --- resource snapshots ---------------------------------------------------------------------
 class ReportMetadata(msgspec.Struct, omit_defaults=True):
     """About the report rather than the machine. Unknown keys are ignored, as the original did."""
 
@@ -259,7 +259,7 @@ def stamped_metadata(instance_id: str, snapshot: ResourceSnapshotV1) -> ReportMe
                           agent_snapshot_timestamp_ms=snapshot.timestamp_ms)
 
 
-# --- topology (docs/protocol.md §3.8) ---------------------------------------------------------------
+# --- topology -----------------------------------------------------------------------------
 class TopologyReportRequest(msgspec.Struct):
     """`POST /v1/topology/report`: this instance's links, keyed by KDN key (the KDN's `kdn_id`
     and `kdn://host:port`), each an object of metrics (`bandwidth_mbps`, `latency_ms`,

@@ -1,6 +1,6 @@
 """How fast something really is against its prediction: an instance, learned from its first
-tokens (the sidecar's timelines), or a KDN -> instance link, learned from its KV transfers (each
-worker's link timelines).
+tokens (the sidecar's timelines), or a KDN (Knowledge Delivery Network: the knowledge server) ->
+instance link, learned from its KV transfers (each worker's link timelines).
 
 Workers predict service, decode and transfer times from one predictor profile and a link's
 nominal bandwidth, so an instance that is three times slower than the profile (an older GPU, a

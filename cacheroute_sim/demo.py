@@ -38,7 +38,7 @@ SIM_INSTANCES_ENV = "PROXY_SIM_INSTANCES"
 SIM_PORT_BASE_ENV = "PROXY_SIM_INSTANCE_PORT_BASE"
 SIM_KDN_PORT_ENV = "PROXY_SIM_KDN_PORT"
 SIM_HOST = "127.0.0.1"
-# How often each simulated instance sends a resource snapshot (docs/protocol.md §3.7), as an
+# How often each simulated instance sends a resource snapshot, as an
 # agent beside a real engine does: the dashboard's resource charts and the pool's admission
 # state come from them.
 SIM_RESOURCE_INTERVAL_S = 5.0

@@ -1,4 +1,5 @@
-"""The agent's calls to the proxy's control plane (docs/protocol.md §3), in its wire types.
+"""The agent's calls to the proxy's control plane (docs/protocol.md, "Instance control plane"), in
+its wire types.
 
 Every call has a timeout and a bearer token when one is configured. A call that could not be
 made raises `Unreachable`; an answer the agent cannot use raises `Refused` (both are retried

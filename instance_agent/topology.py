@@ -1,4 +1,5 @@
-"""The measured link from this host to each KDN server, as the original Instances reported it.
+"""The measured link from this host to each KDN (Knowledge Delivery Network: the knowledge
+server an instance pulls prebuilt KV from), as the original Instances reported it.
 
 For a target host:port: `POST /v1/topology/hello` names the KDN (`kdn_id`), three
 `GET /v1/topology/ping` round trips give `latency_ms` (their mean), and the speed of the
@@ -19,6 +20,8 @@ import aiohttp
 import msgspec
 import psutil
 
+from cacheroute_proxy.kdn_wire import KdnReplyError, TopologyHello, decode_hello
+
 log = logging.getLogger("cacheroute.agent.topology")
 
 PINGS = 3
@@ -30,11 +33,6 @@ class LinkMetrics(msgspec.Struct):
     latency_ms: float
     iface: str | None
     measured_by: str = "cacheroute-instance-agent"
-
-
-class _Hello(msgspec.Struct):
-    ok: bool = False
-    kdn_id: str | None = None
 
 
 class LinkProbe:
@@ -61,7 +59,7 @@ class LinkProbe:
         try:
             async with self._session.post(f"{base}/v1/topology/hello", json={"instance_id": instance_id},
                                           timeout=timeout) as resp:
-                hello = msgspec.json.decode(await resp.read(), type=_Hello) if resp.status == 200 else _Hello()
+                hello = decode_hello(await resp.read()) if resp.status == 200 else TopologyHello()
             rtts = []
             for _ in range(PINGS):
                 started = time.perf_counter()
@@ -70,7 +68,7 @@ class LinkProbe:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 rtts.append((time.perf_counter() - started) * 1000)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.DecodeError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KdnReplyError) as exc:
             if target not in self._failing:
                 self._failing.add(target)
                 log.warning("KDN %s does not answer its topology probe (%s): left out of the report",

@@ -1,5 +1,5 @@
-"""kv_aware's pricing (docs/architecture.md §4.4): what a request would cost on each candidate,
-given what each holds of it (`affinity_index`).
+"""kv_aware's pricing (docs/architecture.md, "kv_aware and the host-wide affinity index"): what a
+request would cost on each candidate, given what each holds of it (`affinity_index`).
 
 Keys (cacheroute_proxy/affinity_keys.py) are 64-bit hashes: of a knowledge id, or of a block
 of a plain OpenAI request's rendered prompt (fixed-size blocks, each hash chained on the one

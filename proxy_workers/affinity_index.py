@@ -1,4 +1,4 @@
-"""What each instance holds of kv_aware's keys, or is about to (docs/architecture.md §4.4).
+"""What each instance holds of kv_aware's keys, or is about to.
 
 A key is held by an instance when the affinity index confirms it (the sidecar heard the inject
 acknowledged, the prompt sent, or the engine's own KV event) or when a routing decision claims
@@ -32,8 +32,8 @@ from shm_schema.affinity import AFFINITY_ENTRIES, AffinityReader
 from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM
 
+from .event_channel import EventChannelWriter
 from .request_model import ProxyRequest
-from .tracker import RequestTracker
 
 Where = tuple[int, int, int]  # (slot, generation, kind)
 PRUNE_EVERY_US = 1_000_000
@@ -141,9 +141,9 @@ class SharedAffinity:
 
     mode = "shared"
 
-    def __init__(self, seg: Segment, tracker: RequestTracker, pending_s: float) -> None:
+    def __init__(self, seg: Segment, events: EventChannelWriter, pending_s: float) -> None:
         self._reader = AffinityReader(seg)
-        self._tracker = tracker
+        self._events = events
         self.pending = PendingClaims(pending_s)
         self._claim_writer = ClaimWriter(seg)
         self._claim_reader = ClaimReader(seg)
@@ -168,10 +168,10 @@ class SharedAffinity:
         self._claim_writer.drop(claim, instance.slot, instance.generation, groups)
 
     def acknowledged(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        self._tracker.residency(instance.slot, instance.generation, keys, tokens_each, prefix=False)
+        self._events.residency(instance.slot, instance.generation, keys, tokens_each, prefix=False)
 
     def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        self._tracker.residency(instance.slot, instance.generation, keys, tokens_each, prefix=True)
+        self._events.residency(instance.slot, instance.generation, keys, tokens_each, prefix=True)
 
 
 class PerWorkerAffinity(SharedAffinity):
@@ -181,8 +181,8 @@ class PerWorkerAffinity(SharedAffinity):
 
     mode = "per_worker"
 
-    def __init__(self, seg: Segment, tracker: RequestTracker, pending_s: float) -> None:
-        super().__init__(seg, tracker, pending_s)
+    def __init__(self, seg: Segment, events: EventChannelWriter, pending_s: float) -> None:
+        super().__init__(seg, events, pending_s)
         self._models: dict[tuple[int, int], OrderedDict[int, tuple[bool, int]]] = {}
         self._claim_ids = itertools.count()
 
@@ -230,9 +230,9 @@ class PerWorkerAffinity(SharedAffinity):
             used -= tokens
 
 
-def make_index(settings: Settings, seg: Segment, tracker: RequestTracker) -> AffinityIndex:
+def make_index(settings: Settings, seg: Segment, events: EventChannelWriter) -> AffinityIndex:
     view = PerWorkerAffinity if settings.affinity_view == "per_worker" else SharedAffinity
-    return view(seg, tracker, settings.affinity_pending_s)
+    return view(seg, events, settings.affinity_pending_s)
 
 
 class Claim:

@@ -4,7 +4,7 @@ The two proxied routes (POST /v1/chat/completions and /v1/completions) are `Data
 handlers, which the worker's server (cacheroute_proxy/http1/) calls with the request's
 Cycle: no ASGI scope or messages, no Request object, no middleware stack, no route matching,
 because on a proxy that forwards a small JSON body those cost as much as the forwarding itself
-(measured with bench/hotpath.py: docs/architecture.md §8). Every other route, and other
+(measured with bench/hotpath.py). Every other route, and other
 methods on the proxied paths (405), go through Starlette.
 """
 

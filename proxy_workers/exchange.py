@@ -6,7 +6,7 @@ read, so a silent stall is noticed too) and cancellation. A client that goes awa
 the upstream connection, so the instance stops generating for nobody.
 
 Headers pass through both ways except the hop-by-hop ones and the proxy's own
-(proxy_workers/headers.py, docs/protocol.md §2.4 and §2.6), errors relayed from the instance
+(proxy_workers/headers.py), errors relayed from the instance
 included.
 
 Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's

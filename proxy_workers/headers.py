@@ -1,4 +1,5 @@
-"""Which headers cross the proxy, in each direction (docs/protocol.md §2.4, §2.6).
+"""Which headers cross the proxy, in each direction (docs/protocol.md, "What is forwarded to the
+instance" and "Responses").
 
 As a proxy should, the worker passes headers end to end -- the client's to the instance
 (`traceparent`, `X-Session-ID`, `User-Agent`, `X-Request-Id`, ...), the instance's back to the
@@ -25,7 +26,7 @@ HOP_BY_HOP = frozenset({
     b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
 })
 
-# The proxy's own header on a forward after a KV inject (docs/protocol.md §5.3): a client's is
+# The proxy's own header on a forward after a KV inject: a client's is
 # dropped, so no client can tell an instance to skip a prefill it never got the KV for.
 KV_PREFIX_TOKENS = b"x-cacheroute-kv-prefix-tokens"
 # Beside it, the knowledge ids whose KV the context starts with, in order: an instance that
@@ -35,7 +36,7 @@ KV_KNOWLEDGE_IDS = b"x-cacheroute-kv-knowledge-ids"
 # Not forwarded from the client, besides the hop-by-hop ones:
 # - host: the instance's own; content-length: recomputed (knowledge injection changes the body);
 # - expect: the proxy has read the whole body already, there is nothing left to continue;
-# - content-type: the proxy parsed the body as JSON whatever it said (§2.1), so the instance is
+# - content-type: the proxy parsed the body as JSON whatever it said, so the instance is
 #   told application/json, never a type that would make it refuse what the proxy accepted;
 # - accept-encoding: the proxy edits the answer (the meta key, the [DONE] line), so it must
 #   arrive uncompressed.

@@ -1,4 +1,6 @@
-"""IWS: choose text or kvcache injection per request by predicted cost (docs/architecture.md §5.4).
+"""IWS, the Injection Willingness Strategy (the original Proxy's name, PROXY_INJECTION_STRATEGY=
+iws): choose text or kvcache injection per request by predicted cost (docs/architecture.md,
+"Text or kvcache: IWS").
 
 Pure arithmetic over the predictors, the chosen instance's predicted ready wait (from the
 sidecar's snapshot), this worker's KV link timeline and the link itself (measured, static or

@@ -1,5 +1,7 @@
-"""The KDN -> instance link a KV transfer is estimated over (docs/protocol.md §5.5): by IWS when
-it weighs kvcache against text, and for the reservation on the link's timeline.
+"""The KDN -> instance link a KV transfer is estimated over (docs/protocol.md, "The KV link"): by
+IWS when it weighs kvcache against text, and for the reservation on the link's timeline. The KDN
+(Knowledge Delivery Network) is the server that holds each knowledge id's text and prebuilt KV;
+IWS (the Injection Willingness Strategy, proxy_workers/iws.py) picks text or kvcache.
 
 Where a link comes from, in this order, for the chosen instance and the request's
 `Task.KDN_server_addr`:
@@ -34,7 +36,7 @@ from .upstream import base_url
 log = logging.getLogger("cacheroute.worker")
 
 MEASURED, STATIC, DEFAULT = "measured", "static", "default"
-# The sidecar's route (docs/protocol.md §4); `per_instance` asks for each instance's own links too.
+# The sidecar's route; `per_instance` asks for each instance's own links too.
 KDN_LINKS_PATH = "/v1/topology/kdn_links?per_instance=true"
 REFRESH_TIMEOUT_S = 2.0
 
@@ -45,7 +47,7 @@ class KdnLink(NamedTuple):
     source: str  # MEASURED, STATIC or DEFAULT
 
     def transfer_ms(self, predictors: Any, effective_tokens: int) -> float:
-        """RTT + the KV of `effective_tokens` over the link's bandwidth (docs/predictors.md §3.5)."""
+        """RTT + the KV of `effective_tokens` over the link's bandwidth."""
         assert self.bandwidth_mbps, "link_for returns only links with a bandwidth"
         return (self.latency_ms or 0.0) + predictors.kv_transfer_ms(effective_tokens, self.bandwidth_mbps)
 
@@ -126,7 +128,7 @@ def _number(value: Any) -> float | None:
 
 
 class KdnLinksAnswer(msgspec.Struct):
-    """The sidecar's `GET /v1/topology/kdn_links?per_instance=true` (docs/protocol.md §4):
+    """The sidecar's `GET /v1/topology/kdn_links?per_instance=true`:
     the merged links, and each instance's own. The metrics inside are the instances' own
     words, checked one by one (`links_from`)."""
 

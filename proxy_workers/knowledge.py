@@ -1,5 +1,7 @@
-"""Knowledge preparation (docs/protocol.md §2.5, §5): fetch from the KDN, classify, inject into
-the body, and on the kvcache path have the instance pull prebuilt KV blocks first.
+"""Knowledge preparation (docs/protocol.md, "Knowledge injection into the body" and "Knowledge"):
+fetch from the KDN, classify, inject into the body, and on the kvcache path have the instance pull
+prebuilt KV blocks first. The KDN (Knowledge Delivery Network) is the server that holds each
+knowledge id's text and prebuilt KV.
 
 Differences from the original, on purpose: the instance's control-plane port comes from its
 registration (`meta.cp_port`) or `PROXY_INSTANCE_CP_PORT_OFFSET`, not a hard-coded 9002; every
@@ -15,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
-import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.kdn_wire import KnowledgeItem, decode_inject_ack, decode_search_reply
 from cacheroute_proxy.pace import Pace
 from shm_schema import InstanceSlot, layout
 
@@ -38,10 +40,10 @@ TEXT_PREAMBLE = ("You are a helpful assistant. Use the retrieved context below t
 
 
 class LinkTimeline:
-    """KV transfers over one (instance, KDN) link (docs/protocol.md §5.5): they run one at a
+    """KV transfers over one (instance, KDN) link: they run one at a
     time (the lock: serialized by real completion, not by a prediction that may be far off),
     and `free_at` predicts when the link frees, for IWS and the trace. Per worker: a host-wide
-    link schedule would need the sidecar; see docs/architecture.md §9.
+    link schedule would need the sidecar.
 
     `on_wire_until` predicts the end of the transfer on the wire now (0: none), from when it
     really started: behind a transfer that ran long it ends after `free_at` said, and a text
@@ -136,7 +138,7 @@ class KnowledgePreparer:
         return result
 
     async def _fetch(self, kdn_addr: str, kids: list[str],
-                     headers: dict[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+                     headers: dict[str, str] | None = None) -> tuple[dict[str, KnowledgeItem], list[str]]:
         if not kdn_addr:
             return {}, list(kids)
         url = f"http://{kdn_addr}/knowledge/search/text"
@@ -145,17 +147,12 @@ class KnowledgePreparer:
                                       timeout=aiohttp.ClientTimeout(total=self._settings.kdn_timeout_s)) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"KDN search answered {resp.status}")
-            payload = msgspec.json.decode(await resp.read())
-        items = {}
-        for item in payload.get("items") or []:
-            if isinstance(item, dict):
-                kid = item.get("knowledge_id") or item.get("kid") or item.get("id")
-                if kid is not None:
-                    items[str(kid).lower()] = item
-        return items, [str(k) for k in payload.get("miss") or []]
+            reply = decode_search_reply(await resp.read())
+        items = {item.key.lower(): item for item in reply.found if item.key is not None}
+        return items, list(reply.missing)
 
     @staticmethod
-    def _classify(kids: list[str], items: dict[str, dict[str, Any]], result: Knowledge) -> str:
+    def _classify(kids: list[str], items: dict[str, KnowledgeItem], result: Knowledge) -> str:
         """Request order: missing, kv-ready, text-only; context = kv-ready then text-only."""
         missing = {m.lower() for m in result.miss_kids}
         kv_texts, text_texts = [], []
@@ -165,8 +162,8 @@ class KnowledgePreparer:
                 if kid not in result.miss_kids:
                     result.miss_kids.append(kid)
                 continue
-            content = str(item.get("content") or "").strip()
-            if item.get("kv_ready"):
+            content = (item.content or "").strip()
+            if item.kv_ready:
                 result.kv_ready_kids.append(kid)
                 kv_texts.append(content)
             else:
@@ -254,11 +251,10 @@ class KnowledgePreparer:
         try:
             async with self._session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self._settings.kv_inject_timeout_s)) as resp:
-                ack = msgspec.json.decode(await resp.read())
-                if resp.status >= 400 or not isinstance(ack, dict) or not ack.get("ok"):
-                    detail = ack.get("detail") if isinstance(ack, dict) else None
-                    raise RuntimeError(f"KV inject answered {resp.status}: {detail}")
-            result.kv_ack = ack
+                ack, as_sent = decode_inject_ack(await resp.read())
+                if resp.status >= 400 or not ack.ok:
+                    raise RuntimeError(f"KV inject answered {resp.status}: {ack.detail}")
+            result.kv_ack = as_sent
             result.prefix_tokens = effective
             trace.kvcache_actual_path = "kv_injected"
         except Exception as exc:

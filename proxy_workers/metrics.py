@@ -18,7 +18,7 @@ each family declares its zero grids, the label values it can take, and a scrape 
 combination not counted yet. A grid's instance label takes each instance of the directory at
 scrape time, so an instance's series appear when it registers.
 
-Names follow the Prometheus conventions (docs/protocol.md §4.4): a `cacheroute_` prefix, base
+Names follow the Prometheus conventions: a `cacheroute_` prefix, base
 units (`_seconds`), `_total` on counters, no `_count`/`_sum`/`_bucket` suffix on a gauge. The
 instance label is `instance_id`, not `instance`: Prometheus attaches `instance` (the scraped
 host:port) to every series, and would rename ours to `exported_instance`.
@@ -60,7 +60,7 @@ EVERY_INSTANCE = _EveryInstance()
 LabelValues = Union[tuple[str, ...], _EveryInstance]
 
 ROUTES = tuple(endpoint.value for endpoint in Endpoint)
-# The statuses the proxy answers itself on the two routes (docs/protocol.md §2.8), and 200: those
+# The statuses the proxy answers itself on the two routes, and 200: those
 # before an instance is chosen (the client gone first: 499), and those once one is.
 STATUSES_BEFORE_AN_INSTANCE = ("400", "405", "413", "422", "499", "503")
 STATUSES_ON_AN_INSTANCE = ("200", "429", "499", "502", "503", "504")

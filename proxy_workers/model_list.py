@@ -1,5 +1,5 @@
-"""`GET /v1/models` on a worker (docs/protocol.md §2.1): the union of the models the alive
-instances serve, in OpenAI's list format.
+"""`GET /v1/models` on a worker: the union of the models the alive instances serve, in OpenAI's
+list format.
 
 The models an instance serves are in its registration (capabilities and meta), which the
 sidecar keeps in memory; the shared table has no room for them. So a worker asks the sidecar

@@ -1,5 +1,4 @@
-"""The prepare/ready pipeline of one worker (docs/architecture.md §5), without the original's
-stalls.
+"""The prepare/ready pipeline of one worker, without the original's stalls.
 
     prepare (PREPARE_CONCURRENCY per instance in this worker: KDN fetch, injection, KV inject)
     -> release in prepare order (`ordered`) or let text requests pass a blocked head
@@ -33,6 +32,7 @@ from shm_schema import Admission, layout
 from . import metrics
 from .admission import AdmissionQueue
 from .affinity_index import AffinityIndex, report_residency
+from .event_channel import EventChannelWriter
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
 from .refusals import no_instance, queue_full, queue_timeout
@@ -40,7 +40,6 @@ from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
 from .trace import Knowledge, Trace
-from .tracker import RequestTracker
 
 T = TypeVar("T")
 
@@ -63,7 +62,7 @@ class Job(msgspec.Struct):
 
     request: ProxyRequest
     trace: Trace
-    key: int = 0  # the tracker's event key of the current attempt
+    key: int = 0  # the event channel's key of the current attempt
     knowledge: Knowledge = msgspec.field(default_factory=Knowledge)
     prepared: bool = False  # a retry on another instance does not fetch and inject again...
     # ...but the KV went to the instance of this key (slot, generation): a retry elsewhere has
@@ -75,11 +74,11 @@ class Job(msgspec.Struct):
 
 
 class Pipeline:
-    def __init__(self, settings: Settings, tracker: RequestTracker, preparer: KnowledgePreparer,
+    def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
                  predictors: Any, pressure_of: Any, affinity: AffinityIndex | None = None) -> None:
         self._settings = settings
-        self._affinity = affinity  # told what each instance now holds (docs/architecture.md §4.4)
-        self._tracker = tracker
+        self._affinity = affinity  # told what each instance now holds
+        self._events = events
         self._preparer = preparer
         self._predictors = predictors
         self._pressure_of = pressure_of  # (InstanceSlot) -> predicted ready wait ms, or None
@@ -110,7 +109,7 @@ class Pipeline:
         ticket = stages.order.issue(job.trace)
         job.trace.prepare_seq = ticket.seq
         job.trace.proxy_enqueue_ms = now_ms()
-        job.key = self._tracker.new_key()
+        job.key = self._events.new_key()
         reserved = False
         try:
             try:
@@ -145,10 +144,10 @@ class Pipeline:
                 stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
                 lease.leave(layout.LANE_READY_ACTIVE)
                 stages.admission.wake()
-                self._tracker.complete(job.key, failed)
+                self._events.complete(job.key, failed)
         except BaseException:
             if reserved:
-                self._tracker.complete(job.key, True)
+                self._events.complete(job.key, True)
             raise
 
     def _forwarding(self, lease: Lease, job: Job) -> None:
@@ -172,7 +171,7 @@ class Pipeline:
                 lease.claim.knowledge_acknowledged(knowledge.kv_ready_kids)
 
     def first_token(self, job: Job) -> None:
-        self._tracker.first_token(job.key)
+        self._events.first_token(job.key)
 
     # --- stages ------------------------------------------------------------------------------
     def _without_waiting(self, lease: Lease, stages: InstanceStages, job: Job,
@@ -291,8 +290,8 @@ class Pipeline:
             trace.predict_total_ms = round(know_prepare + ready_wait + service, 1)
             job.predicted_first_token_ms = time.time() * 1000 + ready_wait + service
             trace.pred_first_token_ts_ms = int(job.predicted_first_token_ms)
-        self._tracker.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
-                              decode, request.decode_tokens, request.prompt_tokens)
+        self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
+                             decode, request.decode_tokens, request.prompt_tokens)
 
     async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         limit = self._settings.ready_concurrency

@@ -1,5 +1,5 @@
 """The data plane's own refusals that a client should make again later: every 429 and 503 the
-proxy answers itself carries `Retry-After` (docs/protocol.md §2.8), in whole seconds.
+proxy answers itself carries `Retry-After`, in whole seconds.
 
 An instance's own 429 or 503, relayed, keeps the instance's headers: only the instance knows
 when it will take requests again.

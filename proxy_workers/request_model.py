@@ -1,6 +1,6 @@
-"""Recovering a data-plane request: the Scheduler's CacheRoute `Request` (docs/protocol.md §2.2)
-or a plain OpenAI body (docs/protocol.md §2.3), validated with msgspec and turned into what goes
-to the instance.
+"""Recovering a data-plane request: the Scheduler's CacheRoute `Request` or a plain OpenAI body
+(docs/protocol.md, "Data plane"), validated with msgspec and turned into what goes to the
+instance.
 
 Unlike the original, types are checked on decode (a `token_length` of "abc" is a 422 naming the
 field, not a hang later), and a plain OpenAI body is forwarded byte for byte, so system
@@ -184,7 +184,7 @@ def _convert(raw: Any, schema: type[Any]) -> Any:
 
 def _scheduler_request(endpoint: Endpoint, req: SchedulerRequest) -> ProxyRequest:
     prompt = req.Prompt
-    # Completions answer JSON (docs/protocol.md §2.2): the Scheduler's stream flag is for chat.
+    # Completions answer JSON: the Scheduler's stream flag is for chat.
     stream = prompt.stream if endpoint is Endpoint.CHAT else False
     body: dict[str, Any] = {"model": prompt.model}
     if endpoint is Endpoint.CHAT:

@@ -26,13 +26,13 @@ from .affinity import AffinityScorer
 from .affinity_index import make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
 from .drain import Drain
+from .event_channel import EventChannelWriter
 from cacheroute_proxy.http1 import Http1Server, head_limits
 from .kdn_links import LinkRefresher, LinkTable, sidecar_links_url
 from .knowledge import KnowledgePreparer
 from .pipeline import Pipeline
 from .router import Router
 from .tracing import start_tracing
-from .tracker import RequestTracker
 from .upstream import Upstream
 
 log = logging.getLogger("cacheroute.worker")
@@ -47,7 +47,7 @@ BACKLOG = 2048
 # Collections start after this many more tracked objects allocated than freed (Python's
 # default: 700). A request in flight holds ~25 of them and frees nearly all by reference
 # counting, so at 32 requests in flight the default ran a collection every ~35 requests that
-# found almost nothing: 2 % of a worker's CPU, 7 % at 256 (docs/architecture.md §8).
+# found almost nothing.
 GC_FIRST_THRESHOLD = 20_000
 
 
@@ -91,16 +91,16 @@ class _Lifespan:
     """Starts and stops what lives as long as the server: upstream pool, row heartbeat, event
     ticks, the KDN links' refresh."""
 
-    def __init__(self, ctx: WorkerContext, tracker: RequestTracker, links: LinkRefresher) -> None:
+    def __init__(self, ctx: WorkerContext, events: EventChannelWriter, links: LinkRefresher) -> None:
         self._ctx = ctx
-        self._tracker = tracker
+        self._event_channel = events
         self._links = links
 
     @contextlib.asynccontextmanager
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
         tracing = self._ctx.tracing
-        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._events()),
+        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._tick_events()),
                  asyncio.create_task(self._links.run())]
         settle_collector()
         try:
@@ -117,10 +117,10 @@ class _Lifespan:
             self._ctx.router.row.heartbeat()
             await asyncio.sleep(1.0)
 
-    async def _events(self) -> None:
+    async def _tick_events(self) -> None:
         """Move spilled events into the ring; re-announce live requests to a new sidecar."""
         while True:
-            self._tracker.tick()
+            self._event_channel.tick()
             await asyncio.sleep(EVENT_TICK_S)
 
 
@@ -148,25 +148,25 @@ def bind_addresses(settings: Settings, index: int) -> tuple[socket.socket, socke
 
 class WorkerParts(NamedTuple):
     ctx: WorkerContext
-    tracker: RequestTracker
+    events: EventChannelWriter
     links: LinkTable
 
 
 def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
              tracing: Any = None) -> WorkerParts:
     """A worker's request path over its claimed row: router, upstream client, pipeline."""
-    tracker = RequestTracker(seg, row)
+    events = EventChannelWriter(seg, row)
     predictors = get_predictors(settings.predictor_profile)
     links = LinkTable.from_settings(settings)
-    affinity = make_index(settings, seg, tracker)
+    affinity = make_index(settings, seg, events)
     upstream = Upstream(settings, replace_trace_context=tracing is not None)
     preparer = KnowledgePreparer(settings, upstream, predictors, links)
     router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer.transfer_ms,
                                                        engine_prefix.from_settings(settings)))
-    pipeline = Pipeline(settings, tracker, preparer, predictors, router.view.ready_wait_ms, affinity)
+    pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, affinity)
     ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                         pipeline=pipeline, tracing=tracing)
-    return WorkerParts(ctx, tracker, links)
+    return WorkerParts(ctx, events, links)
 
 
 def run(settings: Settings, index: int) -> int:
@@ -202,7 +202,7 @@ def run(settings: Settings, index: int) -> int:
         refresher = LinkRefresher(parts.links, lambda: upstream.session, sidecar_links_url(settings),
                                   load_token(settings.cp_token, settings.cp_token_file),
                                   settings.kdn_links_refresh_s)
-        app = build_app(ctx, lifespan=_Lifespan(ctx, parts.tracker, refresher))
+        app = build_app(ctx, lifespan=_Lifespan(ctx, parts.events, refresher))
         shared.listen(BACKLOG)
         log.info("worker %d serving %s (shared) and %s (private), row %d, strategy %s, view %s",
                  index, exits.host_port(settings.dp_host, settings.dp_port),

@@ -1,6 +1,6 @@
-"""Observation routes the sidecar owns, answered by every worker by asking it
-(docs/protocol.md §4.3): what the registry keeps (resource snapshots, topology, pool_resource)
-lives in the sidecar's memory, not in the shared table, so a worker has no copy of its own.
+"""Observation routes the sidecar owns, answered by every worker by asking it: what the registry
+keeps (resource snapshots, topology, pool_resource) lives in the sidecar's memory, not in the
+shared table, so a worker has no copy of its own.
 
 Not a hot path: one short-lived connection per call, the caller's Authorization header passed
 on (the sidecar checks it again), a short timeout, and a JSON 502 or 504 naming the sidecar

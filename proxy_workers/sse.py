@@ -1,5 +1,5 @@
 """SSE pass-through: the instance's bytes go to the client unchanged, except its `data: [DONE]`,
-which is withheld so the proxy's `cacheroute_meta` event can come first (docs/protocol.md §2.6).
+which is withheld so the proxy's `cacheroute_meta` event can come first.
 
 Chunks that cannot contain the marker are passed on without being split or copied; only a
 chunk boundary inside a line costs a concatenation.

@@ -105,7 +105,7 @@ class Knowledge(msgspec.Struct):
     prefix_tokens: int = 0  # KV the instance now holds for this request's prefix
     error: str | None = None  # preparation failed; the request went on without its knowledge
     # kv-ready ids whose KV the affinity index says the chosen instance already held: no KDN
-    # transfer and no inject for them (docs/architecture.md §4.4)
+    # transfer and no inject for them
     resident_kids: list[str] = msgspec.field(default_factory=list)
 
 

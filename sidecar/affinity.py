@@ -1,4 +1,4 @@
-"""The host-wide affinity index's single writer (docs/architecture.md §4.4).
+"""The host-wide affinity index's single writer.
 
 Per instance, an LRU model of the keys whose KV it holds: knowledge ids whose inject it
 acknowledged (RESIDENT events) and prompt-prefix blocks it was sent (PREFIX events), from every

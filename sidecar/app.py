@@ -1,5 +1,5 @@
 """The control plane on 127.0.0.1:8002, wire-compatible with the original
-(docs/protocol.md §3, §4)."""
+(docs/protocol.md, "Instance control plane" and "Observation routes")."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class SidecarState:
         return {**self.settings.kdn_links, **self.topology.merged()}
 
     def pool_resource(self) -> PoolResource:
-        # What the next Scheduler heartbeat would carry (docs/protocol.md §6.5), even with it off.
+        # What the next Scheduler heartbeat would carry, even with it off.
         proxy_id = (self.scheduler.status.proxy_id if self.scheduler and self.scheduler.status.proxy_id
                     else Identity.from_settings(self.settings).proxy_id)
         return pool_resource.snapshot_of(self.registry, self.view, self.settings, proxy_id)
@@ -111,7 +111,7 @@ def build_app(state: SidecarState) -> Starlette:
 
     async def topology_report(request: Request) -> Response:
         req = await json_body(request, wire.TopologyReportRequest)
-        if registry.get(req.instance_id) is None:  # docs/protocol.md §7.3: the original took any id
+        if registry.get(req.instance_id) is None:  # links only for registered instances
             return JSONResponse({"ok": False, "error": "unknown_instance"})
         return JSONResponse({"ok": True, "merged_links": state.topology.report(req.instance_id, req.links)})
 

@@ -1,4 +1,5 @@
-"""The body of a control-plane write, by one rule for every JSON route (docs/protocol.md §3.1).
+"""The body of a control-plane write, by one rule for every JSON route (docs/protocol.md,
+"Routes and access").
 
 Taken as JSON: a body sent as `application/json` (or a `+json` type), or with no content type,
 or as `application/x-www-form-urlencoded` when it parses as JSON, because that is what a plain

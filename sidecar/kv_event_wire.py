@@ -1,5 +1,6 @@
 """What a vLLM engine publishes about its KV cache (vLLM 0.32 `--kv-events-config
-'{"enable_kv_cache_events": true}'`), as the sidecar reads it. docs/protocol.md §8.
+'{"enable_kv_cache_events": true}'`), as the sidecar reads it (docs/protocol.md, "vLLM's KV cache
+events").
 
 Each ZMQ message has three frames: a topic, an 8-byte big-endian sequence number, and a msgpack
 batch `[timestamp, [event, ...], data_parallel_rank]`. An event is a map tagged by `type`;

@@ -1,5 +1,5 @@
-"""vLLM engines' own account of their prefix cache, fed into the affinity index
-(docs/architecture.md §4.4): one ZMQ subscriber per engine that publishes KV cache events.
+"""vLLM engines' own account of their prefix cache, fed into the affinity index: one ZMQ
+subscriber per engine that publishes KV cache events.
 
 Followed only when the workers name prompt blocks as the engines do (PROXY_AFFINITY_TOKENIZER):
 otherwise no event could name a block the workers look up. Where an engine publishes comes

@@ -1,4 +1,5 @@
-"""The `pool_resource` snapshot the proxy reports to the Scheduler (docs/protocol.md §6.5).
+"""The `pool_resource` snapshot the proxy reports to the Scheduler (docs/protocol.md, "The
+`pool_resource` snapshot").
 
 Computed by the sidecar from its registry (who is alive, the instances' resource snapshots) and the shared
 table (inflight and queue depths as every worker sees them), so one snapshot speaks for all
@@ -46,7 +47,7 @@ class ResourceReport(Protocol):
 
 
 def resource_of(record: InstanceRecord) -> ResourceReport | None:
-    """The instance's last accepted resource snapshot (docs/protocol.md §3.7), None before one."""
+    """The instance's last accepted resource snapshot, None before one."""
     return record.resource
 
 
@@ -136,7 +137,7 @@ def _admission_counts(reports: Sequence[ResourceReport]) -> dict[str, int]:
 
 
 def _pool_state(alive: int, reporting: int, counts: dict[str, int]) -> str:
-    """docs/protocol.md §6.5: nothing alive, or every instance reports rejecting -> rejecting;
+    """Nothing alive, or every instance reports rejecting -> rejecting;
     any degraded or rejecting one, or an alive instance without a report -> degraded; else
     accepting."""
     if alive == 0:

@@ -8,7 +8,7 @@ restart the shared table is the source of truth: `rebuild` recreates records fro
 keeps only what the slot stores: cp_port and max_num_seqs), without capabilities, so the next
 heartbeat asks the instance to resend them (`requires_capabilities`).
 
-An instance is in one of three states (docs/protocol.md §3.6): healthy (a candidate),
+An instance is in one of three states: healthy (a candidate),
 unhealthy (it said so in a heartbeat, or the sidecar's probe of a static instance failed:
 out at once, still registered) or expired (silent past the TTL; purged after the grace).
 Static instances (PROXY_STATIC_INSTANCES) are configuration: only their probe moves them,
@@ -108,7 +108,7 @@ class InstanceRegistry:
     # --- control-plane operations --------------------------------------------------------------
     def register(self, req: wire.RegisterRequest, *, healthy: bool = True,
                  static: bool = False) -> InstanceRecord:
-        """Upsert (docs/protocol.md §3.2). Raises ValueError naming a field that does not fit a
+        """Upsert. Raises ValueError naming a field that does not fit a
         slot, DirectoryFull when no slot is free; in both cases nothing has changed. A static
         instance whose engine has not answered yet is registered out of the candidate set
         (`healthy=False`) until its probe succeeds."""
@@ -188,7 +188,7 @@ class InstanceRegistry:
                                              record.max_num_seqs, kv_inject)
 
     def report_resource(self, req: wire.ResourceSnapshotRequest) -> bool:
-        """Keep the normalised snapshot (docs/protocol.md §3.7). It refreshes liveness like a
+        """Keep the normalised snapshot. It refreshes liveness like a
         heartbeat, but does not overrule a heartbeat's `healthy: false`."""
         record = self._records.get(req.instance_id)
         if record is None:
@@ -276,7 +276,7 @@ class InstanceRegistry:
         return [r for r in rows if include_dead or r.alive]
 
     def row(self, record: InstanceRecord, inflight: int | None) -> dict[str, Any]:
-        """A `/v1/instance/list` row (docs/protocol.md §3.5)."""
+        """A `/v1/instance/list` row."""
         return {
             "instance_id": record.instance_id, "host": record.host, "port": record.port,
             "endpoints": record.endpoints, "tags": record.tags, "weight": record.weight,
@@ -291,7 +291,7 @@ class InstanceRegistry:
         }
 
     def resource_row(self, record: InstanceRecord) -> dict[str, Any]:
-        """A `/debug/instance_resources` row (docs/protocol.md §4.3): the resource without its raw copy."""
+        """A `/debug/instance_resources` row: the resource without its raw copy."""
         return {"instance_id": record.instance_id, "host": record.host, "port": record.port,
                 "last_seen_at": record.last_seen_at,
                 "resource": None if record.resource is None else record.resource.summary()}

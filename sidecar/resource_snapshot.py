@@ -1,5 +1,5 @@
 """An instance's resource snapshot, normalised into the fields the original Proxy kept
-(docs/protocol.md §3.7).
+(docs/protocol.md, "Resource snapshots").
 
 The snapshot's shape is the agent's: every level is read leniently, so a key that is missing,
 of the wrong type, or a reading that is no number ("N/A", NaN, infinity, a list...) becomes

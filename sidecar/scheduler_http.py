@@ -1,5 +1,4 @@
-"""The Scheduler link's HTTP: JSON POSTs to `SCHEDULER_CP_URL` over kept-alive HTTP/1.1
-(docs/protocol.md §6.3).
+"""The Scheduler link's HTTP: JSON POSTs to `SCHEDULER_CP_URL` over kept-alive HTTP/1.1.
 
 It is the forward's client (cacheroute_proxy/http1/client.py), for its keep-alive rule. A pooled
 connection idle for longer than KEEPALIVE_S (4 s, under the 5 s keep-alive of uvicorn and most

@@ -1,10 +1,10 @@
-"""The proxy's registration with the Scheduler control plane (docs/protocol.md §6), from the
-sidecar.
+"""The proxy's registration with the Scheduler control plane (docs/protocol.md, "Scheduler
+control plane"), from the sidecar.
 
 The proxy as a whole (every worker behind the one data-plane port) registers once, from the
 sidecar; workers never talk to the Scheduler. A background task registers, heartbeats with the
-`pool_resource` snapshot and unregisters on a clean stop. Unlike the original
-(docs/protocol.md §7.4) it registers again whenever the Scheduler may have forgotten us: a
+`pool_resource` snapshot and unregisters on a clean stop. Unlike the original it
+registers again whenever the Scheduler may have forgotten us: a
 heartbeat answered 404, or any failed call (the Scheduler may have restarted meanwhile;
 register is an upsert, so a spurious one is harmless). Nothing here can stop the sidecar from
 starting or serving: every call has a timeout, failures back off exponentially up to a cap,

@@ -1,4 +1,5 @@
-"""Proxy -> Scheduler control-plane bodies (docs/protocol.md §6), one msgspec Struct each.
+"""Proxy -> Scheduler control-plane bodies (docs/protocol.md, "Scheduler control plane"), one
+msgspec Struct each.
 
 The `pool_resource` snapshot keeps its nulls on the wire: null means "unknown / not reported",
 0 means a measured zero (the original's null semantics), so no field is omitted.
@@ -64,7 +65,7 @@ class Utilization(msgspec.Struct):
 
 
 class PoolResource(msgspec.Struct):
-    """docs/protocol.md §6.5, schema_version 1."""
+    """The `pool_resource` snapshot, schema_version 1."""
 
     schema_version: int
     proxy_id: str

@@ -1,5 +1,5 @@
-"""The models the instances serve, as OpenAI's `GET /v1/models` lists them (docs/protocol.md
-§2.1): what every worker's `/v1/models` answers, asked of the sidecar (proxy_workers/model_list.py).
+"""The models the instances serve, as OpenAI's `GET /v1/models` lists them: what every worker's
+`/v1/models` answers, asked of the sidecar (proxy_workers/model_list.py).
 
 An instance serves the model its capabilities name (`capabilities.model.identifier`, what an
 instance of the original protocol sends) and every id of `meta.served_models` (a list of

@@ -13,7 +13,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 
-from cacheroute_proxy import exits, logs, serving, sysctl_checks
+from cacheroute_proxy import exits, logs, serving, sysctl_check
 from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
@@ -24,7 +24,7 @@ from shm_schema import Segment, SegmentError, header
 
 from .affinity import AffinityModels, kv_capacity_tokens
 from .app import SidecarState, build_app
-from .host_check import HostCheck
+from .host_header_check import HostHeaderCheck
 from .kv_events import KvEventFeeds, zmq_missing
 from . import pool_resource
 from .pressure import PressurePublisher
@@ -192,7 +192,7 @@ def run(settings: Settings) -> int:
             control.close()
             return exits.CONTROL_ADDRESS_IN_USE if exc.errno == errno.EADDRINUSE else exits.CANNOT_START
         log.info("dashboard on %s (PROXY_UI_LISTEN %s)", settings.dashboard_url, settings.ui_listen)
-    sysctl_checks.note_about_sysctls()
+    sysctl_check.note_about_sysctls()
     try:
         seg = open_segment(settings)
     except SegmentError as exc:
@@ -207,7 +207,7 @@ def run(settings: Settings) -> int:
         app.router.lifespan_context = _lifespan(state)
         # Without a token, only requests naming this control plane as Host (DNS rebinding).
         tokened = bool(load_token(settings.cp_token, settings.cp_token_file))
-        served = app if tokened else HostCheck(app, settings.cp_host, settings.cp_port)
+        served = app if tokened else HostHeaderCheck(app, settings.cp_host, settings.cp_port)
         if ui_socket is not None and settings.ui_address is not None:
             served = ByListener(served, ui_app(app.state.dashboard_routes, settings, not tokened),
                                 settings.ui_address[1])

@@ -1,6 +1,6 @@
 """Static instances (PROXY_STATIC_INSTANCES): engines without an agent, registered by the sidecar
 itself and kept in or out of the candidate set by probing their `GET /health` (as vllm-router's
---worker-urls, or an nginx upstream block). docs/operations.md §9.
+--worker-urls, or an nginx upstream block).
 
 They are registered at start, out of the candidate set until their first probe succeeds (a
 restarted sidecar adopts them from the shared table as they were, so they do not blink).

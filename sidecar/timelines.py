@@ -1,7 +1,7 @@
 """Per-instance queue timelines: the host-wide reservation order the original kept per process.
 
 One timeline per instance (slot, generation), fed by events from every worker in one serial
-order (docs/architecture.md §6: the original's rules, with their defects fixed):
+order (the original's rules, with their defects fixed):
 
 - reserve (released to ready): take the earliest-free of READY_CONCURRENCY slots; prefill
   starts when both that slot and the prefill chain are free; the slot stays busy through the

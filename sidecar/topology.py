@@ -1,4 +1,5 @@
-"""Instance -> KDN links as the instances measure them (docs/protocol.md §3.8).
+"""Instance -> KDN (Knowledge Delivery Network: the knowledge server) links as the instances
+measure them (docs/protocol.md, "Topology").
 
 Each instance's report replaces its own map of links; the merged map keeps, for every KDN key,
 the best link any instance reported (higher `bandwidth_mbps`, on a tie lower `latency_ms`),

@@ -5,7 +5,7 @@ arrived on. The UI listener answers the dashboard, its files and its read-only d
 (sidecar/dashboard_routes.py) and nothing else: no register, no heartbeat, no /debug/* beyond
 what the page reads. The control plane's rules hold on it too: its data routes take the debug
 token when PROXY_DEBUG_REQUIRES_TOKEN is set, and without a token configured only requests
-naming it (or PROXY_UI_URL's host) as Host are served (DNS rebinding, sidecar/host_check.py).
+naming it (or PROXY_UI_URL's host) as Host are served (DNS rebinding, sidecar/host_header_check.py).
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import ERROR_HANDLERS
 
-from .host_check import DASHBOARD, HostCheck
+from .host_header_check import DASHBOARD, HostHeaderCheck
 
 
-def ui_app(dashboard: list[BaseRoute], settings: Settings, with_host_check: bool) -> ASGIApp:
+def ui_app(dashboard: list[BaseRoute], settings: Settings, with_host_header_check: bool) -> ASGIApp:
     async def root(request: Request) -> Response:
         return RedirectResponse("/dashboard", status_code=307)
 
     app: ASGIApp = Starlette(routes=[Route("/", root, methods=["GET"]), *dashboard],
                              exception_handlers=ERROR_HANDLERS)
-    if not with_host_check:
+    if not with_host_header_check:
         return app
     assert settings.ui_address is not None
     host, port = settings.ui_address
-    return HostCheck(app, host, port, extra=_url_names(settings.ui_url), listener=DASHBOARD)
+    return HostHeaderCheck(app, host, port, extra=_url_names(settings.ui_url), listener=DASHBOARD)
 
 
 def _url_names(url: str) -> tuple[str, ...]:

@@ -26,3 +26,12 @@ class BackgroundHTTPServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
+
+
+def answer_json(handler: BaseHTTPRequestHandler, body: bytes, status: int = 200) -> None:
+    """Send `body` (JSON bytes, or what a test passes off as JSON) as the whole answer."""
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)

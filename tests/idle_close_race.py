@@ -2,14 +2,14 @@
 
     .venv/bin/python -m tests.idle_close_race [--trials 1000] [--spread-ms 6]
 
-A client keeps one keep-alive connection (aiohttp, limit 1, its own idle timeout far longer
-than the worker's), and before each POST pauses for the worker's keep-alive timeout plus a
-random offset in ±spread. When the worker's timer closes the connection just as the client
-sends on it, the POST fails (server disconnected / reset): the client cannot know, and must not
-retry a POST blindly. The result counts failures per 1 ms of offset, which shows the width of
-the window. Not a test: the rule it supports is in docs/operations.md §4.4: clients use an
-idle timeout shorter than PROXY_KEEPALIVE_TIMEOUT_S, and the worker closes idle connections
-only by that timer, during a drain too.
+A client keeps one keep-alive connection (aiohttp, limit 1, its own idle timeout far longer than
+the worker's), and before each POST pauses for the worker's keep-alive timeout plus a random
+offset in ±spread. When the worker's timer closes the connection just as the client sends on it,
+the POST fails (server disconnected / reset): the client cannot know, and must not retry a POST
+blindly. The result counts failures per 1 ms of offset, which shows the width of the window. Not a
+test: the rule it supports (docs/operations.md, "Clients' idle timeout"): clients use an idle
+timeout shorter than PROXY_KEEPALIVE_TIMEOUT_S, and the worker closes idle connections only by
+that timer, during a drain too.
 """
 
 from __future__ import annotations

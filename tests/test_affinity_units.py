@@ -13,7 +13,7 @@ from proxy_workers.kdn_links import LinkTable
 from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint, recover
-from proxy_workers.tracker import RequestTracker
+from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader
 from shm_schema.events import EventReader
@@ -55,8 +55,8 @@ def test_a_chat_request_renders_roles_and_contents_in_order():
 
 # --- the sidecar's models ------------------------------------------------------------------------
 def _event(slot: int, generation: int, kind: str, keys: tuple[int, ...], tokens: int, seg, row):
-    tracker = RequestTracker(seg, row)
-    tracker.residency(slot, generation, keys, tokens, prefix=(kind == "prefix"))
+    events = EventChannelWriter(seg, row)
+    events.residency(slot, generation, keys, tokens, prefix=(kind == "prefix"))
     return list(EventReader(seg).drain(row.row))
 
 
@@ -123,9 +123,9 @@ def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_seg
     slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
     instance = read_all(segment)[0]
     row = WorkerRow.claim(segment, 0)
-    tracker = RequestTracker(segment, row)
-    mine = PerWorkerAffinity(segment, tracker, 30.0)
-    shared = SharedAffinity(segment, tracker, 30.0)
+    events = EventChannelWriter(segment, row)
+    mine = PerWorkerAffinity(segment, events, 30.0)
+    shared = SharedAffinity(segment, events, 30.0)
     mine.acknowledged(instance, [knowledge_key("k1")], 100)
     mine.forwarded(instance, [11, 12], 64)
     assert mine.residency(instance).knowledge == {knowledge_key("k1")}
@@ -138,10 +138,10 @@ def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_seg
 
 def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None) -> AffinityScorer:
     settings = Settings(instance_strategy="kv_aware")
-    tracker = RequestTracker(segment, row or WorkerRow.claim(segment, 0))
+    events = EventChannelWriter(segment, row or WorkerRow.claim(segment, 0))
     predictors = get_predictors(settings.predictor_profile)
     preparer = KnowledgePreparer(settings, None, predictors)
-    return AffinityScorer(settings, view(segment, tracker, pending_s), predictors, preparer.transfer_ms)
+    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer.transfer_ms)
 
 
 KNOWLEDGE = (b'{"Prompt":{"model":"m","user_prompt":"q"},"Service":{"Enable_know_injection":true,'

@@ -158,7 +158,7 @@ def _every_panel(make_cluster, browser: Chromium, scheduler: SimScheduler) -> No
     ids = [first.instance_id, second.instance_id]
     pids = cluster.worker_pids()
     epoch = cluster.status()["sidecar"]["epoch"]
-    # Resource snapshots and topology reports as agents send them (docs/protocol.md §3.6, §3.8).
+    # Resource snapshots and topology reports as agents send them.
     for instance_id, cpu in zip(ids, (25.0, 70.0)):
         assert post(f"{cluster.cp_url}/v1/instance/resource_snapshot",
                     agent_snapshot(cpu, instance_id=instance_id)) == {"ok": True}
@@ -308,7 +308,7 @@ def test_the_affinity_panel_shows_what_the_index_holds(make_cluster, browser):
     browser.navigate(f"{cluster.cp_url}/dashboard")
     page = _wait_page(browser, lambda p: p["state"] == "live" and len(p["instances"]) == 1, "the page, live")
     assert page["affinityHidden"]  # the index holds nothing yet
-    # The instance's own account of its KV (docs/protocol.md, heartbeat resident_keys).
+    # The instance's own account of its KV (a heartbeat's resident_keys).
     status, body, _ = http("POST", f"{cluster.cp_url}/v1/instance/heartbeat",
                            {"instance_id": inst.instance_id, "resident_keys": ["k0001", "k0002"]})
     assert status == 200, body

@@ -1,4 +1,4 @@
-"""kv_aware end to end (docs/architecture.md §4.4): the host-wide affinity index every worker
+"""kv_aware end to end: the host-wide affinity index every worker
 reads, what clears it, what keeps it, and the strategy's credit within the balance guard.
 
 Real clusters (sidecar + workers), simulated instances and a simulated KDN whose every id has

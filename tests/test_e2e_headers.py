@@ -1,4 +1,4 @@
-"""Headers through a real cluster, both ways (docs/protocol.md §2.4, §2.6): the client's reach
+"""Headers through a real cluster, both ways: the client's reach
 the instance, the instance's reach the client, stream and not, error and not; hop-by-hop
 ones and the proxy's own do not cross; Authorization is replaced only with OPENAI_API_KEY;
 a header value with CR or LF never gets past the worker."""

@@ -1,4 +1,4 @@
-"""IWS over the KDN link through a real cluster (docs/protocol.md §5.5): a static link
+"""IWS over the KDN link through a real cluster: a static link
 (PROXY_KDN_LINKS_JSON) changes its decision and its trace, a measured one (reported to the
 sidecar) overrides the static one once every worker's refresh has copied it; the workers read
 the sidecar's links without a failure."""

@@ -1,8 +1,7 @@
 """The resource and topology plane through a real cluster (launcher, sidecar, workers):
 resource snapshots, `/debug/instance_resources`, list rows with `resource` and `health`,
 topology report and merge, `pool_resource` from real snapshots, the routes every worker
-answers by asking the sidecar, and the heartbeat's `healthy` flag (docs/protocol.md §3.3,
-§3.6-§3.8, §4.3)."""
+answers by asking the sidecar, and the heartbeat's `healthy` flag."""
 
 from __future__ import annotations
 

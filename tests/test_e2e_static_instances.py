@@ -1,4 +1,4 @@
-"""Static instances (PROXY_STATIC_INSTANCES, docs/operations.md §9): engines without an agent,
+"""Static instances (PROXY_STATIC_INSTANCES): engines without an agent,
 registered and probed by the sidecar. Simulated instances started with --no-register stand
 in for vLLM (they serve /health, /v1/models and /version); the cluster is real."""
 

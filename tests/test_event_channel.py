@@ -12,7 +12,7 @@ import pytest
 from shm_schema import Segment, WorkerRow, layout, read_rows
 from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventKind, EventReader, EventWriter
-from proxy_workers.tracker import RequestTracker
+from proxy_workers.event_channel import EventChannelWriter
 
 SPAWN = multiprocessing.get_context("spawn")
 PRODUCERS = 4
@@ -103,26 +103,26 @@ def test_full_ring_spills_in_order_and_counts_drops(seg_name):
 def test_new_sidecar_epoch_discards_spill_and_resyncs_live_requests(seg_name):
     _, seg = seg_name
     row = WorkerRow.claim(seg, 0)
-    tracker = RequestTracker(seg, row)
+    events = EventChannelWriter(seg, row)
     reader = EventReader(seg)
-    live, done = tracker.new_key(), tracker.new_key()
-    tracker.reserve(live, 2, 1, service_ms=100, decode_ms=500, decode_tokens=20, prompt_tokens=50)
-    tracker.first_token(live)
-    tracker.reserve(done, 2, 1, service_ms=100, decode_ms=500, decode_tokens=20, prompt_tokens=50)
-    tracker.complete(done, failed=False)
+    live, done = events.new_key(), events.new_key()
+    events.reserve(live, 2, 1, service_ms=100, decode_ms=500, decode_tokens=20, prompt_tokens=50)
+    events.first_token(live)
+    events.reserve(done, 2, 1, service_ms=100, decode_ms=500, decode_tokens=20, prompt_tokens=50)
+    events.complete(done, failed=False)
     before = list(reader.drain(row.row))
     assert [e.kind for e in before] == [EventKind.RESERVE, EventKind.FIRST_TOKEN, EventKind.RESERVE,
                                         EventKind.COMPLETE]
     assert all(e.epoch == 0 for e in before)
     seg.fetch_add(layout.H_SIDECAR_EPOCH, 1)  # a sidecar restarted
-    tracker.tick()
+    events.tick()
     after = list(reader.drain(row.row))
     assert [(e.kind, e.request_key, e.epoch) for e in after] == [
         (EventKind.RESYNC, live, 1), (EventKind.FIRST_TOKEN, live, 1)]
     assert after[0].service_us == 100_000 and after[0].decode_us == 500_000
     assert (after[0].decode_tokens, after[0].prompt_tokens) == (20, 50)
     assert after[0].t_us == before[0].t_us
-    assert tracker.resyncs == 1
+    assert events.resyncs == 1
 
 
 def test_dropped_events_stay_counted_after_the_worker_is_gone(seg_name):

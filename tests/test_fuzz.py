@@ -66,7 +66,7 @@ from tests.harness import (
 CAPACITY = 8
 FIXTURE_ID = "fuzz-sim"
 CLIENT_TIMEOUT_S = 10.0
-UPSTREAM_5XX = {502, 503, 504}        # the only 5xx of docs/protocol.md §2.8 (upstream conditions)
+UPSTREAM_5XX = {502, 503, 504}        # the proxy's only 5xx for upstream conditions
 WORKER_RE = re.compile(r"w\d+-pid\d+")
 LANES = ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth")
 CLUSTER_ENV = {

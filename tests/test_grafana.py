@@ -349,7 +349,7 @@ def test_every_series_the_dashboard_queries_is_in_a_live_metrics(make_cluster):
     # Worker 1 served nothing: what it reports is every worker's sum.
     live = scrape(cluster.worker_url(1))
     report, problems = check_dashboard(load_dashboard(), live)
-    if os.environ.get(REPORT_ENV):  # the list of series checked, for a reader (docs/testing.md)
+    if os.environ.get(REPORT_ENV):  # the list of series checked, for a reader
         Path(os.environ[REPORT_ENV]).write_text("\n".join(report) + "\n")
     assert not problems, "\n".join(problems)
     _assert_counted_once(live, good.instance_id, bad.instance_id)

@@ -1,4 +1,4 @@
-"""Which headers cross the proxy (proxy_workers/headers.py, docs/protocol.md §2.4, §2.6): the
+"""Which headers cross the proxy (proxy_workers/headers.py): the
 client's to the instance and the instance's to the client, hop-by-hop ones and the proxy's
 own excepted; and the bytes of a forward that carries them (against a real socket)."""
 

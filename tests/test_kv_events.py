@@ -1,4 +1,4 @@
-"""vLLM's KV cache events in the affinity index (docs/architecture.md §4.4): prompt keys computed
+"""vLLM's KV cache events in the affinity index: prompt keys computed
 as the engine names its blocks, the events' wire format, what each event does to an instance's
 prefix entries, and, end to end, a real sidecar subscribed to a ZMQ publisher standing in for an
 engine while real workers look the same prompt up.
@@ -26,7 +26,7 @@ from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.instance_wire import RegisterRequest
 from cacheroute_sim.processes import free_port
 from proxy_workers.request_model import Message
-from proxy_workers.tracker import RequestTracker
+from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow
 from shm_schema.affinity import AffinityReader
 from shm_schema.events import EventReader
@@ -256,10 +256,10 @@ def test_a_lost_batch_or_a_restarted_engine_empties_the_entries_then_they_refill
 def test_once_the_engine_reports_the_workers_prefix_guesses_are_ignored(segment):
     fed = Fed(segment)
     row = WorkerRow.claim(segment, 0)
-    tracker = RequestTracker(segment, row)
+    events = EventChannelWriter(segment, row)
 
     def guess(*keys: int) -> None:
-        tracker.residency(fed.slot.slot, fed.slot.generation, keys, BLOCK, prefix=True)
+        events.residency(fed.slot.slot, fed.slot.generation, keys, BLOCK, prefix=True)
         for event in EventReader(segment).drain(row.row):
             fed.models.apply(event)
 
@@ -270,7 +270,7 @@ def test_once_the_engine_reports_the_workers_prefix_guesses_are_ignored(segment)
     guess(102)
     assert fed.prefix() == {1, 101} and fed.models.stats["prefix_guesses_ignored"] == 1  # ...no new guesses
     # Knowledge stays the workers' to report: the engine knows nothing of knowledge ids.
-    tracker.residency(fed.slot.slot, fed.slot.generation, (555,), 1000, prefix=False)
+    events.residency(fed.slot.slot, fed.slot.generation, (555,), 1000, prefix=False)
     for event in EventReader(segment).drain(row.row):
         fed.models.apply(event)
     fed.models.publish()

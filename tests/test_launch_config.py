@@ -237,7 +237,7 @@ def test_a_worker_whose_service_port_is_taken_exits_4_naming_it_before_saying_it
     assert not os.path.exists(f"/dev/shm{ports.shm_name}")
 
 
-# --- host notes, once ----------------------------------------------------------------------------
+# --- the sysctl check, once -----------------------------------------------------------------------
 MIGRATE_NOTE = "net.ipv4.tcp_migrate_req is 0"
 
 
@@ -245,15 +245,15 @@ def test_the_tcp_migrate_req_note_is_a_debug_line_not_a_warning(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Said at every start of a host that has not installed the sysctl file (a laptop running the
     demo): once, at debug level, not a warning an operator must read each time."""
-    from cacheroute_proxy import sysctl_checks
+    from cacheroute_proxy import sysctl_check
     setting = tmp_path / "tcp_migrate_req"
     setting.write_text("0\n")
     with caplog.at_level(logging.DEBUG, logger="cacheroute.host"):
-        sysctl_checks.note_about_sysctls(str(setting))
+        sysctl_check.note_about_sysctls(str(setting))
     assert [(r.levelno, r.getMessage()[:len(MIGRATE_NOTE)]) for r in caplog.records] == [(logging.DEBUG, MIGRATE_NOTE)]
     caplog.clear()
     setting.write_text("1\n")
-    sysctl_checks.note_about_sysctls(str(setting))
+    sysctl_check.note_about_sysctls(str(setting))
     assert not caplog.records
 
 

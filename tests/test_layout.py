@@ -1,7 +1,8 @@
 """The outline of the repository, checked from the code's own imports (read as text, nothing is
 run): which top-level package may import which, that layering goes one way, that the product
-never reaches for its test and demo doubles, and that no bit of a shared-memory format is
-spelled outside shm_schema."""
+never reaches for its test and demo doubles or its offline tools, that a role's package holds
+only what runs in that role, and that no bit of a shared-memory format is spelled outside
+shm_schema."""
 
 from __future__ import annotations
 
@@ -16,21 +17,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PRODUCT = ("shm_schema", "cacheroute_proxy", "sidecar", "proxy_workers", "instance_agent")
 DOUBLES = "cacheroute_sim"
-TOP_LEVEL = {*PRODUCT, DOUBLES, "bench", "tests"}
+# Offline tools: run by hand from the checkout (a predictor profile's calibration), never by a role.
+TOOLS = "tools"
+TOP_LEVEL = {*PRODUCT, DOUBLES, TOOLS, "bench", "tests"}
 
 # Which top-level package may import which (itself always). Layering goes one way: the
 # shared-memory contract at the bottom, the product package on it, the two roles on both;
-# the doubles and the tools above the product; nothing of the product above them.
+# the offline tools, the doubles and the benchmarks above the product; nothing of the product
+# above them.
 ALLOWED: dict[str, set[str]] = {
     "shm_schema": set(),
     "cacheroute_proxy": {"shm_schema"},
     "sidecar": {"shm_schema", "cacheroute_proxy"},
     "proxy_workers": {"shm_schema", "cacheroute_proxy"},
     "instance_agent": {"cacheroute_proxy"},
+    TOOLS: {"shm_schema", "cacheroute_proxy", "proxy_workers"},
     DOUBLES: {"shm_schema", "cacheroute_proxy"},
-    "bench": {*PRODUCT, DOUBLES, "tests"},
-    "tests": {*PRODUCT, DOUBLES},
+    "bench": {*PRODUCT, TOOLS, DOUBLES, "tests"},
+    "tests": {*PRODUCT, TOOLS, DOUBLES},
 }
+# Each role's process starts at its `__main__`: every module of its package is imported from
+# there, so nothing that runs elsewhere (an offline tool, a benchmark's helper) sits in it.
+ROLES = ("proxy_workers", "sidecar", "instance_agent")
 
 
 def python_files(package: str) -> Iterator[Path]:
@@ -90,10 +98,36 @@ def test_the_product_never_names_its_doubles_or_its_tools() -> None:
     for package in PRODUCT:
         for path in python_files(package):
             text = path.read_text()
-            for word in (DOUBLES, "bench.", "tests."):
+            for word in (DOUBLES, f"{TOOLS}.", "bench.", "tests."):
                 if f'"{word}' in text or f"'{word}" in text or f"-m {word}" in text:
                     found.append(f"{path.relative_to(ROOT)} names {word}")
     assert not found, "\n".join(found)
+
+
+def _imported_from(start: str, modules: dict[str, Path]) -> set[str]:
+    """Every module of `modules` that `start` imports, directly or not (a function's own
+    import counts: it runs in the same process), with the packages on the way."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for _, imported in imported_modules(modules[name]):
+            parts = imported.split(".")
+            todo.extend(m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                        if m in modules and m not in seen)
+    return seen
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_role_package_holds_only_what_runs_in_that_role(role: str) -> None:
+    modules = {module_name(p): p for package in PRODUCT for p in python_files(package)}
+    running = _imported_from(f"{role}.__main__", modules)
+    idle = sorted(name for name in modules if name.split(".")[0] == role and name not in running)
+    assert not idle, (f"never imported by `python -m {role}`: move what runs elsewhere out "
+                      f"(offline tools to {TOOLS}/):\n" + "\n".join(idle))
 
 
 def test_no_module_cycles_inside_the_product() -> None:
@@ -164,7 +198,7 @@ def _bit_operations(path: Path) -> Iterator[str]:
             yield f"{where} generates a shift or mask"
 
 
-@pytest.mark.parametrize("package", [p for p in PRODUCT if p != "shm_schema"] + [DOUBLES, "tests"])
+@pytest.mark.parametrize("package", [p for p in PRODUCT if p != "shm_schema"] + [TOOLS, DOUBLES, "tests"])
 def test_no_shift_or_mask_of_a_shared_word_outside_shm_schema(package: str) -> None:
     found = [hit for path in python_files(package) if path.name != "test_layout.py"
              for hit in _bit_operations(path)]

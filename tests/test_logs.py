@@ -58,7 +58,7 @@ def test_json_logs_and_the_access_log(make_cluster) -> None:  # type: ignore[no-
     # A Scheduler body's Request_ID names the request when the client sends no X-Request-Id;
     # what a worker logs meanwhile carries it (here: the instance ejected after it failed).
     # A 500 is not retried elsewhere; each one ejects the instance (PROXY_EJECT_AFTER_FAILURES=1),
-    # and with no other candidate it is tried anyway (docs/reliability.md).
+    # and with no other candidate it is tried anyway.
     inst.configure(fail_status=500, fail_rate=1.0)
     for _ in range(2):
         assert http("POST", f"{cluster.dp_url}/v1/chat/completions", scheduler_body(4242, stream=False))[0] == 500

@@ -1,7 +1,8 @@
-"""Tests of proxy_workers/predictors/ and the tools that produce its profiles.
+"""Tests of proxy_workers/predictors/ and the offline tools that produce its profiles
+(tools/predictors/).
 
 In-process and fast, but for one short calibration run against a simulated instance
-(proxy_workers/predictors/calibrate.py; a real run of it produced the shipped sim tables).
+(tools/predictors/calibrate.py; a real run of it produced the shipped sim tables).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from proxy_workers.predictors import calibrate as calibrate_instance, refit as refit_predictors
 from proxy_workers import predictors as pred
 from proxy_workers.predictors import (
     DEFAULT_PROFILE,
@@ -28,14 +28,15 @@ from proxy_workers.predictors import (
     load_profile,
 )
 from proxy_workers.predictors import profile as profile_module
-from proxy_workers.predictors.fitting import (
+from tools.predictors import calibrate as calibrate_instance, refit as refit_predictors
+from tools.predictors.fitting import (
     FitError,
     fit_redis,
     fit_tpot,
     fit_ttft,
     least_squares,
 )
-from proxy_workers.predictors.tables import TableError, TpotTable, TtftTable, load_table
+from tools.predictors.tables import TableError, TpotTable, TtftTable, load_table, profile_to_json
 from cacheroute_sim.instance import timing as sim_timing
 from tests.sim_harness import running_sim
 
@@ -186,10 +187,10 @@ def test_invalid_json_is_reported(tmp_path: Path) -> None:
 
 def test_profile_round_trips_through_the_writer() -> None:
     p = load_profile("llama3-70b-8x5090")
-    assert pred.parse_profile(pred.profile_to_json(p).encode()) == p
+    assert pred.parse_profile(profile_to_json(p).encode()) == p
 
 
-# --- prefill (docs/predictors.md §3.1) -----------------------------------------------------
+# --- prefill ------------------------------------------------------------------------------
 
 
 def test_prefill_reference_values(p70: Predictors) -> None:
@@ -240,7 +241,7 @@ def test_prefill_rejects_non_positive(p70: Predictors, tokens: int, bs: int) -> 
         p70.prefill_ms(tokens, bs)
 
 
-# --- decode (docs/predictors.md §3.2) -------------------------------------------------------
+# --- decode --------------------------------------------------------------------------------
 
 
 def test_tpot_by_batch_size(p70: Predictors) -> None:
@@ -282,7 +283,7 @@ def test_decode_sums_the_steps(p70: Predictors) -> None:
         p70.decode_ms(0, 5)
 
 
-# --- Redis pull, service, transfer (docs/predictors.md §3.3-§3.5) ---------------------------
+# --- Redis pull, service, transfer -----------------------------------------------------------
 
 
 def test_redis_pull(p70: Predictors) -> None:
@@ -309,8 +310,7 @@ def test_kvcache_service_composition(p70: Predictors) -> None:
     assert s.total_ms == pytest.approx(s.redis_ms + s.residual_prefill_ms)
     # Long knowledge: pulling KV beats recomputing it (with zero coefficients it never did).
     assert s.total_ms < p70.text_service_ms(200, 4000) / 3
-    # Knowledge below one chunk: nothing served from KV, the pull intercept remains
-    # (docs/predictors.md §3.4).
+    # Knowledge below one chunk: nothing served from KV, the pull intercept remains.
     small = p70.kvcache_service(10, 100)
     assert (small.effective_knowledge_tokens, small.residual_tokens) == (0, 146)
     assert small.redis_ms == pytest.approx(12.460820712239126)

@@ -1,9 +1,9 @@
-"""The workers' memo of leading chat messages' tokens (cacheroute_proxy/engine_prefix.py,
-docs/architecture.md §4.4): a repeated system prompt or conversation history is tokenized and
-hashed once per worker, the rest of a prompt from a token boundary before the splice, and the
-keys are always exactly those of tokenizing the whole rendered prompt. Tokenized with the real
-tiny model's tokenizer and chat template (tests/real_engine/build_tiny_model.py builds the
-same tokenizer.json with `tokenizers` alone)."""
+"""The workers' memo of leading chat messages' tokens (cacheroute_proxy/engine_prefix.py): a
+repeated system prompt or conversation history is tokenized and hashed once per worker, the rest
+of a prompt from a token boundary before the splice, and the keys are always exactly those of
+tokenizing the whole rendered prompt. Tokenized with the real tiny model's tokenizer and chat
+template (tests/real_engine/build_tiny_model.py builds the same tokenizer.json with `tokenizers`
+alone)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Registration with the Scheduler control plane (docs/protocol.md §6), from the sidecar.
+"""Registration with the Scheduler control plane, from the sidecar.
 
 Real supervisor, sidecar and workers (the harness), simulated instances, and a real
 `python -m cacheroute_sim.scheduler` process on a free port. The simulated Scheduler tells the proxy to
 heartbeat every 0.2 s so the tests see many heartbeats quickly; it validates every body against
-docs/protocol.md §6 (a malformed one would show up as `invalid` in its stats).
+the protocol (a malformed one would show up as `invalid` in its stats).
 """
 
 from __future__ import annotations
@@ -120,8 +120,7 @@ def test_registers_once_for_four_workers_and_reports_shared_inflight(make_cluste
     assert pool["proxy_id"] == PROXY_ID and pool["schema_version"] == 1
     assert pool["instances"]["total"] == pool["instances"]["alive"] == 1
     assert pool["load"]["inflight_total"] == 0 and pool["load"]["capacity"] == 8
-    # No instance sends resource snapshots: utilization unknown, never 0; admission per
-    # docs/protocol.md §6.5.
+    # No instance sends resource snapshots: utilization unknown, never 0; admission degraded.
     assert set(pool["utilization"].values()) == {None}
     assert pool["metric_quality"]["resource"] == "missing"
     assert pool["pool_admission_state"] == "degraded"

@@ -134,7 +134,7 @@ def test_iws_forces_text_over_the_schedulers_kvcache_without_knowledge(tokens, k
     becomes text, with the reason in the trace (and a text request's release class)."""
     request = _scheduler_request(tokens, kids, enabled)
     request.knowledge.injection_type = "kvcache"
-    pipeline = Pipeline(Settings(injection_strategy="iws"), tracker=None, preparer=None,  # type: ignore[arg-type]
+    pipeline = Pipeline(Settings(injection_strategy="iws"), events=None, preparer=None,  # type: ignore[arg-type]
                         predictors=PREDICTORS, pressure_of=lambda _: None)
     job = Job(request, Trace())
     ticket = Ticket(1, "kvcache")

@@ -12,7 +12,7 @@ import stat
 import pytest
 
 from cacheroute_proxy.config import Settings
-from sidecar.host_check import DASHBOARD, HostCheck
+from sidecar.host_header_check import DASHBOARD, HostHeaderCheck
 from tests.harness import http
 from tests.test_sidecar import raw_post
 
@@ -141,7 +141,7 @@ def test_the_dashboard_listener_names_its_own_hosts_and_settings():
     async def app(scope, receive, send):
         raise AssertionError("a refused request reached the app")
 
-    checked = HostCheck(app, "127.0.0.1", 8202, extra=("dash.localtest:8202",), listener=DASHBOARD)
+    checked = HostHeaderCheck(app, "127.0.0.1", 8202, extra=("dash.localtest:8202",), listener=DASHBOARD)
     sent: list[dict] = []
 
     async def send(message):

@@ -155,7 +155,7 @@ def test_max_num_seqs_from_meta_survives_a_sidecar_restart(sidecar):
     _register(first.url, 9001, instance_id="small", meta={"max_num_seqs": 4, "cp_port": 9101})
     _register(first.url, 9002, instance_id="bad", meta={"max_num_seqs": True})
     _register(first.url, 9003, instance_id="huge", meta={"max_num_seqs": 10**9})
-    # A re-registration without it keeps it: meta is merged (docs/protocol.md §3.2).
+    # A re-registration without it keeps it: meta is merged.
     _register(first.url, 9001, instance_id="small", meta={"version": "instance_v1"})
     first.popen.kill()
     first.popen.wait(10)

@@ -43,7 +43,7 @@ from tests.sim_harness import (
     running_sim,
     wait_stats,
 )
-from tests.background_http import BackgroundHTTPServer
+from tests.background_http import BackgroundHTTPServer, answer_json
 from tests.sim_harness import shared_sim, sim  # noqa: F401 - pytest fixtures
 
 
@@ -85,12 +85,7 @@ class FakeControlPlane(BackgroundHTTPServer):
                     fake.calls.append({"path": self.path, "body": body, "t": time.monotonic(),
                                        "auth": self.headers.get("authorization")})
                     fake.cond.notify_all()
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer_json(self, json.dumps(reply).encode())
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -238,7 +233,7 @@ def test_sigterm_with_a_hung_request_exits_zero(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ KV path: pure parts
 
 def test_redis_pull_and_kv_hit_prefill_follow_the_reference() -> None:
-    # docs/predictors.md §3.3: 2764.34 ms/GB x tokens x 0.0000381 GB + 12.46 ms.
+    # The Redis pull: 2764.34 ms/GB x tokens x 0.0000381 GB + 12.46 ms.
     assert timing.redis_pull_ms(0) == pytest.approx(12.4608, abs=1e-3)
     assert timing.redis_pull_ms(2560) == pytest.approx(2764.3408 * 2560 * 0.0000381 + 12.4608)
     # The hit skips N tokens of prefill and costs their pull instead.

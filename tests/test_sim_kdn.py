@@ -90,7 +90,7 @@ def kdn(shared_kdn: SimProcess) -> Iterator[SimProcess]:
 
 def test_transfer_model_matches_the_proxy_iws_defaults() -> None:
     knobs = Knobs()
-    # 0.096 MB/token at 82.5 % of 1000 Mbps: the Proxy's kv_transfer (docs/predictors.md §3.5).
+    # 0.096 MB/token at 82.5 % of 1000 Mbps: the Proxy's kv_transfer.
     assert knobs.transfer_ms(2048 * knobs.kv_bytes_per_token) == pytest.approx(
         2048 * 0.096 / (1000 / 8 * 0.825) * 1000)
     assert Knobs(**FAST_LINK).transfer_ms(1_000_000) == pytest.approx(100.0)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""Instance selection: the original Proxy's validation plan for least_load
-(docs/architecture.md §4.1) plus the LoadView that feeds it from the shared segment."""
+"""Instance selection: the original Proxy's validation plan for least_load plus the LoadView that
+feeds it from the shared segment."""
 
 from __future__ import annotations
 

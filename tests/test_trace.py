@@ -25,7 +25,7 @@ from proxy_workers.request_model import Endpoint
 from proxy_workers.router import Choice, Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
 from proxy_workers.trace import Knowledge, Trace, encode_meta
-from proxy_workers.tracker import RequestTracker
+from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow
 from tests.aio import meta_of
 from tests.shm_helpers import fresh_segment
@@ -287,7 +287,7 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
     router.view.snapshot_age_ms = lambda: 3.27  # type: ignore[method-assign]  # no sidecar here
     upstream = _Upstream()
     predictors = get_predictors(settings.predictor_profile)
-    pipeline = Pipeline(settings, RequestTracker(segment, row),
+    pipeline = Pipeline(settings, EventChannelWriter(segment, row),
                         KnowledgePreparer(settings, upstream, predictors), predictors,
                         pressure_of=lambda instance: 40.0)
     plane = DataPlane(WorkerContext(settings, 0, router, upstream, pipeline))

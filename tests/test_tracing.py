@@ -1,4 +1,4 @@
-"""Tracing through a real cluster (docs/operations.md, tracing; docs/protocol.md §2.4): with an
+"""Tracing through a real cluster (docs/operations.md, "Tracing"): with an
 OTLP endpoint set, every request's spans reach a collector (tests/otlp_receiver.py, a real
 OTLP/HTTP receiver on 127.0.0.1) under the client's trace id, `receive` a child of the
 client's span, the stages nested and in time order; the instance, its KV pull and the KDN get

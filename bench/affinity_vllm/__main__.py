@@ -1,6 +1,6 @@
-"""kv_aware that wins, the real-engine leg: this proxy's kv_aware and least_load, vllm-router
+"""kv_aware on real engines: this proxy's kv_aware and least_load, vllm-router
 (cache_aware, kv_aware) and the SGLang router (cache_aware) over the same two CPU vLLM engines
-(docs/benchmarks.md §11).
+(docs/benchmarks.md).
 
     python -m bench.affinity_vllm --out bench/results/affinity_vllm.json
         [--requests 600] [--loads 0.4,0.6] [--repeats 2] [--contenders NAME,...]
@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.launch import name_values
-from bench.machine import git_commit, machine_info, run_record, uncommitted_changes, utc_now, write_report
+from bench.harness.cli import name_values
+from bench.harness.results import (git_commit, machine_info, run_record, uncommitted_changes, utc_now,
+                                   write_report)
 from tests.real_engine.engines import TINY_MODEL, stop_engines
 
 from . import contenders, engine_side, figures, runner, targets, workload

@@ -1,5 +1,5 @@
 """The five contenders of the real-engine leg, each started over the same two engines and stopped
-by pid (bench.contenders.Contender: url, pids for CPU, describe()):
+by pid (bench.harness.contenders.Contender: url, pids for CPU, describe()):
 
 - this proxy (`cacheroute-proxy run`, WORKERS workers) with an instance agent per engine, as
   deployed: `kv_aware` on the engines' KV cache events (the agents find each engine's publisher
@@ -9,7 +9,7 @@ by pid (bench.contenders.Contender: url, pids for CPU, describe()):
   engines' KV events) and the SGLang router (`--policy cache_aware`), each from its own venv
   under PEERS_DIR (`make peers`), pinned in PEER_REQUIREMENTS.
 
-Nothing here is tuned per contender beyond what the issue names: the peers run with their
+Nothing here is tuned per contender beyond what the benchmark names: the peers run with their
 defaults, at log level warning like the proxy."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.contenders import Contender, proxy_role
-from bench.launch import HOST, START_TIMEOUT_S, StartError, answers_ok, http_json, wait_for
-from bench.machine import tree_cpu_s_by_role
+from bench.harness.contenders import Contender, proxy_role
+from bench.harness.processes import HOST, START_TIMEOUT_S, StartError, answers_ok, http_json, wait_for
+from bench.harness.cpu import tree_cpu_s_by_role
 from cacheroute_sim.processes import ROOT, ChildProcess, SupervisorPorts, free_port
 from tests.real_engine.engines import TINY_MODEL, VllmEngine
 from tests.real_engine.registration import AgentRegistration

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.launch import wait_for
+from bench.harness.processes import wait_for
 from tests.real_engine.engines import MAX_NUM_SEQS, VllmEngine, metric_sum, start_engines
 
 from .workload import BLOCK_TOKENS

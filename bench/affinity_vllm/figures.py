@@ -7,7 +7,7 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-from bench.stats import percentile
+from bench.harness.stats import percentile
 
 from .load import Outcome
 

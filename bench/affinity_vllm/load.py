@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from bench import arrivals
-from bench.streamed import kv_aware_choice, stream_chat
+from bench.harness import arrivals
+from bench.harness.streamed import kv_aware_choice, stream_chat
 
 from .workload import Planned, body
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.contenders import Contender
-from bench.launch import StartError
+from bench.harness.contenders import Contender
+from bench.harness.processes import StartError
 from tests.real_engine.engines import VllmEngine
 
 from . import contenders, engine_side, figures, load

@@ -1,4 +1,4 @@
-"""The issue's targets for the real-engine leg, judged per load from the medians over the runs
+"""The targets for the real-engine leg, judged per load from the medians over the runs
 (figures.aggregate): kv_aware against least_load, and against the best peer at the same load.
 
 Against least_load: at 40 % of its saturation the hit rate ≥ 1.5× its, TTFT p50 ≤ 0.9× and p99 ≤
@@ -46,7 +46,7 @@ def _median(row: dict[str, Any] | None, key: str) -> float | None:
 
 
 def judge(results: Sequence[dict[str, Any]]) -> list[Verdict]:
-    """Every target at every load the results hold (the least_load ones only at the issue's
+    """Every target at every load the results hold (the least_load ones only at their
     two loads)."""
     verdicts: list[Verdict] = []
     for load in dict.fromkeys(r["load"] for r in results):

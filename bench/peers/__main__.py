@@ -6,23 +6,20 @@ vllm-router (power_of_two), over two instances of each backend in turn: the proj
 simulator (sim) and a plain Starlette/uvicorn OpenAI fake (starlette). Per backend: added
 latency at c1 (paired with direct), requests/s and p99 at c32, streams/s and TTFT at c32, CPU
 per 1,000 requests of each contender's process tree (this proxy's also by role: launcher,
-sidecar, workers), RSS, and issue 15's targets (PASS/FAIL with per-repeat ratios).
+sidecar, workers), RSS, and the peer targets (PASS/FAIL with per-repeat ratios).
 --quick: 1 repeat of 2 s points (a smoke run, about 2-4 minutes for both backends).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 
-from cacheroute_sim.processes import ROOT
+from bench.harness.cli import Progress, stop_on_sigterm
+from bench.harness.results import Run, write_report
 from bench.peers import summary
 from bench.peers.plan import BACKENDS, DEFAULT_CONTENDERS, KNOWN, RunConfig
 from bench.peers.runner import run
@@ -51,17 +48,10 @@ def parse(argv: list[str] | None) -> RunConfig:
     if unknown:
         p.error(f"unknown contender(s) {unknown}; choose from {sorted(KNOWN)}")
     repeats, duration = (1, 2.0) if a.quick else (a.repeats, a.duration)
-    python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
-    command = shlex.join([python, "-m", "bench.peers", *(sys.argv[1:] if argv is None else argv)])
     return RunConfig(out=a.out, repeats=repeats, duration_s=duration,
                      warmup_s=1.0 if a.quick else 2.0, warmup_streams=not a.quick,
                      contenders=a.contenders or [], isolate=a.isolate,
-                     backends=list(BACKENDS) if a.backend == "both" else [a.backend],
-                     command=command)
-
-
-def _sigterm_as_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through every `with`, so every child is stopped
+                     backends=list(BACKENDS) if a.backend == "both" else [a.backend])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,24 +61,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.peers: {' and '.join(missing)} not found: apt-get install -y wrk nginx-light"
               " (make bench-peers does it)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    started = time.monotonic()
-
-    def log(message: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True)
-
+    stop_on_sigterm()
+    log = Progress()
     try:
-        result = run(cfg, log)
+        result = run(cfg, log, Run("bench.peers", argv))
     except KeyboardInterrupt:
         print("bench.peers: interrupted; every process it started was stopped", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"bench.peers: {exc}", file=sys.stderr)
         return 1
-    result["method"]["wall_s"] = round(time.monotonic() - started, 1)
+    result["method"]["wall_s"] = round(time.monotonic() - log.started, 1)
     out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_report(out, result, indent=1)
     for backend, section in result["backends"].items():
         print(f"\n## backend: {backend}\n\n{summary.table(section)}\n")
         print("\n".join(summary.target_lines(section["targets"])))
@@ -96,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note ({backend}): {note}")
     for note in result["notes"]:
         print(f"note: {note}")
-    print(f"wrote {out}")
     return 0
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.backends import FakeInstances, InstanceSpec, Instances, SimInstances
-from bench.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
+from bench.harness.backends import FakeInstances, InstanceSpec, Instances, SimInstances
+from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                               RelayFloorContender, RouterContender)
 
 SCENARIOS = ("c1", "c32", "stream32")
@@ -33,7 +33,6 @@ class RunConfig:
     instance_max_concurrency: int = 64
     max_tokens: int = 4        # content chunks per answer (a few SSE chunks per stream)
     high_concurrency: int = 32
-    command: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ KNOWN: dict[str, ContenderPlan] = {p.name: p for p in [
     ContenderPlan("nginx-rr", "nginx", 2, "round_robin"),
     ContenderPlan("vllm-router-cache-aware", "router", None, "cache_aware"),
 ]}
-# Issue 15's set: what its targets compare (bench/peers/targets.py), and the floor under the
+# The default set: what the targets compare (bench/peers/targets.py), and the floor under the
 # proxy; small enough that both backends take about the time one took with all six proxy variants.
 DEFAULT_CONTENDERS = ["direct", "proxy-w2-ll", "nginx", "vllm-router-p2", "relay-floor-w2"]
 

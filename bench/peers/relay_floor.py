@@ -2,11 +2,12 @@
 
 `python -m bench.peers.relay_floor --port P --processes N --upstream URL ...` forks N relay
 processes onto one SO_REUSEPORT port, as the proxy's workers share theirs, and waits for them
-(SIGTERM/SIGINT is passed on); the contender is `relay-floor-w2` (bench/contenders.py). Each
-is the product's HTTP/1.1 server (cacheroute_proxy/http1) and its forward client (proxy_workers/upstream.py) with nothing of the product between them: the
-body read, the next instance in turn, the request forwarded, the answer relayed whole or, for a
-stream, chunk by chunk. No validation, selection, admission, shared table, events, meta, headers
-policy or metrics.
+(SIGTERM/SIGINT is passed on); the contender is `relay-floor-w2` (bench/harness/contenders.py).
+Each is the product's HTTP/1.1 server (cacheroute_proxy/http1) and its forward client
+(proxy_workers/upstream.py) with nothing of the product between them: the body read, the next
+instance in turn, the request forwarded, the answer relayed whole or, for a stream, chunk by
+chunk. No validation, selection, admission, shared table, events, meta, headers policy or
+metrics.
 
 What it costs a request is what this stack costs before the product does anything, so the
 proxy's figures over the floor's are the product's own work, and the floor's against

@@ -18,30 +18,30 @@ a start per point.
 
 from __future__ import annotations
 
-import datetime as dt
 import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.machine import machine_info, tool_versions
-from bench.backends import Instances
-from bench.contenders import Contender, router_available
-from bench.launch import StartError
+from bench.harness.backends import Instances
+from bench.harness.contenders import Contender, rotated, router_available
+from bench.harness.processes import StartError
+from bench.harness.results import Run, tool_versions
+from bench.harness.wrk import wrk_point
 from bench.peers import measure, summary, targets
 from bench.peers.plan import SCENARIOS, ContenderPlan, RunConfig, chosen, instances_for
 
 Log = Callable[[str], None]
 
 
-def run(cfg: RunConfig, log: Log) -> dict[str, Any]:
+def run(cfg: RunConfig, log: Log, provenance: Run) -> dict[str, Any]:
+    """The results: the run's command and machine, then each backend's section."""
     result = _skeleton(cfg)
     for backend in cfg.backends:
         log(f"backend {backend}")
         result["backends"][backend] = run_backend(cfg, backend, log)
-    result["machine"]["at_end"] = machine_info()
-    result["notes"] += _standing_notes(result, cfg)
-    return result
+    result["notes"] += _standing_notes(result, cfg, provenance.machine)
+    return {**provenance.record(), **result}
 
 
 def run_backend(cfg: RunConfig, backend: str, log: Log) -> dict[str, Any]:
@@ -80,7 +80,7 @@ def _measure_all(slots: list["Slot"], script: Path, cfg: RunConfig, notes: list[
     runs: dict[str, list[dict[str, Any]]] = {s.plan.name: [] for s in slots}
     for repeat in range(cfg.repeats):
         for s_index, scenario in enumerate(SCENARIOS):
-            for slot in _rotated(slots, repeat + s_index):
+            for slot in rotated(slots, repeat + s_index):
                 point = _point(slot, scenario, direct, script, cfg, notes, log)
                 if point is None:
                     continue
@@ -91,12 +91,12 @@ def _measure_all(slots: list["Slot"], script: Path, cfg: RunConfig, notes: list[
     return runs
 
 
-def _standing_notes(result: dict[str, Any], cfg: RunConfig) -> list[str]:
+def _standing_notes(result: dict[str, Any], cfg: RunConfig, machine: dict[str, Any]) -> list[str]:
     notes = [
         "direct = wrk straight at instance 0 alone: the latency baseline; its req/s and streams/s "
         "are one instance's, not comparable with the contenders' two-instance throughput",
         "contenders, the backend instances, wrk and the streaming client share this machine's "
-        f"{result['machine'].get('nproc')} cores: throughput includes that contention; CPU/1k is "
+        f"{machine.get('nproc')} cores: throughput includes that contention; CPU/1k is "
         "the contender's own process tree only",
         "the streaming client is Python (aiohttp + uvloop, its own process): at high streams/s it "
         "takes a core itself, so streams/s is a lower bound for fast contenders",
@@ -109,9 +109,9 @@ def _standing_notes(result: dict[str, Any], cfg: RunConfig) -> list[str]:
                      "headers, a tiny fixed answer at once (no simulated time, no admission)")
     notes.append("targets: issue 15's, for proxy-w2-ll against nginx and vllm-router-p2, each "
                  "verdict from this run's medians; per-repeat ratios beside it")
-    load = result["machine"].get("loadavg") or [0.0]
-    if load[0] > (result["machine"].get("nproc") or 1):
-        notes.append(f"BUSY MACHINE: load average {load[0]} at start > {result['machine'].get('nproc')} "
+    load = machine.get("loadavg") or [0.0]
+    if load[0] > (machine.get("nproc") or 1):
+        notes.append(f"BUSY MACHINE: load average {load[0]} at start > {machine.get('nproc')} "
                      "cores; figures are noisy, compare only ratios measured in this run")
     if result["versions"].get("vllm-router"):
         notes.append(f"vllm-router {result['versions']['vllm-router']} (PyPI, Rust): it waits for "
@@ -122,8 +122,6 @@ def _standing_notes(result: dict[str, Any], cfg: RunConfig) -> list[str]:
 
 def _skeleton(cfg: RunConfig) -> dict[str, Any]:
     return {
-        "command": cfg.command, "started_at": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "machine": machine_info(),
         "versions": tool_versions(
             packages=("cacheroute-proxy", "aiohttp", "uvloop", "uvicorn", "starlette", "httptools", "psutil",
                       "vllm-router"),
@@ -255,25 +253,20 @@ def _first_lines(text: str, lines: int = 12) -> str:
 
 def _warm_up(contenders: list[Contender], script: Path, cfg: RunConfig, log: Log) -> None:
     for contender in contenders:
-        measure.wrk_point(contender, script, cfg.high_concurrency, cfg.warmup_s / 2)
+        wrk_point(contender, script, cfg.high_concurrency, cfg.warmup_s / 2)
         if cfg.warmup_streams:
             measure.stream_point(contender, cfg.high_concurrency, cfg.warmup_s / 2, cfg.max_tokens)
     log(f"warmed up: {', '.join(c.name for c in contenders)}")
 
 
-def _rotated(slots: list[Slot], shift: int) -> list[Slot]:
-    k = shift % len(slots)
-    return slots[k:] + slots[:k]
-
-
 def _measure(scenario: str, contender: Contender, direct: Contender, script: Path, cfg: RunConfig,
              log: Log) -> dict[str, Any]:
     if scenario == "c32":
-        point = measure.wrk_point(contender, script, cfg.high_concurrency, cfg.duration_s)
+        point = wrk_point(contender, script, cfg.high_concurrency, cfg.duration_s)
     elif scenario == "stream32":
         point = measure.stream_point(contender, cfg.high_concurrency, cfg.duration_s, cfg.max_tokens)
     elif contender is direct:
-        point = measure.wrk_point(contender, script, 1, cfg.duration_s)
+        point = wrk_point(contender, script, 1, cfg.duration_s)
     else:
         point = _paired_c1(contender, direct, script, cfg)
     log(f"{scenario:8} {contender.name:24} {summary.one_line(scenario, point)}")
@@ -283,9 +276,9 @@ def _measure(scenario: str, contender: Contender, direct: Contender, script: Pat
 def _paired_c1(contender: Contender, direct: Contender, script: Path, cfg: RunConfig) -> dict[str, Any]:
     """direct, then the contender, back to back; the direct run is also one of direct's runs
     (handed back under "_extra_runs")."""
-    base = measure.wrk_point(direct, script, 1, cfg.duration_s)
+    base = wrk_point(direct, script, 1, cfg.duration_s)
     base.update(scenario="c1", paired_with=contender.name)
-    point = measure.wrk_point(contender, script, 1, cfg.duration_s)
+    point = wrk_point(contender, script, 1, cfg.duration_s)
     point["direct_p50_ms"], point["direct_p99_ms"] = base.get("p50_ms"), base.get("p99_ms")
     point["direct_errors"] = base.get("errors", 0)
     if point.get("p50_ms") is not None and base.get("p50_ms") is not None:

@@ -102,7 +102,7 @@ def summarize(tally: Tally, elapsed: float) -> dict[str, Any]:
 
 
 def _rank(ordered: list[float], q: float) -> float:
-    from bench.stats import percentile
+    from bench.harness.stats import percentile
 
     return percentile(ordered, q)
 

@@ -3,8 +3,9 @@ to nginx, error flags, one log line per point and the Markdown table."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
+
+from bench.harness.stats import median, ratio
 
 # median key -> (scenario, key in that scenario's points)
 METRICS: dict[str, tuple[str, str]] = {
@@ -23,22 +24,17 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 4) if values else None
-
-
 def contender_entry(described: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """{name, kind, workers, strategy, runs, median, errors, flagged}: the median of each metric
     over its points (for direct's c1, every baseline run), RSS after its last point."""
-    median: dict[str, Any] = {}
+    medians: dict[str, Any] = {}
     for metric, (scenario, key) in METRICS.items():
-        median[metric] = _median([r.get(key) for r in runs if r.get("scenario") == scenario])
-    median["cpu_s_per_1k_by_role"] = _role_medians(runs)
-    median["rss_mb"] = runs[-1].get("rss_mb") if runs else None
+        medians[metric] = median([r.get(key) for r in runs if r.get("scenario") == scenario])
+    medians["cpu_s_per_1k_by_role"] = _role_medians(runs)
+    medians["rss_mb"] = runs[-1].get("rss_mb") if runs else None
     errors = sum(r.get("errors", 0) or 0 for r in runs) + sum(1 for r in runs if r.get("wrk_failed"))
-    median["errors"] = errors
-    return {**described, "runs": runs, "median": median, "errors": errors, "flagged": errors > 0}
+    medians["errors"] = errors
+    return {**described, "runs": runs, "median": medians, "errors": errors, "flagged": errors > 0}
 
 
 ROLE_SCENARIOS = {"c32": "req", "stream32": "streams"}  # scenario -> what is counted per 1k
@@ -52,7 +48,7 @@ def _role_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | Non
         points = [r.get("cpu_s_per_1k_by_role") or {} for r in runs if r.get("scenario") == scenario]
         roles = sorted({role for point in points for role in point})
         if roles:
-            out[counted] = {role: _median([p.get(role) for p in points]) for role in roles}
+            out[counted] = {role: median([p.get(role) for p in points]) for role in roles}
     return out
 
 
@@ -64,16 +60,9 @@ def ratios_to(entries: list[dict[str, Any]], base_name: str) -> dict[str, dict[s
     out: dict[str, dict[str, float | None]] = {}
     for entry in entries:
         out[entry["name"]] = {
-            metric: _ratio(entry["median"].get(metric), base["median"].get(metric))
+            metric: ratio(entry["median"].get(metric), base["median"].get(metric), 3)
             for metric in [*METRICS, "rss_mb"]}
     return out
-
-
-def _ratio(value: float | None, base: float | None) -> float | None:
-    # An added latency of nginx at or below 0 (noise under direct's own) has no meaningful ratio.
-    if value is None or base is None or base <= 0:
-        return None
-    return round(value / base, 3)
 
 
 def flag_notes(entries: list[dict[str, Any]]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Issue 15's targets, computed from one bench-peers run on one backend: this proxy (2 workers,
+"""The peer targets, computed from one bench-peers run on one backend: this proxy (2 workers,
 least_load) against nginx (least_conn, 2 workers) and vllm-router (power_of_two), each verdict
 from the run's medians, with every repeat's ratios listed beside it (a median that passes while
 repeats disagree is worth seeing).
@@ -11,9 +11,10 @@ points of that repeat, so both sides of a ratio were measured minutes apart at m
 from __future__ import annotations
 
 import operator
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from bench.harness.stats import median, ratio
 
 PROXY = "proxy-w2-ll"
 NGINX = "nginx"
@@ -58,21 +59,11 @@ def by_repeat(entry: dict[str, Any] | None, scenario: str, key: str) -> dict[int
             if r.get("scenario") == scenario and r.get(key) is not None and "repeat" in r}
 
 
-def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 4) if values else None
-
-
-def _quotient(value: float | None, base: float | None) -> float | None:
-    if value is None or base is None or base <= 0:
-        return None
-    return round(value / base, 3)
-
-
 def per_repeat_ratios(entry: dict[str, Any] | None, base: dict[str, Any] | None,
                       scenario: str, key: str) -> list[float | None]:
     """entry / base for each repeat both were measured in, in repeat order."""
     mine, theirs = by_repeat(entry, scenario, key), by_repeat(base, scenario, key)
-    return [_quotient(mine[r], theirs[r]) for r in sorted(set(mine) & set(theirs))]
+    return [ratio(mine[r], theirs[r], 3) for r in sorted(set(mine) & set(theirs))]
 
 
 def evaluate(target: Target, entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -81,12 +72,12 @@ def evaluate(target: Target, entries: dict[str, dict[str, Any]]) -> dict[str, An
     proxy = entries.get(PROXY)
     mine = by_repeat(proxy, target.scenario, target.key)
     if target.versus is None:
-        measured = _median(list(mine.values()))
+        measured = median(list(mine.values()))
         per_repeat: list[float | None] = [mine[r] for r in sorted(mine)]
     else:
         base = entries.get(target.versus)
         theirs = by_repeat(base, target.scenario, target.key)
-        measured = _quotient(_median(list(mine.values())), _median(list(theirs.values())))
+        measured = ratio(median(list(mine.values())), median(list(theirs.values())), 3)
         per_repeat = per_repeat_ratios(proxy, base, target.scenario, target.key)
     return {"target": target.text, "contender": PROXY, "versus": target.versus,
             "figure": f"{target.scenario} {target.key}", "bound": target.bound,

@@ -1,4 +1,4 @@
-"""The real-engine leg of "kv_aware that wins" (bench/results/affinity_vllm.json,
+"""kv_aware on real engines (bench/results/affinity_vllm.json,
 bench/affinity_vllm/): per load one table, a row a contender (medians over its runs, with the
 spread), the targets judged from those medians, and every run in the order run."""
 

@@ -1,16 +1,17 @@
-"""Sections for the older results files, in their own shapes: the selection path
+"""Sections for the results files in their own shapes: the selection path
 (bench/results/select.json, bench/bench_select.py), a worker's own CPU per request
-(pipeline_cost.json, bench/pipeline_cost.py), naming a chat prompt's blocks as the engine
-does (prefix_keys.json, bench/bench_prefix_keys.py) and predicted pressure
-(bench/results/pressure.json and pressure_vllm.json, bench/bench_pressure.py: simulated
-instances, and real vLLM engines)."""
+(pipeline_cost.json, bench/pipeline_cost.py, and pipeline_cost_metrics_ab.json, an A/B of it),
+naming a chat prompt's blocks as the engine does (prefix_keys.json, bench/bench_prefix_keys.py),
+the sidecar's event cost (events*.json, bench/bench_events.py), predicted pressure
+(pressure.json and pressure_vllm.json, bench/bench_pressure.py: simulated instances, and real
+vLLM engines) and the soak (soak.json, bench/soak/)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from bench.report import blocks
-from bench.report.fmt import label, num, table, verdict
+from bench.report.fmt import DASH, label, num, table, verdict
 
 
 def select_section(data: dict[str, Any]) -> str:
@@ -43,22 +44,6 @@ def pipeline_cost_section(data: dict[str, Any]) -> str:
         parts.append(f"{num(data.get('repeats'))} interleaved blocks of {num(data.get('requests_per_block'))} "
                      f"requests, {num(data.get('concurrency'))} at a time:\n\n" +
                      table(["variant", "fastest block (µs)", "median (µs)", "full − this, fastest (µs)"], rows))
-    parts.append(blocks.method(data))
-    return "\n\n".join(p for p in parts if p)
-
-
-def metrics_section(data: dict[str, Any]) -> str:
-    """bench/results/metrics.json (bench/bench_metrics.py): a request's metrics, the product's
-    file against prometheus_client's multiprocess values."""
-    results = data.get("results") or {}
-    rows = [[f"`{name}`", num(r.get("median_ns")), num(r.get("min_ns"))] for name, r in results.items()]
-    parts = ["## A request's metrics (ns per call)", *blocks.header_blocks(data, "metrics.json")]
-    if rows:
-        ratios = data.get("prometheus_client_over_product") or {}
-        parts.append(f"{num(data.get('repeats'))} interleaved loops of {num(data.get('calls'))} calls:\n\n"
-                     + table(["case", "median (ns)", "fastest (ns)"], rows)
-                     + "\n\nprometheus_client's multiprocess values over the product's: "
-                     + "; ".join(f"`{k}` {num(v)}×" for k, v in ratios.items()))
     parts.append(blocks.method(data))
     return "\n\n".join(p for p in parts if p)
 
@@ -99,9 +84,9 @@ def events_section(data: dict[str, Any], file_name: str = "events.json",
     parts = [f"## {title}", *blocks.header_blocks(data, file_name)]
     if data.get("poll_ms") is not None:
         parts.append(f"Tick interval: {num(data['poll_ms'])} ms"
-                     + ("" if data.get("baseline_commit") is None else
-                        f"; baseline: `{data.get('baseline_ref')}` ({data['baseline_commit']}), "
-                        f"current: {data.get('commit')}"))
+                     + ("" if not data.get("baseline_ref") else
+                        f"; baseline: the product at `{blocks.without_commits(data['baseline_ref'])}` "
+                        "(`--baseline`), in its own process, interleaved with the current tree"))
     rows = []
     for case, now in current.items():
         before = baseline.get(case) or {}
@@ -151,4 +136,56 @@ def _pressure(title: str, file_name: str, data: dict[str, Any]) -> str:
         parts.append(f"Load average at the start: {num(data['loadavg_at_start'])}")
     if data.get("loadavg"):
         parts.append(f"Load average at the end: {num(data['loadavg'])}")
+    return "\n\n".join(p for p in parts if p)
+
+
+def pipeline_cost_ab_section(data: dict[str, Any]) -> str:
+    """bench/results/pipeline_cost_metrics_ab.json: bench/pipeline_cost.py run alternately from
+    two trees (the first one named is "before"); µs of CPU a request, fastest block."""
+    runs = data.get("runs") or []
+    trees = list(dict.fromkeys(r.get("tree") for r in runs))
+    names = {tree: name for tree, name in zip(trees, ("before", "after"))}
+    parts = ["## A worker's own CPU per request, before and after a change (A/B of pipeline_cost)",
+             blocks.provenance(data, "pipeline_cost_metrics_ab.json"),
+             blocks.machine(runs[0] if runs else {})]
+    if data.get("note"):
+        parts.append(blocks.without_dates(blocks.without_commits(data["note"])) + ".")
+    rows = []
+    for r in runs:
+        results = r.get("results") or {}
+        full = (results.get("full") or {}).get("min_us")
+        floor = (results.get("relay floor") or {}).get("min_us")
+        rows.append([num(r.get("run")), names.get(r.get("tree"), DASH), num(full), num(floor),
+                     num(None if full is None or floor is None else full - floor),
+                     num((results.get("without metrics") or {}).get("part_us"))])
+    if rows:
+        parts.append("µs of CPU a request, fastest block of each run, the trees alternating:\n\n" + table(
+            ["run", "tree", "full path", "relay floor", "full − floor", "metrics part (full − without)"], rows))
+    return "\n\n".join(p for p in parts if p)
+
+
+def soak_section(data: dict[str, Any]) -> str:
+    """bench/results/soak.json (bench/soak/): the verdict, the traffic, the chaos and every end
+    invariant."""
+    requests, chaos, rss = data.get("requests") or {}, data.get("chaos") or {}, data.get("worker_rss") or {}
+    latency = requests.get("latency") or {}
+    failed = ", ".join(data.get("failed_checks") or [])
+    categories = ", ".join(f"{k} {num(v)}" for k, v in (requests.get("categories") or {}).items())
+    parts = ["## Soak under chaos", *blocks.header_blocks(data, "soak.json"),
+             ("**PASSED**" if data.get("passed") else f"**FAILED**: {failed}")
+             + f": {num(requests.get('total'))} requests ({num(requests.get('per_second'))}/s); "
+             f"outcomes by category: {categories}",
+             f"Chaos: {num(chaos.get('worker_kills'))} workers SIGKILLed, {num(chaos.get('flap_503_windows'))} "
+             f"windows of the flapper's 503s, {num(chaos.get('flapper_restarts'))} flapper restarts. Worker RSS: "
+             f"largest growth {num(rss.get('max_growth_pct'))} % over {num(rss.get('reported_lineages'))} "
+             f"worker lineages (limit {num(rss.get('limit_pct'))} %)."]
+    lat_rows = [[name, num(v.get("count")), num(v.get("p50_ms")), num(v.get("p99_ms")), num(v.get("max_ms"))]
+                for name, v in latency.items()]
+    if lat_rows:
+        parts.append("Latency of the `ok` requests (ms):\n\n"
+                     + table(["requests", "count", "p50", "p99", "max"], lat_rows))
+    checks = data.get("end_checks") or {}
+    if checks:
+        parts.append("End invariants:\n\n" + table(
+            ["invariant", "result"], [[f"`{name}`", verdict(c.get("pass"))] for name, c in checks.items()]))
     return "\n\n".join(p for p in parts if p)

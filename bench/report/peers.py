@@ -1,6 +1,6 @@
 """The side-by-side section (this proxy, nginx, an LLM router), from bench/results/peers.json
 (bench/peers): one subsection per backend (`backends`: sim, starlette), each with its medians,
-ratios, issue 15's targets, per-repeat ratios and this proxy's CPU split by role. A file
+ratios, the peer targets, per-repeat ratios and this proxy's CPU split by role. A file
 without `backends` (written before there were two) is rendered as one backend. Only the shared
 schema is assumed: contenders with `median` figures, ratios, notes; latency samples are found
 by their key names (see `distributions`)."""
@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from bench.peers import targets
 from bench.report import blocks
 from bench.report.fmt import label, num, ratio, table, verdict
 
@@ -72,7 +71,7 @@ def idle_cpu(cores: dict[str, Any]) -> str:
 
 
 def targets_table(verdicts: list[dict[str, Any]]) -> str:
-    """Issue 15's targets for this backend: measured (ratio of medians or the median itself),
+    """The peer targets for this backend: measured (ratio of medians or the median itself),
     the bound, PASS/FAIL, and each repeat's figure."""
     if not verdicts:
         return ""
@@ -236,24 +235,3 @@ def chart_link(contenders: list[dict[str, Any]], charts_dir: Path | None, link_b
         return "(No latency samples in peers.json: no distribution chart.)"
     path = charts.latency_cdfs(charts_dir / file_name, panels)
     return f"Latency distributions (CDF, log scale):\n\n![{path.stem}]({link_base}/{path.name})"
-
-
-def task_clock_section(data: dict[str, Any]) -> str:
-    """bench/results/peers_task_clock.json (bench/peers/task_clock.py): CPU per request as the
-    scheduler counts it, per contender and, for this proxy, per role; ratios to vllm-router's."""
-    parts = ["## CPU per request by the scheduler's clock (perf task-clock)",
-             *blocks.header_blocks(data, "peers_task_clock.json")]
-    for name, medians in (data.get("backends") or {}).items():
-        router = (medians.get(targets.ROUTER) or {}).get("task_clock_us_per_req")
-        rows = []
-        for contender, m in medians.items():
-            split = ", ".join(f"{g} {num(v.get('task_clock_us_per_req'))}"
-                              for g, v in (m.get("groups") or {}).items())
-            mine = m.get("task_clock_us_per_req")
-            rows.append([f"`{contender}`", num(m.get("rps")), num(mine),
-                         ratio(mine / router if mine is not None and router else None),
-                         ", ".join(num(v) for v in m.get("per_repeat_us") or []), split])
-        parts.append(backend_heading(name) + "\n\n" + table(
-            ["contender", "req/s c32", "µs CPU / request", "× vllm-router", "per repeat (µs)",
-             "by group (µs)"], rows))
-    return "\n\n".join(parts)

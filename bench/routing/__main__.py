@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shlex
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from bench.launch import StartError
-from bench.routing.run import log, reanalysed, run_benchmark
+from bench.harness.cli import stop_on_sigterm
+from bench.harness.processes import StartError
+from bench.harness.results import Run, write_report
+from bench.routing.run import reanalysed, run_benchmark
 from bench.routing.scenario import Scenario, contender_defs, quick
-
-NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9.eE+-]+,?\s*)+)\]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,15 +50,11 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
     return scenario
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops as Ctrl-C does: every `with` stops its processes
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.reanalyse:
         return reanalyse(args.reanalyse, args.out or args.reanalyse)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     scenario = scenario_from(args)
     defs = contender_defs(scenario)
     if args.contenders:
@@ -71,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         defs = [d for d in defs if d.name in args.contenders]
     repeats = args.repeats or (1 if args.quick else 3)
-    command = "python -m bench.routing " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
-        results = run_benchmark(scenario, defs, repeats, command)
+        results = run_benchmark(scenario, defs, repeats, Run("bench.routing", argv))
     except StartError as exc:  # the simulated instances themselves
         print(f"the simulated instances did not start: {exc}", file=sys.stderr)
         return 1
@@ -82,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print_checks(results)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(to_json(results) + "\n")
-        log(f"wrote {args.out}")
+        write(args.out, results)
     return 0
 
 
@@ -95,16 +86,14 @@ def reanalyse(source: Path, out: Path) -> int:
         print(f"{source}: not a routing results file ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     print_checks(results)
-    out.write_text(to_json(results) + "\n")
-    log(f"wrote {out}")
+    write(out, results)
     return 0
 
 
-def to_json(results: dict) -> str:
+def write(out: Path, results: dict[str, Any]) -> None:
     """Indented, but a list of plain numbers on one line (the samples and series would
     otherwise take one line per number)."""
-    text = json.dumps(results, indent=1)
-    return NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+    write_report(out, results, indent=1, compact_numbers=True)
 
 
 def print_checks(results: dict) -> None:

@@ -4,17 +4,18 @@ start it, warm it up, replay the schedule while sampling, stop it -- and the res
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import statistics
 import time
 from typing import Any
 
 import psutil
 
-from bench.machine import machine_info, tool_versions
-from bench.backends import SimInstances
-from bench.contenders import Contender, ProxyContender
-from bench.launch import StartError, http_json
+from bench.harness.backends import SimInstances
+from bench.harness.cli import Progress
+from bench.harness.contenders import Contender, ProxyContender, rotated
+from bench.harness.cpu import charged
+from bench.harness.processes import StartError, http_json
+from bench.harness.results import Run, tool_versions
 from bench.routing import summary, uncertainty
 from bench.routing.client import run_schedule
 from bench.routing.sampler import InflightSampler
@@ -25,22 +26,13 @@ CHAT_PATH = "/v1/chat/completions"
 IDLE_TIMEOUT_S = 120.0
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def rotated(defs: list[ContenderDef], repeat: int) -> list[ContenderDef]:
-    """Each repeat starts with the next contender, so no one always runs first (or last)."""
-    k = repeat % len(defs)
-    return defs[k:] + defs[:k]
+log = Progress()
 
 
 def run_benchmark(scenario: Scenario, defs: list[ContenderDef], repeats: int,
-                  command: str) -> dict[str, Any]:
+                  provenance: Run) -> dict[str, Any]:
     arrivals = build_schedule(scenario.schedule)
     labels = scenario.instance_labels()
-    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    machine_start = machine_info()
     runs: dict[str, list[dict[str, Any]]] = {d.name: [] for d in defs}
     log(f"{len(arrivals)} arrivals over {scenario.schedule.duration_s:.0f} s; "
         f"{len(defs)} contenders x {repeats} repeats")
@@ -61,8 +53,7 @@ def run_benchmark(scenario: Scenario, defs: list[ContenderDef], repeats: int,
                 log(f"  TTFT p50 {run['ttft_p50_ms']} ms, p99 {run['ttft_p99_ms']} ms; "
                     f"share {_fmt_share(run['share'])}; spread mean {run['inflight_spread_mean']}; "
                     f"errors {run['errors']}; worker CPU peak {run['worker_cpu_peak']}")
-    return assemble(scenario, defs, runs, labels, arrivals, repeats, command, started_at,
-                    machine_start)
+    return assemble(scenario, defs, runs, labels, arrivals, repeats, provenance)
 
 
 def _fmt_share(share: dict[str, float]) -> str:
@@ -78,20 +69,18 @@ def measure(cdef: ContenderDef, instances: SimInstances, arrivals: list[Arrival]
         for i in range(len(instances.urls)):
             instances.reset_stats(i)
         workers = worker_pids(contender)
-        cpu_before, t0 = contender.cpu_seconds(), time.monotonic()
         with InflightSampler(instances.urls, workers) as sampler:
-            results = asyncio.run(run_schedule(url, arrivals, scenario.drain_timeout_s))
-        window = time.monotonic() - t0
-        cpu = contender.cpu_seconds() - cpu_before
+            spent = charged(contender, lambda: {"results": asyncio.run(
+                run_schedule(url, arrivals, scenario.drain_timeout_s))})
         totals = [int(instances.stats(i)["total"]) for i in range(len(instances.urls))]
-        rss = contender.rss_mb()
+    results, window, cpu = spent["results"], spent["wall_s"], spent["cpu_s"]
     samples = sampler.samples
     in_window = arrival_window(samples, scenario.schedule)
     return {**summary.summarize_requests(results, dict(zip(instances.ids, labels, strict=True))),
             **summary.summarize_samples(samples, in_window),
             **summary.instance_shares(totals, labels),
             "window_s": round(window, 2), "contender_cpu_s": round(cpu, 3),
-            "contender_cpu_util": round(cpu / window, 3), "contender_rss_mb": round(rss, 1),
+            "contender_cpu_util": round(cpu / window, 3), "contender_rss_mb": spent["rss_mb"],
             "worker_pids": workers, "loadavg_after": [round(x, 2) for x in psutil.getloadavg()]}
 
 
@@ -120,8 +109,8 @@ def worker_pids(contender: Contender) -> list[int]:
     """The proxy's workers (each answers /healthz with its pid) or nginx's worker processes."""
     if isinstance(contender, ProxyContender):
         pids = []
-        for i in range(contender.ports.workers):
-            status, body = http_json("GET", f"{contender.ports.worker_url(i)}/healthz")
+        for i in range(contender.supervisor.workers):
+            status, body = http_json("GET", f"{contender.supervisor.worker_url(i)}/healthz")
             if status == 200 and isinstance(body, dict):
                 pids.append(int(body["pid"]))
         return pids
@@ -129,13 +118,10 @@ def worker_pids(contender: Contender) -> list[int]:
 
 
 def assemble(scenario: Scenario, defs: list[ContenderDef], runs: dict[str, list[dict[str, Any]]],
-             labels: list[str], arrivals: list[Arrival], repeats: int, command: str,
-             started_at: str, machine_start: dict[str, Any]) -> dict[str, Any]:
+             labels: list[str], arrivals: list[Arrival], repeats: int, provenance: Run) -> dict[str, Any]:
     contenders = [{**d.describe(), "runs": runs[d.name]} for d in defs]
     return {
-        "command": command, "started_at": started_at,
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {**machine_start, "at_end": machine_info()},
+        **provenance.record(),
         "versions": tool_versions(("aiohttp", "uvicorn", "uvloop", "psutil", "msgspec"),
                                   (("nginx", "-v"),)),
         "method": method(scenario, arrivals, repeats),

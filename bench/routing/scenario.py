@@ -7,8 +7,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-from bench.backends import InstanceSpec, SimInstances
-from bench.contenders import Contender, NginxContender, ProxyContender
+from bench.harness.backends import InstanceSpec, SimInstances
+from bench.harness.contenders import Contender, NginxContender, ProxyContender
 from bench.routing.schedule import ScheduleSpec
 from bench.routing.summary import NGINX, PER_WORKER, REFERENCE, ROUND_ROBIN, SHARED
 
@@ -25,7 +25,7 @@ class Scenario:
     drain_timeout_s: float = 90.0     # after the last arrival, then unfinished streams are errors
     nginx_workers: int = 4
     # PROXY_LEAST_LOAD_WEIGHTS for every proxy contender. The original's default weighs 1 s of
-    # predicted backlog like one request in flight (docs/architecture.md §4.2), so within a
+    # predicted backlog like one request in flight, so within a
     # burst each view sends the slow instance its count share; 10x that lets the (learned)
     # backlog steer. Same for all proxy contenders: the ablation compares views, not weights.
     least_load_weights: tuple[tuple[str, float], ...] = (("predicted_total_backlog_ms", 0.01),)

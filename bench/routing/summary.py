@@ -1,5 +1,5 @@
 """From raw observations to figures: one run's summary, medians over repeats, ratios to nginx,
-and the checks the issue asks for. Pure functions over plain data (unit-testable)."""
+and the routing checks. Pure functions over plain data (unit-testable)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-from bench.stats import percentile
+from bench.harness.stats import median, percentile, ratio
 from bench.routing.client import RequestResult
 from bench.routing.sampler import Samples
 
@@ -92,16 +92,12 @@ def instance_shares(totals: list[int], labels: list[str]) -> dict[str, Any]:
 def medians(runs: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for metric in MEDIAN_METRICS:
-        values = [r[metric] for r in runs if r.get(metric) is not None]
-        out[metric] = round(statistics.median(values), 4) if values else None
-    # Context for the noisy median-of-p99 (the checks use the median, as the issue asks).
+        out[metric] = median(r.get(metric) for r in runs)
+    # Context for the noisy median-of-p99 (the checks use the median).
     out["ttft_p99_pooled_ms"] = _q(pooled_ttfts(runs), 0.99)
     for label in labels:
-        values = [r["share"][label] for r in runs if label in r.get("share", {})]
-        out[f"share_{label}"] = round(statistics.median(values), 4) if values else None
-        values = [r["ttft_p99_by_instance_ms"][label] for r in runs
-                  if r.get("ttft_p99_by_instance_ms", {}).get(label) is not None]
-        out[f"ttft_p99_ms_{label}"] = round(statistics.median(values), 4) if values else None
+        out[f"share_{label}"] = median(r.get("share", {}).get(label) for r in runs)
+        out[f"ttft_p99_ms_{label}"] = median(r.get("ttft_p99_by_instance_ms", {}).get(label) for r in runs)
     return out
 
 
@@ -116,21 +112,11 @@ def ratios_to_nginx(contenders: list[dict[str, Any]]) -> dict[str, dict[str, flo
         return {}
     out = {}
     for c in contenders:
-        out[c["name"]] = {m: _ratio(c["median"].get(m), base.get(m)) for m in RATIO_METRICS}
+        out[c["name"]] = {m: ratio(c["median"].get(m), base.get(m), 4) for m in RATIO_METRICS}
     return out
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b; None where either is unknown or b is zero."""
-    return a / b if a is not None and b else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    value = ratio(a, b)
-    return None if value is None else round(value, 4)
-
-
-# The issue's claims: (name, contender, compared with, threshold, threshold inclusive).
+# The claims checked: (name, contender, compared with, threshold, threshold inclusive).
 CHECK_SPECS: tuple[tuple[str, str, str, float, bool], ...] = (
     ("4 workers least_load shared: TTFT p99 within 10 % of the 1-worker reference "
      "(ratio shared / reference <= 1.10)", SHARED, REFERENCE, 1.10, True),
@@ -142,7 +128,7 @@ CHECK_SPECS: tuple[tuple[str, str, str, float, bool], ...] = (
 
 
 def checks(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's claims about TTFT p99 (medians over repeats); a missing contender gives a
+    """The claims about TTFT p99 (medians over repeats); a missing contender gives a
     check with value and pass None (not measured)."""
     p99 = {c["name"]: c["median"].get("ttft_p99_ms") for c in contenders}
     # TTFTs come from answered requests only: a contender that failed some could look better
@@ -150,7 +136,7 @@ def checks(contenders: list[dict[str, Any]]) -> list[dict[str, Any]]:
     failed = {c["name"]: sum((r.get("errors") or 0) for r in c.get("runs", [])) for c in contenders}
     out = []
     for name, a, b, threshold, inclusive in CHECK_SPECS:
-        value = _ratio(p99.get(a), p99.get(b))
+        value = ratio(p99.get(a), p99.get(b), 4)
         # None: not measured (a contender left out or without TTFTs) -- neither pass nor fail.
         passed = None if value is None else (value <= threshold if inclusive else value < threshold)
         if passed and failed.get(a):

@@ -17,8 +17,8 @@ import random
 import statistics
 from typing import Any, Callable, Sequence
 
-from bench.stats import percentile
-from bench.routing.summary import CHECK_SPECS, PER_WORKER, REFERENCE, pooled_ttfts, ratio
+from bench.harness.stats import percentile, ratio
+from bench.routing.summary import CHECK_SPECS, PER_WORKER, REFERENCE, pooled_ttfts
 
 # The checks' comparisons, and what the per_worker ablation costs against the reference.
 COMPARISONS = (*((a, b) for _, a, b, _, _ in CHECK_SPECS), (PER_WORKER, REFERENCE))

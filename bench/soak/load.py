@@ -15,27 +15,13 @@ from typing import Any
 
 import aiohttp
 
+from bench.harness.streamed import meta_of
 from cacheroute_sim.scheduler.requests import scheduler_body
 from bench.soak.clock import SoakClock
 from bench.soak.config import SoakConfig
 
 WORDS = ("cache", "route", "proxy", "shared", "memory", "worker", "instance", "token", "queue",
          "stream", "prefill", "decode", "latency", "timeline", "sidecar", "segment")
-
-
-def meta_of(stream: bytes) -> dict[str, Any] | None:
-    """The `cacheroute_meta` payload at the end of a proxied stream, if there is one."""
-    marker = b"event: cacheroute_meta\ndata: "
-    start = stream.rfind(marker)
-    if start < 0:
-        return None
-    start += len(marker)
-    end = stream.find(b"\n", start)
-    try:
-        meta = json.loads(stream[start:end if end >= 0 else len(stream)])
-    except ValueError:
-        return None
-    return meta if isinstance(meta, dict) else None
 
 
 class LoadGenerator:

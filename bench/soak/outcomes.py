@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.stats import percentile
+from bench.harness.stats import percentile
 
-# The proxy's own error codes (docs/protocol.md §2.8): a 5xx carrying one of these did not come
+# The proxy's own error codes (docs/protocol.md, "Error bodies"): a 5xx carrying one of these did not come
 # from an instance.
 PROXY_ERROR_CODES = frozenset({
     "invalid_json", "invalid_request_payload", "payload_too_large", "no_instance", "queue_full",

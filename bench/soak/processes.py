@@ -1,36 +1,37 @@
 """The processes the soak starts, on 127.0.0.1 with free ports and a private segment name:
-`python -m cacheroute_proxy run` (sidecar + workers, least_load, no simulated instances of its own)
-and the simulated instances that register with it. Starting them (from the main thread, so
-each dies with the soak), reaching them over HTTP, and stopping each by its pid."""
+`python -m cacheroute_proxy run` (sidecar + workers, least_load, no simulated instances of its
+own: bench/harness/processes.py's Supervisor) and the simulated instances that register with it.
+Starting them (from the main thread, so each dies with the soak), reaching them over HTTP, and
+stopping each by its pid."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psutil
 
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port_range
+from bench.harness.processes import Supervisor
 from bench.soak.config import SoakConfig
+from cacheroute_sim.processes import ChildProcess, free_port_range
+
+REGISTER_TIMEOUT_S = 30.0
 
 
-class SoakProcesses(SupervisorPorts):
+class SoakProcesses(Supervisor):
     """The supervisor on its ports and segment, and the instances on theirs."""
 
     def __init__(self, cfg: SoakConfig, run_dir: Path) -> None:
-        super().__init__(cfg.workers, "cacheroute_soak")
+        super().__init__(cfg.workers, "least_load", run_dir / "supervisor.log", name="the soak's proxy",
+                         shm_prefix="cacheroute_soak", append_log=True, stop_timeout_s=60.0)
         self.cfg = cfg
         self.run_dir = run_dir
-        self.env = self.supervisor_env("least_load")
-        self.supervisor: ChildProcess | None = None
         self.instance_ports = [free_port_range(2) for _ in range(cfg.instances)]  # port, port + 1
         self.instance_ids = [f"soak-sim-{i}" for i in range(cfg.instances)]
         self.instances: list[ChildProcess | None] = [None] * cfg.instances
@@ -56,15 +57,12 @@ class SoakProcesses(SupervisorPorts):
 
     # --- start (synchronous, main thread) ------------------------------------------------------
     def start(self) -> None:
-        """The supervisor until every worker is healthy, then every instance until registered."""
-        self.supervisor = self._child(["-m", "cacheroute_proxy", "run"], self.env, "supervisor")
-        for index in range(self.cfg.workers):
-            _wait_sync(lambda i=index: _get_sync(f"{self.worker_url(i)}/healthz", 1)["ok"], 40,
-                       f"worker {index} healthy\n{self.supervisor.tail()}")
+        """The supervisor until it answers everywhere, then every instance until every worker
+        sees it alive."""
+        super().start()
         for i in range(self.cfg.instances):
             self.start_instance(i)
-        for i in range(self.cfg.instances):
-            _wait_sync(lambda i=i: self._registered_sync(i), 30, f"{self.instance_ids[i]} registered")
+        self.wait_seen(set(self.instance_ids), REGISTER_TIMEOUT_S)
 
     def start_instance(self, i: int) -> None:
         """Instance i on its own port and id (again, after a restart); main thread only."""
@@ -72,15 +70,9 @@ class SoakProcesses(SupervisorPorts):
                 "--cp-port", str(self.instance_ports[i] + 1), "--instance-id", self.instance_ids[i],
                 "--proxy-cp-url", self.cp_url, "--time-scale", str(self.cfg.time_scale),
                 "--seed", str(self.cfg.seed + i)]
-        self.instances[i] = self._child(argv, {}, self.instance_ids[i])
-
-    def _child(self, argv: list[str], env: dict[str, str], name: str) -> ChildProcess:
         # A restarted instance writes on after its predecessor in the same log.
-        return ChildProcess(argv, env, self.run_dir / f"{name}.log", append_log=True, die_with_parent=True)
-
-    def _registered_sync(self, i: int) -> bool:
-        loads = _get_sync(f"{self.cp_url}/debug/instance_loads", 2)
-        return any(r["instance_id"] == self.instance_ids[i] and r["is_alive"] for r in loads["instances"])
+        self.instances[i] = ChildProcess(argv, {}, self.run_dir / f"{self.instance_ids[i]}.log",
+                                         append_log=True, die_with_parent=True)
 
     # --- restart an instance (asynchronous: the load goes on meanwhile) ---------------------------
     async def stop_instance(self, i: int) -> int | None:
@@ -95,7 +87,7 @@ class SoakProcesses(SupervisorPorts):
             await asyncio.sleep(0.05)
         return proc.stop(signal.SIGKILL, 5)  # no-op if it already exited
 
-    async def wait_registered(self, i: int, timeout: float = 30.0) -> bool:
+    async def wait_registered(self, i: int, timeout: float = REGISTER_TIMEOUT_S) -> bool:
         """Whether instance i is registered and alive at the control plane within `timeout` s."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -107,7 +99,7 @@ class SoakProcesses(SupervisorPorts):
         return False
 
     # --- stop (synchronous, main thread) ---------------------------------------------------------
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> dict[str, Any]:  # type: ignore[override]
         """Instances first (they unregister), then the supervisor (SIGINT: workers, sidecar,
         segment); each by its pid; whatever does not stop in time is SIGKILLed. What was left
         behind, also kept as `stop_result`."""
@@ -116,10 +108,10 @@ class SoakProcesses(SupervisorPorts):
             if proc is not None:
                 codes[self.instance_ids[i]] = proc.stop(signal.SIGTERM, 20)
         worker_pids = []
-        if self.supervisor is not None:
+        if self.child is not None:
             with contextlib.suppress(psutil.Error):
-                worker_pids = [c.pid for c in psutil.Process(self.supervisor.pid).children()]
-            codes["supervisor"] = self.supervisor.stop(signal.SIGINT, 60)
+                worker_pids = [c.pid for c in psutil.Process(self.child.pid).children()]
+            codes["supervisor"] = super().stop()
         time.sleep(0.2)
         leftovers = [pid for pid in worker_pids if psutil.pid_exists(pid)
                      and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
@@ -127,21 +119,3 @@ class SoakProcesses(SupervisorPorts):
             "exit_codes": codes, "supervisor_children_left": leftovers,
             "segment_removed": not os.path.exists(f"/dev/shm{self.shm_name}")}
         return self.stop_result
-
-
-def _get_sync(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def _wait_sync(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (OSError, ValueError, KeyError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")

@@ -1,26 +1,24 @@
-"""The soak's JSON report (`build_report`), the summary printed at the end (`summary_lines`),
-and writing the JSON (`write_report`)."""
+"""The soak's JSON report (`build_report`) and the summary printed at the end
+(`summary_lines`)."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench.harness.results import Run
 
 if TYPE_CHECKING:
     from bench.soak.run import Soak
 
 
-def build_report(soak: Soak, command: str, outcomes: dict[str, Any], rss: dict[str, Any],
+def build_report(soak: Soak, provenance: Run, outcomes: dict[str, Any], rss: dict[str, Any],
                  checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     cfg, chaos, procs = soak.cfg, soak.chaos, soak.procs
     status = soak.final.snapshot.get("status", {})
     return {
-        "command": command,
+        **provenance.record(),
         "passed": all(c["pass"] for c in checks.values()),
         "failed_checks": [name for name, c in checks.items() if not c["pass"]],
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
@@ -41,9 +39,6 @@ def build_report(soak: Soak, command: str, outcomes: dict[str, Any], rss: dict[s
         "end_checks": checks,
         "final_status": {k: status.get(k) for k in ("event_channel", "reaper", "workers", "sidecar")},
         "sim_stats": soak.final.snapshot.get("sim_stats"),
-        "machine": {"cpus": os.cpu_count(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-                    "python": sys.version.split()[0]},
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(soak.started_wall)),
         "wall_s": round(time.time() - soak.started_wall, 1),
     }
 
@@ -71,11 +66,3 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         detail = {k: v for k, v in check.items() if k != "pass" and not isinstance(v, (list, dict))}
         lines.append(f"  [{'ok' if check['pass'] else 'FAIL'}] {name} {detail}")
     return lines
-
-
-def write_report(path: Path, report: dict[str, Any]) -> None:
-    """The JSON at `path`, replaced in one step (a reader never sees half of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(path)

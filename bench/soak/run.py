@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.harness.results import Run
 from bench.soak.chaos import Chaos
 from bench.soak.checks import FinalState, clean_stop, end_checks, settle
 from bench.soak.clock import SoakClock
@@ -65,7 +66,7 @@ class Soak:
             await self.chaos.flapper_clean()
             self.final = await settle(cfg, self.procs, self.errors)
 
-    def report(self, command: str) -> dict[str, Any]:
+    def report(self, provenance: Run) -> dict[str, Any]:
         chaos = self.chaos
         outcomes = summarize(self.load.records, kills=chaos.kills, fail_windows=chaos.fail_windows,
                              restart_windows=chaos.restart_windows, flapper_id=chaos.flapper_id,
@@ -76,10 +77,10 @@ class Soak:
                             lineages=self.monitor.lineages, sidecar_pids=self.monitor.sidecar_pids,
                             kills=chaos.kills, errors=self.errors, outcomes=outcomes, rss=rss)
         checks["clean_stop"] = clean_stop(self.procs.stop_result)
-        return build_report(self, command, outcomes, rss, checks)
+        return build_report(self, provenance, outcomes, rss, checks)
 
 
-def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
+def run_soak(cfg: SoakConfig, provenance: Run) -> dict[str, Any]:
     """Start, drive, check, stop. Always stops what it started, then returns the report."""
     soak = Soak(cfg)
     try:
@@ -87,4 +88,4 @@ def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
         asyncio.run(soak.drive())
     finally:
         soak.stop()
-    return soak.report(command)
+    return soak.report(provenance)

@@ -14,8 +14,8 @@ import pytest
 from bench.affinity_vllm import __main__ as cli
 from bench.affinity_vllm import contenders, engine_side, figures, runner, targets, workload
 from bench.affinity_vllm.load import Outcome
-from bench.launch import name_values
-from bench.machine import run_record
+from bench.harness.cli import name_values
+from bench.harness.results import run_record
 from bench.report import affinity_vllm as report
 from tests.real_engine.build_tiny_model import write_tokenizer_files
 from tests.real_engine.engines import VllmEngine

@@ -37,4 +37,5 @@ def test_the_results_file_becomes_a_section(tmp_path: Path) -> None:
     assert used == ["events.json"]
     assert "## Sidecar event cost (µs of CPU per request)" in text
     assert "| `16:stream` | 61 | 5.50 | 10.3 | 11.1, 9.67 | 3 |" in text
-    assert "baseline: `main` (def5678), current: abc1234" in text
+    assert "baseline: the product at `main` (`--baseline`)" in text
+    assert "def5678" not in text and "abc1234" not in text  # the file's commits stay in the file

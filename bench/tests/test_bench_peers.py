@@ -1,5 +1,5 @@
-"""bench/backends.py, bench/contenders.py and bench/peers: every contender routes over the same simulated
-instances, the load generators count what they must (and flag what fails), CPU/RSS are charged
+"""bench/harness (backends, contenders, wrk, cpu) and bench/peers: every contender routes over the
+same simulated instances, the load generators count what they must (and flag what fails), CPU/RSS are charged
 to the right process tree, and everything started is stopped."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from cacheroute_sim.processes import ROOT
-from bench.wrk import run_wrk, wrk_post_script
-from bench.backends import FakeInstances, InstanceSpec, SimInstances
-from bench.contenders import (
+from bench.harness.wrk import run_wrk, wrk_post_script
+from bench.harness.backends import FakeInstances, InstanceSpec, SimInstances
+from bench.harness.contenders import (
     DirectContender,
     NginxContender,
     ProxyContender,
@@ -26,7 +26,7 @@ from bench.contenders import (
     RouterContender,
     router_available,
 )
-from bench.launch import http_json
+from bench.harness.processes import http_json
 from bench.peers import measure, stream_load, summary
 from bench.peers.plan import KNOWN, RunConfig, chosen, instances_for
 
@@ -127,7 +127,7 @@ def test_proxy_contender_routes_over_the_shared_instances(instances: SimInstance
         assert set(point["cpu_s_per_1k_by_role"]) == set(split)
         stream = stream_load.run_process(proxy.url, 4, 1.0, 3)
         assert stream["streams_ok"] > 0 and stream["errors"] == 0, stream
-        shm = proxy.ports.shm_name
+        shm = proxy.supervisor.shm_name
     assert proxy.pids() == [] and not os.path.exists(f"/dev/shm{shm}")
     assert not any(p.is_running() and p.status() != "zombie" for p in tree)
 

@@ -5,6 +5,7 @@ synthetic results written here (never committed as results)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from bench.report import peers
 from bench.report.build import build, charts_available
 from bench.routing import summary, uncertainty
+from cacheroute_sim.processes import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LABELS = ["fast0", "fast1", "slow"]
@@ -87,7 +89,8 @@ def test_every_figure_comes_from_the_json(results_dir: Path, tmp_path: Path) -> 
     assert "| `proxy-4w-least_load-shared` | 4 | least_load | shared | 61.5 | 300 | 1,050 | 1,060 |" in text
     assert "| `proxy-4w-round_robin` | 40% | 40% | 20% | 400 | 410 | 2,500 |" in text
     assert "| `nginx-least_conn` | 4 | least_load | shared | 61.5 | 300 | 1,234 | 1,244 |" in text
-    assert "python -m bench.routing --synthetic" in text and "a synthetic note" in text
+    assert "Command: `python -m bench.routing --synthetic`" in text and "a synthetic note" in text
+    assert "Machine: cpu_model Test CPU; nproc 2; loadavg 0.50, 0.40, 0.30" in text
     # 1050/1000 = 1.05 <= 1.10 passes; shared beats per_worker and round_robin.
     assert text.count("**PASS**") >= 3 and "**FAIL**" not in text
     # The intervals: 3 paired repeats, 1050/1000 at the median of per-repeat p99.
@@ -225,3 +228,39 @@ def test_the_real_engine_pressure_run_sits_next_to_the_simulated_one(tmp_path: P
     assert "| requests failed |  | 2 |" in real and "- 2 × `RequestFailed: 400 too long`" in real
     assert "Load average at the start: 1.50, 1, 0.50" in real
     assert "23.5" not in simulated and "| median_abs | 57 |" not in real
+
+
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b|\b\d{2}:\d{2}(:\d{2})? ?UTC\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+def test_every_recorded_result_is_a_section_with_its_command_and_machine_and_no_commit_or_date(
+        tmp_path: Path) -> None:
+    results = ROOT / "bench" / "results"
+    text, used = build(results, tmp_path / "BENCHMARKS.md", None)
+    assert sorted(used) == sorted(p.name for p in results.glob("*.json"))
+    sections = text.split("\n## ")[1:]
+    assert len(sections) == len(used)
+    for section in sections:
+        title = section.splitlines()[0]
+        assert "\nCommand: " in section and "\nMachine: " in section, title
+    assert not DATE.search(text), DATE.search(text)
+    assert not COMMIT.search(text), COMMIT.search(text)
+    # The settled ones say so; a commit in a command is shown as REF.
+    assert text.count("> **Settled**") == 4
+    assert "`python -m bench.hotpath --workers 1,2 --baseline REF --nginx" in text
+    assert "| `proxy-1w` | proxy | 1 | 0.33 | 3,432 | 0.26 | 0 |" in text  # hotpath.json's medians
+    assert "**PASSED**: 11,235 requests" in text and "| `clean_stop` | **PASS** |" in text  # the soak
+    assert "| 5 ms | 191 | 31.3 | 164 |" in text  # what a wake-up costs
+    assert "| 2 | after | 167 | 46.5 | 120 | -1.40 |" in text  # the metrics file's A/B
+    assert "| granian | 19159 | 1.081 |" in text  # the stack choice's own table
+
+
+def test_a_file_of_no_known_shape_still_names_its_command_and_machine(tmp_path: Path) -> None:
+    (tmp_path / "probe.json").write_text(json.dumps({
+        "command": "python -m bench.probe --baseline 1a2b3c4d", "machine": {"nproc": 2},
+        "method": "one loop", "notes": ["a probe note"], "figures": [1, 2]}))
+    text, used = build(tmp_path, tmp_path / "BENCHMARKS.md", None)
+    assert used == ["probe.json"] and "## `probe.json`" in text
+    assert "Command: `python -m bench.probe --baseline REF` (REF:" in text and "Machine: nproc 2" in text
+    assert "Method: one loop" in text and "a probe note" in text

@@ -12,7 +12,7 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from bench.backends import InstanceSpec, SimInstances
+from bench.harness.backends import InstanceSpec, SimInstances
 from bench.routing import summary, uncertainty
 from bench.routing.__main__ import main as routing_main
 from bench.routing.run import measure

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from bench.backends import FakeInstances, InstanceSpec
+from bench.harness.backends import FakeInstances, InstanceSpec
 from cacheroute_sim.processes import ROOT
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],

@@ -1,4 +1,4 @@
-"""bench/peers/targets.py: issue 15's targets from one run's points: ratios of medians against
+"""bench/peers/targets.py: the peer targets from one run's points: ratios of medians against
 the right reference, bounds in the right direction, per-repeat ratios paired by repeat, and
 "not measured" (never a PASS) when a contender is missing; and how the report renders them."""
 

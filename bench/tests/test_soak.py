@@ -29,6 +29,7 @@ import os
 
 import pytest
 
+from bench.harness.results import Run
 from bench.soak.config import SoakConfig
 from bench.soak.outcomes import ACCEPTABLE_CATEGORIES, classify
 from bench.soak.report import summary_lines
@@ -89,7 +90,7 @@ def test_soak_under_chaos_ends_clean(tmp_path) -> None:
         kill_offset_s=22, kill_jitter_s=0, kill_interval_s=1000, max_kills=1, chaos_quiet_tail_s=5,
         check_rss=False, quiesce_timeout_s=45, request_timeout_s=60,
         log_dir=str(tmp_path / "logs"))
-    report = run_soak(cfg, "bench/tests/test_soak.py")
+    report = run_soak(cfg, Run("bench.soak", ["--duration", "55"]))
     summary = "\n".join(summary_lines(report)) + f"\nlogs: {tmp_path / 'logs'}"
     req, chaos, checks = report["requests"], report["chaos"], report["end_checks"]
 

@@ -3,7 +3,8 @@
 `cacheroute-proxy status` / `instances [--all] [--limit N]` / `scheduler` / `loads [--watch S]` /
 `watch`: what it is doing (`--json` for scripts; exit 0 ok, 1 control plane unreachable or
 HTTP error, 2 usage error); `cacheroute-proxy console`: the same commands at a prompt;
-`cacheroute-proxy shm show|unlink`: the shared-memory segment by hand.
+`cacheroute-proxy shm show|unlink`: the shared-memory segment by hand; `cacheroute-proxy config`:
+every setting, its environment variable, type, default, bounds and help.
 
 `run` starts the sidecar, then N workers on the shared service port; Ctrl-C stops everything.
 Instances register themselves (the demo's simulated ones: `make run-workers`).
@@ -19,7 +20,7 @@ import sys
 from .. import logs
 from ..config import ConfigError
 from ..supervisor import preflight
-from . import run_flags, shm
+from . import run_flags, settings_list, shm
 from .commands import COMMANDS, execute
 from .console import run_console
 from .control_client import ControlPlane
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return _inspect(args)
     if args.command == "shm":
         return shm.run(args)
+    if args.command == "config":
+        return settings_list.run(args)
     try:
         settings = run_flags.settings_from(args)
     except (ConfigError, ValueError) as exc:
@@ -77,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     _url_option(sub.add_parser("console", help="interactive prompt: :status, :instances, :watch, "
                                                ":scheduler, :loads, :help, :exit"))
     shm.add_parser(sub)
+    settings_list.add_parser(sub)
     return parser
 
 

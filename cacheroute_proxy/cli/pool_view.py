@@ -1,5 +1,5 @@
 """`instances` and `scheduler` as text: the instance pool from `/v1/instance/list` and the
-Scheduler registration from `/debug/status` (docs/protocol.md §3.5, §6.3)."""
+Scheduler registration from `/debug/status`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .text import printable, render_table
 
 
 def instance_state(row: dict[str, Any], ttl_s: float, now: float) -> str:
-    """`healthy`, `unhealthy` or `expired` as the sidecar says (docs/protocol.md §3.6), and
+    """`healthy`, `unhealthy` or `expired` as the sidecar says, and
     `stale` for a healthy one silent for over half the TTL (as the dashboard shows it)."""
     health = str(row.get("health") or ("healthy" if row.get("is_alive") else "expired"))
     if health == "healthy" and not row.get("static") and now - float(row.get("last_seen_at") or now) > ttl_s / 2:

@@ -11,13 +11,15 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from ..config import ENV_NAMES, INJECTION_STRATEGIES, RELEASE_POLICIES, ConfigError, Settings
+from ..config import ENV_NAMES, FIELD, ConfigError, Settings
+from ..setting import is_json
 
 
 class RunFlag(NamedTuple):
     flag: str
     field: str  # the Settings field it overrides
-    help: str
+    help: str = ""  # "": the setting's choices, a|b|c
+    choices: bool = False  # argparse refuses what is not one of the setting's choices
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -32,29 +34,33 @@ def _json_object(text: str) -> dict[str, Any]:
 
 RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("--workers", "workers", "number of workers"),
-    RunFlag("--strategy", "instance_strategy", "round_robin|rr|least_load|ll|kv_aware|kv"),
+    RunFlag("--strategy", "instance_strategy"),
     RunFlag("--host", "dp_host", "the service address every worker binds (and the Scheduler is told, "
                                  "unless PROXY_ADVERTISE_HOST says otherwise)"),
     RunFlag("--port", "dp_port", "service port"),
-    RunFlag("--load-view", "load_view", "shared|per_worker"),
-    RunFlag("--injection-strategy", "injection_strategy", "|".join(INJECTION_STRATEGIES)),
-    RunFlag("--ready-release-policy", "ready_release_policy", "|".join(RELEASE_POLICIES)),
+    RunFlag("--load-view", "load_view"),
+    RunFlag("--injection-strategy", "injection_strategy", choices=True),
+    RunFlag("--ready-release-policy", "ready_release_policy", choices=True),
     RunFlag("--kdn-links-json", "kdn_links", "static KDN links, a JSON object {kdn_key: {metrics}}"),
     RunFlag("--proxy-ui-listen", "ui_listen", "the dashboard's own listener, HOST:PORT; \"\" for none"),
     RunFlag("--proxy-ui-url", "ui_url", "the dashboard's URL as a browser opens it, printed when ready"),
 )
-_KINDS: dict[str, dict[str, Any]] = {
-    "workers": {"type": int}, "dp_port": {"type": int}, "kdn_links": {"type": _json_object},
-    "injection_strategy": {"choices": INJECTION_STRATEGIES},
-    "ready_release_policy": {"choices": RELEASE_POLICIES},
-}
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     for spec in RUN_FLAGS:
         names = [spec.flag, "-n"] if spec.flag == "--workers" else [spec.flag]
+        choices = tuple(FIELD[spec.field].env.choices)
         parser.add_argument(*names, dest=spec.field, default=None, metavar=spec.field.split("_")[-1].upper(),
-                            help=f"{spec.help} ({ENV_NAMES[spec.field]})", **_KINDS.get(spec.field, {}))
+                            help=f"{spec.help or '|'.join(choices)} ({ENV_NAMES[spec.field]})",
+                            **_kind(spec, choices))
+
+
+def _kind(spec: RunFlag, choices: tuple[str, ...]) -> dict[str, Any]:
+    """What argparse checks itself: the type (a JSON object for a map), the choices if asked."""
+    hint = FIELD[spec.field].type
+    kind: dict[str, Any] = {"type": _json_object} if is_json(hint) else {"type": int} if hint is int else {}
+    return {**kind, "choices": choices} if spec.choices else kind
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

@@ -1,15 +1,14 @@
 """A minimal keep-alive HTTP/1.1 client for the forward to an instance: one asyncio Protocol per
 connection, responses parsed by httptools (the parser uvicorn uses), a LIFO pool per address.
 
-Why not aiohttp here: on this path it cost 180-215 µs of CPU per request against 50-90 µs for
-this client, which writes a cached request line and headers with the body in one call and
-parses the answer in C (docs/benchmarks.md §6; the proxy as a whole:
-bench/hotpath.py). The sidecar's Scheduler link uses it too, for the one thing aiohttp cannot
-tell it: whether a failed request had any byte of its answer back (`Http1Pool.send`, the
-keep-alive race). aiohttp stays for everything else (the KDN, the instances' control plane).
-What this client does not do, because neither needs it: redirects, cookies, proxies,
-compression (no Accept-Encoding is sent, so the instance answers uncompressed and the bytes can
-be relayed as they are); TLS only for a whole pool (the Scheduler over https).
+Why not aiohttp here: on this path it cost several times the CPU per request of this client, which
+writes a cached request line and headers with the body in one call and parses the answer in C. The
+sidecar's Scheduler link uses it too, for the one thing aiohttp cannot tell it: whether a failed
+request had any byte of its answer back (`Http1Pool.send`, the keep-alive race). aiohttp stays for
+everything else (the KDN, the instances' control plane). What this client does not do, because
+neither needs it: redirects, cookies, proxies, compression (no Accept-Encoding is sent, so the
+instance answers uncompressed and the bytes can be relayed as they are); TLS only for a whole pool
+(the Scheduler over https).
 """
 
 from __future__ import annotations

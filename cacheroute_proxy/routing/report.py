@@ -15,7 +15,7 @@ from shm_schema import InstanceSlot, read_all
 from .load_view import LoadView
 from .strategies import LeastLoadStrategy
 
-# The 9 per-instance queue fields of the original's row (docs/protocol.md §4.1); null means
+# The 9 per-instance queue fields of the original's row; null means
 # unknown, never 0.
 QUEUE_FIELDS = ("prepare_queue_depth", "ready_queue_depth", "active_prepare", "active_ready",
                 "pending_prefill_count", "active_decode_count", "next_slot_ready_in_ms",

@@ -18,7 +18,7 @@ T = TypeVar("T")
 Cursor = Callable[[], int]
 Components = Mapping[str, Sequence[float | None]]
 
-# The original Proxy's default weights (docs/architecture.md §4.1). A zero weight excludes the
+# The original Proxy's default weights. A zero weight excludes the
 # component. Layers: lifecycle (inflight); instantaneous queue (active_*, *_queue_depth);
 # predicted reservation pressure (pending_prefill_count, active_decode_count, backlog ms:
 # 1000 ms of predicted backlog weighs as much as one request in flight).

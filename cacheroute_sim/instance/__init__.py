@@ -5,11 +5,11 @@ Run: ``python -m cacheroute_sim.instance --port 9001 [--no-register] [--time-sca
 
 Data plane: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not),
 ``GET /v1/models`` (with ``max_model_len``), ``GET /version``, ``GET /healthz`` and ``GET /health``. Every response carries ``x-sim-instance: <id>``.
-Timing follows the fitted curves of the original benchmark tables (timing.py;
-docs/predictors.md §3.1, §3.2): serialized prefill, batched decode whose inter-token latency
-grows with the batch, ``--max-concurrency`` slots.
+Timing follows the fitted curves of the original benchmark tables (timing.py): serialized
+prefill, batched decode whose inter-token latency grows with the batch, ``--max-concurrency``
+slots.
 
-Control plane (docs/protocol.md §5.3), a second listener on ``--cp-port`` (default: data port + 1,
+Control plane (the KV inject), a second listener on ``--cp-port`` (default: data port + 1,
 skipped with a warning when that port is taken; ``--cp-port 0`` disables it):
 ``GET /healthz`` and ``POST /v1/kv/inject_ready`` ``{"request_id", "kdn_addr", "model",
 "knowledge_ids"}``, which calls the KDN's ``/knowledge/inject_ready_kv`` with this Instance's
@@ -25,7 +25,7 @@ prefill computes ``max(1, prompt_tokens - N)`` tokens, after a Redis pull of
 ``2764.34 ms/GB x N x 0.0000381 GB + 12.46 ms`` (N capped at the prompt; scaled like every
 other duration). A malformed value is a 400.
 
-The KV kept (residency.py; docs/testing.md §7.1): injected knowledge KV per id, in an LRU of
+The KV kept (residency.py): injected knowledge KV per id, in an LRU of
 ``kv_capacity_tokens`` (default ``--kv-mem-gb``, registered as ``meta.kv_mem_gb``, over 3.81e-5
 GB a token); an inject of ids all resident is answered at once, without the KDN. A request
 with ``x-cacheroute-kv-knowledge-ids: k1,k2`` (sent by the Proxy beside the prefix tokens) has

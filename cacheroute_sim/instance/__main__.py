@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default=None, help="seconds; overrides the register reply's interval")
     reg.add_argument("--resource-interval", dest="resource_interval_s", type=float, default=0.0,
                      help="seconds between resource snapshots of the simulated machine, as an agent "
-                          "sends them (docs/protocol.md §3.7); 0 (default): none")
-    cp = p.add_argument_group("instance control plane (KV inject, docs/protocol.md §5.3)")
+                          "sends them; 0 (default): none")
+    cp = p.add_argument_group("instance control plane (KV inject)")
     cp.add_argument("--cp-port", type=int, default=None,
                     help="default: --port + 1 (skipped with a warning if that port is taken); "
                          "0 disables the control plane")

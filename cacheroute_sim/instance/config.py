@@ -94,7 +94,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     register_token: str | None = None
     # None: use the register reply's heartbeat_interval_s (tests override to go fast).
     heartbeat_interval_s: float | None = None
-    # Seconds between resource snapshots (docs/protocol.md §3.7, resources.py); 0: none (tests
+    # Seconds between resource snapshots (resources.py); 0: none (tests
     # that post their own snapshots for an instance must not have it overwrite them).
     resource_interval_s: float = 0.0
     # Multiplies every simulated duration; 0.05 lets tests run 20x faster than a real GPU.
@@ -110,7 +110,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
     log_format: str = "text"  # or "json", as the proxy's processes (cacheroute_proxy/logs.py)
     knobs: Knobs = msgspec.field(default_factory=Knobs)
-    # Instance control plane (POST /v1/kv/inject_ready, docs/protocol.md §5.3), a second listener.
+    # Instance control plane (POST /v1/kv/inject_ready), a second listener.
     # None: data port + 1 (9001 -> 9002 like the original); 0: no control plane.
     cp_port: int | None = None
     # The Redis target this Instance hands to the KDN on a KV inject. Never connected to.

@@ -1,4 +1,5 @@
-"""The Instance -> KDN call of a KV inject (docs/protocol.md §5.4), without any Redis.
+"""The Instance -> KDN (Knowledge Delivery Network, the knowledge server) call of a KV inject,
+without any Redis.
 
 The Instance adds its Redis target to the Proxy's request and posts it to the KDN's
 ``/knowledge/inject_ready_kv``. The KDN's answer is relayed verbatim (status and bytes) when it

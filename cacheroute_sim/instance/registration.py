@@ -1,11 +1,11 @@
-"""Registration with the Proxy control plane, as a real Instance does (docs/protocol.md §3).
+"""Registration with the Proxy control plane, as a real Instance does.
 
-Fixes over the original Instance (docs/protocol.md §7.3): a heartbeat answered ``{"ok": false}``
+Fixes over the original Instance: a heartbeat answered ``{"ok": false}``
 (Proxy restarted, instance purged) re-registers at once instead of being ignored; an
 unreachable control plane is retried with a capped backoff forever, in the background, and
 logged once per state change rather than per attempt.
 
-With ``--resource-interval``: a resource snapshot (§3.7, resources.py) right after each
+With ``--resource-interval``: a resource snapshot (resources.py) right after each
 register and then on that interval, in the product's wire types, as the instance agent sends
 them; a failed one is logged once until one goes through again (a forgotten instance is the
 heartbeats' to notice: they register again).

@@ -1,4 +1,4 @@
-"""What a simulated instance reports of its machine (docs/protocol.md §3.7): `resource_snapshot_v1`
+"""What a simulated instance reports of its machine: `resource_snapshot_v1`
 in the product's wire types, as the instance agent reports a real machine's
 (instance_agent/resources.py), with readings derived from the simulated engine's own load, so
 the dashboard's resource charts and the pool's admission state follow the traffic:

@@ -1,5 +1,5 @@
 """Pure timing model of one vLLM Instance (fits of the original benchmark tables, as in
-docs/predictors.md §3.1, §3.2).
+docs/predictors.md).
 
 All functions return real-GPU milliseconds; the engine scales them by time_scale and the
 slow_factor knob. Nothing here sleeps or reads state, so it is unit-tested directly.
@@ -31,7 +31,7 @@ ITL_MAX_BATCH = 8
 
 CHARS_PER_TOKEN = 4
 
-# LMCache pull of a KV prefix from Redis (docs/predictors.md §3.3): 2764.34 ms/GB + 12.46 ms, with
+# LMCache pull of a KV prefix from Redis: 2764.34 ms/GB + 12.46 ms, with
 # 0.0000381 GB of KV per token.
 REDIS_PULL_MS_PER_GB = 2764.3407821694204
 REDIS_PULL_BASE_MS = 12.460820712239126

@@ -1,4 +1,5 @@
-"""Simulated KDN (knowledge server), for the demo and the test suite. No Redis needed.
+"""Simulated KDN (Knowledge Delivery Network: the knowledge server, which holds each knowledge
+id's text and prebuilt KV), for the demo and the test suite. No Redis needed.
 
 Run: ``python -m cacheroute_sim.kdn --port 9101 [--knowledge FILE.json] [--time-scale 0.05] [--seed N]``
 (``--help`` lists every flag).
@@ -7,7 +8,7 @@ Knowledge store (store.py): a JSON list of ``{"id", "content", "kv_ready"}``, or
 deterministic generated one (ids ``k0000``..``k0199``, a quarter short, the rest 1-3k tokens,
 half kv_ready). Ids are lower-cased on load and on every lookup, like the original KDN.
 
-Routes (wire-compatible with the original KDN: docs/protocol.md §5.1, §5.4, and topology):
+Routes (wire-compatible with the original KDN; docs/protocol.md, "Knowledge"):
 - ``POST /knowledge/search/text`` ``{"knowledge_ids", "need_fields"}`` ->
   ``{"items": [{"id", "knowledge_id", <need_fields>}], "miss": [ids]}``; latency
   ``rtt_ms`` + reply bytes over the link.

@@ -21,7 +21,7 @@ __all__ = ["ConfigError", "FaultOn", "KdnConfig", "Knobs", "kdn_config_from_mapp
 
 FaultOn = Literal["all", "search", "inject"]
 
-# Transfer model of the original Proxy's IWS (docs/predictors.md §3.5): 0.096 MB of KV per
+# Transfer model of the original Proxy's IWS: 0.096 MB of KV per
 # token over a link used at 82.5 % of its nominal bandwidth. The defaults make the simulated
 # transfer take exactly what the Proxy predicts.
 DEFAULT_KV_BYTES_PER_TOKEN = 96_000

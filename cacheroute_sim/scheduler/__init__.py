@@ -1,5 +1,5 @@
-"""A simulated Scheduler control plane (docs/protocol.md §6): what the proxy's sidecar
-registers with.
+"""A simulated Scheduler control plane (docs/protocol.md, "Scheduler control plane"): what the
+proxy's sidecar registers with.
 
 ``python -m cacheroute_sim.scheduler --port 7002``: register / heartbeat / unregister with the original
 Scheduler's shapes, bodies validated (422 naming the field), 404 for heartbeats of unknown

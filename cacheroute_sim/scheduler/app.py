@@ -1,4 +1,4 @@
-"""The Starlette app: the Scheduler control-plane routes a proxy calls (docs/protocol.md §6),
+"""The Starlette app: the Scheduler control-plane routes a proxy calls,
 debug routes listing what the proxies reported, and /sim for tests."""
 
 from __future__ import annotations

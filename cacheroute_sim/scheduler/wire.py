@@ -1,9 +1,9 @@
-"""The bodies the Scheduler accepts (docs/protocol.md §6), validated with msgspec.
+"""The bodies the Scheduler accepts, validated with msgspec.
 
-Written from the protocol, not imported from the proxy, so a drift between what the proxy
-sends and what docs/protocol.md §6 says fails here. The top level is lenient about extra keys
-(the original's pydantic models ignore them); ``pool_resource`` is exact: every key of
-docs/protocol.md §6.5 present, no other, values null or of the right type.
+Written from the protocol, not imported from the proxy, so a drift between what the proxy sends
+and what docs/protocol.md, "Scheduler control plane", says fails here. The top level is lenient
+about extra keys (the original's pydantic models ignore them); ``pool_resource`` is exact: every
+key of the schema present, no other, values null or of the right type.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
 
 Coefficients live in one JSON file per model profile (``profiles/*.json``; schema in
 :mod:`proxy_workers.predictors.profile`), validated and read once per process. Benchmark tables
-behind the fitted profiles are in ``data/``; ``proxy_workers/predictors/calibrate.py`` measures an
-instance into such tables and ``proxy_workers/predictors/refit.py`` fits them into a profile.
+behind the fitted profiles are in ``data/``; ``tools/predictors/calibrate.py`` measures an
+instance into such tables and ``tools/predictors/refit.py`` fits them into a profile.
 """
 
 from proxy_workers.predictors.model import (
@@ -32,7 +32,6 @@ from proxy_workers.predictors.profile import (
     effective_profile_name,
     load_profile,
     parse_profile,
-    profile_to_json,
     resolve_profile_path,
 )
 
@@ -55,6 +54,5 @@ __all__ = [
     "get_predictors",
     "load_profile",
     "parse_profile",
-    "profile_to_json",
     "resolve_profile_path",
 ]

@@ -5,7 +5,7 @@ ms; round at the edge if a wire format needs integers). Token counts are ints. N
 I/O or allocates more than a small result tuple, so every call costs on the order of a
 microsecond (see tests/test_predictors.py::test_per_call_cost).
 
-Semantics are docs/predictors.md §3: the original Proxy's, with these deliberate differences:
+The semantics (docs/predictors.md) are the original Proxy's, with these deliberate differences:
 - prefill above the last anchor (345 tokens) is the fitted model, never 0;
 - at bs > 1 the prediction is never below the bs=1 prediction for the same length (the
   four-term model alone goes to 0 for short prompts at bs ≥ 2);
@@ -27,7 +27,7 @@ from proxy_workers.predictors.profile import (
 
 
 class KvcacheService(NamedTuple):
-    """Prefill service time of a kvcache-mode request (docs/predictors.md §3.4), ms and tokens."""
+    """Prefill service time of a kvcache-mode request, ms and tokens."""
 
     total_ms: float  # redis_ms + residual_prefill_ms
     redis_ms: float  # LMCache pull of the aligned knowledge KV
@@ -195,7 +195,7 @@ class Predictors:
         return self._prefill_bs1(max(1, total))
 
     def kvcache_service(self, prompt_tokens: int, knowledge_tokens: int) -> KvcacheService:
-        """Prefill service of a kvcache-mode request (docs/predictors.md §3.4): the aligned
+        """Prefill service of a kvcache-mode request: the aligned
         knowledge is pulled from Redis, the rest (prompt, unaligned tail, header) is prefilled
         at bs=1. redis_ms includes the pull model's intercept even when nothing is aligned, as
         the original did."""
@@ -212,7 +212,7 @@ class Predictors:
 
     def kv_transfer_ms(self, knowledge_tokens_effective: int, bandwidth_mbps: float) -> float:
         """KDN→Instance transfer time (ms) of the effective knowledge KV over a link of
-        ``bandwidth_mbps`` megabits/s used at ``link_utilisation`` (docs/predictors.md §3.5):
+        ``bandwidth_mbps`` megabits/s used at ``link_utilisation``:
         K_eff · transfer_mb_per_token / (bandwidth_mbps / 8 · utilisation) seconds.
         ValueError for K_eff < 0 or bandwidth ≤ 0."""
         if knowledge_tokens_effective < 0:

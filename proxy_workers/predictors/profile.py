@@ -127,7 +127,7 @@ class RedisPullModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class KvConstants(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Token/size constants of the KV-cache path (docs/predictors.md §3.4, §3.5).
+    """Token/size constants of the KV-cache path.
 
     Two per-token KV sizes, deliberately separate (the original used both, and they disagree):
     ``redis_gb_per_token`` converts aligned knowledge tokens into the GB the Redis pull model
@@ -256,10 +256,3 @@ def _clear_cache() -> None:
     with _cache_lock:
         _by_name.clear()
         _by_path.clear()
-
-
-def profile_to_json(profile: PredictorProfile) -> str:
-    """Pretty JSON for a profile file (what the refit script writes)."""
-    from proxy_workers.predictors.tables import dumps_pretty
-
-    return dumps_pretty(profile)

@@ -1,6 +1,6 @@
 """Load and cancellation against a real engine: more concurrent streams than the engine has
 slots all finish, and leave every lane of every worker at 0; a client that leaves mid-stream
-makes vLLM abort the request (docs/protocol.md §2.4: the upstream connection is closed)."""
+makes vLLM abort the request (the upstream connection is closed)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """vLLM's own error answers reach the client unchanged: status, content type and body
-(docs/protocol.md §2.6 "Instance errors"). Each is compared with what the engine answers
+(docs/protocol.md, "Responses": instance errors). Each is compared with what the engine answers
 directly to the same body."""
 
 from __future__ import annotations

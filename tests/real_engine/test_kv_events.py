@@ -1,4 +1,4 @@
-"""kv_aware on the engines' own account of their prefix cache (docs/architecture.md §4.4): the
+"""kv_aware on the engines' own account of their prefix cache: the
 proxy tokenizes as the engine does, the sidecar follows each engine's KV cache events, every
 worker then sees which engine holds a prompt's blocks, and requests sharing that prefix go
 there and hit the engine's prefix cache."""

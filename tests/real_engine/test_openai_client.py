@@ -1,5 +1,5 @@
 """The official `openai` Python client through the proxy to a real vLLM engine: chat streamed and
-not, completions, and the Scheduler's request shape (docs/protocol.md §2.2-§2.7)."""
+not, completions, and the Scheduler's request shape (docs/protocol.md, "Data plane")."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_chat_stream_through_the_proxy(proxy: Callable[..., Cluster], openai_mod
         model=SERVED_MODEL, messages=MESSAGES, max_tokens=12, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = list(stream)
-    # The proxy ends a whole stream with its cacheroute_meta event (§2.6); the official client
+    # The proxy ends a whole stream with its cacheroute_meta event; the official client
     # does not know the event name and yields its data as one more chunk, without choices.
     *engine_chunks, meta = chunks
     assert meta.choices is None and meta.model_extra["error"] is None
@@ -51,7 +51,7 @@ def test_chat_json_through_the_proxy(proxy: Callable[..., Cluster], openai_modul
     assert raw.status_code == 200 and raw.headers["x-cacheroute-instance"].startswith("vllm-")
     assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 7
-    # The proxy's meta is the body's last key (§2.6); the client keeps it as an extra field.
+    # The proxy's meta is the body's last key; the client keeps it as an extra field.
     meta = answer.model_extra["_cacheroute_meta"]
     assert meta["trace"]["instance_id"] == raw.headers["x-cacheroute-instance"]
 
@@ -73,7 +73,7 @@ def test_completions_through_the_proxy(proxy: Callable[..., Cluster], openai_mod
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_scheduler_request_reaches_vllm(proxy: Callable[..., Cluster], stream: bool) -> None:
-    """The Scheduler's body (§2.2) is rebuilt into an OpenAI chat body the engine accepts."""
+    """The Scheduler's body is rebuilt into an OpenAI chat body the engine accepts."""
     cluster = proxy()
     body = scheduler_body(41, model=SERVED_MODEL, user_prompt="who wrote the lazy dog",
                           max_tokens=6, stream=stream)

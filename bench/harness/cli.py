@@ -1,0 +1,36 @@
+"""What every benchmark's command line shares: repeated NAME=VALUE options, SIGTERM stopping a
+run the way Ctrl-C does (so every `with` stops what it started), and progress lines stamped
+with the seconds since the run began."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+
+def name_values(items: list[str]) -> dict[str, str]:
+    """A command line's repeated NAME=VALUE options (proxy settings) as a dict; a malformed one
+    stops the benchmark naming it."""
+    found = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
+        found[name] = value
+    return found
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: it unwinds through every `with`, so
+    every process the benchmark started is stopped."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+class Progress:
+    """Progress lines on stdout, each stamped with the seconds since this was made."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)

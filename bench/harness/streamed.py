@@ -1,0 +1,79 @@
+"""One streaming chat through the proxy, as the affinity and pressure benchmarks send it: which
+instance answered, the time to the first chunk, and the stream's `cacheroute_meta` (meta_of,
+which the soak reads too)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import aiohttp
+
+_META_MARKER = b"event: cacheroute_meta\ndata: "
+_DONE = b"data: [DONE]"
+
+
+@dataclass
+class Streamed:
+    instance: str | None = None
+    ttft_ms: float | None = None
+    meta: dict[str, Any] | None = None  # None: the stream carried none
+    error: str | None = None  # a non-200 status or a client error; None otherwise
+    finished: bool = False  # the stream ended with `data: [DONE]`
+    ended_at: float | None = None  # time.monotonic() when it ended
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Streamed:
+    out = Streamed()
+    start = time.monotonic()
+    received = b""
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            out.instance = response.headers.get("x-cacheroute-instance")
+            if response.status != 200:
+                out.error = f"status {response.status}: {(await response.text())[:120]}"
+                return out
+            async for chunk in response.content.iter_any():
+                if out.ttft_ms is None:
+                    out.ttft_ms = (time.monotonic() - start) * 1000
+                received += chunk
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.ended_at = time.monotonic()
+    out.finished = _DONE in received
+    out.meta = meta_of(received)
+    return out
+
+
+def meta_of(stream: bytes) -> dict[str, Any] | None:
+    """The `cacheroute_meta` event at the end of a proxied stream; None without one (or with one
+    cut short)."""
+    at = stream.rfind(_META_MARKER)
+    if at < 0:
+        return None
+    begin = at + len(_META_MARKER)
+    end = stream.find(b"\n", begin)
+    try:
+        meta = json.loads(stream[begin:end if end >= 0 else len(stream)])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+class KvAwareChoice(NamedTuple):
+    """What kv_aware said of its choice in `cacheroute_meta.trace` (all None for another
+    strategy): the balance guard fired, what the chosen instance's holding saved of the
+    predicted TTFT, and that prediction."""
+    guard: bool | None = None
+    saved_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+
+
+def kv_aware_choice(meta: dict[str, Any] | None) -> KvAwareChoice:
+    trace = (meta or {}).get("trace") or {}
+    return KvAwareChoice(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
+                         trace.get("route_predicted_ttft_ms"))

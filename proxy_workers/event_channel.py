@@ -1,0 +1,104 @@
+"""This worker's side of the event channel: reserve / first-token / complete events for the
+sidecar's timelines, and a full re-announcement of live requests when the sidecar restarts.
+
+A request key (shm_schema.bitfields.RequestKey) names this worker's row and a per-worker
+sequence, so it is unique on the host while the row is held.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from cacheroute_proxy.clock import now_us
+from shm_schema import Segment, WorkerRow, header
+from shm_schema.bitfields import RequestKey
+from shm_schema.events import EventWriter
+
+
+@dataclass
+class LiveRequest:
+    slot: int
+    generation: int
+    reserved_at_us: int
+    service_us: int
+    decode_us: int
+    decode_tokens: int
+    prompt_tokens: int
+    first_token_us: int | None = None
+
+
+class EventChannelWriter:
+    """Writes this worker's events for the sidecar: a key per request, its reserve, first token
+    and completion, the KV an instance now holds; and re-announces the live ones to a new sidecar."""
+
+    def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536) -> None:
+        self._seg = seg
+        self._writer = EventWriter(seg, row.row, spill_limit)
+        # Consecutive keys of this row, from sequence 1: one C call per request.
+        self._next_key = itertools.count(RequestKey.pack(row.row, 1)).__next__
+        self._live: dict[int, LiveRequest] = {}
+        self._epoch = header.sidecar_epoch(seg)
+        self.resyncs = 0
+
+    @property
+    def writer(self) -> EventWriter:
+        return self._writer
+
+    def new_key(self) -> int:
+        return self._next_key()
+
+    def reserve(self, key: int, slot: int, generation: int, service_ms: float, decode_ms: float,
+                decode_tokens: int, prompt_tokens: int) -> None:
+        live = LiveRequest(slot, generation, now_us(), int(service_ms * 1000), int(decode_ms * 1000),
+                           decode_tokens, prompt_tokens)
+        self._live[key] = live
+        self._check_epoch()
+        self._writer.reserve(self._epoch, key, slot, generation, live.reserved_at_us,
+                             live.service_us, live.decode_us, decode_tokens, prompt_tokens)
+
+    def first_token(self, key: int) -> None:
+        live = self._live.get(key)
+        if live is not None and live.first_token_us is None:
+            live.first_token_us = now_us()
+            self._check_epoch()
+            self._writer.first_token(self._epoch, key, live.slot, live.generation, live.first_token_us)
+
+    def complete(self, key: int, failed: bool) -> None:
+        live = self._live.pop(key, None)
+        if live is not None:
+            self._check_epoch()
+            self._writer.complete(self._epoch, key, live.slot, live.generation, now_us(), failed)
+
+    def residency(self, slot: int, generation: int, keys: Sequence[int], tokens_each: int,
+                  prefix: bool) -> None:
+        """Keys whose KV the instance now holds (acknowledged knowledge, or prefix blocks it was
+        sent), three to an event. Not re-sent to a new sidecar: it keeps the published index."""
+        self._check_epoch()
+        write = self._writer.prefix if prefix else self._writer.resident
+        t_us = now_us()
+        for start in range(0, len(keys), 3):
+            write(self._epoch, slot, generation, t_us, tuple(keys[start:start + 3]), tokens_each)
+
+    def tick(self) -> None:
+        """Periodic: move spilled events into the ring; re-announce after a sidecar restart."""
+        self._check_epoch()
+        self._writer.flush()
+
+    def _check_epoch(self) -> None:
+        epoch = header.sidecar_epoch(self._seg)
+        if epoch == self._epoch:
+            return
+        # A new sidecar discards what was written for the old one: replace it with the state of
+        # every request still in flight.
+        self._epoch = epoch
+        self._writer.discard_spill()
+        self.resyncs += 1
+        for key, live in self._live.items():
+            self._writer.resync(epoch, key, live.slot, live.generation, live.reserved_at_us,
+                                live.service_us, live.decode_us, live.decode_tokens,
+                                live.prompt_tokens)
+            if live.first_token_us is not None:
+                self._writer.first_token(epoch, key, live.slot, live.generation,
+                                         live.first_token_us)
