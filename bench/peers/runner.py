@@ -107,7 +107,7 @@ def _standing_notes(result: dict[str, Any], cfg: RunConfig, machine: dict[str, A
         notes.append("starlette backend = bench/peers/openai_fake.py, 2 processes (Starlette on "
                      "uvicorn, no access log): vLLM-shaped JSON and SSE, date/server/x-request-id "
                      "headers, a tiny fixed answer at once (no simulated time, no admission)")
-    notes.append("targets: issue 15's, for proxy-w2-ll against nginx and vllm-router-p2, each "
+    notes.append("targets: the data-plane targets, for proxy-w2-ll against nginx and vllm-router-p2, each "
                  "verdict from this run's medians; per-repeat ratios beside it")
     load = machine.get("loadavg") or [0.0]
     if load[0] > (machine.get("nproc") or 1):

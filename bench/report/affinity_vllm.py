@@ -13,7 +13,7 @@ FULL_REQUESTS, FULL_REPEATS = 600, 2
 
 
 def section(data: dict[str, Any], file_name: str = "affinity_vllm.json") -> str:
-    parts = ["## kv_aware that wins: two real vLLM engines against vllm-router and the SGLang router",
+    parts = ["## kv_aware on two real vLLM engines, against vllm-router and the SGLang router",
              _smoke(data), *blocks.header_blocks(data, file_name), _scenario(data), _contenders(data)]
     results = data.get("results") or []
     for load in dict.fromkeys(r["load"] for r in results):

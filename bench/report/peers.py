@@ -82,7 +82,7 @@ def targets_table(verdicts: list[dict[str, Any]]) -> str:
         rows.append([v["target"], f"`{v.get('contender')}`", num(v.get("figure")),
                      show(v.get("measured")), bound, verdict(v.get("passed")),
                      ", ".join(show(x) for x in v.get("per_repeat") or []) or "–"])
-    return "Targets (issue 15), from this run's medians:\n\n" + table(
+    return "Targets (the data-plane targets), from this run's medians:\n\n" + table(
         ["target", "contender", "figure", "measured", "bound", "verdict", "per repeat"], rows)
 
 
