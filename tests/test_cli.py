@@ -146,6 +146,12 @@ def test_unreachable_is_exit_1_and_the_url_comes_from_the_environment():
     assert local_url("fd00::5", 8002) == "http://[fd00::5]:8002" and local_url("cp.lan", 1) == "http://cp.lan:1"
 
 
+def _interruptible() -> None:
+    # As from a terminal: a suite started in the background of a non-interactive shell hands
+    # its children SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_watch_keeps_refreshing_while_the_proxy_is_down_and_ctrl_c_ends_it_with_0(tmp_path):
     out_path = tmp_path / "watch.out"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
