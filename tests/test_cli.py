@@ -157,7 +157,8 @@ def test_a_watch_keeps_refreshing_while_the_proxy_is_down_and_ctrl_c_ends_it_wit
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PROXY_")}
     with open(out_path, "w") as out:
         watch = subprocess.Popen([sys.executable, "-m", "cacheroute_proxy", "watch", "--interval", "0.2",
-                                  "--url", DOWN_URL], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=clean)
+                                  "--url", DOWN_URL], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=clean,
+                                 preexec_fn=_interruptible)
     try:
         wait_until(lambda: "refresh 3," in out_path.read_text(), 20, message="three refreshes")
         watch.send_signal(signal.SIGINT)
