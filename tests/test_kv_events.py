@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from cacheroute_proxy import engine_prefix
-from cacheroute_proxy.affinity_keys import engine_block_key
+from cacheroute_proxy.affinity_keys import engine_block_key, rendezvous_home
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.instance_wire import RegisterRequest
 from cacheroute_sim.processes import free_port
@@ -337,8 +337,17 @@ def test_a_failed_subscription_is_logged_and_tried_again_only_after_a_while(segm
 
 # --- end to end: a real sidecar subscribed to a publisher, real workers looking prompts up ---------
 def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(make_cluster, model_dir):
-    engine_port, other_port, publisher_port = free_port(), free_port(), free_port()
-    engine_id, other_id = f"sim-{engine_port}", f"sim-{other_port}"
+    prompt = "the proxy routes each request to the engine that holds its prefix " * 4
+    keys = engine_prefix.load(str(model_dir), BLOCK, 32).completion_keys(prompt)
+    assert len(keys) >= 3
+    # The engine whose events are followed is the prompt's home (kv_aware keeps a prompt at its
+    # home over a holder elsewhere): ports are drawn until the rendezvous names it.
+    while True:
+        engine_port, other_port = free_port(), free_port()
+        engine_id, other_id = f"sim-{engine_port}", f"sim-{other_port}"
+        if engine_port != other_port and rendezvous_home(keys[0], [engine_id, other_id]) == 0:
+            break
+    publisher_port = free_port()
     context = zmq.Context()
     publisher = context.socket(zmq.PUB)
     publisher.setsockopt(zmq.LINGER, 0)
@@ -349,10 +358,6 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
             "PROXY_KV_EVENTS": f"{engine_id}=tcp://127.0.0.1:{publisher_port}"})
         cluster.add_instance(port=engine_port)
         cluster.add_instance(port=other_port)
-        prompt = "the proxy routes each request to the engine that holds its prefix " * 4
-        keys = engine_prefix.load(str(model_dir), BLOCK, 32).completion_keys(prompt)
-        assert len(keys) >= 3
-
         def feed() -> dict[str, Any]:
             return (cluster.status()["kv_event_feeds"] or {}).get(engine_id, {})
 
@@ -369,8 +374,8 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
         publisher.send_multipart(batch(next(seq), stored(*keys)))
         wait_until(lambda: all(held(w) == {engine_id: len(keys), other_id: 0} for w in range(2)), 10,
                    message="every worker sees the engine's blocks")
-        # kv_aware sends the prompt where its blocks are, whichever worker takes it (once the
-        # last request has left every worker's load view: affinity yields to load).
+        # kv_aware sends the prompt where its blocks are (its home), whichever worker takes it
+        # (once the last request has left every worker's load view: affinity yields to load).
         for _ in range(4):
             wait_until(lambda: all(r["least_load_score"]["total"] == 0 for w in range(2)
                                    for r in cluster.loads(w)["instances"]), 10, message="idle")
