@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import weakref
+from typing import Any
 
 import pytest
 
@@ -270,13 +271,18 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
 
 
 # --- where the C selector steps aside, the Python score chooses -------------------------------------
-def test_a_directory_change_steps_the_selector_aside_and_the_next_snapshot_gets_its_own(table):
+def _busy_a_idle_b(table) -> tuple[DirectoryWriter, Any, Router]:
+    """Instances a (one request in flight) and b (idle), and a least_load router over them."""
     name, seg, row = table
     writer = DirectoryWriter(seg)
     a = writer.allocate("a", "127.0.0.1", 9001)
     writer.allocate("b", "127.0.0.1", 9002)
     row.add(layout.LANE_INFLIGHT, a.slot, a.generation)
-    router = Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
+    return writer, a, Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
+
+
+def test_a_directory_change_steps_the_selector_aside_and_the_next_snapshot_gets_its_own(table):
+    writer, a, router = _busy_a_idle_b(table)
     snapshot = router.view.directory.snapshot()
     selector = router.policy.selector(router.view, snapshot)
     if not NATIVE_SELECTION:
@@ -321,12 +327,7 @@ def test_weights_the_selector_does_not_read_are_the_python_scores(table):
 def test_the_install_built_the_c_selector_and_the_router_chooses_with_it(table, monkeypatch):
     """`make install` compiles _least_load.c; the router's least_load choice is the C one (the
     Python path, made to fail here, is not taken)."""
-    name, seg, row = table
-    writer = DirectoryWriter(seg)
-    a = writer.allocate("a", "127.0.0.1", 9001)
-    writer.allocate("b", "127.0.0.1", 9002)
-    row.add(layout.LANE_INFLIGHT, a.slot, a.generation)
-    router = Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
+    _, _, router = _busy_a_idle_b(table)
     monkeypatch.setattr(router.view, "components", lambda *args, **kw: pytest.fail("Python path"))
     assert [router.choose().instance_id for _ in range(3)] == ["b"] * 3
 
