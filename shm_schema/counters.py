@@ -14,7 +14,7 @@ import enum
 import itertools
 import struct
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from . import layout, process_identity
 from .bitfields import CounterWord, JournalWord
