@@ -293,12 +293,6 @@ static inline uint64_t word_at(const char *base, Py_ssize_t offset) {
     return __atomic_load_n((const uint64_t *)(base + offset), __ATOMIC_SEQ_CST);
 }
 
-/* Python's max(0.0, (at - now) / 1000): milliseconds from now, never negative. */
-static inline double ms_from_now(int64_t at, int64_t now) {
-    double ms = (double)(at - now) / 1000.0;
-    return ms > 0.0 ? ms : 0.0;
-}
-
 /* The totals into `totals` (n doubles): 0, or 1 when the selector steps aside, -1 on an error. */
 static int compute(Selector *self, int64_t now, double *totals) {
     if (self->buffer == NULL) {
@@ -349,17 +343,20 @@ static int compute(Selector *self, int64_t now, double *totals) {
                 total += (double)self->decoding[i] * self->decoding_weight;
             if (self->backlog_weight != 0.0) {
                 /* load_view._backlog_ms: the later of the next free slot and the free
-                 * prefill chain, plus the requests in flight the snapshot has not seen at the
-                 * marginal backlog each. */
-                double slot_in = ms_from_now(self->slot_free_at[i], now);
-                double prefill_in = ms_from_now(self->prefill_free_at[i], now);
-                double free_in = prefill_in > slot_in ? prefill_in : slot_in;
+                 * prefill chain, in ms from now and never negative, plus the requests in
+                 * flight the snapshot has not seen at the marginal backlog each. Python
+                 * divides each time by 1000 and takes the larger; a correctly rounded division
+                 * keeps order, so dividing the larger once is the same float. */
+                int64_t free_at = self->slot_free_at[i] > self->prefill_free_at[i]
+                                  ? self->slot_free_at[i] : self->prefill_free_at[i];
+                double free_in = free_at > now ? (double)(free_at - now) / 1000.0 : 0.0;
                 int64_t announced = self->pending[i] + self->decoding[i];
                 int64_t unseen = inflight[i] > announced ? inflight[i] - announced : 0;
                 __int128 unannounced = (__int128)unseen * self->marginal[i];
                 if (unannounced >= EXACT_LIMIT)
                     return 1;  /* beyond what a double holds exactly: Python's exact division */
-                total += (free_in + (double)(int64_t)unannounced / 1000.0) * self->backlog_weight;
+                double unannounced_ms = unannounced ? (double)(int64_t)unannounced / 1000.0 : 0.0;
+                total += (free_in + unannounced_ms) * self->backlog_weight;
             }
         }
         totals[i] = total;
