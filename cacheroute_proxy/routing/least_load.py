@@ -164,7 +164,7 @@ class LeastLoadPolicy:
                 chosen = selector.pick(clock.now_us())
                 if chosen is not None:
                     return Choice(chosen)
-        return Choice(self.select_by_totals(candidates, self.table_totals(view, snapshot, candidates)))
+        return Choice(self.select_by_totals(candidates, self._python_totals(view, snapshot, candidates)))
 
     def table_totals(self, view: LoadView, snapshot: DirectorySnapshot,
                      candidates: tuple[InstanceSlot, ...]) -> list[float | None]:
@@ -175,6 +175,10 @@ class LeastLoadPolicy:
                 totals = selector.totals(clock.now_us())
                 if totals is not None:
                     return totals
+        return self._python_totals(view, snapshot, candidates)
+
+    def _python_totals(self, view: LoadView, snapshot: DirectorySnapshot,
+                       candidates: tuple[InstanceSlot, ...]) -> list[float | None]:
         return self.totals(len(candidates), view.components(candidates, snapshot.slot_span))
 
     def selector(self, view: LoadView, snapshot: DirectorySnapshot) -> Any:
