@@ -271,6 +271,25 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
 
 
 # --- where the C selector steps aside, the Python score chooses -------------------------------------
+@pytest.mark.skipif(not NATIVE_SELECTION, reason="the C selector was not built")
+@pytest.mark.parametrize("marginal, unseen, served", [
+    (2 ** 30, 1, True),        # a large marginal backlog, the product still exact as a float
+    (2 ** 45, 2 ** 8, False),  # unseen x marginal = 2**53: only Python's int division is exact
+    (2 ** 52, 2, False),
+])
+def test_a_backlog_beyond_what_a_float_holds_exactly_is_the_python_scores(
+        table, monkeypatch, marginal, unseen, served):
+    name, seg, row = table
+    a = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+    for _ in range(unseen):
+        row.begin(a.slot, a.generation)
+    now = int(time.time() * 1e6)
+    SnapshotWriter(seg).publish({a.slot: Pressure(a.generation, 0, 0, now + 1_234, now, now, marginal)})
+    expected = _python_totals(seg, row, {}, now, monkeypatch)
+    _, _, selector = _selector(LeastLoadPolicy({}), seg, row)
+    assert _bits(selector.totals(now)) == (_bits(expected) if served else None)
+
+
 def _busy_a_idle_b(table) -> tuple[DirectoryWriter, Any, Router]:
     """Instances a (one request in flight) and b (idle), and a least_load router over them."""
     name, seg, row = table

@@ -50,7 +50,11 @@ typedef struct {
     uint64_t pressure_generation;
     int pressure_known, pressure_state;
     int64_t published;
-    int64_t *pending, *decoding, *slot_free_at, *prefill_free_at, *marginal;  /* n each */
+    int64_t *pending, *decoding, *marginal;  /* n each */
+    int64_t *free_at, *announced;  /* n each: the later of the two free times; pending + decoding */
+    /* A marginal backlog of 2**21 us or more: unseen (a count, below 2**32) x marginal may
+     * pass 2**53, so compute checks it before it adds (below, it cannot). */
+    int marginal_may_overflow;
 } Selector;
 
 /* What the snapshot offers: nothing (never published, or stale: the lanes alone), a record of
@@ -159,8 +163,8 @@ static int Selector_init(Selector *self, PyObject *args, PyObject *kwargs) {
         || (self->lane_weights = new_array(width, sizeof(double))) == NULL
         || (self->pending = new_array(n, sizeof(int64_t))) == NULL
         || (self->decoding = new_array(n, sizeof(int64_t))) == NULL
-        || (self->slot_free_at = new_array(n, sizeof(int64_t))) == NULL
-        || (self->prefill_free_at = new_array(n, sizeof(int64_t))) == NULL
+        || (self->free_at = new_array(n, sizeof(int64_t))) == NULL
+        || (self->announced = new_array(n, sizeof(int64_t))) == NULL
         || (self->marginal = new_array(n, sizeof(int64_t))) == NULL)
         return -1;
     if (read_offsets(generation_offsets, n, length, self->generation_offsets) < 0
@@ -229,8 +233,8 @@ static void Selector_dealloc(Selector *self) {
     PyMem_Free(self->lane_weights);
     PyMem_Free(self->pending);
     PyMem_Free(self->decoding);
-    PyMem_Free(self->slot_free_at);
-    PyMem_Free(self->prefill_free_at);
+    PyMem_Free(self->free_at);
+    PyMem_Free(self->announced);
     PyMem_Free(self->marginal);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -266,13 +270,18 @@ static int derive(Selector *self) {
         ok = PyTuple_Check(values) && PyTuple_GET_SIZE(values) == RECORD_VALUES * self->n;
         if (!ok)
             PyErr_SetString(PyExc_ValueError, "record values of another shape");
+        self->marginal_may_overflow = 0;
         for (Py_ssize_t i = 0; ok && i < self->n; i++) {
             Py_ssize_t at = RECORD_VALUES * i;
+            int64_t slot_free_at, prefill_free_at;
             ok = take(values, at, &self->pending[i]) == 0
                  && take(values, at + 1, &self->decoding[i]) == 0
-                 && take(values, at + 2, &self->slot_free_at[i]) == 0
-                 && take(values, at + 3, &self->prefill_free_at[i]) == 0
+                 && take(values, at + 2, &slot_free_at) == 0
+                 && take(values, at + 3, &prefill_free_at) == 0
                  && take(values, at + 4, &self->marginal[i]) == 0;
+            self->free_at[i] = slot_free_at > prefill_free_at ? slot_free_at : prefill_free_at;
+            self->announced[i] = self->pending[i] + self->decoding[i];
+            self->marginal_may_overflow |= self->marginal[i] >= INT64_C(1) << 21;
         }
         self->pressure_state = PRESSURE_USABLE;
     }
@@ -330,6 +339,15 @@ static int compute(Selector *self, int64_t now, double *totals) {
     int predicted = state == PRESSURE_USABLE && self->has_predicted;
     if (width == 0 && !predicted)
         return 1;  /* no weighted component known of anyone: Python's round-robin */
+    if (predicted && self->backlog_weight != 0.0 && self->marginal_may_overflow) {
+        /* An unseen x marginal product below 2**53 is exact as a double, as Python's int
+         * product; from 2**53 on Python's division is exact where a double's is not. */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t unseen = inflight[i] > self->announced[i] ? inflight[i] - self->announced[i] : 0;
+            if ((__int128)unseen * self->marginal[i] >= EXACT_LIMIT)
+                return 1;
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         /* 0.0 + the first term is that term exactly (terms are never negative), as Python's
          * sum starting at its first term. */
@@ -347,16 +365,11 @@ static int compute(Selector *self, int64_t now, double *totals) {
                  * flight the snapshot has not seen at the marginal backlog each. Python
                  * divides each time by 1000 and takes the larger; a correctly rounded division
                  * keeps order, so dividing the larger once is the same float. */
-                int64_t free_at = self->slot_free_at[i] > self->prefill_free_at[i]
-                                  ? self->slot_free_at[i] : self->prefill_free_at[i];
+                int64_t free_at = self->free_at[i];
                 double free_in = free_at > now ? (double)(free_at - now) / 1000.0 : 0.0;
-                int64_t announced = self->pending[i] + self->decoding[i];
-                int64_t unseen = inflight[i] > announced ? inflight[i] - announced : 0;
-                __int128 unannounced = (__int128)unseen * self->marginal[i];
-                if (unannounced >= EXACT_LIMIT)
-                    return 1;  /* beyond what a double holds exactly: Python's exact division */
-                double unannounced_ms = unannounced ? (double)(int64_t)unannounced / 1000.0 : 0.0;
-                total += (free_in + unannounced_ms) * self->backlog_weight;
+                int64_t unseen = inflight[i] > self->announced[i] ? inflight[i] - self->announced[i] : 0;
+                double unannounced = (double)unseen * (double)self->marginal[i];
+                total += (free_in + unannounced / 1000.0) * self->backlog_weight;
             }
         }
         totals[i] = total;
