@@ -13,9 +13,9 @@ from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
 .PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
 
-# setup.py builds the C parts (shm_schema/_lanes.c, proxy_workers/_select.c) into the
-# checkout: an edit rebuilds them.
-$(STAMP): pyproject.toml setup.py shm_schema/_lanes.c proxy_workers/_select.c
+# setup.py builds the C parts (shm_schema/_lanes.c, cacheroute_proxy/routing/_least_load.c) into
+# the checkout: an edit rebuilds them.
+$(STAMP): pyproject.toml setup.py shm_schema/_lanes.c cacheroute_proxy/routing/_least_load.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -161,4 +161,4 @@ clean-shm: $(STAMP)
 	$(PY) -m cacheroute_proxy shm unlink$(if $(FORCE), --force,)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_DIR) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so proxy_workers/_select.*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_DIR) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so cacheroute_proxy/routing/_least_load.*.so

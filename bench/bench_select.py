@@ -10,9 +10,9 @@ WorkerRow):
   `Settings(instance_strategy="least_load", ...)`: cached directory snapshot, the three layers
   (inflight words, queue lanes, the sidecar's pressure snapshot, published fresh with random
   values), score, tie-break through the shared header cursor.
-  The plan's choice is one C call (proxy_workers/_select.c) where the install built it;
-  `least_load_router_choose_python` is the same Router on the generated Python plan, in the
-  same run.
+  The choice is one C call (cacheroute_proxy/routing/_least_load.c) where the install built
+  it; `least_load_router_choose_python` is the same Router on least_load's Python score (what
+  serves where no compiler was found), in the same run.
 - least_load, inflight only: the same with every other weight 0 (only inflight is read).
 - round_robin select: the same Router with the default strategy.
 - dict least_load (baseline): what one process of the original does, a dict
@@ -41,8 +41,7 @@ from typing import Callable
 from bench.harness.results import Run, write_report
 from bench.harness.stats import median
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.routing.strategies import DEFAULT_WEIGHTS
-from proxy_workers.fast_score import NATIVE_SELECTION
+from cacheroute_proxy.routing.least_load import DEFAULT_WEIGHTS, NATIVE_SELECTION
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
 from shm_schema.atomic import BACKEND
@@ -65,7 +64,7 @@ def build() -> dict[str, str]:
         "atomicshm": atomicshm.__version__,
         "atomic_backend": BACKEND,
         "lane_updates": "C (shm_schema/_lanes.c)" if NATIVE_UPDATES else "Python closures",
-        "selection": "C (proxy_workers/_select.c)" if NATIVE_SELECTION else "generated Python",
+        "selection": "C (cacheroute_proxy/routing/_least_load.c)" if NATIVE_SELECTION else "Python",
     }
 
 

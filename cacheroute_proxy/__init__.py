@@ -7,7 +7,8 @@ an operator runs:
 
 - `config` (every setting, from PROXY_* environment variables and flags), `logs`, `clock`,
   `http` and `auth` (the JSON error shape and the bearer token of both planes);
-- `routing` (what a selection sees in the shared table, the strategies, /debug/instance_loads);
+- `routing` (instance selection: the policies, what they read of the shared table,
+  /debug/instance_loads);
 - `http1`, `serving` and `systemd` (the HTTP/1.1 server every role serves on, running it and
   telling systemd);
 - `supervisor` (the arbiter behind `cacheroute-proxy run`: sidecar first, then N workers,

@@ -17,16 +17,12 @@ from typing import Annotated, Any, Mapping
 
 import msgspec
 
+from .routing.registry import ALIASES as STRATEGY_ALIASES
 from .setting import ConfigError, Env, Rule, Topic, check, convert, fields_of, read, to_text
 from .static_instances import StaticInstance, parse_static_instances
 from .value_rules import (check_kdn_links, host_port, http_url, is_loopback, kv_event_endpoints,
                           read_token_file)
 
-STRATEGY_ALIASES: dict[str, str] = {
-    "round_robin": "round_robin", "round-robin": "round_robin", "rr": "round_robin",
-    "least_load": "least_load", "least-load": "least_load", "ll": "least_load",
-    "kv_aware": "kv_aware", "kv-aware": "kv_aware", "kv": "kv_aware",
-}
 LOAD_VIEWS = ("shared", "per_worker")
 AFFINITY_VIEWS = ("shared", "per_worker")
 LOG_FORMATS = ("text", "json")

@@ -7,8 +7,10 @@ before, so two prompts that share a prefix share their leading hashes, as vLLM's
 prefix cache shares their leading KV blocks).
 
 `AffinityScorer.assess` prices what a request would cost on each candidate: the prefill of the
-prompt tokens not held and the KV transfer of the knowledge not held; the router adds each
-instance's queue wait and pace (KvAwareStrategy).
+prompt tokens not held and the KV transfer of the knowledge not held; kv_aware adds each
+instance's queue wait and pace (cacheroute_proxy/routing/kv_aware.py, which the router hands
+`assess` as its pricing). The pricing stays here, with the affinity index it reads: the
+routing package imports nothing of a worker.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvou
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.engine_prefix import EnginePrefix
-from cacheroute_proxy.routing.strategies import Prediction
+from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, predictions
+from cacheroute_proxy.routing.load_view import LoadView
 from shm_schema import InstanceSlot, layout
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
 
@@ -250,6 +253,29 @@ class AffinityScorer:
 
 def _rounded(values: dict[str, float | None]) -> dict[str, float | None]:
     return {name: None if value is None else round(value, 1) for name, value in values.items()}
+
+
+def affinity_report(scorer: AffinityScorer, view: LoadView, policy: KvAwarePolicy, active: bool,
+                    query: Any) -> Any:
+    """/debug/instance_loads's kv_aware part (routing.report.AffinityReport) for the request
+    the query names, or None. `active`: kv_aware chooses (else the report shows what it would)."""
+    request = debug_request(query)
+    if request is None:
+        return None
+
+    def report(instances: Sequence[InstanceSlot], totals: list[float | None],
+               inflight: list[int | None]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        assessments = scorer.assess(request, instances)
+        span = 1 + max((i.slot for i in instances), default=-1)
+        predicted = predictions(view, instances, span, inflight, assessments)
+        guard = policy.guard([n for n, i in zip(inflight, instances) if i.alive])
+        rows = [scorer.report(request, i, a, p) for i, a, p in zip(instances, assessments, predicted)]
+        return rows, {"active": active, "affinity_view": scorer.index.mode,
+                      "request": {"knowledge": request.knowledge.knowledge_ids if request.knowledge else [],
+                                  "prefix_blocks": len(scorer.prefix_of(request))},
+                      "guard": {"fired": guard.fired, "reason": guard.reason, "spread": guard.spread,
+                                "balance_abs": policy.balance_abs, "balance_rel": policy.balance_rel}}
+    return report
 
 
 def debug_request(query: Any) -> ProxyRequest | None:

@@ -99,7 +99,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
         except ValueError as exc:
             return JSONResponse({"error": "invalid_query", "detail": str(exc)}, status_code=400)
         return JSONResponse(instance_loads(
-            ctx.router.view, ctx.router.scorer, strategy=ctx.router.strategy.name,
+            ctx.router.view, ctx.router.scorer, strategy=ctx.router.policy.name,
             ttl_s=ctx.settings.instance_ttl_s, include_dead=include_dead,
             answered_by=ctx.identity(), affinity=affinity))
 

@@ -207,7 +207,7 @@ def run(settings: Settings, index: int) -> int:
         log.info("worker %d serving %s (shared) and %s (private), row %d, strategy %s, view %s",
                  index, exits.host_port(settings.dp_host, settings.dp_port),
                  exits.host_port(settings.worker_private_host, settings.worker_private_port(index)),
-                 row.row, ctx.router.strategy.name, settings.load_view)
+                 row.row, ctx.router.policy.name, settings.load_view)
 
         return _serve(app, settings, [shared, private], index)
     finally:

@@ -28,8 +28,8 @@ class CounterWord:
     COUNT_MASK = _low_bits(GENERATION_SHIFT)
     MAX_GENERATION = _low_bits(64 - GENERATION_SHIFT)
     # The word's two native 32-bit halves in memory order (the shift is exactly 32): a reader
-    # that unpacks a word as two "I" gets the fields as small ints, without building a 64-bit
-    # int and masking it (counters.CandidateLanes, on every least_load selection).
+    # that loads one half gets the field without masking (the C selector of least_load, through
+    # CountersReader.count_offset / generation_offset).
     HALVES = ("count", "generation") if sys.byteorder == "little" else ("generation", "count")
 
     @staticmethod
@@ -51,16 +51,6 @@ class CounterWord:
         if word >> CounterWord.GENERATION_SHIFT != generation:
             return None
         return word & CounterWord.COUNT_MASK
-
-    # Source text for code generated over raw words (proxy_workers.fast_score), so a scorer
-    # that decodes words inline still spells the format only here.
-    @staticmethod
-    def generation_source(word: str) -> str:
-        return f"({word} >> {CounterWord.GENERATION_SHIFT})"
-
-    @staticmethod
-    def count_source(word: str) -> str:
-        return f"({word} & {CounterWord.COUNT_MASK})"
 
 
 class JournalWord:

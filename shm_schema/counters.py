@@ -14,11 +14,10 @@ import enum
 import itertools
 import struct
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from . import layout, process_identity
 from .bitfields import CounterWord, JournalWord
-from .records import run_lengths
 from .repair import free_row, subtract_row
 from .segment import Segment
 
@@ -81,53 +80,10 @@ class CountersReader:
             unpacker = self._lanes[span] = layout.lanes_struct(span)
         return unpacker.unpack_from(self._buf, _COUNTERS)
 
-
-class CandidateLanes:
-    """Some lanes' counts of some slots, and each slot's generation, in one struct call of
-    small ints, for one directory snapshot (the least_load selection path).
-
-    Each CounterWord is read as its two native 32-bit halves (CounterWord.HALVES) and only the
-    halves asked for are kept, the rest being struct padding: no 64-bit int is built and none
-    is masked. Two halves are two loads, so `read` is guarded by the directory sequence: a
-    slot's generation changes only inside the directory's write bracket (DirectoryWriter resets
-    the slot's counters there), so while the sequence is still the even `directory_seq` the
-    snapshot was decoded at, every word read carries the generation that snapshot names."""
-
-    def __init__(self, seg: Segment, slots: Sequence[int], lanes: Sequence[int],
-                 directory_seq: int) -> None:
-        if directory_seq & 1:
-            raise ValueError("a directory snapshot decoded mid-write names no stable generation")
-        wanted_lanes, wanted_slots = set(lanes) | {_INFLIGHT}, set(slots)
-        self._index: dict[tuple[int, int | None], int] = {}  # (slot, lane) or (slot, None) -> value
-        codes: list[str] = []
-        for slot in range(1 + max(slots, default=-1)):
-            for lane in range(_LANES):
-                for half in CounterWord.HALVES:
-                    key = (slot, lane) if half == "count" else (slot, None)
-                    if slot in wanted_slots and lane in wanted_lanes and (
-                            half == "count" or lane == _INFLIGHT):
-                        self._index[key] = len(self._index)
-                        codes.append("I")
-                    else:
-                        codes.append("4x")
-        self._unpack = struct.Struct("@" + run_lengths(codes)).unpack_from
-        self._buf = seg.buf
-        self._load = seg.atomic.load_u64
-        self._seq = directory_seq
-
-    def count_index(self, slot: int, lane: int) -> int:
-        """Where the count of (slot, lane) is in the tuple `read` returns."""
-        return self._index[(slot, lane)]
-
-    def generation_index(self, slot: int) -> int:
-        """Where the slot's generation (its inflight word's) is in the tuple `read` returns."""
-        return self._index[(slot, None)]
-
-    @property
-    def size(self) -> int:
-        return len(self._index)
-
-    # Where `read`'s values are in the segment, for a reader in C (proxy_workers/_select.c).
+    # Where the words are in the segment, for a reader in C (cacheroute_proxy/routing/_least_load.c).
+    # A CounterWord read as its two native 32-bit halves (CounterWord.HALVES) is two loads: such a
+    # reader checks the directory sequence after them, since a slot's generation changes only
+    # inside the directory's write bracket (DirectoryWriter resets the slot's counters there).
     directory_seq_offset = _DIRECTORY_SEQ
 
     @staticmethod
@@ -139,11 +95,6 @@ class CandidateLanes:
     def generation_offset(slot: int) -> int:
         """The byte offset of the slot's generation half (its inflight word's)."""
         return layout.counter_offset(slot, _INFLIGHT) + _HALF * CounterWord.HALVES.index("generation")
-
-    def read(self) -> tuple[int, ...] | None:
-        """The values, or None if the directory changed (or is changing) since the snapshot."""
-        values = self._unpack(self._buf, _COUNTERS)
-        return values if self._load(_DIRECTORY_SEQ) == self._seq else None
 
 
 def counter_value(seg: Segment, slot: int, generation: int, lane: int = _INFLIGHT) -> int | None:

@@ -82,14 +82,14 @@ class SnapshotReader:
         self._records: tuple[int, ...] = ()
         self._span = 0
         self._structs: dict[int, struct.Struct] = {}
-        # The generation published now: one atomic load, prebound (once per least_load
-        # selection). The writer stores the publish time before it bumps the generation, so
-        # what a caller derived from `records` and `published_us` stays true while this is
-        # unchanged (the least_load plan re-derives only then).
+        # The generation published now: one atomic load, prebound. The writer stores the
+        # publish time before it bumps the generation, so what a caller derived from `records`
+        # and `published_us` stays true while this is unchanged (least_load's C selector
+        # re-reads the records only then).
         self.generation: Callable[[], int] = functools.partial(seg.atomic.load_u64,
                                                                layout.H_SNAPSHOT_GEN)
 
-    # Where `generation` reads, for a reader in C (proxy_workers/_select.c).
+    # Where `generation` reads, for a reader in C (cacheroute_proxy/routing/_least_load.c).
     generation_offset = layout.H_SNAPSHOT_GEN
 
     def published_us(self) -> int:

@@ -18,7 +18,7 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import ERROR_HANDLERS, HTTPError, JSONResponse, from_http_error
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.report import instance_loads
-from cacheroute_proxy.routing.strategies import LeastLoadStrategy
+from cacheroute_proxy.routing.least_load import LeastLoadPolicy
 from shm_schema import DirectoryFull, Segment, header
 
 from cacheroute_proxy import instance_wire as wire
@@ -48,7 +48,7 @@ class SidecarState:
     reaper: WorkerReaper
     pressure: PressurePublisher
     view: LoadView
-    scorer: LeastLoadStrategy
+    scorer: LeastLoadPolicy
     epoch: int
     topology: Topology
     # Registration with the Scheduler (sidecar/scheduler_link.py); set by build_state.

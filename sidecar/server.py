@@ -18,7 +18,7 @@ from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.strategies import LeastLoadStrategy
+from cacheroute_proxy.routing.least_load import LeastLoadPolicy
 from cacheroute_proxy.http1 import GracefulExit, Http1Server, head_limits
 from shm_schema import Segment, SegmentError, header
 
@@ -74,7 +74,7 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     registry.on_removed.append(topology.forget)  # an instance's links leave with it
     state = SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
                          pressure=pressure, view=LoadView(seg),
-                         scorer=LeastLoadStrategy(settings.least_load_weights), epoch=epoch,
+                         scorer=LeastLoadPolicy(settings.least_load_weights), epoch=epoch,
                          topology=topology)
     state.scheduler = make_link(
         settings, lambda proxy_id: pool_resource.snapshot_of(registry, state.view, settings, proxy_id),

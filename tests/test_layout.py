@@ -1,8 +1,8 @@
 """The outline of the repository, checked from the code's own imports (read as text, nothing is
 run): which top-level package may import which, that layering goes one way, that the product
-never reaches for its test and demo doubles or its offline tools, that a role's package holds
-only what runs in that role, and that no bit of a shared-memory format is spelled outside
-shm_schema."""
+never reaches for its test and demo doubles or its offline tools, that it generates no code,
+that a package's private modules stay its own, that a role's package holds only what runs in
+that role, and that no bit of a shared-memory format is spelled outside shm_schema."""
 
 from __future__ import annotations
 
@@ -101,6 +101,42 @@ def test_the_product_never_names_its_doubles_or_its_tools() -> None:
             for word in (DOUBLES, f"{TOOLS}.", "bench.", "tests."):
                 if f'"{word}' in text or f"'{word}" in text or f"-m {word}" in text:
                     found.append(f"{path.relative_to(ROOT)} names {word}")
+    assert not found, "\n".join(found)
+
+
+def test_the_product_generates_no_code() -> None:
+    """No source text built and run at run time (`exec`, `eval`, the builtin `compile`): every
+    path a request takes is code a reader can open, and a fast one is C beside the Python it
+    mirrors (cacheroute_proxy/routing/_least_load.c, shm_schema/_lanes.c)."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno} calls {node.func.id}"
+             for package in PRODUCT for path in python_files(package)
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in ("exec", "eval", "compile")]
+    assert not found, "\n".join(found)
+
+
+def test_a_private_module_is_imported_only_inside_its_package() -> None:
+    """`_name` modules (the compiled parts among them) are their package's own: the router reaches
+    least_load's C selector through least_load, never directly."""
+    def private_module(name: str) -> str | None:
+        """The package holding `name`'s first private module (a .py or a compiled .c), if any."""
+        parts = name.split(".")
+        for i, part in enumerate(parts[1:], 1):
+            where = ROOT.joinpath(*parts[:i], part)
+            if part.startswith("_") and not part.startswith("__") and (
+                    where.with_suffix(".py").exists() or where.with_suffix(".c").exists()):
+                return ".".join(parts[:i])
+        return None
+
+    found = []
+    for package in PRODUCT:
+        for path in python_files(package):
+            importer = module_name(path)
+            for line, name in imported_modules(path):
+                owner = private_module(name)
+                if owner is not None and not importer.startswith(owner + "."):
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert not found, "\n".join(found)
 
 

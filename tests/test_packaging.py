@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from cacheroute_proxy.routing.least_load import NATIVE_SELECTION
+from shm_schema.counters import NATIVE_UPDATES
 from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
 
 PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers", "instance_agent"}
@@ -59,6 +61,10 @@ def test_the_wheel_holds_the_product_and_its_data_only(wheel: Path) -> None:
         assert f"sidecar/dashboard/vendor/{vendored}" in names, vendored
     assert "cacheroute_proxy/http1/server.py" in names
     assert not any("uvicorn" in name for name in names)  # the simulators' server, not the product's
+    # Each compiled part beside the Python it mirrors (built here: this machine has a compiler).
+    built = {name.split(".")[0] for name in names if name.endswith(".so")}
+    assert built == ({"shm_schema/_lanes"} if NATIVE_UPDATES else set()) | (
+        {"cacheroute_proxy/routing/_least_load"} if NATIVE_SELECTION else set())
 
 
 class Backend(stdlib_http.ThreadingHTTPServer):

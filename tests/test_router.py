@@ -8,7 +8,8 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
-from proxy_workers.router import Choice, Router
+from cacheroute_proxy.routing.policy import Choice
+from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow
 
 

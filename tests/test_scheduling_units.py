@@ -9,7 +9,8 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from proxy_workers.predictors import get_predictors
-from cacheroute_proxy.routing.strategies import LeastLoadStrategy, RoundRobinStrategy
+from cacheroute_proxy.routing.least_load import LeastLoadPolicy
+from cacheroute_proxy.routing.round_robin import RoundRobinPolicy
 from proxy_workers.iws import decide
 from proxy_workers.kdn_links import KdnLink
 from proxy_workers.knowledge import KnowledgePreparer, LinkTimeline
@@ -171,27 +172,27 @@ def _comps(**columns):
 
 
 def test_lower_inflight_wins_when_the_rest_is_equal():
-    s = LeastLoadStrategy()
+    s = LeastLoadPolicy()
     comps = _comps(inflight=[2, 1], active_ready=[1, 1], pending_prefill_count=[1, 1],
                    predicted_total_backlog_ms=[300.0, 300.0])
     assert s.select(["a", "b"], comps) == "b"
 
 
 def test_higher_pending_prefill_loses_at_equal_inflight():
-    s = LeastLoadStrategy()
+    s = LeastLoadPolicy()
     comps = _comps(inflight=[1, 1], pending_prefill_count=[2, 0], active_decode_count=[0, 1])
     assert s.select(["a", "b"], comps) == "b"
 
 
 def test_larger_predicted_backlog_loses_when_queues_read_zero():
-    s = LeastLoadStrategy()
+    s = LeastLoadPolicy()
     comps = _comps(inflight=[1, 1], active_ready=[0, 0], ready_queue_depth=[0, 0],
                    prepare_queue_depth=[0, 0], predicted_total_backlog_ms=[2500.0, 100.0])
     assert s.select(["a", "b"], comps) == "b"
 
 
 def test_fallback_order():
-    s = LeastLoadStrategy()
+    s = LeastLoadPolicy()
     # predicted missing -> the queue-aware score decides
     queue_aware = _comps(inflight=[1, 1], active_ready=[2, 0],
                          pending_prefill_count=[None, None], predicted_total_backlog_ms=[None, None])
@@ -208,7 +209,7 @@ def test_fallback_order():
 
 
 def test_round_robin_ignores_hints():
-    rr = RoundRobinStrategy()
+    rr = RoundRobinPolicy()
     hints = _comps(inflight=[0, 100], pending_prefill_count=[0, 9])
     assert [rr.select(["a", "b"], hints) for _ in range(4)] == ["a", "b", "a", "b"]
 

@@ -11,7 +11,8 @@ import posix_ipc
 import pytest
 
 from cacheroute_proxy.config import Settings
-from proxy_workers.router import Choice, Lease, Router
+from cacheroute_proxy.routing.policy import Choice
+from proxy_workers.router import Lease, Router
 from shm_schema import (CounterWord, DirectoryFull, DirectoryReader, DirectoryWriter, CountersReader, Segment,
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,
                         WorkerTableFull, encode_identity, layout, read_all, read_rows)

@@ -1,5 +1,5 @@
-"""Instance selection: the original Proxy's validation plan for least_load plus the LoadView that
-feeds it from the shared segment."""
+"""Instance selection: the policies by name, kv_aware's choice, the original Proxy's validation
+plan for least_load, and the LoadView that feeds them from the shared segment."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.strategies import (DEFAULT_WEIGHTS, KvAwareStrategy, LeastLoadStrategy,
-                                                 Prediction, RoundRobinStrategy, build_strategy,
-                                                 resolve_weights)
+from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction
+from cacheroute_proxy.routing.least_load import DEFAULT_WEIGHTS, LeastLoadPolicy, resolve_weights
+from cacheroute_proxy.routing.registry import build_policy
+from cacheroute_proxy.routing.round_robin import RoundRobinPolicy
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, WorkerRow
 from tests.shm_helpers import fresh_segment
@@ -33,13 +34,13 @@ def picks(strategy, candidates, components, n):
     ("kv_aware", "kv_aware"), ("kv-aware", "kv_aware"), ("kv", "kv_aware"), ("KV", "kv_aware"),
 ])
 def test_factory_aliases(alias, canonical):
-    assert build_strategy(alias).name == canonical
+    assert build_policy(alias).name == canonical
 
 
 @pytest.mark.parametrize("name", ["least_inflight", "random", "", "cache_aware"])
 def test_unknown_strategy_is_a_value_error(name):
     with pytest.raises(ValueError, match="unknown instance strategy"):
-        build_strategy(name)
+        build_policy(name)
 
 
 def test_default_strategy_is_round_robin():
@@ -54,78 +55,83 @@ def _predicted(queue: float | None, prefill: float, transfer: float = 0.0,
 
 
 def test_kv_aware_a_holder_wins_unless_its_queue_costs_more_than_the_prefill_it_saves():
-    kv = KvAwareStrategy()
+    kv = KvAwarePolicy()
     # The warm instance saves 30 ms of prefill (10 left against 40) and waits 20 ms: 30 < 40.
     warm, cold = _predicted(20.0, 10.0), _predicted(0.0, 40.0)
-    chosen, guard = kv.choose(["warm", "cold"], [2.0, 0.0], [2, 0], [warm, cold])
+    chosen, guard = kv.select_by_predictions(["warm", "cold"], [2.0, 0.0], [2, 0], [warm, cold])
     assert (chosen, guard.fired) == ("warm", False)
     # Its queue grows past the saving: 35 + 10 > 0 + 40.
-    chosen, _ = kv.choose(["warm", "cold"], [2.0, 0.0], [2, 0], [_predicted(35.0, 10.0), cold])
+    chosen, _ = kv.select_by_predictions(["warm", "cold"], [2.0, 0.0], [2, 0],
+                                         [_predicted(35.0, 10.0), cold])
     assert chosen == "cold"
     # A KV transfer counts as prefill does: the holder of the knowledge skips 50 ms of it.
-    chosen, _ = kv.choose(["holder", "other"], [1.0, 0.0], [1, 0],
-                          [_predicted(30.0, 20.0, 0.0), _predicted(0.0, 20.0, 50.0)])
+    chosen, _ = kv.select_by_predictions(["holder", "other"], [1.0, 0.0], [1, 0],
+                                         [_predicted(30.0, 20.0, 0.0), _predicted(0.0, 20.0, 50.0)])
     assert chosen == "holder"
 
 
 def test_kv_aware_keeps_a_prompt_at_its_home_unless_the_home_queue_costs_more_than_moving_it():
     """The home is credited with the prompt (prefill 10 of 40); elsewhere its blocks would save
     30 ms there, which they would displace."""
-    kv = KvAwareStrategy()
+    kv = KvAwarePolicy()
     home = _predicted(0.0, 10.0)
     # A duplicate away from home loses at equal queues: 10 < 10 + 30.
     duplicate = _predicted(0.0, 10.0, displace=30.0)
-    assert kv.choose(["home", "away"], [0.0, 0.0], [0, 0], [home, duplicate])[0] == "home"
+    assert kv.select_by_predictions(["home", "away"], [0.0, 0.0], [0, 0],
+                                    [home, duplicate])[0] == "home"
     # ...and wins once the home's queue costs more than the displacement: 35 + 10 > 10 + 30.
-    assert kv.choose(["home", "away"], [2.0, 0.0], [2, 0],
-                     [_predicted(35.0, 10.0), duplicate])[0] == "away"
+    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+                                    [_predicted(35.0, 10.0), duplicate])[0] == "away"
     # Moving the prompt to an instance that holds nothing costs its prefill and the displacement:
     # 50 + 10 < 0 + 40 + 30, so the home keeps it; at 65 ms of queue it moves.
     cold = _predicted(0.0, 40.0, displace=30.0)
-    assert kv.choose(["home", "away"], [2.0, 0.0], [2, 0], [_predicted(50.0, 10.0), cold])[0] == "home"
-    assert kv.choose(["home", "away"], [2.0, 0.0], [2, 0], [_predicted(65.0, 10.0), cold])[0] == "away"
+    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+                                    [_predicted(50.0, 10.0), cold])[0] == "home"
+    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+                                    [_predicted(65.0, 10.0), cold])[0] == "away"
     # The trace's TTFT is the time to first token alone.
     assert (cold.total_ms, cold.score_ms) == (40.0, 70.0)
 
 
 def test_kv_aware_equal_predictions_rotate():
-    kv = KvAwareStrategy()
+    kv = KvAwarePolicy()
     same = [_predicted(0.0, 40.0)] * 2
-    assert {kv.choose(["a", "b"], [0.0, 0.0], [0, 0], same)[0] for _ in range(4)} == {"a", "b"}
+    chosen = {kv.select_by_predictions(["a", "b"], [0.0, 0.0], [0, 0], same)[0] for _ in range(4)}
+    assert chosen == {"a", "b"}
 
 
 def test_kv_aware_without_a_fresh_snapshot_least_load_chooses_and_the_requests_cost_breaks_ties():
-    kv = KvAwareStrategy()
+    kv = KvAwarePolicy()
     unknown = [_predicted(None, 40.0), _predicted(None, 10.0), _predicted(None, 5.0)]
     # least_load's totals decide first: c is busier, so the tie between a and b goes to b,
     # which holds more of the request.
-    chosen, guard = kv.choose(["a", "b", "c"], [1.0, 1.0, 2.0], [1, 1, 2], unknown)
+    chosen, guard = kv.select_by_predictions(["a", "b", "c"], [1.0, 1.0, 2.0], [1, 1, 2], unknown)
     assert (chosen, guard.fired) == ("b", False)
 
 
 def test_kv_aware_guard_fires_only_past_both_bounds_and_then_least_load_chooses():
-    kv = KvAwareStrategy(balance_abs=4.0, balance_rel=1.5)
+    kv = KvAwarePolicy(balance_abs=4.0, balance_rel=1.5)
     assert kv.guard([10, 5]).fired  # spread 5 > 4 and 10 > 7.5
     assert not kv.guard([10, 7]).fired  # spread 3 <= 4
     assert not kv.guard([20, 15]).fired  # spread 5 > 4 but 20 <= 22.5
     assert not kv.guard([10, None]).fired  # one known load: nothing to balance
     # The hot instance holds the prompt and is predicted the faster, but the guard fires.
-    chosen, guard = kv.choose(["hot", "idle"], [12.0, 5.0], [10, 5],
-                              [_predicted(5.0, 1.0), _predicted(0.0, 40.0)])
+    chosen, guard = kv.select_by_predictions(["hot", "idle"], [12.0, 5.0], [10, 5],
+                                             [_predicted(5.0, 1.0), _predicted(0.0, 40.0)])
     assert (chosen, guard.fired) == ("idle", True) and "least_load" in guard.reason
 
 
 # --- least_load semantics ------------------------------------------------------------------------
 
 def test_lower_inflight_wins():
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     assert picks(ll, CANDIDATES, {"inflight": [3, 1, 2, 5]}, 5) == ["b"] * 5
     assert ll.select(CANDIDATES, {"inflight": [0, 1, 2, 5]}) == "a"
     assert ll.select(CANDIDATES, {"inflight": [9, 9, 9, 8]}) == "d"
 
 
 def test_ties_rotate_instead_of_always_picking_the_first():
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     chosen = picks(ll, CANDIDATES, {"inflight": [4, 1, 1, 1]}, 6)
     assert chosen == ["b", "c", "d", "b", "c", "d"]
     assert set(picks(ll, CANDIDATES, {"inflight": [0, 0, 0, 0]}, 8)) == set(CANDIDATES)
@@ -133,21 +139,21 @@ def test_ties_rotate_instead_of_always_picking_the_first():
 
 def test_ties_use_the_injected_cursor():
     cursor = iter(range(100, 200)).__next__
-    ll = LeastLoadStrategy(tie_cursor=cursor)
+    ll = LeastLoadPolicy(tie_cursor=cursor)
     assert picks(ll, CANDIDATES, {"inflight": [0, 0, 7, 7]}, 3) == ["a", "b", "a"]
 
 
 def test_all_unknown_falls_back_to_round_robin():
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     unknown = {"inflight": [None] * 4, "qps_1m": [None] * 4}
     assert picks(ll, CANDIDATES, unknown, 8) == CANDIDATES * 2
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     assert picks(ll, CANDIDATES[:3], None, 3) == ["a", "b", "c"]
     assert picks(ll, CANDIDATES[:3], {}, 3) == ["a", "b", "c"]
 
 
 def test_unknown_is_not_zero():
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     # a and c are unknown: dropped while b and d are known, even though b/d carry load.
     chosen = picks(ll, CANDIDATES, {"inflight": [None, 7, None, 5]}, 6)
     assert chosen == ["d"] * 6
@@ -156,43 +162,43 @@ def test_unknown_is_not_zero():
 
 def test_zero_weight_excludes_a_component():
     # qps_1m defaults to weight 0: a known qps alone does not make a score.
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     assert ll.totals(2, {"qps_1m": [0.5, 9.0]}) == [None, None]
     assert picks(ll, ["a", "b"], {"qps_1m": [0.5, 9.0]}, 4) == ["a", "b", "a", "b"]
     # Excluding inflight: the decision follows active_prepare alone.
-    ll = LeastLoadStrategy({"inflight": 0.0})
+    ll = LeastLoadPolicy({"inflight": 0.0})
     components = {"inflight": [0, 50], "active_prepare": [3, 1]}
     assert ll.select(["a", "b"], components) == "b"
     assert "inflight" not in ll.explain(0, components, {}, "none")["components"]
     # A non-zero qps weight brings it in.
-    ll = LeastLoadStrategy({"qps_1m": 2.0})
+    ll = LeastLoadPolicy({"qps_1m": 2.0})
     assert ll.totals(2, {"inflight": [1, 1], "qps_1m": [0.5, None]}) == [2.0, 1.0]
 
 
 def test_weighted_sum_of_known_components():
-    ll = LeastLoadStrategy()
+    ll = LeastLoadPolicy()
     components = {"inflight": [2, 1], "prepare_queue_depth": [0, 8], "predicted_total_backlog_ms": [None, 500.0]}
     assert ll.totals(2, components) == [2.0, 1 + 0.25 * 8 + 0.001 * 500]
     assert ll.select(["a", "b"], components) == "a"
 
 
 def test_empty_candidates_raise_no_instances():
-    for strategy in (LeastLoadStrategy(), RoundRobinStrategy()):
+    for strategy in (LeastLoadPolicy(), RoundRobinPolicy()):
         with pytest.raises(RuntimeError) as err:
             strategy.select([], {"inflight": []})
         assert str(err.value) == "no instances"
 
 
 def test_round_robin_ignores_components():
-    rr = RoundRobinStrategy()
+    rr = RoundRobinPolicy()
     assert picks(rr, CANDIDATES[:3], {"inflight": [0, 100, 100]}, 6) == ["a", "b", "c"] * 2
     shared = iter(range(5, 50)).__next__
-    rr = RoundRobinStrategy(shared)
+    rr = RoundRobinPolicy(shared)
     assert picks(rr, CANDIDATES, None, 3) == ["b", "c", "d"]
 
 
 def test_explain_returns_the_full_score_object():
-    ll = LeastLoadStrategy({"qps_1m": 0.5})
+    ll = LeastLoadPolicy({"qps_1m": 0.5})
     components = {"inflight": [3, None], "qps_1m": [2.0, 4.0], "ready_queue_depth": [None, 2]}
     sources = {"inflight": "shared_table_inflight", "qps_1m": "instance_heartbeat"}
     score = ll.explain(0, components, sources, "sidecar_snapshot")
@@ -216,9 +222,9 @@ def test_weights_validation():
     with pytest.raises(ConfigError, match="unknown component 'bogus'"):
         resolve_weights({"bogus": 1.0})
     with pytest.raises(ConfigError, match="PROXY_LEAST_LOAD_WEIGHTS"):
-        LeastLoadStrategy({"inflight": -1})
+        LeastLoadPolicy({"inflight": -1})
     with pytest.raises(ConfigError, match="must be a finite number >= 0"):
-        build_strategy("ll", weights={"inflight": "heavy"})
+        build_policy("ll", weights={"inflight": "heavy"})
     assert isinstance(ConfigError("x"), ValueError)
 
 
@@ -264,7 +270,7 @@ def test_shared_view_sees_every_workers_begin(table):
                ("pending_prefill_count", "active_decode_count", "predicted_total_backlog_ms"))
     assert view.predicted_source() == "unavailable"
     assert view.sources["inflight"] == "shared_table_inflight"
-    assert LeastLoadStrategy().select(cands, view.components(cands)).instance_id == "inst-2"
+    assert LeastLoadPolicy().select(cands, view.components(cands)).instance_id == "inst-2"
     assert view.inflight([]) == []
 
 

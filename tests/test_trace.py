@@ -22,7 +22,8 @@ from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.pipeline import Pipeline
 from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint
-from proxy_workers.router import Choice, Lease, Router
+from cacheroute_proxy.routing.policy import Choice
+from proxy_workers.router import Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
 from proxy_workers.trace import Knowledge, Trace, encode_meta
 from proxy_workers.event_channel import EventChannelWriter

@@ -127,7 +127,7 @@ class LoadView:
         published = self.snapshots.published_us()
         return None if not published else (clock.now_us() - published) / 1000
 
-    # --- reads for the selection path (see proxy_workers.router and fast_score) -------------------
+    # --- reads for the selection path ---------------------------------------------------------
     def candidates(self) -> tuple[InstanceSlot, ...]:
         return self.directory.snapshot().alive
 
@@ -136,7 +136,7 @@ class LoadView:
             return self._counters.words(span)
         return self._own_row.own_words(span)
 
-    # --- components of any instance list (the generic path, debug reports) ----------------------
+    # --- components of any instance list (least_load's Python score, debug reports) ----------
     def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
         """Inflight per instance. In the shared view, None if the slot has been reused since
         the directory snapshot (unknown, not zero); in the per-worker view a share of another

@@ -13,7 +13,7 @@ from cacheroute_proxy.health import slot_health
 from shm_schema import InstanceSlot, read_all
 
 from .load_view import LoadView
-from .strategies import LeastLoadStrategy
+from .least_load import LeastLoadPolicy
 
 # The 9 per-instance queue fields of the original's row; null means
 # unknown, never 0.
@@ -28,7 +28,7 @@ AffinityReport = Callable[[Sequence[InstanceSlot], list[float | None], list[int 
                           tuple[list[dict[str, Any]], dict[str, Any]]]
 
 
-def instance_loads(view: LoadView, scorer: LeastLoadStrategy, *, strategy: str, ttl_s: float,
+def instance_loads(view: LoadView, scorer: LeastLoadPolicy, *, strategy: str, ttl_s: float,
                    answered_by: dict[str, Any], include_dead: bool = True,
                    affinity: AffinityReport | None = None) -> dict[str, Any]:
     snapshot = view.directory.snapshot()

@@ -1,0 +1,156 @@
+"""kv_aware (aliases `kv`, `kv-aware`): the candidate with the lowest predicted time to first
+token, plus what serving a prompt away from its home costs the caches (docs/architecture.md §4.4,
+"The score" and "Homes"), within the balance guard.
+
+What a request would cost on each candidate, given what each holds of it, is the worker's to say
+(its pricing reads the affinity index and the predictor profile: proxy_workers/affinity.py);
+this policy adds each candidate's queue wait and pace from the load view, and chooses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
+
+from shm_schema import DirectorySnapshot, InstanceSlot
+
+from .least_load import LeastLoadPolicy
+from .load_view import LoadView
+from .policy import Choice, Cursor
+
+T = TypeVar("T")
+
+
+class Guard(NamedTuple):
+    """Why the balance guard did or did not make kv_aware choose as least_load does."""
+    fired: bool
+    reason: str
+    spread: int | None  # most - fewest requests in flight among the candidates
+    fewest: int | None
+    most: int | None
+
+
+class Prediction(NamedTuple):
+    """kv_aware's price of one candidate, in milliseconds: the request's predicted time to first
+    token there, in its three parts, and what serving it there does to the caches."""
+    queue_ms: float | None  # wait before its prefill could start; None: the predicted layer is unknown
+    prefill_ms: float       # prefill of what the instance does not hold, at the instance's pace
+    transfer_ms: float      # KDN -> instance transfer of the knowledge KV it does not hold
+    displace_ms: float = 0.0  # away from the prompt's home: the prefill its blocks would save there
+
+    @property
+    def own_ms(self) -> float:
+        """What the request itself costs there, whatever waits before it."""
+        return self.prefill_ms + self.transfer_ms + self.displace_ms
+
+    @property
+    def total_ms(self) -> float | None:
+        """The predicted time to first token."""
+        return None if self.queue_ms is None else self.queue_ms + self.prefill_ms + self.transfer_ms
+
+    @property
+    def score_ms(self) -> float | None:
+        """What kv_aware selects by: the predicted time to first token and the cache cost."""
+        return None if self.queue_ms is None else self.queue_ms + self.own_ms
+
+
+class Costs(Protocol):
+    """What a request would cost on one candidate at the profile's pace (the worker's pricing)."""
+
+    @property
+    def prefill_ms(self) -> float: ...
+
+    @property
+    def transfer_ms(self) -> float: ...
+
+    @property
+    def displace_ms(self) -> float: ...
+
+
+# (request, candidates) -> each candidate's costs, in order.
+Pricing = Callable[[Any, Sequence[InstanceSlot]], Sequence[Costs]]
+
+
+def predictions(view: LoadView, candidates: Sequence[InstanceSlot], span: int,
+                inflight: Sequence[int | None], costs: Sequence[Costs]) -> list[Prediction]:
+    """Each candidate's queue wait and pace, with what the request would cost there."""
+    waits = view.queue_waits(candidates, span, inflight)
+    return [Prediction(queue_ms, pace * c.prefill_ms, c.transfer_ms, pace * c.displace_ms)
+            for (queue_ms, pace), c in zip(waits, costs)]
+
+
+class KvAwarePolicy(LeastLoadPolicy):
+    """The candidate with the lowest predicted time to first token: queue wait, plus the prefill
+    of the prompt tokens not already resident at the instance's measured pace, plus the KV
+    transfer of the knowledge not already resident -- plus, away from the prompt's home, the
+    prefill its blocks would save there (they would take the place of that instance's own
+    prompts). Load and affinity in one unit: an instance holding the prefix wins unless its
+    queue costs more than the prefill it saves. Ties rotate, as least_load's.
+
+    Where the predicted layer is unknown (no fresh snapshot), least_load's score chooses and
+    what the request itself costs breaks its ties. The balance guard, after SGLang's router,
+    chooses as least_load does when the candidates' requests in flight spread by more than
+    `balance_abs` AND the busiest holds more than `balance_rel` x the idlest's: a queue the
+    prediction underrates cannot keep attracting what it holds.
+
+    Without a pricing (a bare router in a unit test), or for a selection without a request,
+    kv_aware is least_load."""
+
+    name = "kv_aware"
+
+    def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
+                 tie_cursor: Cursor | None = None, *, balance_abs: float = 4.0,
+                 balance_rel: float = 1.5, pricing: Pricing | None = None,
+                 native: bool = True) -> None:
+        super().__init__(weights, cursor, tie_cursor, native=native)
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.pricing = pricing
+
+    def guard(self, inflight: Sequence[int | None]) -> Guard:
+        known = [n for n in inflight if n is not None]
+        if len(known) < 2:
+            return Guard(False, "fewer than two candidates with a known inflight", None,
+                         min(known, default=None), max(known, default=None))
+        fewest, most = min(known), max(known)
+        spread = most - fewest
+        if spread <= self.balance_abs:
+            return Guard(False, f"inflight spread {spread} <= balance_abs {self.balance_abs:g}",
+                         spread, fewest, most)
+        if most <= self.balance_rel * fewest:
+            return Guard(False, f"most inflight {most} <= balance_rel {self.balance_rel:g} x "
+                         f"fewest {fewest}", spread, fewest, most)
+        return Guard(True, f"inflight spread {spread} > balance_abs {self.balance_abs:g} and most "
+                     f"{most} > balance_rel {self.balance_rel:g} x fewest {fewest}: least_load",
+                     spread, fewest, most)
+
+    def scores(self, totals: list[float | None], inflight: Sequence[int | None],
+               predictions: Sequence[Prediction]) -> tuple[list[Any], Guard]:
+        """What to select by (lowest wins, equal ones rotate): the predicted times to first
+        token with the cache cost; least_load's totals if the guard fires; least_load's totals
+        with the request's own cost as the tie-break where a prediction is unknown."""
+        verdict = self.guard(inflight)
+        if verdict.fired:
+            return totals, verdict
+        predicted = [p.score_ms for p in predictions]
+        if None not in predicted:
+            return predicted, verdict
+        return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict
+
+    def select_by_predictions(self, candidates: Sequence[T], totals: list[float | None],
+                              inflight: Sequence[int | None],
+                              predictions: Sequence[Prediction]) -> tuple[T, Guard]:
+        scores, verdict = self.scores(totals, inflight, predictions)
+        return self.select_by_totals(candidates, scores), verdict
+
+    def choose(self, view: LoadView, snapshot: DirectorySnapshot,
+               candidates: tuple[InstanceSlot, ...], request: Any = None) -> Choice:
+        if request is None or self.pricing is None:
+            return super().choose(view, snapshot, candidates)
+        span = snapshot.slot_span
+        totals = self.table_totals(view, snapshot, candidates)
+        costs = self.pricing(request, candidates)
+        inflight = view.inflight(candidates, span)
+        predicted = predictions(view, candidates, span, inflight, costs)
+        chosen, guard = self.select_by_predictions(candidates, totals, inflight, predicted)
+        index = candidates.index(chosen)
+        return Choice(chosen, costs[index], predicted[index], guard)
