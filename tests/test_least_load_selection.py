@@ -135,7 +135,7 @@ def test_the_selector_scores_and_chooses_as_the_component_path(table, seed, nati
         expected = _python_totals(seg, row, weights, at, monkeypatch)
         fresh = published and offset_us <= STALE_US
         if (wrong_generation and fresh) or all(t is None for t in expected):
-            # A record of another generation, or nothing weighted known: the Python score's.
+            # A record of another generation, or nothing weighted known: the component path's.
             assert selector.totals(at) is None and selector.pick(at) is None
             continue
         assert _bits(selector.totals(at)) == _bits(expected)  # bit for bit
@@ -178,7 +178,7 @@ def test_the_selector_follows_the_component_path_through_changing_load_and_snaps
         expected = _python_totals(seg, row, weights, at, monkeypatch)
         totals = selector.totals(at)
         if totals is None:
-            continue  # stepped aside (a record of another generation): the Python score chooses
+            continue  # stepped aside (a record of another generation): the component path chooses
         served += 1
         assert _bits(totals) == _bits(expected), step
         for _ in range(2):
@@ -277,7 +277,7 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
     assert router.scorer.table_totals(router.view, snapshot, snapshot.alive) == pytest.approx([expected])
 
 
-# --- where the C selector steps aside, the Python score chooses -------------------------------------
+# --- where a selector steps aside, the component path chooses ----------------------------------------
 @pytest.mark.parametrize("native", SELECTORS)
 @pytest.mark.parametrize("marginal, unseen, served", [
     (2 ** 30, 1, True),        # a large marginal backlog, the product still exact as a float
@@ -336,7 +336,7 @@ def test_a_slot_of_another_generation_is_the_python_scores_to_choose(table):
     writer.free(a.slot)  # a's slot changes generation under the old snapshot
     if selector is not None:
         assert selector.totals(0) is None
-    # The Python score reads a's inflight as unknown, never zero.
+    # The component path reads a's inflight as unknown, never zero.
     assert router.scorer.totals(2, view.components(snapshot.alive, snapshot.slot_span))[0] is None
 
 

@@ -35,7 +35,7 @@ from .round_robin import RoundRobinPolicy
 
 try:  # the C selector, built by `pip install` where a compiler is
     from ._least_load import Selector as _NativeSelector
-except ImportError:  # no compiler at install: the Python score serves
+except ImportError:  # no compiler at install: PythonSelector serves
     _NativeSelector = None
 
 NATIVE_SELECTION = _NativeSelector is not None
