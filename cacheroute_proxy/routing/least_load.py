@@ -184,7 +184,7 @@ class LeastLoadPolicy:
         return self._component_totals(view, snapshot, candidates)
 
     def _component_totals(self, view: LoadView, snapshot: DirectorySnapshot,
-                       candidates: tuple[InstanceSlot, ...]) -> list[float | None]:
+                          candidates: tuple[InstanceSlot, ...]) -> list[float | None]:
         return self.totals(len(candidates), view.components(candidates, snapshot.slot_span))
 
     def selector(self, view: LoadView, snapshot: DirectorySnapshot) -> Any:
