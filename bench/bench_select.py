@@ -11,8 +11,8 @@ WorkerRow):
   (inflight words, queue lanes, the sidecar's pressure snapshot, published fresh with random
   values), score, tie-break through the shared header cursor.
   The choice is one C call (cacheroute_proxy/routing/_least_load.c) where the install built
-  it; `least_load_router_choose_python` is the same Router on least_load's Python score (what
-  serves where no compiler was found), in the same run.
+  it; `least_load_router_choose_python` is the same Router on the Python selector (what serves
+  where no compiler was found), in the same run.
 - least_load, inflight only: the same with every other weight 0 (only inflight is read).
 - round_robin select: the same Router with the default strategy.
 - dict least_load (baseline): what one process of the original does, a dict

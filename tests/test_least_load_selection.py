@@ -1,8 +1,9 @@
-"""least_load's score exists twice: in Python (least_load_score over LoadView.components) and in
-C (the selector of cacheroute_proxy/routing/_least_load.c). On randomised tables the two give
-the same totals bit for bit and the same choices, ties included; the C selector steps aside
-(None) exactly where it would not see what the Python score sees, and the Python score then
-chooses; without the compiled part the Python score serves alone."""
+"""least_load's score is least_load_totals over LoadView.components (the component path); a
+selector per directory snapshot computes it from the words it reads, in C (_least_load.c) where
+the install built it, else in Python (PythonSelector). On randomised tables each selector gives
+the component path's totals bit for bit and its choices, ties included; a selector steps aside
+(None) exactly where it would not see what the component path sees, and the component path then
+chooses; without the compiled part the Python selector serves."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 from cacheroute_proxy import clock
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.least_load import (BACKLOG, DEFAULT_WEIGHTS, LANES, NATIVE_COMPONENTS,
-                                                 NATIVE_SELECTION, LeastLoadPolicy)
+                                                 NATIVE_SELECTION, LeastLoadPolicy, PythonSelector)
 from cacheroute_proxy.routing.load_view import LoadView
 from proxy_workers.router import Router
 from shm_schema import CountersReader, DirectoryWriter, WorkerRow, counter_value, layout
@@ -32,6 +33,12 @@ from tests.shm_helpers import fresh_segment, segment_with_row
 
 STALE_MS = 2000.0
 STALE_US = int(STALE_MS * 1000)
+
+
+# The two selectors: the C one (where the install built it) and the Python one.
+SELECTORS = [pytest.param(True, id="c", marks=pytest.mark.skipif(
+                 not NATIVE_SELECTION, reason="the C selector was not built")),
+             pytest.param(False, id="python")]
 
 
 @pytest.fixture
@@ -85,12 +92,12 @@ def _load(seg, row, instances, rng: random.Random, now: int, wrong_generation: b
 
 
 def _python_totals(seg, row, weights, at: int, monkeypatch) -> list[float | None]:
-    """What the router's Python path scores: LoadView.components and least_load_score, at `at`."""
+    """What the component path scores: least_load_totals over LoadView.components, at `at`."""
     monkeypatch.setattr(clock, "now_us", lambda: at)
     view = LoadView(seg, "shared", row, stale_ms=STALE_MS)
     snapshot = view.directory.snapshot()
     python = LeastLoadPolicy(weights, native=False)
-    return python.table_totals(view, snapshot, snapshot.alive)
+    return python.totals(len(snapshot.alive), view.components(snapshot.alive, snapshot.slot_span))
 
 
 def _bits(totals: list[float | None] | None) -> list[str | None] | None:
@@ -104,9 +111,9 @@ def _selector(policy: LeastLoadPolicy, seg, row):
     return view, snapshot, policy.selector(view, snapshot)
 
 
-@pytest.mark.skipif(not NATIVE_SELECTION, reason="the C selector was not built")
+@pytest.mark.parametrize("native", SELECTORS)
 @pytest.mark.parametrize("seed", range(60))
-def test_the_c_selector_scores_and_chooses_as_the_python_score(table, seed, monkeypatch):
+def test_the_selector_scores_and_chooses_as_the_component_path(table, seed, native, monkeypatch):
     name, seg, row = table
     rng = random.Random(seed)
     instances = _instances(seg, rng)
@@ -116,19 +123,19 @@ def test_the_c_selector_scores_and_chooses_as_the_python_score(table, seed, monk
     weights = _weights(rng)
     # The C selector's policy breaks its ties on one cursor, the Python reference on another:
     # they must stay in step.
-    native = LeastLoadPolicy(weights, tie_cursor=itertools.count().__next__)
+    chosen = LeastLoadPolicy(weights, tie_cursor=itertools.count().__next__, native=native)
     python = LeastLoadPolicy(weights, tie_cursor=itertools.count().__next__, native=False)
-    view, snapshot, selector = _selector(native, seg, row)
-    if not any(native.weights.values()):  # nothing weighted: round-robin, no score to compute
+    view, snapshot, selector = _selector(chosen, seg, row)
+    if not any(chosen.weights.values()):  # nothing weighted: round-robin, no score to compute
         assert selector is None
         return
-    assert selector is not None
+    assert isinstance(selector, PythonSelector) is not native
     for offset_us in (0, 1_500_000, 2_500_000):  # fresh, still fresh, stale
         at = now + offset_us
         expected = _python_totals(seg, row, weights, at, monkeypatch)
         fresh = published and offset_us <= STALE_US
         if (wrong_generation and fresh) or all(t is None for t in expected):
-            # A record of another generation, or nothing weighted known: the Python score's.
+            # A record of another generation, or nothing weighted known: the component path's.
             assert selector.totals(at) is None and selector.pick(at) is None
             continue
         assert _bits(selector.totals(at)) == _bits(expected)  # bit for bit
@@ -136,10 +143,10 @@ def test_the_c_selector_scores_and_chooses_as_the_python_score(table, seed, monk
             assert selector.pick(at) is python.select_by_totals(snapshot.alive, expected)
 
 
-@pytest.mark.skipif(not NATIVE_SELECTION, reason="the C selector was not built")
+@pytest.mark.parametrize("native", SELECTORS)
 @pytest.mark.parametrize("seed", range(12))
-def test_the_c_selector_follows_the_python_score_through_changing_load_and_snapshots(
-        table, seed, monkeypatch):
+def test_the_selector_follows_the_component_path_through_changing_load_and_snapshots(
+        table, seed, native, monkeypatch):
     """One selector over the table while it changes: lanes move, snapshots are published (the
     selector re-reads them), go stale, name another generation. After every change the totals
     are the Python ones, and so are the choices, ties included."""
@@ -148,9 +155,9 @@ def test_the_c_selector_follows_the_python_score_through_changing_load_and_snaps
     instances = _instances(seg, rng, most=16)
     weights = rng.choice([{}, {n: rng.choice([0.0, 0.5, 1.0, 2.0]) for n in DEFAULT_WEIGHTS
                                if n != "qps_1m"}])
-    native = LeastLoadPolicy(weights, tie_cursor=itertools.count().__next__)
+    chosen = LeastLoadPolicy(weights, tie_cursor=itertools.count().__next__, native=native)
     python = LeastLoadPolicy(weights, tie_cursor=itertools.count().__next__, native=False)
-    view, snapshot, selector = _selector(native, seg, row)
+    view, snapshot, selector = _selector(chosen, seg, row)
     now = int(time.time() * 1e6)
     served = 0
     for step in range(60):
@@ -171,7 +178,7 @@ def test_the_c_selector_follows_the_python_score_through_changing_load_and_snaps
         expected = _python_totals(seg, row, weights, at, monkeypatch)
         totals = selector.totals(at)
         if totals is None:
-            continue  # stepped aside (a record of another generation): the Python score chooses
+            continue  # stepped aside (a record of another generation): the component path chooses
         served += 1
         assert _bits(totals) == _bits(expected), step
         for _ in range(2):
@@ -270,15 +277,16 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
     assert router.scorer.table_totals(router.view, snapshot, snapshot.alive) == pytest.approx([expected])
 
 
-# --- where the C selector steps aside, the Python score chooses -------------------------------------
-@pytest.mark.skipif(not NATIVE_SELECTION, reason="the C selector was not built")
+# --- where a selector steps aside, the component path chooses ----------------------------------------
+@pytest.mark.parametrize("native", SELECTORS)
 @pytest.mark.parametrize("marginal, unseen, served", [
     (2 ** 30, 1, True),        # a large marginal backlog, the product still exact as a float
     (2 ** 45, 2 ** 8, False),  # unseen x marginal = 2**53: only Python's int division is exact
     (2 ** 52, 2, False),
 ])
 def test_a_backlog_beyond_what_a_float_holds_exactly_is_the_python_scores(
-        table, monkeypatch, marginal, unseen, served):
+        table, monkeypatch, marginal, unseen, served, native):
+    """The C selector steps aside there; the Python one, on Python's ints, serves throughout."""
     name, seg, row = table
     a = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
     for _ in range(unseen):
@@ -286,27 +294,26 @@ def test_a_backlog_beyond_what_a_float_holds_exactly_is_the_python_scores(
     now = int(time.time() * 1e6)
     SnapshotWriter(seg).publish({a.slot: Pressure(a.generation, 0, 0, now + 1_234, now, now, marginal)})
     expected = _python_totals(seg, row, {}, now, monkeypatch)
-    _, _, selector = _selector(LeastLoadPolicy({}), seg, row)
-    assert _bits(selector.totals(now)) == (_bits(expected) if served else None)
+    _, _, selector = _selector(LeastLoadPolicy({}, native=native), seg, row)
+    assert _bits(selector.totals(now)) == (_bits(expected) if served or not native else None)
 
 
-def _busy_a_idle_b(table) -> tuple[DirectoryWriter, Any, Router]:
+def _busy_a_idle_b(table, native: bool = True) -> tuple[DirectoryWriter, Any, Router]:
     """Instances a (one request in flight) and b (idle), and a least_load router over them."""
     name, seg, row = table
     writer = DirectoryWriter(seg)
     a = writer.allocate("a", "127.0.0.1", 9001)
     writer.allocate("b", "127.0.0.1", 9002)
     row.add(layout.LANE_INFLIGHT, a.slot, a.generation)
-    return writer, a, Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
+    return writer, a, Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row,
+                             native_selection=native)
 
 
-def test_a_directory_change_steps_the_selector_aside_and_the_next_snapshot_gets_its_own(table):
-    writer, a, router = _busy_a_idle_b(table)
+@pytest.mark.parametrize("native", SELECTORS)
+def test_a_directory_change_steps_the_selector_aside_and_the_next_snapshot_gets_its_own(table, native):
+    writer, a, router = _busy_a_idle_b(table, native)
     snapshot = router.view.directory.snapshot()
     selector = router.policy.selector(router.view, snapshot)
-    if not NATIVE_SELECTION:
-        assert selector is None
-        return
     assert selector.pick(0).instance_id == "b"
     writer._begin()  # the sidecar is rewriting the directory (or died doing so)
     assert selector.pick(0) is None and selector.totals(0) is None
@@ -329,7 +336,7 @@ def test_a_slot_of_another_generation_is_the_python_scores_to_choose(table):
     writer.free(a.slot)  # a's slot changes generation under the old snapshot
     if selector is not None:
         assert selector.totals(0) is None
-    # The Python score reads a's inflight as unknown, never zero.
+    # The component path reads a's inflight as unknown, never zero.
     assert router.scorer.totals(2, view.components(snapshot.alive, snapshot.slot_span))[0] is None
 
 
@@ -351,30 +358,28 @@ def test_the_install_built_the_c_selector_and_the_router_chooses_with_it(table, 
     assert [router.choose().instance_id for _ in range(3)] == ["b"] * 3
 
 
-def test_the_c_selector_refuses_a_closed_segment():
+@pytest.mark.parametrize("native", SELECTORS)
+def test_the_selector_refuses_a_closed_segment(native):
     with fresh_segment(8, 2) as seg:
         writer = DirectoryWriter(seg)
         writer.allocate("a", "127.0.0.1", 9001)
         row = WorkerRow.claim(seg, 0)
-        _, _, selector = _selector(LeastLoadPolicy({}), seg, row)
-        if selector is None:
-            row.release()
-            pytest.skip("the C selector was not built")
+        _, _, selector = _selector(LeastLoadPolicy({}, native=native), seg, row)
         assert selector.pick(0).instance_id == "a"
         row.release()
     with pytest.raises(ValueError):  # the segment's memoryview is released: no dangling read
         selector.pick(0)
 
 
-@pytest.mark.skipif(not NATIVE_SELECTION, reason="the C selector was not built")
-def test_a_replaced_selector_is_collected(table):
+@pytest.mark.parametrize("native", SELECTORS)
+def test_a_replaced_selector_is_collected(table, native):
     """A selector and its policy refer to each other (its tie-break is the policy's); a policy
     replaces its selector at every directory change, so the collector must free the old one."""
     name, seg, row = table
     writer = DirectoryWriter(seg)
     a = writer.allocate("a", "127.0.0.1", 9001)
     writer.allocate("b", "127.0.0.1", 9002)
-    policy = LeastLoadPolicy({})
+    policy = LeastLoadPolicy({}, native=native)
     view = LoadView(seg, "shared", row, stale_ms=STALE_MS)
     selectors = []
     for alive in (False, True, False):
@@ -401,12 +406,13 @@ with segment_with_row() as (name, seg, row):
     busy, idle = writer.allocate("busy", "127.0.0.1", 9001), writer.allocate("idle", "127.0.0.1", 9002)
     row.add(layout.LANE_INFLIGHT, busy.slot, busy.generation)
     router = Router(Settings(shm_name=name, instance_strategy="least_load"), seg, row)
-    assert router.policy.selector(router.view, router.view.directory.snapshot()) is None
+    selector = router.policy.selector(router.view, router.view.directory.snapshot())
+    assert isinstance(selector, least_load.PythonSelector)
     print(",".join(router.choose().instance_id for _ in range(3)))
 """
 
 
-def test_without_the_compiled_part_the_python_score_chooses():
+def test_without_the_compiled_part_the_python_selector_chooses():
     done = subprocess.run([sys.executable, "-c", NO_COMPILER], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr

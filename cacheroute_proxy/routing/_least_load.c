@@ -1,7 +1,7 @@
 /* cacheroute_proxy.routing._least_load: least_load's score and choice (least_load.py) in C.
  *
  * One Selector per directory snapshot: it reads its candidates' counter halves straight from
- * the shared segment and computes, per candidate, what least_load.least_load_score computes
+ * the shared segment and computes, per candidate, what least_load.least_load_totals computes
  * from LoadView.components -- Sigma weight x value over the weighted components, in the
  * order of the weights (the counter lanes, then the pending and decoding counts, then the
  * predicted backlog) -- with the same double operations in the same order, hence the same
@@ -17,7 +17,7 @@
  * memoryview, taken for the length of one call only, so a closed segment is a ValueError here
  * and never a dangling pointer.
  *
- * The selector steps aside (None) wherever the Python score would see something it does not:
+ * The selector steps aside (None) wherever the component path would see something it does not:
  * the directory moved, a slot changed generation, a record describes another generation, a
  * value is beyond 2**53, or no weighted component is known (Python's round-robin then).
  */

@@ -136,7 +136,7 @@ class LoadView:
             return self._counters.words(span)
         return self._own_row.own_words(span)
 
-    # --- components of any instance list (least_load's Python score, debug reports) ----------
+    # --- components of any instance list (least_load's component path, debug reports) --------
     def inflight(self, instances: Sequence[SlotRef], span: int | None = None) -> list[int | None]:
         """Inflight per instance. In the shared view, None if the slot has been reused since
         the directory snapshot (unknown, not zero); in the per-worker view a share of another
