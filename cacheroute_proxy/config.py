@@ -65,14 +65,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     worker_private_port_base: Annotated[int, Env("PROXY_WORKER_PRIVATE_PORT_BASE", PROCESSES, (
         "worker *i* also answers on base + *i* (what a rolling restart waits for)"), **PORT)] = 8100
     workers: Annotated[int, Env("PROXY_WORKERS", PROCESSES, (
-        "workers started by `cacheroute-proxy run`, at most `PROXY_SHM_WORKER_CAPACITY`; under "
-        "systemd N is the number of enabled worker units"), ge=1, le=256)] = 4
+        "workers started by `cacheroute-proxy run`, at most `PROXY_SHM_WORKER_CAPACITY` (under "
+        "systemd: the enabled worker units)"), ge=1, le=256)] = 4
     worker_restart_backoff_s: Annotated[float, Env("PROXY_WORKER_RESTART_BACKOFF_S", PROCESSES, (
         "restart delay of a crashed child that had run for 5 s or more; one dying sooner waits "
         "twice as long each time, up to 10 s"))] = 0.2
     drain_timeout_s: Annotated[float, Env("PROXY_DRAIN_TIMEOUT_S", PROCESSES, (
-        "after SIGTERM a worker lets requests and streams finish this long, then cuts the rest "
-        "cleanly (docs/operations.md §4); the supervisor's stop waits this + 10 s before SIGKILL"),
+        "after SIGTERM a worker lets requests finish this long, then cuts the rest cleanly "
+        "(docs/operations.md §4); the supervisor SIGKILLs after this + 10 s"),
         gt=0)] = 30.0
     keepalive_timeout_s: Annotated[float, Env("PROXY_KEEPALIVE_TIMEOUT_S", PROCESSES, (
         "a worker closes a keep-alive connection idle this long; clients and load balancers in "
@@ -80,42 +80,38 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # What every listener (the workers', the sidecar's, the dashboard's) accepts of a request
     # head, as nginx does.
     max_url_bytes: Annotated[int, Env("PROXY_MAX_URL_BYTES", PROCESSES, (
-        "a longer request target (path and query) gets `414 URI Too Long` and the connection is "
-        "closed; on every listener: the workers', the control plane, the dashboard's"),
+        "a longer request target (path and query) gets 414 and the connection is closed; on every "
+        "listener (workers, control plane, dashboard)"),
         ge=256, le=1 << 20)] = 8 * 1024
     max_head_bytes: Annotated[int, Env("PROXY_MAX_HEAD_BYTES", PROCESSES, (
-        "a larger request head (request line and header lines; nginx allows 4 × 8 KiB) gets "
-        "`431 Request Header Fields Too Large` and the connection is closed; every listener"),
+        "a larger request head (request line and header lines; nginx allows 4 × 8 KiB): 431 and "
+        "close; every listener"),
         ge=256, le=1 << 20)] = 32 * 1024
     max_headers: Annotated[int, Env("PROXY_MAX_HEADERS", PROCESSES,
                                     "more header lines than this: 431 and close; every listener",
                                     ge=1, le=10_000)] = 100
     head_timeout_s: Annotated[float, Env("PROXY_HEAD_TIMEOUT_S", PROCESSES, (
-        "a request head not complete this long after its first byte gets `408 Request Timeout` and "
-        "the connection is closed (nginx's `client_header_timeout`); one behind a request still "
-        "being answered (pipelined) gets it once that answer is out. Every listener; a connection "
-        "idle between requests is `PROXY_KEEPALIVE_TIMEOUT_S`'s"), gt=0)] = 60.0
+        "a request head not complete this long after its first byte: 408 and close (nginx's "
+        "`client_header_timeout`; a pipelined one once the answer before it is out); every "
+        "listener"), gt=0)] = 60.0
     log_level: Annotated[str, Env("PROXY_LOG_LEVEL", PROCESSES, "every process")] = "info"
     ui_listen: Annotated[str, Env("PROXY_UI_LISTEN", PROCESSES, (
-        "`HOST:PORT` (the original's `127.0.0.1:8202`): the sidecar also serves the dashboard "
-        "there, and only the dashboard (docs/operations.md §3.2); a port other than the control "
-        "plane's and the data plane's; beyond loopback only with a token, like the control plane. "
-        "Unset: the dashboard is at `http://<control plane>/dashboard` only"),
+        "`HOST:PORT` (the original's `127.0.0.1:8202`) where the sidecar also serves the "
+        "dashboard, and only it (docs/operations.md §3.2); its own port; beyond loopback only "
+        "with a token. Unset: the dashboard is at the control plane's `/dashboard` only"),
         rule=Rule.holds("HOST:PORT such as 127.0.0.1:8202",
                         lambda v: not v or host_port(v) is not None))] = ""
     ui_url: Annotated[str, Env("PROXY_UI_URL", PROCESSES, (
-        "the dashboard's URL as a browser should open it (a tunnel, a reverse proxy), printed in "
-        "the supervisor's ready line; its host is also accepted as `Host` on the UI listener. "
-        "Unset: the ready line prints the `PROXY_UI_LISTEN` URL, else the control plane's "
-        "`/dashboard`"),
+        "the dashboard's URL as a browser opens it (a tunnel, a reverse proxy), printed in the "
+        "ready line; its host is accepted as `Host` on the UI listener. Unset: the "
+        "`PROXY_UI_LISTEN` URL, else the control plane's `/dashboard`"),
         rule=http_url("http://127.0.0.1:8202/", empty=True))] = ""
     log_format: Annotated[str, Env("PROXY_LOG_FORMAT", PROCESSES, (
-        "`text`: `time role[pid] level logger: message`; `json`: one object per line with `time`, "
-        "`level`, `role`, `pid`, `logger`, `message`, and `request_id` on a request's lines "
+        "`text`: `time role[pid] level logger: message`; `json`: one object per line "
         "(docs/operations.md §8)"), choices=LOG_FORMATS, what="log format")] = "text"
     log_each_request: Annotated[bool, Env("PROXY_ACCESS_LOG", PROCESSES, (
-        "one line per proxied request (method, path, status, duration, instance, request id) from "
-        "the worker that served it, at its end, at any `PROXY_LOG_LEVEL`"))] = False
+        "one line per proxied request, at its end, at any `PROXY_LOG_LEVEL` (docs/operations.md "
+        "§8)"))] = False
 
     # --- instance selection ---
     instance_strategy: Annotated[str, Env("PROXY_INSTANCE_STRATEGY", SELECTION, (
@@ -126,15 +122,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "unset: the defaults of docs/architecture.md §4.1. An unknown component or a negative "
         "weight fails at start"))] = {}
     load_view: Annotated[str, Env("PROXY_LOAD_VIEW", SELECTION, (
-        "`shared`: least_load reads the host-wide table; `per_worker` is a benchmark ablation: "
-        "each worker sees only its own share, like N copies of the original Proxy "
-        "(docs/architecture.md §4.3)"), choices=LOAD_VIEWS, what="load view")] = "shared"
+        "`shared`: the host-wide table; `per_worker`, a benchmark ablation: each worker sees only "
+        "its own share (docs/architecture.md §4.3)"),
+        choices=LOAD_VIEWS, what="load view")] = "shared"
     snapshot_stale_ms: Annotated[float, Env("PROXY_SNAPSHOT_STALE_MS", SELECTION, (
         "an older pressure snapshot of the sidecar's is `stale` and not used for scoring"),
         gt=0)] = 2000.0
     pace_step: Annotated[float, Env("PROXY_PACE_STEP", SELECTION, (
-        "how fast the sidecar learns each instance's pace (and each worker a KDN link's), observed / "
-        "predicted time (0 = trust the predictor profile as is, 1 = the last request decides)"),
+        "how fast an instance's pace (and a KDN link's), observed / predicted time, is learned "
+        "(0 = trust the profile, 1 = the last request decides)"),
         ge=0, le=1)] = 0.05
     kv_aware_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_ABS", SELECTION, (
         "`kv_aware`'s balance guard: it chooses as least_load does when the candidates' requests "
@@ -144,13 +140,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
     affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
-        "how long a kv_aware routing decision counts as pending residency on the instance it "
-        "chose, unless the affinity index confirms it sooner or its request withdraws it (it "
-        "failed)"), gt=0, le=3600, finite=True)] = 30.0
+        "how long a kv_aware choice counts as pending residency on its instance, unless confirmed "
+        "sooner or withdrawn (its request failed)"), gt=0, le=3600, finite=True)] = 30.0
     affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
-        "`shared`: every worker reads the host-wide affinity index the sidecar keeps; "
-        "`per_worker` is a benchmark ablation: each worker routes on an index of only what it "
-        "sent itself"), choices=AFFINITY_VIEWS, what="affinity view")] = "shared"
+        "`shared`: the host-wide affinity index; `per_worker`, a benchmark ablation: each worker "
+        "routes on only what it sent itself"),
+        choices=AFFINITY_VIEWS, what="affinity view")] = "shared"
     affinity_block_tokens: Annotated[int, Env("PROXY_AFFINITY_BLOCK_TOKENS", SELECTION, (
         "prompt-prefix blocks of this many tokens (× 4 characters) are hashed, chained, for plain "
         "OpenAI requests"), ge=1, le=4096)] = 64
@@ -158,25 +153,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "at most this many leading blocks a request (0 = no prefix affinity)"), ge=0, le=256)] = 32
     affinity_tokenizer: Annotated[str, Env("PROXY_AFFINITY_TOKENIZER", SELECTION, (
         "a model directory (`tokenizer.json`, chat template): blocks are then the engine's own, "
-        "in its tokens, named as vLLM names them, so its KV cache events match (set "
-        "`PROXY_AFFINITY_BLOCK_TOKENS` to the engine's block size: 128 on vLLM's CPU build); "
-        "needs the `engine-kv` extra (docs/architecture.md §4.4). Unset: the proxy's own "
-        "character blocks"),
+        "so its KV cache events match (set `PROXY_AFFINITY_BLOCK_TOKENS` to its block size); "
+        "needs the `engine-kv` extra (docs/architecture.md §4.4). Unset: character blocks"),
         rule=Rule.holds("a model directory (with tokenizer.json)", lambda v: not v or Path(v).is_dir()))] = ""
     affinity_engine_hash_seed: Annotated[str, Env("PROXY_AFFINITY_ENGINE_HASH_SEED", SELECTION, (
         "the engines' `PYTHONHASHSEED`, if they run with one (it seeds vLLM's block hashes); "
         "unset = vLLM's fixed seed"))] = ""
     kv_events: Annotated[str, Env("PROXY_KV_EVENTS", SELECTION, (
-        "vLLM KV cache event publishers the sidecar follows, `instance_id=tcp://host:port,...` "
-        "(or `ipc://path`), besides those an agent or the static prober finds in an engine's "
-        "`/kv_event_sources`; only with `PROXY_AFFINITY_TOKENIZER` (refused without it)"),
+        "vLLM KV cache event publishers to follow (`tcp://` or `ipc://`) besides those found in "
+        "an engine's `/kv_event_sources`; needs `PROXY_AFFINITY_TOKENIZER`"),
         rule=Rule.raises("instance_id=tcp://host:port,...", kv_event_endpoints))] = ""
     affinity_kv_mb_per_token: Annotated[float, Env("PROXY_AFFINITY_KV_MB_PER_TOKEN", SELECTION, (
-        "MB of KV a token takes on an instance, to turn a capacity in GB "
-        "(`PROXY_KV_MEM_PER_INSTANCE_GB`, or the instance's `meta.kv_mem_gb`) into tokens when the "
-        "instance registers no `meta.kv_capacity_tokens` (an agent beside vLLM, and the static "
-        "prober, register the one vLLM states). The default is the profiles' "
-        "`kv.transfer_mb_per_token`"), gt=0, finite=True)] = 0.096
+        "MB of KV a token takes, to turn a capacity in GB (`meta.kv_mem_gb`, else "
+        "`PROXY_KV_MEM_PER_INSTANCE_GB`) into tokens for an instance registering no "
+        "`meta.kv_capacity_tokens`; the default is the profiles' `kv.transfer_mb_per_token`"),
+        gt=0, finite=True)] = 0.096
     retry_attempts: Annotated[int, Env("PROXY_RETRY_ATTEMPTS", SELECTION, (
         "tries on another instance when one fails before anything reached the client"),
         ge=0, le=5)] = 1
@@ -192,10 +183,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     instance_purge_grace_s: Annotated[float, Env("PROXY_INSTANCE_PURGE_GRACE_S", INSTANCES, (
         "dead this much longer → purged: slot freed, generation bumped"), ge=0)] = 60.0
     static_instances: Annotated[str, Env("PROXY_STATIC_INSTANCES", INSTANCES, (
-        "engines the sidecar registers and probes itself (no agent, no heartbeats): "
-        "comma-separated `url` or `url=id`, e.g. `http://127.0.0.1:8000=vllm-a,"
-        "http://127.0.0.1:8001`; plain `http://host:port`, no path; the id defaults to "
-        "`hp_<host>:<port>` ([operations.md](operations.md) §9)"),
+        "engines the sidecar registers and probes itself (no agent): comma-separated "
+        "`http://host:port` (no path), each optionally `=id` (default `hp_<host>:<port>`), "
+        "e.g. `http://127.0.0.1:8000=vllm-a,http://127.0.0.1:8001` "
+        "([operations.md](operations.md) §9)"),
         rule=Rule.raises("url[=id],...", parse_static_instances))] = ""
     static_probe_s: Annotated[float, Env("PROXY_STATIC_PROBE_S", INSTANCES, (
         "how often the sidecar probes each static instance's `GET /health`; each probe gives up "
@@ -212,14 +203,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "the longest silence inside a response (the answer is cut after)"), gt=0)] = 120.0
     upstream_pool_size: Annotated[int, Env("PROXY_UPSTREAM_POOL_SIZE", INSTANCES, (
         "idle keep-alive connections a worker keeps per instance, and the aiohttp limit for KDN "
-        "and instance control-plane calls; concurrency per instance is bounded by "
-        "`READY_CONCURRENCY`, not by this"))] = 256
+        "and instance control-plane calls (concurrency is `READY_CONCURRENCY`'s)"))] = 256
     max_body_bytes: Annotated[int, Env("PROXY_MAX_BODY_BYTES", INSTANCES,
                                        "larger request bodies get 413 (the default is 8 MiB)",
                                        gt=0)] = 8 * 1024 * 1024
     openai_api_key: Annotated[str | None, Env("OPENAI_API_KEY", INSTANCES, (
         "sent to instances as `Authorization: Bearer ...`, replacing the client's; unset: the "
-        "client's `Authorization` is forwarded as it came (docs/protocol.md §2.4)"))] = None
+        "client's is forwarded (docs/protocol.md §2.4)"))] = None
 
     # --- the prepare/ready pipeline ---
     prepare_concurrency: Annotated[int, Env("PREPARE_CONCURRENCY", PIPELINE, (
@@ -249,8 +239,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     iws_decision_margin_ms: Annotated[float, Env("IWS_DECISION_MARGIN_MS", KNOWLEDGE,
                                                  "IWS: kvcache must win by this much")] = 100.0
     kdn_default_bandwidth_mbps: Annotated[float, Env("KDN_DEFAULT_BANDWIDTH_MBPS", KNOWLEDGE, (
-        "the KDN → instance link for KV transfer predictions, when no instance measured it and "
-        "`PROXY_KDN_LINKS_JSON` does not name it (docs/protocol.md §5.5)"), gt=0)] = 1000.0
+        "a KDN → instance link neither measured nor in `PROXY_KDN_LINKS_JSON` (docs/protocol.md "
+        "§5.5)"), gt=0)] = 1000.0
     kdn_links_refresh_s: Annotated[float, Env("PROXY_KDN_LINKS_REFRESH_S", KNOWLEDGE, (
         "how often each worker copies the links instances measured from the sidecar"), gt=0)] = 5.0
     kdn_timeout_s: Annotated[float, Env("PROXY_KDN_TIMEOUT_S", KNOWLEDGE, "the KDN search call", gt=0)] = 10.0
@@ -268,8 +258,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     shm_instance_capacity: Annotated[int, Env("PROXY_SHM_INSTANCE_CAPACITY", SHARED_MEMORY, (
         "instance slots; past it, registration answers 507"), ge=1, le=4096)] = 256
     shm_worker_capacity: Annotated[int, Env("PROXY_SHM_WORKER_CAPACITY", SHARED_MEMORY, (
-        "worker rows; at least the number of workers (one more lets a rolling restart start each "
-        "replacement before its predecessor has exited)"), ge=1, le=1024)] = 64
+        "worker rows; at least the workers (one more lets a rolling restart start a replacement "
+        "before its predecessor exits)"), ge=1, le=1024)] = 64
     event_ring_capacity: Annotated[int, Env("PROXY_EVENT_RING_CAPACITY", SHARED_MEMORY,
                                             "events per worker ring", ge=64, le=1 << 20)] = 1024
     event_poll_ms: Annotated[float, Env("PROXY_EVENT_POLL_MS", SHARED_MEMORY,
@@ -277,16 +267,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     reaper_interval_s: Annotated[float, Env("PROXY_REAPER_INTERVAL_S", SHARED_MEMORY, (
         "how often the sidecar checks the worker rows for dead processes"), gt=0)] = 0.25
     metrics_dir: Annotated[str, Env("PROXY_METRICS_DIR", SHARED_MEMORY, (
-        "the workers' metrics files (`worker-<pid>.db`, summed at each scrape; a dead worker's "
-        "file stays, so totals never go down); a worker creates it if missing (mode 0700), and one "
-        "that cannot stops the worker (exit 2) or the launch (exit 1), naming it; the supervisor "
-        "empties it at start and removes it at stop (under systemd: `/run/cacheroute-proxy/metrics`, "
-        "docs/operations.md §3.3). Unset: `/tmp/cacheroute-metrics-<segment name>`"))] = ""
+        "the workers' metrics files, summed at each scrape (a dead worker's stays: totals never go "
+        "down); made if missing (0700), else the worker exits 2 or the launch 1; the supervisor "
+        "empties it at start, removes it at stop. Unset: `/tmp/cacheroute-metrics-<segment "
+        "name>`; under systemd `/run/cacheroute-proxy/metrics` (docs/operations.md §3.3)"))] = ""
 
     # --- security ---
     cp_token_file: Annotated[str | None, Env("PROXY_CP_TOKEN_FILE", SECURITY, (
-        "file holding the control-plane bearer token (preferred: keeps the secret out of the "
-        "environment and the process table)"),
+        "file holding the control-plane bearer token (preferred: not in the environment)"),
         rule=Rule.raises("a readable file, not empty", read_token_file))] = None
     cp_token: Annotated[str | None, Env("PROXY_CP_TOKEN", SECURITY,
                                         "the token itself, if no file is given")] = None
@@ -317,23 +305,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     instance_count: Annotated[int | None, Env("PROXY_INSTANCE_COUNT", SCHEDULER, (
         "advertised `instance_count`; unset = instances alive when registering"), ge=0)] = None
     kv_mem_per_instance_gb: Annotated[float, Env("PROXY_KV_MEM_PER_INSTANCE_GB", SCHEDULER, (
-        "advertised; also the KV capacity the affinity index models for an instance that "
-        "registers neither `meta.kv_capacity_tokens` nor `meta.kv_mem_gb` (see "
-        "`PROXY_AFFINITY_KV_MB_PER_TOKEN`)"), ge=0)] = 128.0
+        "advertised; also the KV capacity modelled for an instance registering neither "
+        "`meta.kv_capacity_tokens` nor `meta.kv_mem_gb`"), ge=0)] = 128.0
     kv_cache_update_policy: Annotated[str, Env("PROXY_KV_CACHE_UPDATE_POLICY", SCHEDULER,
                                                "advertised")] = "lru"
     kdn_links: Annotated[dict[str, dict[str, Any]], Env("PROXY_KDN_LINKS_JSON", SCHEDULER, (
-        "static `{kdn_key: {metrics}}`; overlaid by the links instances report (docs/protocol.md "
-        "§3.8), sent as `meta.kdn_links` at register and as a heartbeat's `meta_patch` when that "
-        "changes; also the link KV transfers are estimated over when no instance measured it "
-        "(docs/protocol.md §5.5). Keys like `kdn://host:port`"),
+        "static `{\"kdn://host:port\": {metrics}}`: the links KV transfers are estimated over "
+        "when unmeasured and, overlaid by the links instances report, what the Scheduler is told "
+        "(docs/protocol.md §5.5, §6.2)"),
         rule=Rule.raises("a bandwidth_mbps > 0, a latency_ms or rtt_ms >= 0", check_kdn_links))] = {}
 
     # --- OpenTelemetry spans (docs/operations.md, tracing): the SDK's standard names; the SDK
     # itself reads the others (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...) ---
     otel_exporter_otlp_endpoint: Annotated[str | None, Env("OTEL_EXPORTER_OTLP_ENDPOINT", TRACING, (
-        "set, every worker exports spans to `<URL>/v1/traces`. Unset (with the next one unset "
-        "too), no span is built and the client's `traceparent` passes through untouched"),
+        "set, every worker exports spans to `<URL>/v1/traces`; unset (and the next one too), no "
+        "span is built and the client's `traceparent` passes untouched"),
         rule=http_url("http://127.0.0.1:4318"))] = None
     otel_exporter_otlp_traces_endpoint: Annotated[str | None, Env(
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", TRACING,
