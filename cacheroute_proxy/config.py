@@ -96,9 +96,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "listener"), gt=0)] = 60.0
     log_level: Annotated[str, Env("PROXY_LOG_LEVEL", PROCESSES, "every process")] = "info"
     ui_listen: Annotated[str, Env("PROXY_UI_LISTEN", PROCESSES, (
-        "`HOST:PORT` (the original's `127.0.0.1:8202`) where the sidecar also serves the "
-        "dashboard, and only it (docs/operations.md §3.2); its own port; beyond loopback only "
-        "with a token. Unset: the dashboard is at the control plane's `/dashboard` only"),
+        "`HOST:PORT` (the original's `127.0.0.1:8202`) of the sidecar's own listener for the "
+        "dashboard alone (docs/operations.md §3.2); beyond loopback only with a token. Unset: "
+        "the control plane's `/dashboard` only"),
         rule=Rule.holds("HOST:PORT such as 127.0.0.1:8202",
                         lambda v: not v or host_port(v) is not None))] = ""
     ui_url: Annotated[str, Env("PROXY_UI_URL", PROCESSES, (
@@ -147,14 +147,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "routes on only what it sent itself"),
         choices=AFFINITY_VIEWS, what="affinity view")] = "shared"
     affinity_block_tokens: Annotated[int, Env("PROXY_AFFINITY_BLOCK_TOKENS", SELECTION, (
-        "prompt-prefix blocks of this many tokens (× 4 characters) are hashed, chained, for plain "
-        "OpenAI requests"), ge=1, le=4096)] = 64
+        "prompt-prefix blocks of this many tokens (× 4 characters) are hashed for plain OpenAI "
+        "requests; with `PROXY_AFFINITY_TOKENIZER`, the engine's block size (128 on vLLM's CPU "
+        "build, 16 on GPUs)"), ge=1, le=4096)] = 64
     affinity_max_blocks: Annotated[int, Env("PROXY_AFFINITY_MAX_BLOCKS", SELECTION, (
         "at most this many leading blocks a request (0 = no prefix affinity)"), ge=0, le=256)] = 32
     affinity_tokenizer: Annotated[str, Env("PROXY_AFFINITY_TOKENIZER", SELECTION, (
-        "a model directory (`tokenizer.json`, chat template): blocks are then the engine's own, "
-        "so its KV cache events match (set `PROXY_AFFINITY_BLOCK_TOKENS` to its block size); "
-        "needs the `engine-kv` extra (docs/architecture.md §4.4). Unset: character blocks"),
+        "a model directory (`tokenizer.json`, chat template) to name blocks as the engine does, "
+        "matching its KV cache events; needs the `engine-kv` extra (docs/architecture.md §4.4)"),
         rule=Rule.holds("a model directory (with tokenizer.json)", lambda v: not v or Path(v).is_dir()))] = ""
     affinity_engine_hash_seed: Annotated[str, Env("PROXY_AFFINITY_ENGINE_HASH_SEED", SELECTION, (
         "the engines' `PYTHONHASHSEED`, if they run with one (it seeds vLLM's block hashes); "
@@ -184,9 +184,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "dead this much longer → purged: slot freed, generation bumped"), ge=0)] = 60.0
     static_instances: Annotated[str, Env("PROXY_STATIC_INSTANCES", INSTANCES, (
         "engines the sidecar registers and probes itself (no agent): comma-separated "
-        "`http://host:port` (no path), each optionally `=id` (default `hp_<host>:<port>`), "
-        "e.g. `http://127.0.0.1:8000=vllm-a,http://127.0.0.1:8001` "
-        "([operations.md](operations.md) §9)"),
+        "`http://host:port[=id]`, no path ([operations.md](operations.md) §9)"),
         rule=Rule.raises("url[=id],...", parse_static_instances))] = ""
     static_probe_s: Annotated[float, Env("PROXY_STATIC_PROBE_S", INSTANCES, (
         "how often the sidecar probes each static instance's `GET /health`; each probe gives up "
@@ -202,8 +200,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     upstream_idle_timeout_s: Annotated[float, Env("PROXY_UPSTREAM_IDLE_TIMEOUT_S", INSTANCES, (
         "the longest silence inside a response (the answer is cut after)"), gt=0)] = 120.0
     upstream_pool_size: Annotated[int, Env("PROXY_UPSTREAM_POOL_SIZE", INSTANCES, (
-        "idle keep-alive connections a worker keeps per instance, and the aiohttp limit for KDN "
-        "and instance control-plane calls (concurrency is `READY_CONCURRENCY`'s)"))] = 256
+        "idle keep-alive connections a worker keeps per instance; also the aiohttp limit for KDN "
+        "and instance control-plane calls"))] = 256
     max_body_bytes: Annotated[int, Env("PROXY_MAX_BODY_BYTES", INSTANCES,
                                        "larger request bodies get 413 (the default is 8 MiB)",
                                        gt=0)] = 8 * 1024 * 1024
@@ -267,10 +265,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     reaper_interval_s: Annotated[float, Env("PROXY_REAPER_INTERVAL_S", SHARED_MEMORY, (
         "how often the sidecar checks the worker rows for dead processes"), gt=0)] = 0.25
     metrics_dir: Annotated[str, Env("PROXY_METRICS_DIR", SHARED_MEMORY, (
-        "the workers' metrics files, summed at each scrape (a dead worker's stays: totals never go "
-        "down); made if missing (0700), else the worker exits 2 or the launch 1; the supervisor "
-        "empties it at start, removes it at stop. Unset: `/tmp/cacheroute-metrics-<segment "
-        "name>`; under systemd `/run/cacheroute-proxy/metrics` (docs/operations.md §3.3)"))] = ""
+        "the workers' metrics files, summed at each scrape (docs/operations.md §3.3); made if "
+        "missing (0700), else the worker exits 2 or the launch 1. Unset: "
+        "`/tmp/cacheroute-metrics-<segment name>`"))] = ""
 
     # --- security ---
     cp_token_file: Annotated[str | None, Env("PROXY_CP_TOKEN_FILE", SECURITY, (
