@@ -80,20 +80,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # What every listener (the workers', the sidecar's, the dashboard's) accepts of a request
     # head, as nginx does.
     max_url_bytes: Annotated[int, Env("PROXY_MAX_URL_BYTES", PROCESSES, (
-        "a longer request target (path and query) gets 414 and the connection is closed; on every "
-        "listener (workers, control plane, dashboard)"),
+        "the longest request target (path and query), on every listener; longer: 414 and close "
+        "(docs/protocol.md §1.1)"),
         ge=256, le=1 << 20)] = 8 * 1024
     max_head_bytes: Annotated[int, Env("PROXY_MAX_HEAD_BYTES", PROCESSES, (
-        "a larger request head (request line and header lines; nginx allows 4 × 8 KiB): 431 and "
-        "close; every listener"),
+        "the largest request head (request line and headers; nginx allows 4 × 8 KiB); larger: "
+        "431 and close"),
         ge=256, le=1 << 20)] = 32 * 1024
     max_headers: Annotated[int, Env("PROXY_MAX_HEADERS", PROCESSES,
                                     "more header lines than this: 431 and close; every listener",
                                     ge=1, le=10_000)] = 100
     head_timeout_s: Annotated[float, Env("PROXY_HEAD_TIMEOUT_S", PROCESSES, (
         "a request head not complete this long after its first byte: 408 and close (nginx's "
-        "`client_header_timeout`; a pipelined one once the answer before it is out); every "
-        "listener"), gt=0)] = 60.0
+        "`client_header_timeout`; a pipelined one once the answer before it is out)"),
+        gt=0)] = 60.0
     log_level: Annotated[str, Env("PROXY_LOG_LEVEL", PROCESSES, "every process")] = "info"
     ui_listen: Annotated[str, Env("PROXY_UI_LISTEN", PROCESSES, (
         "`HOST:PORT` (the original's `127.0.0.1:8202`) of the sidecar's own listener for the "
