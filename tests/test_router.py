@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
@@ -10,11 +9,12 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.router import Choice, Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow
+from tests.harness import private_segment_name
 
 
 @pytest.fixture
 def table():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     seg = Segment.create_or_attach(name, 8, 4)
     try:
         yield name, seg

@@ -6,17 +6,16 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from shm_schema import Segment, layout
-from tests.harness import ROOT, Process, free_port, free_port_range
+from tests.harness import ROOT, Process, free_port, free_port_range, private_segment_name
 
 
 @pytest.fixture
 def shm_name():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     yield name
     Segment.unlink(name)
 
