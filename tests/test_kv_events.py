@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from cacheroute_proxy import engine_prefix
-from cacheroute_proxy.affinity_keys import engine_block_key
+from cacheroute_proxy.affinity_keys import engine_block_key, rendezvous_home
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.instance_wire import RegisterRequest
 from cacheroute_sim.processes import free_port
@@ -34,7 +34,7 @@ from sidecar import kv_event_wire
 from sidecar.affinity import AffinityModels
 from sidecar.kv_events import RETRY_S, EngineFeed, KvEventFeeds
 from sidecar.registry import InstanceRegistry
-from tests.harness import get, http, wait_until
+from tests.harness import get, wait_until
 from tests.test_cli import run_cli
 from tests.shm_helpers import fresh_segment
 
@@ -337,8 +337,16 @@ def test_a_failed_subscription_is_logged_and_tried_again_only_after_a_while(segm
 
 # --- end to end: a real sidecar subscribed to a publisher, real workers looking prompts up ---------
 def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(make_cluster, model_dir):
-    engine_port, other_port, publisher_port = free_port(), free_port(), free_port()
-    engine_id, other_id = f"sim-{engine_port}", f"sim-{other_port}"
+    prompt = "the proxy routes each request to the engine that holds its prefix " * 4
+    keys = engine_prefix.load(str(model_dir), BLOCK, 32).completion_keys(prompt)
+    assert len(keys) >= 3
+    # The other instance is the prompt's home, priced as holding it whether it does or not: only
+    # away from its home does what an instance holds change kv_aware's price (named by the test,
+    # not left to the hash of two random ports).
+    engine_id = "engine"
+    other_id = next(name for name in (f"other-{n}" for n in range(100))
+                    if rendezvous_home(keys[0], [engine_id, name]) == 1)
+    publisher_port = free_port()
     context = zmq.Context()
     publisher = context.socket(zmq.PUB)
     publisher.setsockopt(zmq.LINGER, 0)
@@ -347,11 +355,8 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
         cluster = make_cluster(workers=2, strategy="kv_aware", env={
             "PROXY_AFFINITY_TOKENIZER": str(model_dir), "PROXY_AFFINITY_BLOCK_TOKENS": str(BLOCK),
             "PROXY_KV_EVENTS": f"{engine_id}=tcp://127.0.0.1:{publisher_port}"})
-        cluster.add_instance(port=engine_port)
-        cluster.add_instance(port=other_port)
-        prompt = "the proxy routes each request to the engine that holds its prefix " * 4
-        keys = engine_prefix.load(str(model_dir), BLOCK, 32).completion_keys(prompt)
-        assert len(keys) >= 3
+        cluster.add_instance(instance_id=engine_id)
+        cluster.add_instance(instance_id=other_id)
 
         def feed() -> dict[str, Any]:
             return (cluster.status()["kv_event_feeds"] or {}).get(engine_id, {})
@@ -361,25 +366,31 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
         wait_until(lambda: publisher.send_multipart(batch(next(seq))) or feed().get("batches"), 15,
                    message=f"the sidecar subscribed\n{cluster.launcher_log()[-3000:]}")
 
-        def held(worker: int) -> dict[str, int]:
+        def priced(worker: int) -> dict[str, dict[str, Any]]:
+            """kv_aware's view of the prompt on each instance, as this worker prices it."""
             loads = get(f"{cluster.worker_url(worker)}/debug/instance_loads?"
                         f"{urllib.parse.urlencode({'prompt': prompt})}")
-            return {r["instance_id"]: r["affinity"]["resident_prefix_blocks"] for r in loads["instances"]}
+            return {r["instance_id"]: r["affinity"] for r in loads["instances"]}
 
+        def held(worker: int) -> dict[str, int]:
+            return {name: row["resident_prefix_blocks"] for name, row in priced(worker).items()}
+
+        def prefill(worker: int) -> dict[str, float]:
+            return {name: row["predicted_ttft_ms"]["prefill"] for name, row in priced(worker).items()}
+
+        before = [prefill(w) for w in range(2)]
+        assert all(p[engine_id] > p[other_id] for p in before), before  # the whole prompt vs its home's rest
         publisher.send_multipart(batch(next(seq), stored(*keys)))
         wait_until(lambda: all(held(w) == {engine_id: len(keys), other_id: 0} for w in range(2)), 10,
                    message="every worker sees the engine's blocks")
-        # kv_aware sends the prompt where its blocks are, whichever worker takes it (once the
-        # last request has left every worker's load view: affinity yields to load).
-        for _ in range(4):
-            wait_until(lambda: all(r["least_load_score"]["total"] == 0 for w in range(2)
-                                   for r in cluster.loads(w)["instances"]), 10, message="idle")
-            status, _, headers = http("POST", f"{cluster.dp_url}/v1/completions",
-                                      {"model": "sim", "prompt": prompt, "max_tokens": 2})
-            assert status == 200 and headers["x-cacheroute-instance"] == engine_id
+        # Every worker prices the prompt on the engine as what its blocks leave to prefill: the
+        # same as at the home, which is credited with them.
+        assert [prefill(w) for w in range(2)] == [{engine_id: p[other_id], other_id: p[other_id]}
+                                                  for p in before]
         publisher.send_multipart(batch(next(seq), removed(keys[1])))
         wait_until(lambda: all(held(w)[engine_id] == 1 for w in range(2)), 10,
                    message="a removed block ends the cached prefix there")
+        assert all(p[other_id] < prefill(w)[engine_id] < p[engine_id] for w, p in enumerate(before))
         next(seq)  # a batch the sidecar never gets
         publisher.send_multipart(batch(next(seq)))
         wait_until(lambda: all(held(w)[engine_id] == 0 for w in range(2)), 10,
