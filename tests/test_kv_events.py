@@ -38,6 +38,9 @@ from tests.harness import get, wait_until
 from tests.test_cli import run_cli
 from tests.shm_helpers import fresh_segment
 
+# One parallel test worker runs them all: they share the module's tokenizer, trained once.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 GOLDEN = Path(__file__).parent / "data" / "vllm_block_stored.json"
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}assistant:{% endif %}"

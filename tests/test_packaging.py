@@ -21,6 +21,9 @@ import pytest
 
 from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
 
+# One parallel test worker runs them all: they share the module's wheel, built once.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers", "instance_agent"}
 
 

@@ -63,6 +63,7 @@ def test_stale_layout_stops_the_supervisor_with_the_message(shm_name, tmp_path):
     supervisor.stop()
 
 
+@pytest.mark.slow
 def test_worker_that_cannot_start_stops_the_supervisor(shm_name, tmp_path):
     env = _env(shm_name)
     blocker = __import__("socket").socket()

@@ -46,6 +46,9 @@ from tests.sim_harness import (
 from tests.background_http import BackgroundHTTPServer, answer_json
 from tests.sim_harness import shared_sim, sim  # noqa: F401 - pytest fixtures
 
+# One parallel test worker runs them all: they share the module's simulated instance and KDN.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 # ------------------------------------------------------------------------- registration
 

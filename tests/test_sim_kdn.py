@@ -34,6 +34,9 @@ from tests.sim_harness import (
     running_sim,
 )
 
+# One parallel test worker runs them all: they share the module's simulated KDN.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 # 4 ids: tokens = chars / 4, KV keys = ceil(tokens / 256).
 KNOWLEDGE = [
     {"id": "Alpha", "content": "a" * 4000, "kv_ready": True},   # 1000 tokens, 4 keys

@@ -286,6 +286,7 @@ def _open_stream(port: int) -> tuple[http.client.HTTPConnection, http.client.HTT
     return conn, response
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sidecar_and_worker_notify_systemd(tmp_path):
     ports = SupervisorPorts(1, "cacheroute_test")
