@@ -57,9 +57,14 @@ _RECENT_LIMIT = 4096
 _recent: dict[int, None] = {}  # in the order handed out (a dict: ordered, and a set)
 
 
+def recent_limit(window: range) -> int:
+    """How many of the ports handed out last are never handed out again."""
+    return min(_RECENT_LIMIT, len(window) // 2)
+
+
 def _remember(ports: range, window: range) -> None:
     _recent.update(dict.fromkeys(ports))
-    while len(_recent) > min(_RECENT_LIMIT, len(window) // 2):
+    while len(_recent) > recent_limit(window):
         del _recent[next(iter(_recent))]
 
 

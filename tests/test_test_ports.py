@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cacheroute_sim.processes import (SupervisorPorts, _listen_window, free_port, free_port_range,
-                                     segment_name, segment_prefix)
+                                     recent_limit, segment_name, segment_prefix)
 from tests import segment_guard
 
 
@@ -34,13 +34,17 @@ def test_a_supervisors_ports_are_one_free_range_outside_the_ephemeral_range():
 
 def test_no_port_is_handed_out_twice_before_anything_binds_it():
     """Nothing binds these: every pick is free, and only the memory of what was handed out
-    keeps them apart (2,250 random picks from ~22,000 ports would repeat one almost surely)."""
+    keeps them apart (4,096 random picks from ~22,000 ports, or half a parallel test worker's
+    share of them, would repeat one almost surely)."""
+    limit = recent_limit(_listen_window())
     handed: list[int] = []
-    for n in range(300):
+    n = 0
+    while len(handed) + 1 + 12 <= limit:
         handed.append(free_port())
         base = free_port_range(1 + n % 12)
         handed.extend(range(base, base + 1 + n % 12))
-    assert len(handed) == len(set(handed))
+        n += 1
+    assert len(handed) > limit - 13 and len(handed) == len(set(handed))
 
 
 def _as_worker(monkeypatch: pytest.MonkeyPatch, name: str | None, count: int) -> None:
