@@ -29,8 +29,15 @@ install: $(STAMP)
 run-workers: $(STAMP)
 	$(PY) -m cacheroute_sim.demo $(call from_command_line,N,--workers) $(call from_command_line,STRATEGY,--strategy) $(call from_command_line,SIM,--sim-instances)
 
+# The suite runs on TEST_WORKERS parallel pytest workers (pytest-xdist; tests/parallel.py says
+# what shares a worker and what goes first): most tests wait on processes and sockets, so more
+# workers than cores pay off. TEST_WORKERS=0: all in one process. The tests start hundreds of
+# Python processes: their bytecode is compiled once here, not by each of them where
+# PYTHONDONTWRITEBYTECODE is set.
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m compileall -q cacheroute_proxy shm_schema sidecar proxy_workers instance_agent cacheroute_sim bench tests >/dev/null
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The settings tables of docs/configuration.md, from the definitions in cacheroute_proxy/config.py
 # (tests/test_config.py fails while they are not current).

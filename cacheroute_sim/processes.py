@@ -1,7 +1,11 @@
 """Processes on 127.0.0.1 for the demo, the tests and the benchmarks: free listening ports
-outside the ephemeral range (none handed out twice), the ports and segment name of one
-`cacheroute-proxy run`, and a child process started from the repository root and stopped by
-its pid."""
+outside the ephemeral range (none handed out twice), private segment names, the ports and
+segment name of one `cacheroute-proxy run`, and a child process started from the repository
+root and stopped by its pid.
+
+Parallel test workers (pytest-xdist) cannot see what each other handed out: each picks its ports
+from its own share of the window and puts its name in its segments' names, and so does every
+process it starts (they inherit the worker's environment)."""
 
 from __future__ import annotations
 
@@ -19,32 +23,63 @@ from cacheroute_proxy.supervisor import children
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# --- parallel test workers -----------------------------------------------------------------------
+def parallel_worker() -> tuple[int, int]:
+    """(index, count) of the pytest-xdist worker this process is or was started by; (0, 1)
+    outside one."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if name.startswith("gw") and name[2:].isdigit() and count.isdigit() and int(name[2:]) < int(count):
+        return int(name[2:]), int(count)
+    return 0, 1
+
+
+def segment_prefix(prefix: str) -> str:
+    """What every segment `segment_name(prefix)` names starts with: the prefix and, in a parallel
+    test worker, the worker's name (a worker's leftover-segment check watches only its own)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "") if parallel_worker()[1] > 1 else ""
+    return f"{prefix}_{worker}_" if worker else f"{prefix}_"
+
+
+def segment_name(prefix: str) -> str:
+    """A private shared-memory segment name, `/<segment_prefix(prefix)><random>`."""
+    return f"/{segment_prefix(prefix)}{uuid.uuid4().hex[:10]}"
+
+
 # --- ports -----------------------------------------------------------------------------------
 LISTEN_PORTS_FROM = 10000  # listeners are picked from here up to the kernel's ephemeral range
 # The ports this process handed out lately, never handed out again: a port is free when it is
 # picked but taken only when its server binds it, and two picks in that gap (a supervisor's
 # ports, then an engine's, before either has started) could otherwise name the same port.
+# At most half the window is remembered, so that a free range is still found quickly in a
+# parallel test worker's share.
 _RECENT_LIMIT = 4096
 _recent: dict[int, None] = {}  # in the order handed out (a dict: ordered, and a set)
 
 
-def _remember(ports: range) -> None:
+def recent_limit(window: range) -> int:
+    """How many of the ports handed out last are never handed out again."""
+    return min(_RECENT_LIMIT, len(window) // 2)
+
+
+def _remember(ports: range, window: range) -> None:
     _recent.update(dict.fromkeys(ports))
-    while len(_recent) > _RECENT_LIMIT:
+    while len(_recent) > recent_limit(window):
         del _recent[next(iter(_recent))]
 
 
 def _listen_window() -> range:
     """Where listeners are picked: below the kernel's ephemeral range, or above it where the
-    range starts too low to leave room below."""
+    range starts too low to leave room below; in a parallel test worker, its share of that."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low, high = (int(v) for v in f.read().split()[:2])
     except (OSError, ValueError):
         low, high = 32768, 60999
-    if low - LISTEN_PORTS_FROM >= 1000:
-        return range(LISTEN_PORTS_FROM, low)
-    return range(high + 1, 65536)
+    window = range(LISTEN_PORTS_FROM, low) if low - LISTEN_PORTS_FROM >= 1000 else range(high + 1, 65536)
+    index, count = parallel_worker()
+    share = len(window) // count
+    return range(window.start + index * share, window.start + (index + 1) * share)
 
 
 def free_port() -> int:
@@ -65,7 +100,7 @@ def free_port_range(count: int) -> int:
         ports = range(base, base + count)
         if not _recent.keys().isdisjoint(ports) or not _all_free(ports):
             continue
-        _remember(ports)
+        _remember(ports, window)
         return base
     raise RuntimeError(f"no {count} free ports in a row in {window.start}..{window.stop - 1}")
 
@@ -96,7 +131,7 @@ class SupervisorPorts:
         base = free_port_range(workers + 2)
         self.dp_port, self.cp_port = base, base + 1
         self.private_base = base + 2  # worker i answers on private_base + i
-        self.shm_name = f"/{shm_prefix}_{uuid.uuid4().hex[:10]}"
+        self.shm_name = segment_name(shm_prefix)
 
     def supervisor_env(self, strategy: str) -> dict[str, str]:
         """Room for 32 instances and 16 workers (instances register themselves)."""

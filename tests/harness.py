@@ -13,11 +13,19 @@ from pathlib import Path
 from typing import Any
 
 # ROOT, Process, free_port and free_port_range are re-exported: the tests take them from here.
-from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_range
+from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_range, segment_name
 from cacheroute_sim.processes import ChildProcess as Process
 
 __all__ = ["ROOT", "Agent", "Cluster", "Engine", "Process", "SimInstance", "SimKdn", "alive", "chat_body",
-           "free_port", "free_port_range", "get", "http", "listed", "post", "wait_until"]
+           "free_port", "free_port_range", "get", "http", "listed", "post", "private_segment_name", "wait_until"]
+
+# Every segment a test creates is named `/cacheroute_test_...` (in a parallel test worker,
+# `/cacheroute_test_gwN_...`): tests/segment_guard.py and .ci/run look for them.
+TEST_SEGMENTS = "cacheroute_test"
+
+
+def private_segment_name() -> str:
+    return segment_name(TEST_SEGMENTS)
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 10.0,
@@ -135,7 +143,7 @@ class Cluster(SupervisorPorts):
 
     def __init__(self, tmp_path: Path, workers: int = 4, strategy: str = "round_robin",
                  env: dict[str, str] | None = None) -> None:
-        super().__init__(workers, "cacheroute_test")
+        super().__init__(workers, TEST_SEGMENTS)
         self.tmp_path = tmp_path
         self.env = {**self.supervisor_env(strategy), **(env or {})}
         self.instances: list[SimInstance] = []

@@ -7,7 +7,9 @@ each module, because a module's fixtures may hold one across its tests. vLLM's o
 the real-engine suite shares its engines across modules.
 
 Only files that no live process maps count: a suite running beside this one (another
-checkout, a benchmark) keeps its own."""
+checkout, a benchmark) keeps its own. A parallel test worker (pytest-xdist) watches only the
+segments it names (`cacheroute_test_gwN_*`): another worker's test may leave one unmapped for a
+while on purpose (a SIGKILLed sidecar's, for the next start or `shm unlink` to find)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from cacheroute_sim.processes import segment_prefix
+from tests import harness
+
 SHM = Path("/dev/shm")
-TEST_SEGMENTS = ("cacheroute_test_",)
 ENGINE_FILES = ("psm_", "sem.mp-")
 # A sidecar unlinks its segment as it exits, a moment after the test's last request.
 SETTLE_S = 5.0
@@ -70,11 +74,17 @@ def left_behind(before: set[str], prefixes: tuple[str, ...]) -> list[str]:
     return sorted(new)
 
 
+def watched_segments() -> tuple[str, ...]:
+    """The test segments this process's tests name (with the parallel worker's name in it)."""
+    return (segment_prefix(harness.TEST_SEGMENTS),)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_test_segment_left() -> Iterator[None]:
-    before = shm_files(TEST_SEGMENTS)
+    watched = watched_segments()
+    before = shm_files(watched)
     yield
-    if leaked := left_behind(before, TEST_SEGMENTS):
+    if leaked := left_behind(before, watched):
         pytest.fail(f"this module left shared-memory segments behind (now removed): {leaked}")
 
 

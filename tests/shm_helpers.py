@@ -15,17 +15,16 @@ import os
 import random
 import signal
 import time
-import uuid
 from typing import Any, Iterator, Sequence
 
 from shm_schema import CounterWord, Segment, WorkerRow, process_identity
 from shm_schema.repair import row_contributions
+from tests.harness import private_segment_name
 
 SPAWN = multiprocessing.get_context("spawn")
 
 
-def unique_name() -> str:
-    return f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+unique_name = private_segment_name
 
 
 @contextlib.contextmanager

@@ -62,6 +62,7 @@ def test_status_and_loads_tables(make_cluster):
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["strategy"] == "least_load"
 
 
+@pytest.mark.slow
 def test_instances_alive_only_or_all_with_a_limit(make_cluster):
     cluster = make_cluster(workers=1, env={"PROXY_INSTANCE_TTL_S": str(TTL_S),
                                            "PROXY_INSTANCE_PURGE_GRACE_S": "600"})

@@ -38,6 +38,7 @@ def scheduler(tmp_path: Path) -> Iterator[SimScheduler]:
     sched.stop()
 
 
+@pytest.mark.slow
 def test_an_operator_session_in_a_real_terminal(make_cluster, scheduler, terminal_env, tmp_path):
     cluster = make_cluster(workers=2, env=link_env(scheduler.url, PROXY_INSTANCE_TTL_S=str(TTL_S),
                                                    PROXY_INSTANCE_PURGE_GRACE_S="600"))

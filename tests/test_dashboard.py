@@ -142,6 +142,7 @@ def _rows(page: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {row["id"]: row for row in page["instances"]}
 
 
+@pytest.mark.slow
 def test_dashboard_shows_every_panel_from_a_live_cluster(make_cluster, browser, tmp_path):
     scheduler = SimScheduler(tmp_path).start()
     try:
@@ -367,6 +368,7 @@ def _submit_token(browser: Chromium, token: str) -> None:
 CPU_BY_ID = {"alpha-1": 50.0, "bravo-2": 10.0, "charlie-3": 90.0}
 
 
+@pytest.mark.slow
 def test_dashboard_controls_pause_search_filter_sort_theme_history_copy(make_cluster, browser):
     cluster = make_cluster(workers=1)
     for instance_id, cpu in CPU_BY_ID.items():

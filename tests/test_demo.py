@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.supervisor.children import Child
@@ -37,6 +38,7 @@ def alive_ids(cp_url: str) -> set[str]:
     return {r["instance_id"] for r in get(f"{cp_url}/debug/instance_loads")["instances"] if r["is_alive"]}
 
 
+@pytest.mark.slow
 def test_the_demo_serves_on_simulated_instances_and_stops_cleanly(tmp_path: Path) -> None:
     ports = SupervisorPorts(workers=2, shm_prefix="cacheroute_test")
     sim_base, kdn_port = free_port_range(12), free_port()

@@ -16,6 +16,7 @@ import urllib.parse
 from typing import Any, AsyncIterator
 
 import aiohttp
+import pytest
 
 from cacheroute_sim.processes import free_port
 from tests.aio import OpenStream, meta_of
@@ -131,6 +132,7 @@ def test_the_model_evicts_the_least_recently_used_past_the_instance_capacity(mak
         kdn.stop()
 
 
+@pytest.mark.slow
 def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
     cluster = make_cluster(workers=2, env=KV_AWARE)
     inst = cluster.add_instance()

@@ -9,6 +9,9 @@ from cacheroute_sim.scheduler.requests import scheduler_body
 from tests.aio import meta_of
 from tests.harness import chat_body, http
 
+# One parallel test worker runs them all: they share the module's cluster.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):

@@ -15,6 +15,9 @@ import pytest
 from cacheroute_sim.scheduler.requests import scheduler_body
 from tests.harness import Cluster, chat_body, wait_until
 
+# One parallel test worker runs them all: they share the module's cluster.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 END_TO_END = {"traceparent": TRACEPARENT, "X-Session-ID": "session-42",
               "User-Agent": "OpenAI/Python 1.40.0", "X-Request-Id": "client-req-1"}

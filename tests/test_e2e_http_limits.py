@@ -18,6 +18,9 @@ import pytest
 from tests.harness import Cluster, free_port
 from tests.test_http1_server import closed, read_response
 
+# One parallel test worker runs them all: they share the module's cluster.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 HEAD_TIMEOUT_S = 0.5
 
 

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness import ROOT, SimInstance, chat_body, free_port, get, http, wait_until
 
 PROBE_S = "0.5"
@@ -47,6 +49,7 @@ def probes(cluster: Any) -> int:
     return cluster.status()["static_instances"]["instances"][0]["probes"]
 
 
+@pytest.mark.slow
 def test_static_instances_are_registered_probed_flipped_kept_and_readopted(make_cluster, tmp_path):
     port = free_port()
     static = engine(tmp_path, port, "static-a")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-import uuid
 
 import pytest
 
@@ -13,6 +12,7 @@ from shm_schema import Segment, WorkerRow, layout, read_rows
 from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventKind, EventReader, EventWriter
 from proxy_workers.event_channel import EventChannelWriter
+from tests.harness import private_segment_name
 
 SPAWN = multiprocessing.get_context("spawn")
 PRODUCERS = 4
@@ -21,7 +21,7 @@ EVENTS_EACH = 12_500  # 50,000 in all
 
 @pytest.fixture
 def seg_name():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     seg = Segment.create_or_attach(name, 8, 8, 1024)
     try:
         yield name, seg

@@ -63,6 +63,10 @@ from tests.harness import (
     wait_until,
 )
 
+# One parallel test worker runs them all: they share the module's cluster, and the
+# last test checks it after all the others.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 CAPACITY = 8
 FIXTURE_ID = "fuzz-sim"
 CLIENT_TIMEOUT_S = 10.0

@@ -23,6 +23,9 @@ from cacheroute_proxy.routing.least_load import NATIVE_SELECTION
 from shm_schema.counters import NATIVE_UPDATES
 from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
 
+# One parallel test worker runs them all: they share the module's wheel, built once.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 PRODUCT = {"cacheroute_proxy", "shm_schema", "sidecar", "proxy_workers", "instance_agent"}
 
 

@@ -24,6 +24,9 @@ from cacheroute_proxy.engine_prefix import EnginePrefix
 from proxy_workers.request_model import Message
 from tests.real_engine.build_tiny_model import CHAT_TEMPLATE, WORDS, write_tokenizer_files
 
+# One parallel test worker runs them all: they share the module's tokenizer, trained once.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"cacheroute-hypothesis-{os.getuid()}")
 
 # (block tokens, max blocks, memo entries): the engine's usual 16, blocks of 4 with so few of

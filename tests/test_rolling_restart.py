@@ -96,6 +96,7 @@ def test_kernel_resets_queued_connections_of_a_closing_reuseport_listener_unless
 
 
 # --- rolling restart under load ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
     require_netns()
     argv = [sys.executable, "-m", "tests.rolling_restart_scenario", "--log-dir", str(tmp_path)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
@@ -11,11 +10,12 @@ from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.routing.policy import Choice
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow
+from tests.harness import private_segment_name
 
 
 @pytest.fixture
 def table():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     seg = Segment.create_or_attach(name, 8, 4)
     try:
         yield name, seg

@@ -260,6 +260,7 @@ def test_reregisters_after_heartbeat_404_and_after_a_real_restart(make_cluster, 
     assert status["registered"] and status["re_registrations"] >= 2, status
 
 
+@pytest.mark.slow
 def test_hanging_scheduler_delays_neither_startup_nor_the_control_plane(make_cluster, schedulers):
     sched = schedulers("--hang")
     # A long call timeout: if anything waited for the Scheduler, it would wait visibly long.

@@ -6,17 +6,16 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from shm_schema import Segment, layout
-from tests.harness import ROOT, Process, free_port, free_port_range
+from tests.harness import ROOT, Process, free_port, free_port_range, private_segment_name
 
 
 @pytest.fixture
 def shm_name():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     yield name
     Segment.unlink(name)
 
@@ -64,6 +63,7 @@ def test_stale_layout_stops_the_supervisor_with_the_message(shm_name, tmp_path):
     supervisor.stop()
 
 
+@pytest.mark.slow
 def test_worker_that_cannot_start_stops_the_supervisor(shm_name, tmp_path):
     env = _env(shm_name)
     blocker = __import__("socket").socket()

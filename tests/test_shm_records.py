@@ -11,7 +11,6 @@ import os
 import re
 import struct
 import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from shm_schema.records import (AFFINITY_ENTRY, AFFINITY_KNOWLEDGE, AFFINITY_PRE
 from shm_schema.segment import SegmentLayoutError
 from shm_schema.snapshot import SnapshotReader, SnapshotWriter
 from tests import golden_segment_v3, golden_segment_v4, golden_segment_v5
+from tests.harness import private_segment_name
 
 # No example database, and hypothesis's cache out of the (shared) checkout, as in test_fuzz.py.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"cacheroute-hypothesis-{os.getuid()}")
@@ -226,7 +226,7 @@ def test_the_decoded_event_names_the_payload_declarations() -> None:
 
 @pytest.fixture
 def seg():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     segment = Segment.create_or_attach(name, 4, 2, 8)
     try:
         yield segment

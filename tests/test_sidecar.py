@@ -8,14 +8,13 @@ import json
 import shutil
 import subprocess
 import time
-import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
 from shm_schema import Segment, layout
-from tests.harness import Process, free_port, get, http, post, wait_until
+from tests.harness import Process, free_port, get, http, post, private_segment_name, wait_until
 
 
 @pytest.fixture
@@ -24,7 +23,7 @@ def sidecar(tmp_path):
 
     def start(ttl: float = 30.0, grace: float = 60.0, capacity: int = 8, name: str | None = None):
         port = free_port()
-        name = name or f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+        name = name or private_segment_name()
         env = {"PROXY_CP_PORT": str(port), "PROXY_SHM_NAME": name, "PROXY_INSTANCE_TTL_S": str(ttl),
                "PROXY_INSTANCE_PURGE_GRACE_S": str(grace), "PROXY_SHM_INSTANCE_CAPACITY": str(capacity)}
         proc = Process(["-m", "sidecar"], env, tmp_path / f"sidecar{len(started)}.log")
@@ -128,7 +127,7 @@ def test_ttl_expiry_then_purge_with_new_generation(sidecar):
 
 def test_refuses_a_segment_of_another_layout(sidecar, tmp_path):
     _, start_raw = sidecar
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     seg = Segment.create_or_attach(name, 4, 2)
     seg.store(layout.H_LAYOUT_VERSION, layout.LAYOUT_VERSION + 7)
     seg.close()

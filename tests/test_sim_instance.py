@@ -54,6 +54,9 @@ from tests.sim_harness import (
 )
 from tests.sim_harness import shared_sim, sim  # noqa: F401 - pytest fixtures
 
+# One parallel test worker runs them all: they share the module's simulated instance.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 # ------------------------------------------------------------------------ timing (pure)
 

@@ -21,6 +21,9 @@ from cacheroute_sim.processes import free_port
 from tests.sim_harness import SimProcess, http, running_sim
 from tests.test_sim_instance_control_plane import FakeControlPlane
 
+# One parallel test worker runs them all: they share the module's simulated instance and KDN.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 # --- units -----------------------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ import pytest
 from cacheroute_proxy import exits, systemd
 from cacheroute_proxy.config import Settings
 from shm_schema import Segment
-from tests.harness import ROOT, Process, SimInstance, chat_body, get, wait_until
+from tests.harness import ROOT, Process, SimInstance, chat_body, get, private_segment_name, wait_until
 from cacheroute_sim.processes import SupervisorPorts
 
 UNITS_DIR = ROOT / "deploy" / "systemd"
@@ -168,7 +168,7 @@ def test_units_under_a_real_systemd_user_manager():
 def test_sidecar_with_its_port_taken_exits_6():
     """Exit 6 = its control-plane address is taken: cannot start, which the unit does not
     restart (RestartPreventExitStatus=2 6)."""
-    shm_name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    shm_name = private_segment_name()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -286,6 +286,7 @@ def _open_stream(port: int) -> tuple[http.client.HTTPConnection, http.client.HTT
     return conn, response
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sidecar_and_worker_notify_systemd(tmp_path):
     ports = SupervisorPorts(1, "cacheroute_test")

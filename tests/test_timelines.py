@@ -4,7 +4,6 @@ they publish, on a real segment."""
 from __future__ import annotations
 
 import random
-import uuid
 
 import pytest
 
@@ -13,6 +12,7 @@ from shm_schema.bitfields import RequestKey
 from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
 from cacheroute_proxy.pace import Pace
 from sidecar.timelines import InstanceTimeline, Timelines
+from tests.harness import private_segment_name
 
 
 def test_reservations_chain_prefill_and_hold_slots_through_decode():
@@ -84,7 +84,7 @@ def test_lost_completion_expires():
 
 @pytest.fixture
 def seg():
-    name = f"/cacheroute_test_{uuid.uuid4().hex[:10]}"
+    name = private_segment_name()
     segment = Segment.create_or_attach(name, 8, 2, 64)
     try:
         yield segment

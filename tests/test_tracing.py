@@ -19,6 +19,9 @@ from tests.aio import meta_of
 from tests.harness import Cluster, Process, chat_body, free_port, get, http, post, wait_until
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
+# One parallel test worker runs them all: they share the module's clusters, KDN and receiver.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 STAGES = ("receive", "select", "prepare", "admission_wait", "forward", "first_token")

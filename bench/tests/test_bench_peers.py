@@ -30,6 +30,9 @@ from bench.harness.processes import http_json
 from bench.peers import measure, stream_load, summary
 from bench.peers.plan import KNOWN, RunConfig, chosen, instances_for
 
+# One parallel test worker runs them all: they share the module's simulated instances.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "stream": False}
 needs_wrk = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk not installed")

@@ -19,6 +19,7 @@ from bench.harness.baseline import launcher_command
 from bench.harness.cli import name_values
 from bench.harness.contenders import rotated
 from bench.harness.cpu import charged, per_1k
+from bench.harness.processes import http_json, wait_for
 from bench.harness.results import Run, run_record, write_report
 from bench.harness.stats import median, ratio
 from bench.harness.streamed import meta_of, stream_chat
@@ -108,6 +109,14 @@ def test_the_demo_launcher_comes_up_with_its_instances_and_leaves_nothing(tmp_pa
         tree = [launcher, *launcher.children(recursive=True)]
         assert len(tree) >= 5  # the demo: the proxy's launcher, sidecar and 2 workers, 2 instances
         assert os.path.exists(f"/dev/shm{proxy.shm_name}")
+
+        def predicted(worker: int) -> bool:
+            _, loads = http_json("GET", f"{proxy.worker_url(worker)}/debug/instance_loads")
+            return all(row["predicted_total_backlog_ms"] is not None for row in loads["instances"])
+        # A request is predicted once the sidecar's snapshot holds its instance: published a
+        # moment after the workers see the instance registered (later still on a busy host).
+        for worker in range(proxy.workers):
+            wait_for(lambda w=worker: predicted(w), 15, f"worker {worker} reads the predicted layer")
 
         async def one() -> object:
             async with aiohttp.ClientSession() as session:

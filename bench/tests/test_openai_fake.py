@@ -15,6 +15,9 @@ import pytest
 from bench.harness.backends import FakeInstances, InstanceSpec
 from cacheroute_sim.processes import ROOT
 
+# One parallel test worker runs them all: they share the module's fake instances.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": 3}
 
