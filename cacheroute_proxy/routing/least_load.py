@@ -29,7 +29,7 @@ from shm_schema import CountersReader, DirectorySnapshot, InstanceSlot, layout
 from shm_schema.records import SNAPSHOT
 from shm_schema.snapshot import SnapshotReader, flat_index
 
-from .load_view import LoadView
+from .load_view import LoadView, backlog_ms
 from .policy import Choice, Components, Cursor
 from .round_robin import RoundRobinPolicy
 
@@ -260,8 +260,8 @@ class PythonSelector:
     values per candidate (`derive`). A selection is then one struct call, two word loads and a
     few list comprehensions -- where LoadView.components builds a record and a list per
     component. It reads the values the component path reads, and least_load_totals adds them
-    in the same order, so the totals are the component path's bit for bit; only the backlog's
-    arithmetic is written out again (load_view._backlog_ms, on the derived values)."""
+    in the same order (the backlog by load_view.backlog_ms, as there), so the totals are the
+    component path's bit for bit."""
 
     def __init__(self, buffer: Any, candidates: tuple[InstanceSlot, ...], ties: Any, derive: Any, *,
                  load: Any, seq_offset: int, seq: int, pressure_generation_offset: int,
@@ -314,7 +314,7 @@ class PythonSelector:
         return None if totals is None else self._ties(self._candidates, totals)
 
     def _predicted(self, now: int, inflight: Sequence[int]) -> list[tuple[float, Sequence[Any]]]:
-        """The weighted predicted columns: pending, decoding, backlog (load_view._backlog_ms)."""
+        """The weighted predicted columns: pending, decoding, backlog."""
         pending, decoding, free_at, announced, marginal = self._records  # type: ignore[misc]
         columns: list[tuple[float, Sequence[Any]]] = []
         if self._pending_weight:
@@ -323,8 +323,7 @@ class PythonSelector:
             columns.append((self._decoding_weight, decoding))
         if self._backlog_weight:
             columns.append((self._backlog_weight, [
-                ((free - now) / 1000 if free > now else 0.0)
-                + (count - seen if count > seen else 0) * cost / 1000
+                backlog_ms(free, now, count - seen if count > seen else 0, cost)
                 for free, count, seen, cost in zip(free_at, inflight, announced, marginal)]))
         return columns
 

@@ -193,17 +193,19 @@ class LoadView:
 
 
 def _backlog_ms(record: SnapshotRecord, now_us: int, inflight: int | None) -> float:
-    """How long before a new request's prefill could start: the later of the next free slot
-    and the free prefill chain, plus the requests in flight the timeline has not seen yet."""
-    return max(_free_in_ms(record, now_us)) + _unannounced_backlog_ms(record, inflight)
-
-
-def _unannounced_backlog_ms(record: SnapshotRecord, inflight: int | None) -> float:
-    """Backlog of the requests in flight that the timeline has not seen yet (selected since
-    the snapshot, by any worker), at the instance's marginal cost each."""
     announced = record.pending_prefill_count + record.active_decode_count
     unseen = 0 if inflight is None else max(0, inflight - announced)
-    return unseen * record.marginal_backlog_us / 1000
+    return backlog_ms(max(record.next_slot_free_at_us, record.prefill_free_at_us), now_us, unseen,
+                      record.marginal_backlog_us)
+
+
+def backlog_ms(free_at_us: int, now_us: int, unseen: int, marginal_us: int) -> float:
+    """How long before a new request's prefill could start: until `free_at_us`, the later of the
+    next free slot and the free prefill chain (never negative), plus the `unseen` requests in
+    flight the timeline has not seen yet (selected since the snapshot, by any worker) at the
+    instance's marginal cost each. The one spelling of the backlog: least_load's Python
+    selector calls it too."""
+    return ((free_at_us - now_us) / 1000 if free_at_us > now_us else 0.0) + unseen * marginal_us / 1000
 
 
 def _free_in_ms(record: SnapshotRecord, now_us: int) -> tuple[float, float]:
