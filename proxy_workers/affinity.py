@@ -137,13 +137,22 @@ class AffinityScorer:
             self.index.refresh(now)
         holdings = [self._holding(instance, kid_keys, blocks, now if claims else 0) for instance in candidates]
         homes = _homes(candidates, holdings, kid_keys) if claims and len(candidates) > 1 else {}
-        prompt_home = rendezvous_home(blocks[0], [c.instance_id for c in candidates]) \
-            if claims and blocks and len(candidates) > 1 else None
+        prompt_home = self._home(blocks[0], candidates) if claims and blocks and len(candidates) > 1 else None
         displace = self._prompt_saving(request, len(blocks)) if prompt_home is not None else 0.0
         return [self._assessment(request, instance, holding, homes.get(index, 0),
                                  len(blocks) - holding.cached if index == prompt_home else 0,
                                  0.0 if index == prompt_home else displace, len(kid_keys))
                 for index, (instance, holding) in enumerate(zip(candidates, holdings))]
+
+    def _home(self, prompt_key: int, candidates: Sequence[InstanceSlot]) -> int:
+        """The index of the prompt's home among `candidates`: where the sidecar moved it, if that
+        is one of them, else its rendezvous home."""
+        moved = self.index.home_of(prompt_key)
+        if moved is not None:
+            for index, instance in enumerate(candidates):
+                if (instance.slot, instance.generation) == moved:
+                    return index
+        return rendezvous_home(prompt_key, [c.instance_id for c in candidates])
 
     def _holding(self, instance: InstanceSlot, kid_keys: list[tuple[str, int]], blocks: list[int],
                  now: int) -> _Holding:

@@ -10,7 +10,8 @@ PROXY_AFFINITY_PENDING_S.
 
 Two views, by PROXY_AFFINITY_VIEW:
 - `SharedAffinity` (the default) reads the host-wide index the sidecar publishes in the shared
-  segment (shm_schema.affinity) and every worker's claims (shm_schema.claims);
+  segment (shm_schema.affinity), every worker's claims (shm_schema.claims) and the prompts'
+  homes the sidecar balanced (shm_schema.homes);
 - `PerWorkerAffinity`, the ablation, knows only what this worker itself sent and claimed, with
   the same LRU bound (the capacity the sidecar publishes for the instance), like N proxies that
   each keep their own index.
@@ -30,6 +31,7 @@ from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot, Segment
 from shm_schema.affinity import AFFINITY_ENTRIES, AffinityReader
 from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
+from shm_schema.homes import HomeReader
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM
 
 from .event_channel import EventChannelWriter
@@ -126,6 +128,8 @@ class AffinityIndex(Protocol):
 
     def capacity_tokens(self, instance: InstanceSlot) -> int: ...
 
+    def home_of(self, prompt_key: int) -> tuple[int, int] | None: ...
+
     def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int: ...
 
     def drop(self, instance: InstanceSlot, claim: int, groups: Sequence[KeyGroup]) -> None: ...
@@ -147,6 +151,7 @@ class SharedAffinity:
         self.pending = PendingClaims(pending_s)
         self._claim_writer = ClaimWriter(seg)
         self._claim_reader = ClaimReader(seg)
+        self._homes = HomeReader(seg)
 
     def refresh(self, now: int) -> None:
         """Take in the claims every worker made since the last selection."""
@@ -160,6 +165,10 @@ class SharedAffinity:
 
     def capacity_tokens(self, instance: InstanceSlot) -> int:
         return self._reader.row(instance.slot, instance.generation).capacity_tokens
+
+    def home_of(self, prompt_key: int) -> tuple[int, int] | None:
+        """(slot, generation) of the home the sidecar moved the prompt to; None: its rendezvous home."""
+        return self._homes.home_of(prompt_key)
 
     def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int:
         return self._claim_writer.claim(instance.slot, instance.generation, groups)
@@ -177,7 +186,7 @@ class SharedAffinity:
 class PerWorkerAffinity(SharedAffinity):
     """Only what this worker sent and claimed: its own LRU per instance (bounded as the sidecar's
     model: by the capacity the sidecar publishes, and by AFFINITY_ENTRIES) and its own claims,
-    which no other worker reads."""
+    which no other worker reads; every prompt at its rendezvous home."""
 
     mode = "per_worker"
 
@@ -188,6 +197,9 @@ class PerWorkerAffinity(SharedAffinity):
 
     def refresh(self, now: int) -> None:
         self.pending.prune(now)
+
+    def home_of(self, prompt_key: int) -> tuple[int, int] | None:
+        return None  # nothing host-wide: every prompt has its rendezvous home
 
     def residency(self, instance: InstanceSlot) -> Residency:
         model = self._models.get((instance.slot, instance.generation))

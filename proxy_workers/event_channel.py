@@ -79,7 +79,9 @@ class EventChannelWriter:
         write = self._writer.prefix if prefix else self._writer.resident
         t_us = now_us()
         for start in range(0, len(keys), 3):
-            write(self._epoch, slot, generation, t_us, tuple(keys[start:start + 3]), tokens_each)
+            # A prompt's first event names it: it carries how many blocks the request sent.
+            named = (0 if start else len(keys),) if prefix else ()
+            write(self._epoch, slot, generation, t_us, tuple(keys[start:start + 3]), tokens_each, *named)
 
     def tick(self) -> None:
         """Periodic: move spilled events into the ring; re-announce after a sidecar restart."""

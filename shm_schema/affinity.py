@@ -5,11 +5,9 @@ entries), written only by the sidecar, read by every worker with plain loads and
 key is a 64-bit hash of a knowledge id or of a block of a prompt prefix; its value says which
 (AffinityValue's kind) and how many tokens of KV it stands for.
 
-The writer rewrites a whole row under the row's seqlock word (odd while writing). A reader
-loads the word, copies the row in one struct call and loads the word again: an odd or moved
-word means a write overlapped, and the reader tries again a few times, then keeps what it had
-(it never spins on a writer that was descheduled or killed). Readers decode a row only when
-its seqlock word changed, so the common case is one atomic load per candidate.
+The writer rewrites a whole row under the row's seqlock word (seqlock.py); a reader copies the
+row in one struct call, and decodes it only when its seqlock word changed, so the common case
+is one atomic load per candidate.
 
 The row's generation is the slot generation the entries describe: a freed or reused slot's
 old entries are invisible to a reader that holds the new generation, whatever the sidecar has
@@ -21,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Sequence
 
-from . import layout
+from . import layout, seqlock
 from .bitfields import AffinityValue
 from .records import (AFFINITY_ENTRIES, AFFINITY_ENTRY, AFFINITY_KNOWLEDGE, AFFINITY_PREFIX,
                       AFFINITY_ROW_HEADER)
@@ -32,7 +30,6 @@ __all__ = ["AFFINITY_ENTRIES", "AFFINITY_KNOWLEDGE", "AFFINITY_PREFIX", "Affinit
 
 _ENTRIES = AFFINITY_ENTRY.array(AFFINITY_ENTRIES)
 _HEADER = AFFINITY_ROW_HEADER
-_READ_TRIES = 4
 
 
 class Resident(NamedTuple):
@@ -74,13 +71,13 @@ class AffinityWriter:
         for entry in kept:
             words += (entry.key, AffinityValue.pack(entry.kind, entry.tokens))
         words += (0,) * (2 * AFFINITY_ENTRIES - len(words))
-        seq = seg.load(base + layout.A_SEQ)
-        seg.store(base + layout.A_SEQ, seq + 1 if seq % 2 == 0 else seq)  # odd: writing
-        _ENTRIES.pack_into(seg.buf, geometry.affinity_entries_offset(slot), *words)
-        header = _HEADER.make((generation, (seq | 1), len(kept), sum(e.tokens for e in kept),
-                               capacity_tokens, time.time_ns() // 1000))
-        _HEADER.pack_into(seg.buf, base, header)
-        seg.store(base + layout.A_SEQ, (seq | 1) + 1)  # even again: stable
+
+        def rewrite(odd: int) -> None:
+            _ENTRIES.pack_into(seg.buf, geometry.affinity_entries_offset(slot), *words)
+            _HEADER.pack_into(seg.buf, base, _HEADER.make((
+                generation, odd, len(kept), sum(e.tokens for e in kept), capacity_tokens,
+                time.time_ns() // 1000)))
+        seqlock.write(seg, base + layout.A_SEQ, rewrite)
 
     def clear(self, slot: int) -> None:
         """Nothing is resident in `slot` (its instance left)."""
@@ -121,21 +118,13 @@ class AffinityReader:
     def _decode(self, slot: int, base: int, seq: int, cached: AffinityRow | None) -> AffinityRow:
         seg = self._seg
         entries_at = seg.geometry.affinity_entries_offset(slot)
-        for _ in range(_READ_TRIES):
-            if seq % 2 == 0:
-                header = _HEADER.unpack_from(seg.buf, base)
-                words = _ENTRIES.unpack_from(seg.buf, entries_at)
-                again = seg.load(base + layout.A_SEQ)
-                if again == seq:
-                    row = _decoded(header, words, seq)
-                    self._rows[slot] = row
-                    return row
-                seq = again
-            else:
-                time.sleep(0)  # let the writer finish
-                seq = seg.load(base + layout.A_SEQ)
-        self.torn_reads += 1
-        return cached if cached is not None else _EMPTY
+        row = seqlock.read(seg, base + layout.A_SEQ, seq, lambda stable: _decoded(
+            _HEADER.unpack_from(seg.buf, base), _ENTRIES.unpack_from(seg.buf, entries_at), stable))
+        if row is None:
+            self.torn_reads += 1
+            return cached if cached is not None else _EMPTY
+        self._rows[slot] = row
+        return row
 
 
 def _decoded(header: tuple, words: tuple[int, ...], seq: int) -> AffinityRow:

@@ -129,17 +129,19 @@ class EventWriter:
         return self._residency(_RESIDENT, epoch, slot, generation, t_us, keys, tokens_each)
 
     def prefix(self, epoch: int, slot: int, generation: int, t_us: int, keys: tuple[int, ...],
-               tokens_each: int) -> bool:
-        """Up to three prompt-prefix blocks (their chained hashes) were forwarded to the instance."""
-        return self._residency(_PREFIX, epoch, slot, generation, t_us, keys, tokens_each)
+               tokens_each: int, prompt_blocks: int = 0) -> bool:
+        """Up to three prompt-prefix blocks (their chained hashes) were forwarded to the instance;
+        `prompt_blocks`, in the event whose first key is the prompt's first block, is how many
+        the request sent in all (the sidecar weighs the prompt's homes by it), else 0."""
+        return self._residency(_PREFIX, epoch, slot, generation, t_us, keys, tokens_each, prompt_blocks)
 
     def _residency(self, kind: int, epoch: int, slot: int, generation: int, t_us: int,
-                   keys: tuple[int, ...], tokens_each: int) -> bool:
+                   keys: tuple[int, ...], tokens_each: int, prompt_blocks: int = 0) -> bool:
         if not 1 <= len(keys) <= 3:
             raise ValueError(f"a residency event carries 1 to 3 keys, not {len(keys)}")
         padded = (*keys, 0, 0)[:3]
-        record = (kind | (epoch << _EPOCH_SHIFT), 0, (slot << _SLOT_SHIFT) | generation, t_us,
-                  *padded, tokens_each)
+        record = (kind | (epoch << _EPOCH_SHIFT), prompt_blocks, (slot << _SLOT_SHIFT) | generation,
+                  t_us, *padded, tokens_each)
         return (not self._spill and self._put(record)) or self._spill_or_drop(record)
 
     # --- the ring and the spill ---------------------------------------------------------------

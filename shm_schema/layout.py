@@ -6,7 +6,7 @@ module uses, and `Geometry` for the offsets that depend on a segment's capacitie
 below is checked against the declarations by tests/test_shm_records.py.
 
 One POSIX shared-memory segment, every numeric field an aligned native 64-bit word (so a plain
-load of a field is a single-copy-atomic read on x86-64 and aarch64), in seven regions::
+load of a field is a single-copy-atomic read on x86-64 and aarch64), in eight regions::
 
     offset 0            HEADER            256 bytes
     COUNTERS_OFFSET     counter lanes     instance_capacity x LANES words (one cache line a slot)
@@ -15,6 +15,7 @@ load of a field is a single-copy-atomic read on x86-64 and aarch64), in seven re
     worker_rows_offset  worker rows       worker_capacity x row_size
     affinity_offset     affinity index    instance_capacity x AFFINITY_ROW_SIZE (layout 4)
     claims_offset       claims ring       CLAIM_RING_CAPACITY x CLAIM_SIZE (layout 5)
+    homes_offset        prompt homes      HOME_TABLE_SIZE (layout 6)
 
 Header words (HeaderWords, all u64)::
 
@@ -108,7 +109,9 @@ CAS on its identity word)::
 Event record (EventRecord; in a worker's ring, EVENT_SIZE bytes)::
 
     0   tag              EventTag: kind (EventKind) and the sidecar epoch it was written under
-    8   request_key      RequestKey: the worker's row and its sequence
+    8   request_key      RequestKey: the worker's row and its sequence; RESIDENT: 0; PREFIX:
+                         the request's prompt blocks in the event whose key_0 is the prompt's
+                         first block (the event that names the prompt), 0 in the others
     16  slot_generation  SlotGeneration: the instance it is about
     24  t_us             when (RESYNC: when the request was reserved), wall clock
     32  payload_0        RESERVE, RESYNC: ReservePayload (service_us, decode_us, decode_tokens,
@@ -153,6 +156,18 @@ CLAIM_RING_CAPACITY). A reader follows the cursor: a record not whole yet is loo
 on its next pass (a writer killed between reserve and publish leaves a hole that is passed over
 after a bound), and one the writers have lapped is gone (its claim lapses as if its TTL had).
 
+Prompt-home table (HomeTableHeader, then HOME_ENTRIES HomeEntry records of 16 bytes; one for
+the host, written only by the sidecar, read by every worker; layout version 6)::
+
+    0   seq              seqlock, as an affinity row's
+    8   count            entries in use
+    16  published_us     when the table was last written (wall clock)
+    24..63 reserved
+    64  entries          HOME_ENTRIES x (key: a prompt's first block key, never 0;
+                         slot_generation: SlotGeneration of the instance that is its home)
+
+A prompt missing from the table has its rendezvous home among the request's candidates.
+
 Bit-packed words (bitfields)::
 
     CounterWord     generation << 32 | count
@@ -175,13 +190,15 @@ from __future__ import annotations
 import struct
 
 from .records import (AFFINITY_ENTRIES, AFFINITY_ENTRY, AFFINITY_ROW_HEADER, CLAIM, COUNTER_LANES,
-                      EVENT, HEADER, ROW_HEADER, SLOT, SNAPSHOT, WORD)
+                      EVENT, HEADER, HOME_ENTRIES, HOME_ENTRY, HOME_TABLE_HEADER, ROW_HEADER, SLOT,
+                      SNAPSHOT, WORD)
 
 MAGIC = 0x3159584F52505243  # b"CRPROXY1" read as a little-endian u64
 # 3: max_num_seqs in the slots (320 bytes), marginal backlog in the snapshot;
 # 4: the affinity index after the worker rows (every earlier offset unchanged);
-# 5: the claims ring after it, the claims cursor in the header, the pace in the snapshot.
-LAYOUT_VERSION = 5
+# 5: the claims ring after it, the claims cursor in the header, the pace in the snapshot;
+# 6: the prompt-home table after the claims ring.
+LAYOUT_VERSION = 6
 
 # --- header ------------------------------------------------------------------------------
 HEADER_SIZE = HEADER.size
@@ -278,6 +295,12 @@ CLAIM_SIZE = CLAIM.size
 CLAIM_RING_CAPACITY = 4096
 C_SEQ = CLAIM.offset.seq
 
+# --- prompt homes (sidecar -> workers) ---------------------------------------------------------
+# 1,024 entries of 16 bytes (16 KB): only prompts moved off their rendezvous home are listed,
+# a few per instance for a workload of a few dozen shared system prompts.
+HOME_TABLE_SIZE = HOME_TABLE_HEADER.size + HOME_ENTRIES * HOME_ENTRY.size
+HT_SEQ = HOME_TABLE_HEADER.offset.seq
+
 
 def _align(offset: int, to: int = 64) -> int:
     return (offset + to - 1) // to * to
@@ -288,7 +311,7 @@ class Geometry:
 
     __slots__ = ("instance_capacity", "worker_capacity", "ring_capacity", "directory_offset",
                  "snapshot_offset", "worker_rows_offset", "contributions_size", "row_size",
-                 "affinity_offset", "claims_offset", "total_size")
+                 "affinity_offset", "claims_offset", "homes_offset", "total_size")
 
     def __init__(self, instance_capacity: int, worker_capacity: int,
                  ring_capacity: int = DEFAULT_RING_CAPACITY) -> None:
@@ -302,7 +325,8 @@ class Geometry:
         self.row_size = _align(ROW_HEADER_SIZE + self.contributions_size + EVENT_SIZE * ring_capacity)
         self.affinity_offset = self.worker_rows_offset + self.row_size * worker_capacity
         self.claims_offset = self.affinity_offset + AFFINITY_ROW_SIZE * instance_capacity
-        self.total_size = self.claims_offset + CLAIM_SIZE * CLAIM_RING_CAPACITY
+        self.homes_offset = self.claims_offset + CLAIM_SIZE * CLAIM_RING_CAPACITY
+        self.total_size = self.homes_offset + HOME_TABLE_SIZE
 
     def counter_offset(self, slot: int, lane: int = LANE_INFLIGHT) -> int:
         return counter_offset(slot, lane)
@@ -340,6 +364,9 @@ class Geometry:
 
     def claim_offset(self, position: int) -> int:
         return self.claims_offset + CLAIM_SIZE * (position % CLAIM_RING_CAPACITY)
+
+    def home_entries_offset(self) -> int:
+        return self.homes_offset + HOME_TABLE_HEADER.size
 
 
 def counter_offset(slot: int, lane: int = LANE_INFLIGHT) -> int:

@@ -280,3 +280,25 @@ CLAIM = Record(ClaimRecord, size=64)
 CLAIM_OP_CLAIM = 1
 CLAIM_OP_DROP = 2
 
+
+# --- prompt homes (one table for the host; written only by the sidecar) ----------------------------
+HOME_ENTRIES = 1024  # prompts whose home the sidecar has moved off their rendezvous home
+
+
+class HomeTableHeader(NamedTuple):
+    """The fixed words of the prompt-home table; HOME_ENTRIES entries follow."""
+    seq: int           # seqlock: odd while the sidecar rewrites the table
+    count: int         # entries in use
+    published_us: int  # when the sidecar last wrote the table, wall clock
+
+
+HOME_TABLE_HEADER = Record(HomeTableHeader, size=64)
+
+
+class HomeEntry(NamedTuple):
+    """A prompt's home: the instance kv_aware credits with holding the prompt's blocks."""
+    key: int              # the prompt's first block key, never 0
+    slot_generation: int  # SlotGeneration: the instance
+
+
+HOME_ENTRY = Record(HomeEntry, size=16)

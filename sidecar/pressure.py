@@ -15,10 +15,11 @@ from typing import Any
 
 from shm_schema import DirectoryReader, Segment, header, read_all
 from shm_schema.bitfields import RequestKey
-from shm_schema.events import Event, EventHandlers, EventReader
+from shm_schema.events import Event, EventHandlers, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
 from .affinity import AffinityModels
+from .prompt_homes import Candidate, PromptHomes
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
@@ -38,9 +39,10 @@ class PressurePublisher:
     def __init__(self, seg: Segment, epoch: int, ready_slots: int, pace_step: float = 0.0,
                  min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.1,
                  reservation_max_age_s: float = 900.0,
-                 affinity: AffinityModels | None = None) -> None:
+                 affinity: AffinityModels | None = None, homes: PromptHomes | None = None) -> None:
         self._seg = seg
         self.affinity = affinity  # RESIDENT and PREFIX events feed the affinity index
+        self.homes = homes  # and PREFIX events the prompts' rates
         self.epoch = epoch
         self._reader = EventReader(seg)
         self._writer = SnapshotWriter(seg)
@@ -77,6 +79,8 @@ class PressurePublisher:
             self._publish(now)
         if self.affinity is not None:
             self.affinity.publish()
+        if self.homes is not None:
+            self.homes.tick(now, self._home_candidates)
 
     def drain_dead_row(self, row: int) -> None:
         """Before a dead worker's row is freed: take what it wrote, then drop what it held."""
@@ -94,9 +98,22 @@ class PressurePublisher:
                 self._dirty = True
 
     def _apply_other(self, event: Event) -> None:
-        """RESIDENT and PREFIX feed the affinity index."""
+        """RESIDENT and PREFIX feed the affinity index, PREFIX the prompts' homes."""
         if self.affinity is not None:
             self.affinity.apply(event)
+        if self.homes is not None and event.kind == EventKind.PREFIX:
+            self.homes.observe(event)
+
+    def _home_candidates(self) -> list[Candidate]:
+        """The candidate set, each instance at its learned speed (1 if not learned yet)."""
+        timelines = self.timelines.by_instance()
+        candidates = []
+        for instance in self._directory.snapshot().alive:
+            where = (instance.slot, instance.generation)
+            timeline = timelines.get(where)
+            pace = timeline.pace.factor if timeline is not None and timeline.pace.observations else 1.0
+            candidates.append(Candidate(where, instance.instance_id, 1.0 / pace))
+        return candidates
 
     def _max_num_seqs(self, slot: int, generation: int) -> int:
         for instance in self._directory.snapshot().instances:
@@ -152,7 +169,8 @@ class PressurePublisher:
                 "snapshots_published": self.stats.published,
                 "pending_reservations": pending, "decoding": decoding,
                 "affinity": None if self.affinity is None else self.affinity.describe(
-                    {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances})}
+                    {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances}),
+                "prompt_homes": None if self.homes is None else self.homes.describe()}
 
     def _describe_timelines(self) -> dict[str, dict[str, Any]]:
         """Per instance id: the slots its timeline models and its learned pace."""

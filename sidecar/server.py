@@ -23,6 +23,7 @@ from cacheroute_proxy.http1 import GracefulExit, Http1Server, head_limits
 from shm_schema import Segment, SegmentError, header
 
 from .affinity import AffinityModels, kv_capacity_tokens
+from .prompt_homes import PromptHomes
 from .app import SidecarState, build_app
 from .host_header_check import HostHeaderCheck
 from .kv_events import KvEventFeeds, zmq_missing
@@ -67,8 +68,11 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     registry.on_kv_reset.append(affinity.forget)
     registry.on_resident_keys.append(
         lambda record, kids: affinity.report(record.slot, record.generation, map(knowledge_key, kids)))
+    homes = PromptHomes(seg, settings.affinity_home_halflife_s, settings.affinity_home_tolerance)
+    if not seg.created and homes.adopt():
+        log.info("kept the prompt homes of the previous sidecar")
     pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step,
-                                 affinity=affinity)
+                                 affinity=affinity, homes=homes)
     reaper.before_reap.append(pressure.drain_dead_row)
     topology = Topology()
     registry.on_removed.append(topology.forget)  # an instance's links leave with it

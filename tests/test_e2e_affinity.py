@@ -12,12 +12,14 @@ import contextlib
 import json
 import os
 import signal
+import time
 import urllib.parse
 from typing import Any, AsyncIterator
 
 import aiohttp
 import pytest
 
+from cacheroute_proxy.affinity_keys import prefix_keys, rendezvous_home
 from cacheroute_sim.processes import free_port
 from tests.aio import OpenStream, meta_of
 from tests.harness import Process, get, http, post, wait_until
@@ -455,3 +457,45 @@ def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_hol
     assert held["instance_id"] == first["instance_id"]
     assert held["affinity_saved_ms"] > 0
     assert held["predict_service_ms"] < first["predict_service_ms"] - held["affinity_saved_ms"] / 2
+
+
+def _system_prompts_homed_on(instance_id: str, ids: list[str], count: int) -> list[str]:
+    """`count` system prompts whose rendezvous home among `ids` is `instance_id`."""
+    prompts = []
+    for n in range(200):
+        system = f"Corpus {n}. " + SYSTEM
+        first = prefix_keys(f"<|system|>{system}<|user|>", 64, 1)[0]
+        if ids[rendezvous_home(first, ids)] == instance_id:
+            prompts.append(system)
+            if len(prompts) == count:
+                return prompts
+    raise AssertionError("no prompts homed there")
+
+
+def test_the_sidecar_moves_a_prompt_home_off_the_instance_its_prompts_overload(make_cluster):
+    """Three equally popular prompts whose rendezvous home is one instance: the sidecar moves one
+    of them (two would overload the other instance) and every worker sends it to its new home."""
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    a, b = (cluster.add_instance("--prefix-caching") for _ in range(2))
+    prompts = _system_prompts_homed_on(a.instance_id, [a.instance_id, b.instance_id], 3)
+
+    def body(system: str, n: int) -> dict[str, Any]:
+        return {"model": "sim", "stream": False, "max_tokens": 2,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
+
+    assert {served_by(cluster, body(prompts[n % 3], n)) for n in range(36)} == {a.instance_id}
+
+    def moved() -> int:
+        return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
+    wait_until(lambda: moved() == 1, 10, message="one prompt moved")
+    time.sleep(2.5)  # more rounds move nothing more: a second move would overload b
+    assert moved() == 1
+    # A prompt's home is where it pays no displacement.
+    homes = {system: {w: [iid for iid, row in affinity_rows(
+        cluster, w, prompt=f"<|system|>{system}<|user|>x").items() if row["displace_ms"] == 0]
+        for w in range(cluster.workers)} for system in prompts}
+    at_b = [system for system, seen in homes.items() if seen == {0: [b.instance_id], 1: [b.instance_id]}]
+    assert len(at_b) == 1, homes
+    assert all(seen == {0: [a.instance_id], 1: [a.instance_id]} for system, seen in homes.items()
+               if system not in at_b), homes
+    assert {served_by(cluster, body(at_b[0], 100 + n)) for n in range(4)} == {b.instance_id}

@@ -3,7 +3,8 @@ byte map says, and spells exactly the bytes the code before the declarations wro
 that code, tests/golden_segment_v3.py; layout 4, tests/golden_segment_v4.py, is that segment with
 the affinity region added after it and every earlier word unchanged but the version and the size;
 layout 5, tests/golden_segment_v5.py, adds the claims ring after that, a header word and a
-snapshot word that were reserved)."""
+snapshot word that were reserved; layout 6, tests/golden_segment_v6.py, the prompt-home table
+after the claims ring)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ from shm_schema.affinity import AffinityReader, AffinityWriter, Resident
 from shm_schema.bitfields import AffinityValue, ClaimValue
 from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
 from shm_schema.events import residency
+from shm_schema.homes import HomeReader, HomeWriter
 from shm_schema.records import (AFFINITY_ENTRY, AFFINITY_KNOWLEDGE, AFFINITY_PREFIX,
                                 AFFINITY_ROW_HEADER, CLAIM, CLAIM_OP_CLAIM, CLAIM_OP_DROP,
-                                COUNTER_LANES, EVENT, HEADER, PAYLOAD_START,
+                                COUNTER_LANES, EVENT, HEADER, HOME_ENTRY, HOME_TABLE_HEADER, PAYLOAD_START,
                                 ROW_HEADER, SLOT, SNAPSHOT, CompletePayload, Record,
                                 ReservePayload, ResidencyPayload, SnapshotRecord)
 from shm_schema.segment import SegmentLayoutError
 from shm_schema.snapshot import SnapshotReader, SnapshotWriter
-from tests import golden_segment_v3, golden_segment_v4, golden_segment_v5
+from tests import golden_segment_v3, golden_segment_v4, golden_segment_v5, golden_segment_v6
 from tests.harness import private_segment_name
 
 # No example database, and hypothesis's cache out of the (shared) checkout, as in test_fuzz.py.
@@ -44,7 +46,7 @@ U64 = st.integers(0, (1 << 64) - 1)
 RECORDS = {"HeaderWords": HEADER, "CounterLanes": COUNTER_LANES, "SlotRecord": SLOT,
            "SnapshotRecord": SNAPSHOT, "RowHeader": ROW_HEADER, "EventRecord": EVENT,
            "AffinityRowHeader": AFFINITY_ROW_HEADER, "AffinityEntry": AFFINITY_ENTRY,
-           "ClaimRecord": CLAIM}
+           "ClaimRecord": CLAIM, "HomeTableHeader": HOME_TABLE_HEADER}
 
 
 # --- the byte map --------------------------------------------------------------------------------
@@ -60,7 +62,7 @@ def _documented_blocks() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["HeaderWords", "SlotRecord", "SnapshotRecord", "RowHeader",
-                                  "EventRecord", "AffinityRowHeader", "ClaimRecord"])
+                                  "EventRecord", "AffinityRowHeader", "ClaimRecord", "HomeTableHeader"])
 def test_every_field_is_where_the_byte_map_says(name: str) -> None:
     record = RECORDS[name]
     documented = {field: int(offset) for offset, field in
@@ -78,10 +80,10 @@ def test_the_counter_lanes_are_the_ones_the_byte_map_lists() -> None:
 
 
 def test_the_layout_version_and_the_sizes_are_unchanged() -> None:
-    assert layout.LAYOUT_VERSION == 5
+    assert layout.LAYOUT_VERSION == 6
     assert (HEADER.size, COUNTER_LANES.size, SLOT.size, SNAPSHOT.size, ROW_HEADER.size,
-            EVENT.size, AFFINITY_ROW_HEADER.size, AFFINITY_ENTRY.size, CLAIM.size) == \
-        (256, 64, 320, 64, 128, 64, 64, 16, 64)
+            EVENT.size, AFFINITY_ROW_HEADER.size, AFFINITY_ENTRY.size, CLAIM.size,
+            HOME_TABLE_HEADER.size, HOME_ENTRY.size) == (256, 64, 320, 64, 128, 64, 64, 16, 64, 64, 16)
     assert (layout.LANES, layout.LANES_USED, layout.MAX_ID_BYTES, layout.MAX_HOST_BYTES) == (8, 5, 112, 64)
     assert layout.AFFINITY_ROW_SIZE == 64 + 512 * 16
     # Layout 3's regions end where they did (4096; 5_382_400 for the defaults): the affinity
@@ -90,9 +92,12 @@ def test_the_layout_version_and_the_sizes_are_unchanged() -> None:
     assert layout.Geometry(256, 64).affinity_offset == 5_382_400
     # Layout 4's end: the claims ring follows, 4,096 records of 64 bytes.
     assert layout.Geometry(4, 2, 8).claims_offset == 4096 + 4 * 8256
-    assert layout.Geometry(4, 2, 8).total_size == 4096 + 4 * 8256 + 4096 * 64
     assert layout.Geometry(256, 64).claims_offset == 5_382_400 + 256 * 8256
-    assert layout.Geometry(256, 64).total_size == 5_382_400 + 256 * 8256 + 4096 * 64
+    # Layout 5's end: the prompt-home table follows, 64 + 1,024 x 16 bytes.
+    assert layout.Geometry(4, 2, 8).homes_offset == 4096 + 4 * 8256 + 4096 * 64
+    assert layout.Geometry(4, 2, 8).total_size == 4096 + 4 * 8256 + 4096 * 64 + 64 + 1024 * 16
+    assert layout.Geometry(256, 64).homes_offset == 5_382_400 + 256 * 8256 + 4096 * 64
+    assert layout.Geometry(256, 64).total_size == 5_382_400 + 256 * 8256 + 4096 * 64 + 64 + 1024 * 16
 
 
 def test_a_record_that_does_not_fit_its_size_is_refused() -> None:
@@ -251,6 +256,13 @@ def test_each_writer_method_puts_its_payload_where_the_declaration_says(seg) -> 
     complete = EVENT.unpack_from(seg.buf, ring + EVENT.size)
     assert EventTag.kind(complete.tag) == EventKind.COMPLETE
     assert complete[PAYLOAD_START:] == CompletePayload(failed=1) + (0,) * 3
+    writer.prefix(5, 3, 7, 1250, (0xA1, 0xA2, 0xA3), 128, prompt_blocks=4)  # names the prompt
+    writer.prefix(5, 3, 7, 1250, (0xA4,), 128)
+    named, rest = (EVENT.unpack_from(seg.buf, ring + n * EVENT.size) for n in (2, 3))
+    assert (named.request_key, ResidencyPayload._make(named[PAYLOAD_START:])) == \
+        (4, ResidencyPayload(0xA1, 0xA2, 0xA3, 128))
+    assert (rest.request_key, ResidencyPayload._make(rest[PAYLOAD_START:])) == \
+        (0, ResidencyPayload(0xA4, 0, 0, 128))
     row.release()
 
 
@@ -340,13 +352,19 @@ def write_claims_reference(seg: Segment) -> int:
     return claim
 
 
+def write_homes_reference(seg: Segment) -> None:
+    """Layout 6's addition: two prompts' homes."""
+    HomeWriter(seg).publish({0x5151: (1, 4), 0x6262: (0, 2)})
+
+
 def _zero_the_clock_and_chance(seg: Segment) -> None:
     rows = (seg.geometry.row_offset(0), seg.geometry.row_offset(1))
     published = AFFINITY_ROW_HEADER.offset.published_us
     for offset in (layout.H_CREATION_ID, layout.H_CREATED_AT_NS, layout.H_SNAPSHOT_PUBLISHED_US,
                    *(base + layout.R_HEARTBEAT_NS for base in rows),
                    *(base + layout.R_CLAIMED_AT_NS for base in rows),
-                   *(seg.geometry.affinity_row_offset(s) + published for s in range(4))):
+                   *(seg.geometry.affinity_row_offset(s) + published for s in range(4)),
+                   seg.geometry.homes_offset + HOME_TABLE_HEADER.offset.published_us):
         seg.store(offset, 0)
 
 
@@ -359,8 +377,20 @@ def test_the_new_spelling_writes_the_bytes_the_old_code_wrote(seg) -> None:
     write_reference(seg)
     write_affinity_reference(seg)
     write_claims_reference(seg)
+    write_homes_reference(seg)
     _zero_the_clock_and_chance(seg)
-    assert _nonzero_words(seg) == golden_segment_v5.WORDS
+    assert _nonzero_words(seg) == golden_segment_v6.WORDS
+
+
+def test_layout_6_changed_no_word_of_layout_5_but_the_version_and_the_size() -> None:
+    v5, v6 = golden_segment_v5.WORDS, golden_segment_v6.WORDS
+    end_of_v5 = v5[layout.H_TOTAL_SIZE]
+    assert (v5[layout.H_LAYOUT_VERSION], v6[layout.H_LAYOUT_VERSION]) == (5, 6)
+    assert v6[layout.H_TOTAL_SIZE] == end_of_v5 + layout.HOME_TABLE_SIZE
+    same = {layout.H_LAYOUT_VERSION, layout.H_TOTAL_SIZE}
+    assert {o: w for o, w in v6.items() if o < end_of_v5 and o not in same} == \
+        {o: w for o, w in v5.items() if o not in same}
+    assert min(o for o in v6 if o >= end_of_v5) == end_of_v5  # the home table's seqlock word
 
 
 def test_layout_5_changed_no_word_of_layout_4_but_the_version_the_size_and_the_claims_cursor() -> None:
@@ -386,13 +416,14 @@ def test_layout_4_changed_no_word_of_layout_3_but_the_version_and_the_size() -> 
     assert min(o for o in v4 if o >= end_of_v3) == end_of_v3  # the first affinity row
 
 
-@pytest.mark.parametrize("golden", [golden_segment_v3, golden_segment_v4], ids=["layout 3", "layout 4"])
+@pytest.mark.parametrize("golden", [golden_segment_v3, golden_segment_v4, golden_segment_v5],
+                         ids=["layout 3", "layout 4", "layout 5"])
 def test_an_older_layout_is_refused_with_the_remedy(seg, golden) -> None:
     for offset, word in golden.WORDS.items():
         struct.pack_into("@Q", seg.buf, offset, word)
     version = golden.WORDS[layout.H_LAYOUT_VERSION]
     with pytest.raises(SegmentLayoutError,
-                       match=f"layout version {version}, but this build uses layout version 5"):
+                       match=f"layout version {version}, but this build uses layout version 6"):
         Segment.attach(seg.name)
 
 
@@ -433,7 +464,7 @@ def test_a_reader_never_takes_a_row_the_writer_is_rewriting(seg) -> None:
 
 def test_a_segment_of_the_old_code_reads_the_same(seg) -> None:
     seg.buf[:] = bytes(seg.geometry.total_size)
-    for offset, word in golden_segment_v5.WORDS.items():
+    for offset, word in golden_segment_v6.WORDS.items():
         struct.pack_into("@Q", seg.buf, offset, word)
     old = Segment.attach(seg.name)  # the header validates
     try:
@@ -442,6 +473,7 @@ def test_a_segment_of_the_old_code_reads_the_same(seg) -> None:
             Claimed(CLAIM_OP_CLAIM, 0, 0, 2, AFFINITY_PREFIX, 64, 7_000_000, (0x11, 0x22, 0x33)),
             Claimed(CLAIM_OP_CLAIM, 0, 0, 2, AFFINITY_PREFIX, 64, 7_000_000, (0x44,)),
             Claimed(CLAIM_OP_DROP, 0, 0, 2, AFFINITY_PREFIX, 64, 8_000_000, (0x44,))]
+        assert HomeReader(old).homes() == {0x5151: (1, 4), 0x6262: (0, 2)}
         affinity = AffinityReader(old)
         assert (affinity.row(0, 2).knowledge, affinity.row(0, 2).prefix, affinity.row(0, 2).capacity_tokens) \
             == ({0xAAAA}, {0xBBBB}, 5000)

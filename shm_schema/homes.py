@@ -1,0 +1,88 @@
+"""The prompt-home table: the instance kv_aware treats as holding each shared prompt, for the
+prompts the sidecar has moved off their rendezvous home to balance the instances' work.
+
+One table for the host (layout.py's byte map: HomeTableHeader, then HOME_ENTRIES entries),
+written whole by the sidecar under its seqlock word (seqlock.py), read by every worker with
+one atomic load when nothing changed. An entry names its instance by slot and generation, so
+a freed or reused slot's entries name nobody a worker can choose.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from . import layout, seqlock
+from .bitfields import SlotGeneration
+from .records import HOME_ENTRIES, HOME_ENTRY, HOME_TABLE_HEADER
+from .segment import Segment
+
+__all__ = ["HOME_ENTRIES", "HomeReader", "HomeWriter"]
+
+_ENTRIES = HOME_ENTRY.array(HOME_ENTRIES)
+_HEADER = HOME_TABLE_HEADER
+
+Homes = Mapping[int, tuple[int, int]]  # prompt key -> (slot, generation)
+
+
+class HomeWriter:
+    """The sidecar's side."""
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+
+    def publish(self, homes: Homes) -> None:
+        """Replace the table with `homes` (at most HOME_ENTRIES; keys of 0 are left out)."""
+        seg = self._seg
+        kept = [(key, SlotGeneration.pack(slot, generation))
+                for key, (slot, generation) in homes.items() if key][:HOME_ENTRIES]
+        words = [word for entry in kept for word in entry]
+        words += (0,) * (2 * HOME_ENTRIES - len(words))
+        base = seg.geometry.homes_offset
+
+        def rewrite(odd: int) -> None:
+            _ENTRIES.pack_into(seg.buf, seg.geometry.home_entries_offset(), *words)
+            _HEADER.pack_into(seg.buf, base, _HEADER.make((odd, len(kept), time.time_ns() // 1000)))
+        seqlock.write(seg, base + layout.HT_SEQ, rewrite)
+
+    def read(self) -> dict[int, tuple[int, int]]:
+        """The table as it stands, for a restarted sidecar (the only writer: no seqlock check)."""
+        seg = self._seg
+        header = _HEADER.unpack_from(seg.buf, seg.geometry.homes_offset)
+        return _decoded(header.count, _ENTRIES.unpack_from(seg.buf, seg.geometry.home_entries_offset()))
+
+
+class HomeReader:
+    """A worker's copy of the table, decoded again only when its seqlock word moved."""
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+        self._seq = -1
+        self._homes: dict[int, tuple[int, int]] = {}
+        self.torn_reads = 0  # reads that overlapped a write too often and kept the old copy
+
+    def homes(self) -> dict[int, tuple[int, int]]:
+        seg = self._seg
+        at = seg.geometry.homes_offset + layout.HT_SEQ
+        seq = seg.load(at)
+        if seq != self._seq:
+            base, entries_at = seg.geometry.homes_offset, seg.geometry.home_entries_offset()
+            copied = seqlock.read(seg, at, seq, lambda stable: (stable, _decoded(
+                _HEADER.unpack_from(seg.buf, base).count, _ENTRIES.unpack_from(seg.buf, entries_at))))
+            if copied is None:
+                self.torn_reads += 1
+            else:
+                self._seq, self._homes = copied
+        return self._homes
+
+    def home_of(self, key: int) -> tuple[int, int] | None:
+        """(slot, generation) of the prompt's published home; None if it has its rendezvous home."""
+        return self.homes().get(key)
+
+
+def _decoded(count: int, words: tuple[int, ...]) -> dict[int, tuple[int, int]]:
+    homes = {}
+    for i in range(min(count, HOME_ENTRIES)):
+        packed = words[2 * i + 1]
+        homes[words[2 * i]] = (SlotGeneration.slot(packed), SlotGeneration.generation(packed))
+    return homes

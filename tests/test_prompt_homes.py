@@ -1,0 +1,132 @@
+"""Prompt homes: the table the sidecar publishes (shm_schema/homes.py) and how it balances the
+prompts' homes by their traffic (sidecar/prompt_homes.py), over a real segment."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheroute_proxy.affinity_keys import rendezvous_home
+from shm_schema import layout
+from shm_schema.events import Event, EventKind
+from shm_schema.homes import HOME_ENTRIES, HomeReader, HomeWriter
+from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, Candidate, PromptHomes
+from tests.shm_helpers import fresh_segment
+
+A, B = Candidate((0, 1), "inst-a", 1.0), Candidate((1, 1), "inst-b", 1.0)
+
+
+@pytest.fixture
+def seg():
+    with fresh_segment(4, 2) as segment:
+        yield segment
+
+
+def keys_homed_on(candidate: Candidate, count: int) -> list[int]:
+    names = [A.instance_id, B.instance_id]
+    keys = [k for k in range(1, 10_000) if names[rendezvous_home(k, names)] == candidate.instance_id]
+    return keys[:count]
+
+
+def named(key: int, blocks: int = 7) -> Event:
+    """The PREFIX event that names a prompt (its first block) and says how many blocks were sent."""
+    return Event(EventKind.PREFIX, 1, blocks, 0, 1, 0, service_us=key)
+
+
+def run(homes: PromptHomes, requests: dict[int, int], rounds: int, candidates=(A, B),
+        start: float = 100.0) -> float:
+    """`requests` per prompt key in each round, then the round; returns when the next is due."""
+    for n in range(rounds):
+        for key, count in requests.items():
+            for _ in range(count):
+                homes.observe(named(key))
+        homes.tick(start + n * ROUND_S, lambda: list(candidates))
+    return start + rounds * ROUND_S
+
+
+def work_on(seg, requests: dict[int, int], candidates=(A, B)) -> dict[str, int]:
+    """Each candidate's requests a round, by the homes the workers read."""
+    reader, names = HomeReader(seg), [c.instance_id for c in candidates]
+    work = dict.fromkeys(names, 0)
+    for key, count in requests.items():
+        moved = reader.home_of(key)
+        home = next(c.instance_id for c in candidates if c.where == moved) if moved \
+            else names[rendezvous_home(key, names)]
+        work[home] += count
+    return work
+
+
+def test_the_table_round_trips_and_a_reader_decodes_it_again_only_when_it_changed(seg) -> None:
+    writer, reader = HomeWriter(seg), HomeReader(seg)
+    assert reader.home_of(5) is None
+    writer.publish({5: (1, 7), 0: (2, 2), 6: (3, 9)})  # a key of 0 names no prompt
+    assert reader.homes() == {5: (1, 7), 6: (3, 9)} and writer.read() == {5: (1, 7), 6: (3, 9)}
+    copy = reader.homes()
+    assert reader.homes() is copy  # the seqlock word did not move: nothing decoded
+    writer.publish({key: (0, 1) for key in range(1, HOME_ENTRIES + 10)})
+    assert len(reader.homes()) == HOME_ENTRIES
+
+
+def test_a_reader_keeps_its_copy_while_a_writer_left_the_table_half_written(seg) -> None:
+    writer, reader = HomeWriter(seg), HomeReader(seg)
+    writer.publish({5: (1, 7)})
+    assert reader.home_of(5) == (1, 7)
+    at = seg.geometry.homes_offset + layout.HT_SEQ
+    seg.store(at, seg.load(at) + 1)  # odd: a writer killed mid-rewrite
+    assert reader.home_of(5) == (1, 7) and reader.torn_reads == 1
+    writer.publish({5: (2, 3)})  # the next sidecar rewrites it whole
+    assert reader.home_of(5) == (2, 3)
+
+
+def test_prompts_move_off_the_overloaded_instance_until_the_work_is_within_the_tolerance(seg) -> None:
+    # Four prompts homed on a, drawing 4:3:2:1 of the requests; b has none of its own.
+    requests = dict(zip(keys_homed_on(A, 4), (16, 12, 8, 4)))
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    now = run(homes, requests, rounds=1)
+    assert homes.stats["moves"] == 1  # one a round
+    now = run(homes, requests, rounds=6, start=now)
+    work = work_on(seg, requests)
+    assert work == {"inst-a": 20, "inst-b": 20}, work  # 16+4 and 12+8: exactly even
+    moves = homes.stats["moves"]
+    run(homes, requests, rounds=5, start=now)
+    assert homes.stats["moves"] == moves  # balanced: nothing moves back and forth
+
+
+def test_no_move_within_the_tolerance_or_before_enough_requests(seg) -> None:
+    a_keys, b_keys = keys_homed_on(A, 1), keys_homed_on(B, 1)
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.25)
+    run(homes, {a_keys[0]: 11, b_keys[0]: 9}, rounds=5)  # a carries 1.1x its share
+    assert homes.stats["moves"] == 0
+    few = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    run(few, {keys_homed_on(A, 2)[1]: int(MIN_REQUESTS) - 1}, rounds=1)
+    assert few.stats["moves"] == 0
+
+
+def test_a_faster_instance_takes_a_larger_share(seg) -> None:
+    fast_b = B._replace(speed=3.0)  # its pace is a third of the profile's: three times a's share
+    requests = dict.fromkeys(keys_homed_on(A, 8), 5)
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    run(homes, requests, rounds=10, candidates=(A, fast_b))
+    assert work_on(seg, requests, (A, fast_b)) == {"inst-a": 10, "inst-b": 30}
+
+
+def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_dropped(seg) -> None:
+    requests = dict.fromkeys(keys_homed_on(A, 2), 30)
+    homes = PromptHomes(seg, halflife_s=1, tolerance=0.1)
+    now = run(homes, requests, rounds=1)
+    assert len(HomeReader(seg).homes()) == 1
+    homes.tick(now, lambda: [A])  # b left
+    assert HomeReader(seg).homes() == {}
+    now = run(homes, requests, rounds=1, start=now + ROUND_S)
+    assert len(HomeReader(seg).homes()) == 1
+    homes.tick(now + 20, lambda: [A, B])  # silent for 20 half-lives: forgotten
+    assert HomeReader(seg).homes() == {} and homes.describe()["prompts"] == 0
+
+
+def test_a_restarted_sidecar_keeps_the_published_homes(seg) -> None:
+    requests = dict.fromkeys(keys_homed_on(A, 2), 20)
+    run(PromptHomes(seg, halflife_s=20, tolerance=0.1), requests, rounds=1)
+    published = HomeReader(seg).homes()
+    again = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    assert again.adopt() == 1
+    run(again, requests, rounds=3, start=200.0)
+    assert HomeReader(seg).homes() == published and again.stats["moves"] == 0
