@@ -54,6 +54,10 @@ def test_the_original_names_are_read(var: str, text: str, field: str, value: obj
     assert ENV_NAMES[field] == var
 
 
+def test_a_strategy_alias_names_its_strategy() -> None:
+    assert Settings.from_env({"PROXY_INSTANCE_STRATEGY": "ll"}).strategy_name == "least_load"
+
+
 def test_every_setting_has_one_variable_a_topic_and_help() -> None:
     variables = [f.env.var for f in FIELDS]
     assert len(variables) == len(set(variables)) == len(Settings.__struct_fields__)
@@ -74,7 +78,15 @@ BAD = [
     ({"PROXY_DP_PORT": "70000"}, "PROXY_DP_PORT: must be a TCP port between 1 and 65535, got 70000"),
     ({"PROXY_ADVERTISE_PORT": "0"}, "PROXY_ADVERTISE_PORT: must be a TCP port between 1 and 65535, got 0"),
     ({"PROXY_PACE_STEP": "1.5"}, "PROXY_PACE_STEP: must be between 0 and 1, got 1.5"),
+    ({"PROXY_PACE_STEP": "-0.1"}, "PROXY_PACE_STEP: must be between 0 and 1, got -0.1"),
     ({"PROXY_PACE_STEP": "soon"}, "PROXY_PACE_STEP: expected a number, got 'soon'"),
+    ({"PROXY_INSTANCE_STRATEGY": "least_inflight"},
+     "PROXY_INSTANCE_STRATEGY: unknown strategy 'least_inflight'; choose one of round_robin, "
+     "round-robin, rr, least_load, least-load, ll, kv_aware, kv-aware, kv"),
+    ({"PROXY_MAX_HEAD_BYTES": "100"}, "PROXY_MAX_HEAD_BYTES: must be between 256 and 1048576, got 100"),
+    ({"PROXY_MAX_URL_BYTES": "2000000"}, "PROXY_MAX_URL_BYTES: must be between 256 and 1048576, got 2000000"),
+    ({"PROXY_MAX_HEADERS": "0"}, "PROXY_MAX_HEADERS: must be between 1 and 10000, got 0"),
+    ({"PROXY_HEAD_TIMEOUT_S": "0"}, "PROXY_HEAD_TIMEOUT_S: must be > 0, got 0.0"),
     ({"PROXY_QUEUE_TIMEOUT_S": "0"}, "PROXY_QUEUE_TIMEOUT_S: must be > 0, got 0.0"),
     ({"PROXY_INSTANCE_PURGE_GRACE_S": "-1"}, "PROXY_INSTANCE_PURGE_GRACE_S: must be >= 0, got -1.0"),
     ({"PROXY_KV_AWARE_BALANCE_REL": "inf"},

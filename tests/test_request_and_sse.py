@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cacheroute_proxy.config import ConfigError, Settings
+from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.request_model import Endpoint, _recover_slowly, recover
 from tests import fuzz_strategies as fz
@@ -77,31 +77,6 @@ def test_meta_event_shape():
     event = meta_event(Trace(proxy_recv_ms=1), None)
     assert event.startswith(b"event: cacheroute_meta\ndata: {\"trace\":") and event.endswith(b"\n\n")
     assert DONE_EVENT == b"data: [DONE]\n\n"
-
-
-def test_settings_from_env_and_errors_name_the_variable():
-    s = Settings.from_env({"PROXY_DP_PORT": "9100", "PROXY_INSTANCE_STRATEGY": "ll",
-                           "PROXY_LEAST_LOAD_WEIGHTS": '{"inflight": 2}'})
-    assert s.dp_port == 9100 and s.strategy_name == "least_load" and s.least_load_weights == {"inflight": 2}
-    for env, var in [({"PROXY_DP_PORT": "abc"}, "PROXY_DP_PORT"),
-                     ({"PROXY_DP_PORT": "70000"}, "PROXY_DP_PORT"),
-                     ({"PROXY_INSTANCE_STRATEGY": "least_inflight"}, "PROXY_INSTANCE_STRATEGY"),
-                     ({"PROXY_LEAST_LOAD_WEIGHTS": "{"}, "PROXY_LEAST_LOAD_WEIGHTS"),
-                     ({"PROXY_SHM_NAME": "no-slash"}, "PROXY_SHM_NAME"),
-                     ({"PROXY_PACE_STEP": "1.5"}, "PROXY_PACE_STEP"),
-                     ({"PROXY_PACE_STEP": "-0.1"}, "PROXY_PACE_STEP"),
-                     ({"PROXY_MAX_HEAD_BYTES": "100"}, "PROXY_MAX_HEAD_BYTES"),
-                     ({"PROXY_MAX_URL_BYTES": "2000000"}, "PROXY_MAX_URL_BYTES"),
-                     ({"PROXY_MAX_HEADERS": "0"}, "PROXY_MAX_HEADERS"),
-                     ({"PROXY_HEAD_TIMEOUT_S": "0"}, "PROXY_HEAD_TIMEOUT_S")]:
-        with pytest.raises((ConfigError, ValueError)) as info:
-            Settings.from_env(env)
-        assert var in str(info.value), (env, info.value)
-
-
-def test_settings_round_trip_through_env():
-    s = Settings(workers=3, least_load_weights={"inflight": 1.5}, openai_api_key=None)
-    assert Settings.from_env(s.to_env()) == s
 
 
 def test_no_authorization_header_without_a_key():
