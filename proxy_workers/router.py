@@ -90,7 +90,8 @@ class Lease:
 
 
 def kv_aware_settings(settings: Settings) -> dict[str, float]:
-    return {"balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel}
+    return {"balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel,
+            "work_weight": settings.kv_aware_work_weight}
 
 
 class Router:

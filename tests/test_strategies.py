@@ -90,7 +90,18 @@ def test_kv_aware_keeps_a_prompt_at_its_home_unless_the_home_queue_costs_more_th
     assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
                                     [_predicted(65.0, 10.0), cold])[0] == "away"
     # The trace's TTFT is the time to first token alone.
-    assert (cold.total_ms, cold.score_ms) == (40.0, 70.0)
+    assert (cold.total_ms, cold.score_ms()) == (40.0, 70.0)
+
+
+def test_kv_aware_weighs_the_work_a_choice_adds_as_the_delay_it_causes_those_behind_it():
+    """With the work counted twice, moving the prompt costs 2 x (40 + 30) against 2 x 10 at home:
+    a home queue of 65 ms keeps it, one over 120 ms moves it."""
+    kv = KvAwarePolicy(work_weight=2.0)
+    cold = _predicted(0.0, 40.0, displace=30.0)
+    assert cold.score_ms(2.0) == 140.0
+    for queue, chosen in ((65.0, "home"), (119.0, "home"), (121.0, "away")):
+        assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+                                        [_predicted(queue, 10.0), cold])[0] == chosen
 
 
 def test_kv_aware_equal_predictions_rotate():

@@ -37,7 +37,8 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     """One run as the client saw it: answered, errors (by kind), TTFT p50/p99 (ms, answered
     requests), completed per second (answered / first send to last end), and for this proxy's
     kv_aware how often the guard fired, how many choices went where the prompt saved time (and
-    the median saving), and the median TTFT it predicted for its choices."""
+    the median saving), the median TTFT it predicted for its choices, and how closely each
+    prompt kept to one instance."""
     ok = [o for o in outcomes if answered(o)]
     failed = [o.error or "no first token" for o in outcomes if not answered(o)]
     ttft = [o.ttft_ms for o in ok]
@@ -55,7 +56,20 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
         "saved": sum(1 for ms in saved if ms > 0),
         "saved_ms_p50": _round(statistics.median(saved) if saved else None),
         "predicted_ttft_p50_ms": _round(statistics.median(predicted) if predicted else None),
+        "prompt_concentration": prompt_concentration(ok),
     }
+
+
+def prompt_concentration(outcomes: Sequence[Outcome]) -> float | None:
+    """The share of requests sent to the instance that answered most of their system prompt's
+    requests: 1.0 when each prompt stays on one instance. None without the instances (a peer's
+    answers do not name theirs)."""
+    by_prompt: dict[int, Counter[str]] = {}
+    for o in outcomes:
+        if o.instance is not None and o.system is not None:
+            by_prompt.setdefault(o.system, Counter())[o.instance] += 1
+    placed = sum(sum(c.values()) for c in by_prompt.values())
+    return round(sum(max(c.values()) for c in by_prompt.values()) / placed, 4) if placed else None
 
 
 def cpu_figures(cpu_s: float, by_role: dict[str, float], answered: int) -> dict[str, Any]:

@@ -31,14 +31,16 @@ class Outcome:
     saved_ms: float | None = None
     predicted_ttft_ms: float | None = None
     error: str | None = None
+    system: int | None = None  # the request's system prompt
 
 
-async def _one(session: aiohttp.ClientSession, url: str, request_body: dict[str, Any], begin: float) -> Outcome:
+async def _one(session: aiohttp.ClientSession, url: str, request: Planned, request_body: dict[str, Any],
+               begin: float) -> Outcome:
     streamed = await stream_chat(session, url, request_body)
     choice = kv_aware_choice(streamed.meta)
     outcome = Outcome(streamed.ttft_ms, None if streamed.ended_at is None else streamed.ended_at - begin,
                       streamed.instance, choice.guard, choice.saved_ms, choice.predicted_ttft_ms,
-                      streamed.error)
+                      streamed.error, request.system)
     if outcome.error is None and not streamed.finished:
         outcome.error = "stream ended without [DONE]"
     if streamed.meta is not None:
@@ -56,7 +58,7 @@ async def _open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str
     async with _session() as session:
         begin = time.monotonic()
         outcomes = await arrivals.open_loop(((p.unit_at / rate, p) for p in planned), lambda request: _one(
-            session, url, body(request, prompts, max_tokens), begin))
+            session, url, request, body(request, prompts, max_tokens), begin))
         return outcomes, time.monotonic() - begin
 
 
@@ -73,7 +75,7 @@ async def _closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[s
     async with _session() as session:
         begin = time.monotonic()
         return await arrivals.closed_loop(iter(planned), concurrency, lambda request: _one(
-            session, url, body(request, prompts, max_tokens), begin))
+            session, url, request, body(request, prompts, max_tokens), begin))
 
 
 def closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], concurrency: int,

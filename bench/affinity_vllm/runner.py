@@ -146,5 +146,7 @@ def run_all(names: Sequence[str], setup: Setup, planned: Sequence[Planned], load
             runs.append(record)
             print(f"  hit rate {record['prefix_cache_hit_rate']}, TTFT p50 {record['ttft_p50_ms']} ms, "
                   f"p99 {record['ttft_p99_ms']} ms, {record['completed_per_s']}/s, errors {record['error_count']}, "
-                  f"share {record['share']}, CPU {record['cpu_ms_per_request']} ms/request", flush=True)
+                  f"share {record['share']}, CPU {record['cpu_ms_per_request']} ms/request"
+                  + (f", prompts on one instance {record['prompt_concentration']}"
+                     if record.get("prompt_concentration") is not None else ""), flush=True)
     return runs, failed

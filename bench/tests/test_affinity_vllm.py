@@ -231,6 +231,13 @@ def test_a_run_summary_counts_errors_and_unfinished_streams_apart_from_the_ttfts
     assert summary["completed_per_s"] == 2.5
     assert (summary["guard_fired"], summary["guard_decisions"], summary["saved"]) == (1, 5, 2)
     assert summary["saved_ms_p50"] == 0.0 and summary["predicted_ttft_p50_ms"] == 31.0
+    assert summary["prompt_concentration"] is None  # no instance named
+
+
+def test_prompt_concentration_is_the_share_sent_to_each_prompts_usual_instance():
+    sent = [(0, "a"), (0, "a"), (0, "a"), (0, "b"), (1, "b"), (1, "b"), (2, "a")]
+    outcomes = [Outcome(ttft_ms=1.0, instance=i, system=p) for p, i in sent]
+    assert figures.prompt_concentration(outcomes) == round(6 / 7, 4)
     assert figures.cpu_figures(0.5, {"workers": 0.4}, 5) == {
         "cpu_s": 0.5, "cpu_ms_per_request": 100.0, "cpu_ms_per_request_by_role": {"workers": 80.0}}
 

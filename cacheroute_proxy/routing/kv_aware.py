@@ -47,10 +47,13 @@ class Prediction(NamedTuple):
         """The predicted time to first token."""
         return None if self.queue_ms is None else self.queue_ms + self.prefill_ms + self.transfer_ms
 
-    @property
-    def score_ms(self) -> float | None:
-        """What kv_aware selects by: the predicted time to first token and the cache cost."""
-        return None if self.queue_ms is None else self.queue_ms + self.own_ms
+    def score_ms(self, work_weight: float = 1.0) -> float | None:
+        """What kv_aware selects by: the wait, the transfer, and the engine work the choice adds
+        (the prefill and the displacement) `work_weight` times: its own wait once, the rest the
+        delay it causes the requests that will queue behind it."""
+        if self.queue_ms is None:
+            return None
+        return self.queue_ms + self.transfer_ms + work_weight * (self.prefill_ms + self.displace_ms)
 
 
 class Costs(Protocol):
@@ -99,11 +102,12 @@ class KvAwarePolicy(LeastLoadPolicy):
 
     def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
                  tie_cursor: Cursor | None = None, *, balance_abs: float = 4.0,
-                 balance_rel: float = 1.5, pricing: Pricing | None = None,
+                 balance_rel: float = 1.5, work_weight: float = 1.0, pricing: Pricing | None = None,
                  native: bool = True) -> None:
         super().__init__(weights, cursor, tie_cursor, native=native)
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.work_weight = work_weight
         self.pricing = pricing
 
     def guard(self, inflight: Sequence[int | None]) -> Guard:
@@ -131,7 +135,7 @@ class KvAwarePolicy(LeastLoadPolicy):
         verdict = self.guard(inflight)
         if verdict.fired:
             return totals, verdict
-        predicted = [p.score_ms for p in predictions]
+        predicted = [p.score_ms(self.work_weight) for p in predictions]
         if None not in predicted:
             return predicted, verdict
         return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict
