@@ -9,11 +9,10 @@ interference the timeline does not see as queue).
 
 The sidecar sees every request's prompt: the PREFIX event that names it carries how many
 blocks the request sent. It keeps a decayed rate of each prompt's blocks (half-life
-PROXY_AFFINITY_HOME_HALFLIFE_S) and, once a round, moves one prompt from the instance furthest
+PROXY_AFFINITY_HOME_HALFLIFE_S) and, once a round, moves a prompt from the instance furthest
 above its share of the work (shares by speed: 1 / its learned pace) to the one furthest below,
 when the first is above by more than PROXY_AFFINITY_HOME_TOLERANCE and the move brings the
-two closer. One prompt a round, so each cache fills before the next move. Only moved prompts
-are published (shm_schema.homes); every other prompt keeps its rendezvous home, and a prompt
+two closer; then again, up to MOVES_A_ROUND moves. Only moved prompts are published (shm_schema.homes); every other prompt keeps its rendezvous home, and a prompt
 whose rate decays away is forgotten.
 """
 
@@ -29,6 +28,10 @@ from shm_schema.homes import HOME_ENTRIES, HomeWriter
 
 Where = tuple[int, int]  # (slot, generation)
 ROUND_S = 1.0
+# Moves a round at most: enough to balance a skewed start within a round or two (the first
+# requests of each prompt miss wherever it is homed), few enough that one round's rates,
+# still noisy, cannot shuffle every home.
+MOVES_A_ROUND = 4
 # Decayed requests (all prompts) before the first move: fewer say little about popularity.
 MIN_REQUESTS = 32.0
 FORGET_BELOW = 0.05  # decayed blocks: a prompt unseen for several half-lives
@@ -67,7 +70,8 @@ class PromptHomes:
             self._requests += 1.0
 
     def tick(self, now: float, candidates_now: Callable[[], Sequence[Candidate]]) -> None:
-        """A round, once ROUND_S has passed since the last: decay, forget, move at most one."""
+        """A round, once ROUND_S has passed since the last: decay, forget, move prompts one at
+        a time while a move brings the work closer to the shares (at most MOVES_A_ROUND)."""
         if now < self._next_round:
             return
         self._next_round = now + ROUND_S
@@ -76,7 +80,10 @@ class PromptHomes:
         live = {c.where for c in candidates}
         changed = self._forget(live)
         if len(candidates) > 1 and self._requests >= MIN_REQUESTS:
-            changed |= self._move_one(candidates)
+            for _ in range(MOVES_A_ROUND):
+                if not self._move_one(candidates):
+                    break
+                changed = True
         if changed:
             self._writer.publish(self._moved)
             self.stats["published"] += 1

@@ -31,6 +31,11 @@ from shm_schema.snapshot import Pressure
 from cacheroute_proxy.pace import Pace
 
 RECENT_WEIGHT = 0.2  # of the newest reservation in the moving averages of service and decode
+# The pace is learned only from first tokens predicted to wait at most this long: a queued
+# request's prediction is the serial prefill chain's, and an engine that batches the prefills of
+# a queue answers them sooner -- learned from, the busiest engine would look the fastest and
+# draw still more (the pace measures the instance, not the queue model).
+QUEUED_S = 0.001
 
 
 class Reservation:
@@ -170,7 +175,8 @@ class InstanceTimeline:
                 self.settle()
                 predicted = res._predicted_first_token
         del pending[key]
-        self.pace.observe(predicted - res.reserved_at, t - res.reserved_at)
+        if predicted - res.service_s - res.reserved_at <= QUEUED_S:
+            self.pace.observe(predicted - res.reserved_at, t - res.reserved_at)
         res.first_token_at = t
         self.decoding[key] = res
         self._decode_ends[key] = t + res.decode_s

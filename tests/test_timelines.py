@@ -201,6 +201,23 @@ def test_pace_converges_on_an_instance_three_times_slower_than_predicted():
     assert slow.decode_s == pytest.approx(1.5, rel=0.02)
 
 
+def test_the_pace_is_learned_only_from_first_tokens_that_were_not_predicted_to_queue():
+    """An engine that batches the prefills of a queue answers a burst sooner than the serial chain
+    predicts: learned from, the busiest engine would look the fastest and draw still more."""
+    tl = Timelines(ready_slots=4, pace_step=0.5)
+    for key in range(4):  # a burst: each predicted after the ones before it, answered together
+        tl.reserve(0, 1, key, 1000.0, 0.2, 1.0)
+    for key in range(4):
+        tl.first_token(key, 1000.25)
+    pace = tl.timeline(0, 1).pace
+    assert (pace.observations, pace.factor) == (1, pytest.approx(1.25 ** 0.5))  # the first one only
+    for key in range(4):
+        tl.complete(key, 1002.0)
+    tl.reserve(0, 1, 9, 1010.0, 0.2, 1.0)  # alone: it did not queue
+    tl.first_token(9, 1010.4)
+    assert pace.observations == 2
+
+
 def test_one_observation_moves_the_pace_a_bounded_step_and_noise_is_ignored():
     pace = Pace(step=0.2)
     pace.observe(predicted_s=0.1, observed_s=1000.0)   # a wild sample: ratio clamped to 10

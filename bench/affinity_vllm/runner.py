@@ -86,13 +86,16 @@ def run(spec: contenders.Spec, setup: Setup, planned: Sequence[Planned], rate: f
 
 def index_account(status: dict[str, Any]) -> dict[str, Any]:
     """What this proxy's affinity index heard in a run: the engines' KV events (blocks stored,
-    removed, clears) and where each instance's prefix entries came from, and each feed's
-    batches, gaps and restarts."""
+    removed, clears) and where each instance's prefix entries came from, each instance's learned
+    pace, the prompt homes the sidecar moved, and each feed's batches, gaps and restarts."""
     affinity = status["event_channel"]["affinity"] or {}
     keys = ("prefix_blocks", "prefix_guesses_ignored", "engine_blocks_stored", "engine_blocks_removed",
             "engine_clears")
+    channel = status["event_channel"]
     return {**{key: affinity.get(key) for key in keys},
             "prefix_from": {iid: row["prefix_from"] for iid, row in affinity.get("instances", {}).items()},
+            "pace": {iid: timeline["pace"] for iid, timeline in channel.get("timelines", {}).items()},
+            "prompt_homes": channel.get("prompt_homes"),
             "feeds": {iid: {k: feed.get(k) for k in ("endpoint", "batches", "gaps", "engine_restarts", "block_size")}
                       for iid, feed in (status.get("kv_event_feeds") or {}).items()}}
 

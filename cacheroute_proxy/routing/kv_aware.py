@@ -9,6 +9,7 @@ this policy adds each candidate's queue wait and pace from the load view, and ch
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 from shm_schema import DirectorySnapshot, InstanceSlot
@@ -96,12 +97,13 @@ class KvAwarePolicy(LeastLoadPolicy):
     prediction underrates cannot keep attracting what it holds.
 
     Without a pricing (a bare router in a unit test), or for a selection without a request,
-    kv_aware is least_load."""
+    kv_aware is least_load. Built bare, the guard never fires and the work counts once; the
+    worker passes its settings (proxy_workers/router.py)."""
 
     name = "kv_aware"
 
     def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
-                 tie_cursor: Cursor | None = None, *, balance_abs: float = 4.0,
+                 tie_cursor: Cursor | None = None, *, balance_abs: float = math.inf,
                  balance_rel: float = 1.5, work_weight: float = 1.0, pricing: Pricing | None = None,
                  native: bool = True) -> None:
         super().__init__(weights, cursor, tie_cursor, native=native)
