@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity soak clean-shm clean
+.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity bench-idle soak clean-shm clean
 
 # setup.py builds the C parts (shm_schema/_lanes.c, cacheroute_proxy/routing/_least_load.c) into
 # the checkout: an edit rebuilds them.
@@ -86,6 +86,11 @@ bench: $(STAMP)
 	$(PY) -m bench.bench_events --out bench/results/events.json
 	$(PY) -m bench.pipeline_cost --out bench/results/pipeline_cost.json
 	$(PY) -m bench.bench_prefix_keys --out bench/results/prefix_keys.json
+
+# The proxy at rest: its tree's CPU over 60 s without traffic (BASELINE=<git ref>: that ref too,
+# interleaved).
+bench-idle: $(STAMP)
+	$(PY) -m bench.idle --out bench/results/idle.json $(if $(BASELINE),--baseline $(BASELINE),)
 
 # The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
 # BASELINE=<git ref> the same scenarios against that ref too, interleaved).

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cacheroute_proxy.clock import now_us
+from cacheroute_proxy.doorbell import Bell
 from shm_schema import Segment, WorkerRow, header
 from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventWriter
@@ -35,7 +36,8 @@ class EventChannelWriter:
 
     def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536) -> None:
         self._seg = seg
-        self._writer = EventWriter(seg, row.row, spill_limit)
+        self._bell = Bell(seg.name)
+        self._writer = EventWriter(seg, row.row, spill_limit, wake=self._bell.ring)
         # Consecutive keys of this row, from sequence 1: one C call per request.
         self._next_key = itertools.count(RequestKey.pack(row.row, 1)).__next__
         self._live: dict[int, LiveRequest] = {}
@@ -87,6 +89,12 @@ class EventChannelWriter:
         """Periodic: move spilled events into the ring; re-announce after a sidecar restart."""
         self._check_epoch()
         self._writer.flush()
+
+    @property
+    def busy(self) -> bool:
+        """Events wait in the spill, or requests are live (a new sidecar must hear of them soon):
+        ticks are due often. Otherwise the next event's own write checks the epoch."""
+        return bool(self._writer.spilled or self._live)
 
     def _check_epoch(self) -> None:
         epoch = header.sidecar_epoch(self._seg)

@@ -39,6 +39,7 @@ log = logging.getLogger("cacheroute.worker")
 
 SEGMENT_WAIT_S = 15.0
 EVENT_TICK_S = 0.02
+IDLE_EVENT_TICK_S = 1.0  # nothing spilled, no request live: nothing to move or re-announce
 # After a rolling restart's SIGTERM the predecessor closes its listeners within moments, but the
 # replacement may be quicker: it waits this long for the private port instead of exiting 5
 # (which would stop the whole supervisor).
@@ -119,9 +120,10 @@ class _Lifespan:
 
     async def _tick_events(self) -> None:
         """Move spilled events into the ring; re-announce live requests to a new sidecar."""
+        channel = self._event_channel
         while True:
-            self._event_channel.tick()
-            await asyncio.sleep(EVENT_TICK_S)
+            channel.tick()
+            await asyncio.sleep(EVENT_TICK_S if channel.busy else IDLE_EVENT_TICK_S)
 
 
 def bind_addresses(settings: Settings, index: int) -> tuple[socket.socket, socket.socket] | int:

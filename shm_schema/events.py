@@ -8,6 +8,9 @@ spill, in order, and moves them in as the sidecar catches up; only when the spil
 is an event dropped, and then it is counted in the row (`events_dropped`, shown in
 /debug/status).
 
+A writer given a `wake` calls it after publishing an event while the header says the sidecar
+sleeps (header.set_sidecar_sleeping): the worker's doorbell ring.
+
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
 
@@ -50,6 +53,7 @@ _TAIL = layout.R_RING_TAIL // WORD
 _HEAD = layout.R_RING_HEAD // WORD
 _DROPPED = layout.R_EVENTS_DROPPED // WORD
 _PREFIX = int(EventKind.PREFIX)
+_SLEEPING = layout.H_SIDECAR_SLEEPING
 
 
 class Event(NamedTuple):
@@ -74,7 +78,8 @@ class EventWriter:
     Every write never blocks and returns False only if the event had to be dropped (counted).
     """
 
-    def __init__(self, seg: Segment, row: int, spill_limit: int = 65536) -> None:
+    def __init__(self, seg: Segment, row: int, spill_limit: int = 65536,
+                 wake: Callable[[], None] | None = None) -> None:
         geometry = seg.geometry
         self._buf = seg.buf
         self._load = seg.atomic.load_u64
@@ -84,6 +89,8 @@ class EventWriter:
         self._tail_offset = base + layout.R_RING_TAIL
         self._head_offset = base + layout.R_RING_HEAD
         self._dropped_offset = base + layout.R_EVENTS_DROPPED
+        # Rung after an event is published while the sidecar sleeps (header.set_sidecar_sleeping).
+        self._wake = wake
         self._ring_base = geometry.ring_offset(row)
         self._capacity = geometry.ring_capacity
         self._tail = self._load(self._tail_offset)
@@ -176,6 +183,8 @@ class EventWriter:
         self._tail = tail + 1
         self._store(self._tail_offset, tail + 1)  # publish after the record is written
         self.written += 1
+        if self._wake is not None and self._load(_SLEEPING):
+            self._wake()
         return True
 
 

@@ -39,7 +39,9 @@ Header words (HeaderWords, all u64)::
     136 ring_capacity      events per worker ring
     144 events_dropped_gone  events dropped by workers whose rows have since been freed
     152 claims_cursor      claim records ever reserved (fetch_add by every worker; layout 5)
-    160..255 reserved
+    160 sidecar_sleeping   1 while the sidecar, idle, waits to be woken instead of polling the
+                           rings: a worker that writes an event then rings its doorbell (layout 6)
+    168..255 reserved
 
 Counter lanes (CounterLanes): for slot i, LANES words at COUNTERS_OFFSET + 64*i (a slot's
 counters share one cache line; slots do not), each a CounterWord::
@@ -197,7 +199,7 @@ MAGIC = 0x3159584F52505243  # b"CRPROXY1" read as a little-endian u64
 # 3: max_num_seqs in the slots (320 bytes), marginal backlog in the snapshot;
 # 4: the affinity index after the worker rows (every earlier offset unchanged);
 # 5: the claims ring after it, the claims cursor in the header, the pace in the snapshot;
-# 6: the prompt-home table after the claims ring.
+# 6: the prompt-home table after the claims ring, the sidecar's sleeping flag in the header.
 LAYOUT_VERSION = 6
 
 # --- header ------------------------------------------------------------------------------
@@ -222,6 +224,7 @@ H_SNAPSHOT_PUBLISHED_US = HEADER.offset.snapshot_published_us
 H_RING_CAPACITY = HEADER.offset.ring_capacity
 H_EVENTS_DROPPED_GONE = HEADER.offset.events_dropped_gone
 H_CLAIMS_CURSOR = HEADER.offset.claims_cursor
+H_SIDECAR_SLEEPING = HEADER.offset.sidecar_sleeping
 
 # --- counter lanes -----------------------------------------------------------------------
 COUNTERS_OFFSET = HEADER_SIZE

@@ -107,6 +107,7 @@ class HeaderWords(NamedTuple):
     ring_capacity: int
     events_dropped_gone: int
     claims_cursor: int   # records ever reserved in the claims ring (fetch_add by every worker)
+    sidecar_sleeping: int  # 1 while the sidecar waits for a worker's doorbell instead of polling
 
 
 HEADER = Record(HeaderWords, size=256)

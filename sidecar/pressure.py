@@ -8,6 +8,7 @@ snapshot ages past PROXY_SNAPSHOT_STALE_MS).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -18,11 +19,16 @@ from shm_schema.bitfields import RequestKey
 from shm_schema.events import Event, EventHandlers, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
 
+from cacheroute_proxy.doorbell import Doorbell
+
 from .affinity import AffinityModels
 from .prompt_homes import Candidate, PromptHomes
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
+# Ticks without an event before the sidecar sleeps on its doorbell: at the default 5 ms poll,
+# 100 ms of quiet (a burst's gaps do not put it to sleep).
+QUIET_TICKS = 20
 
 
 @dataclass
@@ -61,8 +67,10 @@ class PressurePublisher:
         self._handlers = EventHandlers(timelines.reserve, timelines.first_token,
                                        timelines.complete, self._apply_other)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """Drain the rings, publish what is due; True if any event was taken."""
         now = time.time()
+        consumed = self.stats.consumed
         scan = self._reader.scan()
         if scan.identities != self._identities:  # a row was claimed, released or reused
             self._identities = scan.identities
@@ -81,6 +89,32 @@ class PressurePublisher:
             self.affinity.publish()
         if self.homes is not None:
             self.homes.tick(now, self._home_candidates)
+        return self.stats.consumed != consumed
+
+    async def run(self, poll_s: float, doorbell: Doorbell | None) -> None:
+        """Tick every `poll_s` while events come; after QUIET_TICKS ticks without one, sleep until
+        a worker rings the doorbell or the snapshot heartbeat is due (cacheroute_proxy/doorbell.py)."""
+        quiet = 0
+        while True:
+            quiet = 0 if self._safe_tick() else quiet + 1
+            if doorbell is None or quiet < QUIET_TICKS:
+                await asyncio.sleep(poll_s)
+                continue
+            header.set_sidecar_sleeping(self._seg, True)
+            if self._safe_tick():  # written before the word was set: no ring is coming for it
+                header.set_sidecar_sleeping(self._seg, False)
+                quiet = 0
+                continue
+            if await doorbell.wait(self._heartbeat):
+                quiet = 0
+            header.set_sidecar_sleeping(self._seg, False)
+
+    def _safe_tick(self) -> bool:
+        try:
+            return self.tick()
+        except Exception:  # a bug in one tick must not stop the next
+            log.exception("event channel tick failed")
+            return False
 
     def drain_dead_row(self, row: int) -> None:
         """Before a dead worker's row is freed: take what it wrote, then drop what it held."""

@@ -17,10 +17,12 @@ from cacheroute_proxy import exits, logs, serving, sysctl_check
 from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.auth import load_token
 from cacheroute_proxy.config import Settings
+from cacheroute_proxy.doorbell import open_doorbell
 from cacheroute_proxy.routing.load_view import LoadView
 from cacheroute_proxy.routing.least_load import LeastLoadPolicy
 from cacheroute_proxy.http1 import GracefulExit, Http1Server, head_limits
 from shm_schema import Segment, SegmentError, header
+
 
 from .affinity import AffinityModels, kv_capacity_tokens
 from .prompt_homes import PromptHomes
@@ -107,10 +109,11 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         settings = state.settings
+        doorbell = open_doorbell(settings.shm_name)
         loops: list[Awaitable[None]] = [
             _every(min(1.0, settings.instance_ttl_s / 10), state.registry.sweep, "liveness sweep"),
             _every(settings.reaper_interval_s, state.reaper.tick, "worker reaper"),
-            _every(settings.event_poll_ms / 1000, state.pressure.tick, "event channel"),
+            state.pressure.run(settings.event_poll_ms / 1000, doorbell),
             _every(1.0, lambda: header.sidecar_heartbeat(state.seg), "sidecar heartbeat"),
         ]
         if state.static is not None:
@@ -134,6 +137,9 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if doorbell is not None:
+                doorbell.close()
+            header.set_sidecar_sleeping(state.seg, False)  # the next sidecar starts polling
     return lifespan
 
 

@@ -191,3 +191,52 @@ def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_fu
     first_seen = next(i for i, scan in enumerate(scans) if scan.identities[3] == above.identity)
     assert first_seen < FULL_SCAN_EVERY and scans[first_seen].unread == [above.row]
     assert reader.scan().identities[:4] == (rows[0].identity, rows[1].identity, 0, above.identity)
+
+
+def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_name):
+    """After QUIET_TICKS empty polls the sidecar stops polling (the header's sleeping word) until
+    the doorbell rings; a worker's next event rings it and is taken at once, long before the
+    sidecar's next periodic wake (30 s here)."""
+    import asyncio
+
+    from cacheroute_proxy.doorbell import Bell, open_doorbell
+    from sidecar.pressure import QUIET_TICKS, PressurePublisher
+
+    name, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    bell = Bell(name)
+    writer = EventWriter(seg, row.row, wake=bell.ring)
+    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, heartbeat_s=30.0)
+    ticks = []
+    tick = publisher.tick
+    publisher.tick = lambda: ticks.append(1) or tick()  # type: ignore[method-assign]
+    sleeping = lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1  # noqa: E731
+
+    async def scenario() -> None:
+        doorbell = open_doorbell(name)
+        assert doorbell is not None
+        task = asyncio.create_task(publisher.run(0.001, doorbell))
+        try:
+            await _until(sleeping, QUIET_TICKS * 0.001 + 5)
+            polls = len(ticks)
+            await asyncio.sleep(0.3)
+            assert len(ticks) == polls and sleeping()  # asleep: no tick in 300 ms
+            writer.complete(1, RequestKey.pack(row.row, 1), 0, 1, 1, failed=False)
+            await _until(lambda: publisher.stats.consumed == 1, 5)
+            assert doorbell.rings == 1 and not sleeping()
+        finally:
+            task.cancel()
+            doorbell.close()
+
+    asyncio.run(scenario())
+    bell.close()
+    row.release()
+
+
+async def _until(predicate, timeout_s: float) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)

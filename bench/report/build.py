@@ -64,6 +64,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("pressure.json", others.pressure_section),
         ("pressure_vllm.json", others.pressure_vllm_section),
         ("soak.json", others.soak_section),
+        ("idle.json", others.idle_section),
         ("metrics.json", settled.metrics_section),
         ("stack_choice.json", settled.stack_choice_section),
         ("wakeup_cost.json", settled.wakeup_cost_section),

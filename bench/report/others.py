@@ -8,6 +8,8 @@ vLLM engines) and the soak (soak.json, bench/soak/)."""
 
 from __future__ import annotations
 
+import statistics
+
 from typing import Any
 
 from bench.report import blocks
@@ -188,4 +190,24 @@ def soak_section(data: dict[str, Any]) -> str:
     if checks:
         parts.append("End invariants:\n\n" + table(
             ["invariant", "result"], [[f"`{name}`", verdict(c.get("pass"))] for name, c in checks.items()]))
+    return "\n\n".join(p for p in parts if p)
+
+
+def idle_section(data: dict[str, Any]) -> str:
+    """bench/results/idle.json (bench/idle.py): each tree's CPU at rest, by role, and the target."""
+    target = data.get("target") or {}
+    rows = []
+    for name, result in (data.get("results") or {}).items():
+        windows = result.get("windows") or []
+        roles = sorted({role for w in windows for role in w.get("by_role", {})})
+        by_role = ", ".join(f"{role} {num(statistics.median(w['by_role'].get(role, 0.0) for w in windows))} s"
+                            for role in roles)
+        rows.append([name, num(result.get("cpu_s_median")),
+                     f"{num(100 * result.get('share_of_a_core_median', 0))} %", by_role,
+                     ", ".join(num(w.get("cpu_s")) for w in windows)])
+    parts = ["## At rest", *blocks.header_blocks(data, "idle.json"),
+             f"{num(data.get('workers'))} workers, {num(data.get('seconds'))} s windows without traffic "
+             f"(medians; every window beside them). Target ≤ "
+             f"{num(100 * target.get('share_of_a_core_at_most', 0))} % of a core: **{target.get('verdict')}**.",
+             table(["tree", "CPU s", "of a core", "by role (median)", "windows (CPU s)"], rows)]
     return "\n\n".join(p for p in parts if p)

@@ -1,0 +1,88 @@
+"""The proxy at rest: the CPU its whole process tree (supervisor, sidecar, workers) spends over a
+window with no traffic, by role, with two simulated instances registered. Optionally the same
+for the product at a git ref (`--baseline REF`), interleaved (A B B A), in one run.
+
+    python -m bench.idle --out bench/results/idle.json [--workers 4] [--seconds 60]
+        [--rounds 2] [--baseline REF]
+
+Target: at most 1 % of a core (0.6 s of CPU over 60 s) for sidecar + 4 workers and the
+supervisor. A few requests go through first, so every path has run once; the window starts 2 s
+after the last."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.backends import InstanceSpec, SimInstances
+from bench.harness.baseline import baseline_tree
+from bench.harness.contenders import ProxyContender
+from bench.harness.processes import http_json
+from bench.harness.results import Run, write_report
+
+TARGET_SHARE = 0.01  # of one core
+SETTLE_S = 2.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.idle", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/idle.json"))
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=60.0, help="the idle window")
+    parser.add_argument("--rounds", type=int, default=2, help="windows per contender (A B B A ...)")
+    parser.add_argument("--baseline", metavar="REF", help="also measure the product at this git ref")
+    return parser
+
+
+def measure(contender: ProxyContender, seconds: float) -> dict[str, Any]:
+    """A few requests, a pause, then the tree's CPU over `seconds` with no traffic."""
+    for _ in range(4):
+        status, body = http_json("POST", f"{contender.url}/v1/chat/completions",
+                                 {"model": "sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        if status != 200:
+            raise SystemExit(f"{contender.name}: a request before the window got {status}: {body}")
+    time.sleep(SETTLE_S)
+    total, by_role = contender.cpu_seconds(), contender.cpu_seconds_by_role()
+    time.sleep(seconds)
+    spent = contender.cpu_seconds() - total
+    roles = {role: round(s - by_role.get(role, 0.0), 3) for role, s in contender.cpu_seconds_by_role().items()}
+    return {"cpu_s": round(spent, 3), "share_of_a_core": round(spent / seconds, 5), "by_role": roles}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run = Run("bench.idle", argv)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_idle_"))
+    trees: dict[str, Path | None] = {"current": None}
+    if args.baseline:
+        trees[f"baseline {args.baseline}"] = baseline_tree(args.baseline, scratch)
+    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    with SimInstances([InstanceSpec(), InstanceSpec()]) as instances:
+        for round_index in range(args.rounds):
+            names = list(trees) if round_index % 2 == 0 else list(reversed(trees))
+            for name in names:
+                print(f"round {round_index + 1}: {name}, {args.seconds:g} s idle", flush=True)
+                with ProxyContender(name, instances, args.workers, "least_load", tree=trees[name]) as contender:
+                    window = measure(contender, args.seconds)
+                print(f"  {window['cpu_s']} s of CPU ({window['share_of_a_core']:.3%} of a core) {window['by_role']}",
+                      flush=True)
+                windows[name].append(window)
+    results = {name: {"cpu_s_median": statistics.median(w["cpu_s"] for w in ws),
+                      "share_of_a_core_median": statistics.median(w["share_of_a_core"] for w in ws),
+                      "windows": ws} for name, ws in windows.items()}
+    current = results["current"]["share_of_a_core_median"]
+    report = {**run.record(), "workers": args.workers, "seconds": args.seconds, "rounds": args.rounds,
+              "results": results,
+              "target": {"share_of_a_core_at_most": TARGET_SHARE, "value": current,
+                         "verdict": "PASS" if current <= TARGET_SHARE else "FAIL"}}
+    write_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
