@@ -16,6 +16,7 @@ def test_a_short_window_measures_the_tree_and_the_report_renders_it(tmp_path: Pa
     data = json.loads(out.read_text())
     window = data["results"]["current"]["windows"][0]
     assert set(window["by_role"]) >= {"sidecar", "workers"}
-    assert 0 < window["cpu_s"] < 1.0 and data["target"]["verdict"] in ("PASS", "FAIL")
+    # At rest a second can cost less than the 10 ms a CPU-time tick counts: 0 is a measurement.
+    assert 0 <= window["cpu_s"] < 1.0 and data["target"]["verdict"] in ("PASS", "FAIL")
     text, used = build(out.parent, tmp_path / "BENCHMARKS.md", None)
     assert used == ["idle.json"] and "## At rest" in text and "current" in text
