@@ -12,8 +12,9 @@ blocks the request sent. It keeps a decayed rate of each prompt's blocks (half-l
 PROXY_AFFINITY_HOME_HALFLIFE_S) and, once a round, moves a prompt from the instance furthest
 above its share of the work (shares by speed: 1 / its learned pace) to the one furthest below,
 when the first is above by more than PROXY_AFFINITY_HOME_TOLERANCE and the move brings the
-two closer; then again, up to MOVES_A_ROUND moves. Only moved prompts are published (shm_schema.homes); every other prompt keeps its rendezvous home, and a prompt
-whose rate decays away is forgotten.
+two closer; then again, up to MOVES_A_ROUND moves. Only moved prompts are published
+(shm_schema.homes); every other prompt keeps its rendezvous home, and a prompt whose rate decays
+away is forgotten.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ class PromptHomes:
         self.stats = {"moves": 0, "published": 0}
 
     def adopt(self) -> int:
-        """A restarted sidecar keeps the homes the previous one published."""
+        """A restarted sidecar keeps the homes the previous one published, each prompt at the
+        rate of one block: forgotten after several half-lives unless its requests come again."""
         self._moved = self._writer.read()
+        self._rates = dict.fromkeys(self._moved, 1.0)
         return len(self._moved)
 
     def observe(self, event: Event) -> None:

@@ -110,6 +110,7 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         settings = state.settings
         doorbell = open_doorbell(settings.shm_name)
+        header.set_sidecar_sleeping(state.seg, False)  # a killed predecessor may have left it set
         loops: list[Awaitable[None]] = [
             _every(min(1.0, settings.instance_ttl_s / 10), state.registry.sweep, "liveness sweep"),
             _every(settings.reaper_interval_s, state.reaper.tick, "worker reaper"),

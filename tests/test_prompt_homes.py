@@ -126,5 +126,7 @@ def test_a_restarted_sidecar_keeps_the_published_homes(seg) -> None:
     published = HomeReader(seg).homes()
     again = PromptHomes(seg, halflife_s=20, tolerance=0.1)
     assert again.adopt() == 1
-    run(again, requests, rounds=3, start=200.0)
+    again.tick(200.0, lambda: [A, B])  # a round before any request: the homes stay
+    assert HomeReader(seg).homes() == published
+    run(again, requests, rounds=3, start=201.0)
     assert HomeReader(seg).homes() == published and again.stats["moves"] == 0
