@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench_idle_"))
     trees: dict[str, Path | None] = {"current": None}
     if args.baseline:
-        trees[f"baseline {args.baseline}"] = baseline_tree(args.baseline, scratch)
+        trees["baseline"] = baseline_tree(args.baseline, scratch)
     windows: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     with SimInstances([InstanceSpec(), InstanceSpec()]) as instances:
         for round_index in range(args.rounds):
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                       "windows": ws} for name, ws in windows.items()}
     current = results["current"]["share_of_a_core_median"]
     report = {**run.record(), "workers": args.workers, "seconds": args.seconds, "rounds": args.rounds,
-              "results": results,
+              "baseline_ref": args.baseline, "results": results,
               "target": {"share_of_a_core_at_most": TARGET_SHARE, "value": current,
                          "verdict": "PASS" if current <= TARGET_SHARE else "FAIL"}}
     write_report(args.out, report)
