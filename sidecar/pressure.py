@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shm_schema import DirectoryReader, Segment, header, read_all
+from shm_schema import DirectoryReader, Segment, header, layout, read_all
 from shm_schema.bitfields import RequestKey
 from shm_schema.events import Event, EventHandlers, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
@@ -49,6 +49,7 @@ class PressurePublisher:
         self._seg = seg
         self.affinity = affinity  # RESIDENT and PREFIX events feed the affinity index
         self.homes = homes  # and PREFIX events the prompts' rates
+        self._doorbell: Doorbell | None = None  # set by run()
         self.epoch = epoch
         self._reader = EventReader(seg)
         self._writer = SnapshotWriter(seg)
@@ -94,6 +95,7 @@ class PressurePublisher:
     async def run(self, poll_s: float, doorbell: Doorbell | None) -> None:
         """Tick every `poll_s` while events come; after QUIET_TICKS ticks without one, sleep until
         a worker rings the doorbell or the snapshot heartbeat is due (cacheroute_proxy/doorbell.py)."""
+        self._doorbell = doorbell
         quiet = 0
         while True:
             quiet = 0 if self._safe_tick() else quiet + 1
@@ -204,7 +206,9 @@ class PressurePublisher:
                 "pending_reservations": pending, "decoding": decoding,
                 "affinity": None if self.affinity is None else self.affinity.describe(
                     {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances}),
-                "prompt_homes": None if self.homes is None else self.homes.describe()}
+                "prompt_homes": None if self.homes is None else self.homes.describe(),
+                "doorbell": None if self._doorbell is None else {
+                    "sleeping": bool(self._seg.load(layout.H_SIDECAR_SLEEPING)), "rings": self._doorbell.rings}}
 
     def _describe_timelines(self) -> dict[str, dict[str, Any]]:
         """Per instance id: the slots its timeline models and its learned pace."""

@@ -252,3 +252,20 @@ def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
         assert text["forward_end_ms"] < kv["ready_enqueue_ms"]  # it was served while the head waited
     finally:
         kdn.stop()
+
+
+def test_an_idle_sidecar_sleeps_and_a_request_rings_it_awake(make_cluster):
+    """At rest the sidecar stops polling the rings (its doorbell says it sleeps); a request's
+    events ring it, and its timeline hears of the request: the snapshot goes on being fresh."""
+    cluster = make_cluster(workers=2, env={"PROXY_INSTANCE_STRATEGY": "least_load"})
+    cluster.add_instance()
+
+    def doorbell() -> dict:
+        return cluster.status()["event_channel"]["doorbell"]
+    wait_until(lambda: doorbell()["sleeping"], 10, message="the idle sidecar asleep")
+    rings, consumed = doorbell()["rings"], cluster.status()["event_channel"]["events_consumed"]
+    assert http("POST", f"{cluster.worker_url(1)}/v1/chat/completions", chat_body())[0] == 200
+    wait_until(lambda: doorbell()["rings"] > rings, 10, message="a worker rang")
+    # reserve, first token, complete: each taken, none left waiting for a periodic wake
+    wait_until(lambda: cluster.status()["event_channel"]["events_consumed"] >= consumed + 3, 10,
+               message="the request's events consumed")
