@@ -54,6 +54,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity.json", affinity.section),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_vllm.json", affinity_vllm.section),
+        ("affinity_vllm_repeat.json", lambda d: affinity_vllm.section(d, "affinity_vllm_repeat.json")),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
