@@ -103,13 +103,17 @@ class PressurePublisher:
                 await asyncio.sleep(poll_s)
                 continue
             header.set_sidecar_sleeping(self._seg, True)
-            if self._safe_tick():  # written before the word was set: no ring is coming for it
+            if self._events_waiting():  # written before the word was set: no ring is coming
                 header.set_sidecar_sleeping(self._seg, False)
                 quiet = 0
                 continue
             if await doorbell.wait(self._heartbeat):
                 quiet = 0
             header.set_sidecar_sleeping(self._seg, False)
+
+    def _events_waiting(self) -> bool:
+        """An unread event in any ring: one scan, none of a tick's work."""
+        return bool(self._reader.scan().unread)
 
     def _safe_tick(self) -> bool:
         try:
