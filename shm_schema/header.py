@@ -56,7 +56,7 @@ def set_sidecar_sleeping(seg: Segment, sleeping: bool) -> None:
     """The sidecar stops polling the rings (True) until a worker's doorbell wakes it, or polls
     again (False). A full barrier: the sidecar looks at the rings once more after saying it sleeps,
     and a worker looks at the flag after publishing its event, so one of them sees the other."""
-    seg.atomic.store_u64(layout.H_SIDECAR_SLEEPING, int(sleeping))
+    seg.store(layout.H_SIDECAR_SLEEPING, int(sleeping))
 
 
 def count_reaped_worker(seg: Segment) -> None:

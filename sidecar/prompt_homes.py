@@ -113,15 +113,15 @@ class PromptHomes:
             del self._moved[key]
         return bool(gone)
 
-    def _homes(self, candidates: Sequence[Candidate]) -> dict[int, int]:
-        """Each prompt's home, as an index into `candidates`."""
-        names = [c.instance_id for c in candidates]
+    def _homes(self, candidates: Sequence[Candidate], names: list[str]) -> dict[int, int]:
+        """Each prompt's home, as an index into `candidates` (whose ids are `names`)."""
         index_of = {c.where: n for n, c in enumerate(candidates)}
         return {key: index_of[self._moved[key]] if key in self._moved else rendezvous_home(key, names)
                 for key in self._rates}
 
     def _move_one(self, candidates: Sequence[Candidate]) -> bool:
-        homes = self._homes(candidates)
+        names = [c.instance_id for c in candidates]
+        homes = self._homes(candidates, names)
         load = [0.0] * len(candidates)
         for key, n in homes.items():
             load[n] += self._rates[key]
@@ -142,7 +142,7 @@ class PromptHomes:
         if best is None:
             return False
         key = best[1]
-        if rendezvous_home(key, [c.instance_id for c in candidates]) == under:
+        if rendezvous_home(key, names) == under:
             self._moved.pop(key, None)
         elif len(self._moved) < HOME_ENTRIES or key in self._moved:
             self._moved[key] = candidates[under].where

@@ -23,14 +23,13 @@ from cacheroute_proxy.routing.least_load import LeastLoadPolicy
 from cacheroute_proxy.http1 import GracefulExit, Http1Server, head_limits
 from shm_schema import Segment, SegmentError, header
 
-
 from .affinity import AffinityModels, kv_capacity_tokens
-from .prompt_homes import PromptHomes
 from .app import SidecarState, build_app
 from .host_header_check import HostHeaderCheck
 from .kv_events import KvEventFeeds, zmq_missing
 from . import pool_resource
 from .pressure import PressurePublisher
+from .prompt_homes import PromptHomes
 from .reaper import WorkerReaper
 from .registry import InstanceRegistry
 from .scheduler_link import make_link
