@@ -9,8 +9,9 @@ Headers pass through both ways except the hop-by-hop ones and the proxy's own
 (proxy_workers/headers.py), errors relayed from the instance
 included.
 
-Hot path, measured (bench/hotpath.py): stream chunks are passed through as the instance's
-bytes (only a `[DONE]` line is looked for); a JSON answer gets `_cacheroute_meta` spliced in
+Hot path, measured (bench/hotpath.py, bench-peers): a stream is handed on from the upstream
+connection's own callback, each read's bytes in one write, as the instance sent them (only a
+chunk's tail is looked at, for the final `[DONE]`); a JSON answer gets `_cacheroute_meta` spliced in
 after a validating decode that builds no values, and leaves in one write; a disconnect is a
 callback from the server's Cycle that cancels the request's own task.
 """
@@ -32,7 +33,7 @@ from .pipeline import Job, Pipeline
 from .request_model import ProxyRequest
 from cacheroute_proxy.http1 import Cycle
 from .router import Lease, Router
-from .sse import DONE_EVENT, DoneStripper, cut_meta_event, meta_event
+from .sse import DONE_EVENT, StreamRelay, cut_meta_event, meta_event
 from .trace import Trace, encode_meta
 from cacheroute_proxy.http1.client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
@@ -230,19 +231,13 @@ class ProxyExchange:
         cycle = out.cycle
         headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
         headers.append(_instance_header(lease))
-        out.start(200, headers)
-        stripper = DoneStripper()
+        out.start(200, headers)  # at once, as the instance sent its own: a client may time its wait
+        relay = StreamRelay(cycle.write, lambda: self._first_token(job))
         error: str | None = None
-        first = True
         try:
-            async for chunk in self._upstream.chunks(response):
-                if first:
-                    first = False
-                    self._first_token(job)
-                data = stripper.feed(chunk)
-                if data and cycle.write(data):
-                    await cycle.writable()
-            tail = stripper.flush()
+            while not await self._upstream.relay(response, relay):
+                await cycle.writable()  # the client is slow: the instance waits with it
+            tail = relay.flush()
             if tail:
                 cycle.write(tail)
         except UpstreamFailure as exc:

@@ -1,52 +1,79 @@
-"""SSE pass-through: the instance's bytes go to the client unchanged, except its `data: [DONE]`,
-which is withheld so the proxy's `cacheroute_meta` event can come first.
+"""SSE pass-through: the instance's bytes go to the client unchanged, except its final
+`data: [DONE]`, which is withheld so the proxy's `cacheroute_meta` event can come first.
 
-Chunks that cannot contain the marker are passed on without being split or copied; only a
-chunk boundary inside a line costs a concatenation.
+Nothing parses the stream: a chunk is passed on as it came, without being split or copied,
+unless its tail holds the marker or may be the start of its line.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from .trace import Knowledge, Trace, encode_meta
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _MARKER = b"[DONE]"
+_DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
+_LOOK_BACK = 48  # bytes from a chunk's end searched for the marker: its line, line ends, spaces
 
 
 class DoneStripper:
-    """Feeds upstream chunks, returns what to send now; remembers whether [DONE] was seen."""
+    """Feeds upstream chunks, returns what to send now; remembers whether [DONE] was seen.
 
-    __slots__ = ("_pending", "saw_done")
+    Only a chunk's tail is looked at: `data: [DONE]` ends a stream, so a chunk that does not
+    end with it passes as it came, and one that ends in the middle of a line holds back just
+    that line, if it could be the start of the marker's. (A `[DONE]` line anywhere but at the
+    end of the stream is relayed like any other.)"""
+
+    __slots__ = ("_held", "saw_done")
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._held = b""
         self.saw_done = False
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n") + 1
-        self._pending = data[cut:]
-        complete = data[:cut] if self._pending else data
-        if _MARKER not in complete:
-            return complete
-        return self._drop_done_lines(complete)
+        if self._held:
+            chunk, self._held = self._held + chunk, b""
+        at = chunk.find(_MARKER, -_LOOK_BACK)
+        if at >= 0:
+            start = chunk.rfind(b"\n", 0, at) + 1
+            if chunk[start:].strip() in _DONE_LINES:
+                self.saw_done = True
+                return chunk[:start]
+            return chunk
+        if chunk[-1:] == b"\n":
+            return chunk
+        start = chunk.rfind(b"\n") + 1  # ends mid-line: hold it if it may become the marker's
+        rest = chunk[start:]
+        if _DONE_LINES[0].startswith(rest) or _DONE_LINES[1].startswith(rest):
+            self._held = rest
+            return chunk[:start]
+        return chunk
 
     def flush(self) -> bytes:
-        """What is left after the upstream ended (a trailing partial line, unchanged)."""
-        rest, self._pending = self._pending, b""
-        if rest.strip().startswith(b"data:") and rest.split(b":", 1)[1].strip() == _MARKER:
-            self.saw_done = True
-            return b""
+        """What is held after the upstream ended (a line cut short, unchanged)."""
+        rest, self._held = self._held, b""
         return rest
 
-    def _drop_done_lines(self, data: bytes) -> bytes:
-        kept = []
-        for line in data.splitlines(keepends=True):
-            if line.startswith(b"data:") and line[5:].strip() == _MARKER:
-                self.saw_done = True
-                continue
-            kept.append(line)
-        return b"".join(kept)
+
+class StreamRelay(DoneStripper):
+    """The sink of an instance's stream (UpstreamResponse.relay): each piece to the client as
+    it arrives (`write` says True when the client is full), but for the final `[DONE]`, with
+    `on_first` called at the first piece."""
+
+    __slots__ = ("_write", "_on_first")
+
+    def __init__(self, write: Callable[[bytes], bool], on_first: Callable[[], None]) -> None:
+        super().__init__()
+        self._write = write
+        self._on_first: Callable[[], None] | None = on_first
+
+    def __call__(self, chunk: bytes) -> bool:
+        if self._on_first is not None:
+            on_first, self._on_first = self._on_first, None
+            on_first()
+        data = self.feed(chunk)
+        return self._write(data) if data else False
 
 
 def meta_event(trace: Trace, error: str | None, knowledge: Knowledge | None = None) -> bytes:

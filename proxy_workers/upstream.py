@@ -13,7 +13,7 @@ stalls mid-way). None of them is the original's 6-hour total.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Callable
 
 import aiohttp
 
@@ -116,38 +116,38 @@ class Upstream:
             line = self._lines[(path, host, port)] = request_line(path, host, port)
         return line
 
-    async def chunks(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
-        """The body as it arrives; UpstreamFailure on a stall, reset or truncation."""
+    async def relay(self, response: UpstreamResponse, sink: Callable[[bytes], bool]) -> bool:
+        """`response.relay(sink)`: the body handed on as it arrives, True at the end, False when
+        the sink said it is full; UpstreamFailure on a stall past the idle bound, a reset or a
+        truncation."""
         response.limit_idle(self._settings.upstream_idle_timeout_s)
-        while True:
-            try:
-                chunk = await response.readany()
-            except IdleTimeout:
-                raise UpstreamFailure(f"upstream_idle_timeout: no data for "
-                                      f"{self._settings.upstream_idle_timeout_s:g}s") from None
-            except OSError as exc:
-                raise UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}") from None
-            if not chunk:
-                return
-            yield chunk
+        try:
+            return await response.relay(sink)
+        except (IdleTimeout, OSError) as exc:
+            raise self._failure(exc) from None
 
     async def read_all(self, response: UpstreamResponse) -> bytes:
-        """The whole body, with the same idle bound between arrivals as `chunks`."""
+        """The whole body, with the same idle bound between arrivals as `relay`."""
         parts: list[bytes] = []
         try:
             while data := response.read_nowait():  # a small answer is often here already
                 parts.append(data)
         except OSError as exc:
-            raise UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}") from None
+            raise self._failure(exc) from None
         if response.at_eof():
             return parts[0] if len(parts) == 1 else b"".join(parts)
         response.limit_idle(self._settings.upstream_idle_timeout_s)
         try:
             while chunk := await response.readany():  # no generator: this is the common path
                 parts.append(chunk)
-        except IdleTimeout:
-            raise UpstreamFailure(f"upstream_idle_timeout: no data for "
-                                  f"{self._settings.upstream_idle_timeout_s:g}s") from None
-        except OSError as exc:
-            raise UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}") from None
+        except (IdleTimeout, OSError) as exc:
+            raise self._failure(exc) from None
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _failure(self, exc: BaseException) -> UpstreamFailure:
+        """What a body's read failure tells the client: a stall past the idle bound, or the
+        connection's error."""
+        if isinstance(exc, IdleTimeout):
+            return UpstreamFailure(f"upstream_idle_timeout: no data for "
+                                   f"{self._settings.upstream_idle_timeout_s:g}s")
+        return UpstreamFailure(f"upstream_failed: {type(exc).__name__}: {exc}")

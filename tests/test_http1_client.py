@@ -118,7 +118,8 @@ def test_chunked_body_arrives_in_pieces_and_the_connection_is_reused():
             upstream = Upstream(settings())
             for _ in range(2):
                 response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
-                pieces = [chunk async for chunk in upstream.chunks(response)]
+                pieces: list[bytes] = []
+                assert await upstream.relay(response, lambda data: pieces.append(data) or False)
                 assert b"".join(pieces) == b"data: 1\n\ndata: [DONE]\n\n" and len(pieces) == 2
                 assert response.at_eof() and response.content_type == "text/event-stream"
                 response.release()
@@ -326,11 +327,11 @@ def test_idle_bound_counts_only_waits_for_data():
         async with Server(stall) as server:
             upstream = Upstream(settings(idle=0.3))
             response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
-            got = []
+            got: list[bytes] = []
             with pytest.raises(UpstreamFailure, match="^upstream_idle_timeout"):
-                async for chunk in upstream.chunks(response):
-                    got.append(chunk)
-                    await asyncio.sleep(0.5)  # a slow client: longer than the bound, not counted
+                # a slow client, full after every piece: the time it takes is not counted
+                while not await upstream.relay(response, lambda data: got.append(data) or True):
+                    await asyncio.sleep(0.5)
             response.close()
             assert b"".join(got) == b"onetwo"
 
@@ -378,3 +379,90 @@ def test_a_transfer_coding_other_than_chunked_is_delimited_by_the_close():
             return await post(upstream, server.port)
 
     assert run(main()) == (200, "application/json", b'{"whole": 1}')
+
+
+# --- relay: the body handed on from the connection's callback ------------------------------------
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+
+
+def test_relay_hands_on_what_each_read_brought_in_one_call_and_reuses_the_connection():
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunked(b"data: 1\n\n", b"data: 2\n\n"))  # one write: one read, two chunks
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunked(b"data: 3\n\n") + b"0\r\n\r\n")
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            for _ in range(2):
+                response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+                calls: list[bytes] = []
+                assert await upstream.relay(response, lambda data: calls.append(data) or False)
+                assert calls == [b"data: 1\n\ndata: 2\n\n", b"data: 3\n\n"]
+                response.release()
+            upstream._pool.close()
+            return server.connections
+
+    assert run(main()) == 1
+
+
+def test_a_full_sink_pauses_reading_until_relay_is_called_again():
+    size = 4 * HIGH_WATER
+
+    async def answer(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+
+    async def main():
+        async with Server(answer) as server:
+            upstream = Upstream(settings())
+            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            got: list[int] = []
+            returns = []
+            while True:
+                done = await upstream.relay(response, lambda data: got.append(len(data)) or True)
+                returns.append(done)
+                if done:
+                    break
+                assert response._paused  # nothing more is read while the consumer is full
+                await asyncio.sleep(0.02)
+                assert response._size <= HIGH_WATER + 256 * 1024
+            response.release()
+            upstream._pool.close()
+            return sum(got), returns
+
+    total, returns = run(main())
+    assert total == size and returns[-1] is True and returns.count(False) >= 2
+
+
+def test_relay_fails_on_a_stall_and_with_the_sinks_own_error():
+    async def stall(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(b"one"))
+        await writer.drain()
+        await reader.read()  # then silence, until the proxy hangs up
+
+    async def main():
+        async with Server(stall) as server:
+            upstream = Upstream(settings(idle=0.3))
+            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            got: list[bytes] = []
+            with pytest.raises(UpstreamFailure, match="^upstream_idle_timeout"):
+                await upstream.relay(response, lambda data: got.append(data) or False)
+            response.close()
+            assert got == [b"one"]
+
+            def broken(data: bytes) -> bool:
+                raise RuntimeError("the consumer broke")
+            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            with pytest.raises(RuntimeError, match="consumer broke"):
+                await upstream.relay(response, broken)
+            response.close()
+            upstream._pool.close()
+
+    run(main())

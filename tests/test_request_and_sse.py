@@ -12,7 +12,7 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.request_model import Endpoint, _recover_slowly, recover
 from tests import fuzz_strategies as fz
-from proxy_workers.sse import DONE_EVENT, DoneStripper, meta_event
+from proxy_workers.sse import DONE_EVENT, DoneStripper, StreamRelay, meta_event
 from proxy_workers.trace import Trace
 
 
@@ -56,21 +56,37 @@ def test_bad_requests(endpoint, raw, status, words):
 def test_done_is_withheld_and_everything_else_passes_unchanged():
     stripper = DoneStripper()
     upstream = [b"data: {\"a\":1}\n\n", b"data: {\"b\"", b":2}\n\ndata: [DO", b"NE]\n\n"]
-    out = b"".join(stripper.feed(c) for c in upstream) + stripper.flush()
-    assert out == b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n\n"
-    assert stripper.saw_done
+    sent = [stripper.feed(c) for c in upstream]
+    assert sent == [upstream[0], upstream[1], b":2}\n\n", b""]  # only the marker's line was held
+    assert stripper.flush() == b"" and stripper.saw_done
 
 
-def test_chunk_without_marker_is_passed_as_is():
+@pytest.mark.parametrize("chunk", [b"data: {\"x\": 1}\n\n", b"data: {\"x\": \"[DONE]\"}\n\n",
+                                   b"data: [DONE]\n\nevent: late\ndata: {}\n\n", b"data: partial"])
+def test_a_chunk_that_does_not_end_the_stream_is_passed_as_is(chunk):
     stripper = DoneStripper()
-    chunk = b"data: {\"x\": 1}\n\n"
-    assert stripper.feed(chunk) is chunk
+    assert stripper.feed(chunk) is chunk and stripper.flush() == b"" and not stripper.saw_done
 
 
-def test_trailing_partial_line_is_flushed_unchanged():
+@pytest.mark.parametrize("tail", [b"data: [DONE]\n\n", b"data:[DONE]\r\n\r\n", b"data: [DONE]"])
+def test_the_marker_is_found_at_the_tail_in_any_spelling(tail):
     stripper = DoneStripper()
-    assert stripper.feed(b"data: partial") == b""
-    assert stripper.flush() == b"data: partial" and not stripper.saw_done
+    assert stripper.feed(b"data: {}\n\n" + tail) == b"data: {}\n\n" and stripper.saw_done
+
+
+def test_a_held_line_that_never_became_the_marker_is_flushed_unchanged():
+    stripper = DoneStripper()
+    assert stripper.feed(b"data: {}\n\ndata: [DO") == b"data: {}\n\n"
+    assert stripper.flush() == b"data: [DO" and not stripper.saw_done
+
+
+def test_the_stream_relay_writes_what_passes_and_calls_back_at_the_first_piece():
+    written, firsts = [], []
+    relay = StreamRelay(lambda data: written.append(data) or len(written) > 1, lambda: firsts.append(1))
+    assert relay(b"data: {}\n\n") is False and firsts == [1]
+    assert relay(b"data: {}\n\n") is True  # the writer said it is full
+    assert relay(b"data: [DONE]\n\n") is False and firsts == [1] and relay.saw_done
+    assert written == [b"data: {}\n\n"] * 2
 
 
 def test_meta_event_shape():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from typing import Any, AsyncIterator
+from typing import Any, Callable
 
 import pytest
 
@@ -221,9 +221,10 @@ class _Upstream:
                               b"data: [DONE]\n\n"])
         return _Response([b'{"object":"chat.completion","choices":[]}'])
 
-    async def chunks(self, response: _Response) -> AsyncIterator[bytes]:
+    async def relay(self, response: _Response, sink: Callable[[bytes], bool]) -> bool:
         for chunk in response.chunks:
-            yield chunk
+            sink(chunk)
+        return True
 
     async def read_all(self, response: _Response) -> bytes:
         return b"".join(response.chunks)

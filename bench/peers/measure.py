@@ -33,6 +33,22 @@ def stream_point(contender: Contender, concurrency: int, seconds: float,
     return per_1k(result, result.get("streams_ok"))
 
 
+def long_stream_point(contender: Contender, concurrency: int, seconds: float,
+                      tokens: int) -> dict[str, Any]:
+    """`stream_point` with long streams, charged per token too: CPU seconds per million relayed
+    tokens (each stream that ended with [DONE] relayed `tokens` content chunks)."""
+    point = stream_point(contender, concurrency, seconds, tokens)
+    relayed = (point.get("streams_ok") or 0) * tokens
+    point["tokens"] = relayed
+    point["tokens_per_s"] = round(relayed / point["seconds"], 1) if point.get("seconds") else None
+    if relayed:
+        point["cpu_s_per_1m_tokens"] = round(point["cpu_s"] / relayed * 1e6, 3)
+        if "cpu_s_by_role" in point:
+            point["cpu_s_per_1m_tokens_by_role"] = {role: round(s / relayed * 1e6, 3)
+                                                    for role, s in point["cpu_s_by_role"].items()}
+    return point
+
+
 def idle_cpu(contenders: list[Contender], seconds: float) -> dict[str, float]:
     """CPU each contender burns per second while nothing is sent (background polling): the
     noise every idle contender adds while another one is measured."""

@@ -8,7 +8,7 @@ from bench.harness.backends import FakeInstances, InstanceSpec, Instances, SimIn
 from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                               RelayFloorContender, RouterContender)
 
-SCENARIOS = ("c1", "c32", "stream32")
+SCENARIOS = ("c1", "c32", "stream32", "stream256")
 # sim: the project's simulated vLLM instances; starlette: a plain Starlette/uvicorn OpenAI fake
 # (bench/peers/openai_fake.py), so the figures do not depend on the simulator's shape.
 BACKENDS = ("sim", "starlette")
@@ -33,6 +33,9 @@ class RunConfig:
     instance_max_concurrency: int = 64
     max_tokens: int = 4        # content chunks per answer (a few SSE chunks per stream)
     high_concurrency: int = 32
+    # The long-stream leg: what relaying costs per token, when the stream's fixed costs fade.
+    long_stream_tokens: int = 256
+    long_stream_concurrency: int = 16
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ processes onto one SO_REUSEPORT port, as the proxy's workers share theirs, and w
 (SIGTERM/SIGINT is passed on); the contender is `relay-floor-w2` (bench/harness/contenders.py).
 Each is the product's HTTP/1.1 server (cacheroute_proxy/http1) and its forward client
 (proxy_workers/upstream.py) with nothing of the product between them: the body read, the next
-instance in turn, the request forwarded, the answer relayed whole or, for a stream, chunk by
-chunk. No validation, selection, admission, shared table, events, meta, headers policy or
+instance in turn, the request forwarded, the answer relayed whole or, for a stream, as it
+arrives. No validation, selection, admission, shared table, events, meta, headers policy or
 metrics.
 
 What it costs a request is what this stack costs before the product does anything, so the
@@ -55,9 +55,8 @@ class Relay:
             cycle.send_whole(response.status, headers, answer)
             return
         cycle.start(response.status, headers)
-        async for chunk in self.upstream.chunks(response):
-            if cycle.write(chunk):
-                await cycle.writable()
+        while not await self.upstream.relay(response, cycle.write):
+            await cycle.writable()
         response.release()
         cycle.end()
 

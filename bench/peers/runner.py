@@ -9,6 +9,8 @@ Scenarios (all POST /v1/chat/completions, a small OpenAI chat body):
 - c32: wrk -t1 -c32 non-streaming: requests/s, CPU seconds per 1,000 requests.
 - stream32: 32 streaming clients (bench/peers/stream_load.py): streams/s (only streams ending
   with [DONE]), TTFT, CPU seconds per 1,000 streams.
+- stream256: 16 streaming clients, 256 tokens a stream: streams/s, CPU seconds per 1M relayed
+  tokens (what the relay costs per chunk, once a stream's fixed costs fade).
 
 By default every contender stays up for the whole run (so the order can be interleaved); idle
 contenders' background CPU is measured once and recorded. --isolate instead starts each
@@ -144,7 +146,10 @@ def _method(cfg: RunConfig) -> dict[str, Any]:
                   "added_p50/p99 = contender - direct, per repeat, then the median",
             "c32": "wrk -t1 -c32 POST non-streaming chat: requests/s, latency, CPU/1k requests",
             "stream32": "32 asyncio+aiohttp clients (own process), stream: true; ok = ended with "
-                        "[DONE]; TTFT = request sent -> first data: line"},
+                        "[DONE]; TTFT = request sent -> first data: line",
+            "stream256": f"{cfg.long_stream_concurrency} clients as stream32, "
+                         f"{cfg.long_stream_tokens} tokens a stream: streams/s, CPU s per 1M "
+                         "relayed tokens"},
         "body": measure.chat_body(cfg.max_tokens),
         "backends": {"sim": f"cacheroute_sim.instance, time scale {cfg.time_scale}, admission "
                             f"{cfg.instance_max_concurrency}",
@@ -265,6 +270,9 @@ def _measure(scenario: str, contender: Contender, direct: Contender, script: Pat
         point = wrk_point(contender, script, cfg.high_concurrency, cfg.duration_s)
     elif scenario == "stream32":
         point = measure.stream_point(contender, cfg.high_concurrency, cfg.duration_s, cfg.max_tokens)
+    elif scenario == "stream256":
+        point = measure.long_stream_point(contender, cfg.long_stream_concurrency, cfg.duration_s,
+                                          cfg.long_stream_tokens)
     elif contender is direct:
         point = wrk_point(contender, script, 1, cfg.duration_s)
     else:

@@ -21,6 +21,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "ttft_p50_ms": ("stream32", "ttft_p50_ms"),
     "ttft_p99_ms": ("stream32", "ttft_p99_ms"),
     "cpu_s_per_1k_streams": ("stream32", "cpu_s_per_1k"),
+    "streams_per_s_256": ("stream256", "streams_per_s"),
+    "cpu_s_per_1m_tokens": ("stream256", "cpu_s_per_1m_tokens"),
 }
 
 
@@ -37,15 +39,19 @@ def contender_entry(described: dict[str, Any], runs: list[dict[str, Any]]) -> di
     return {**described, "runs": runs, "median": medians, "errors": errors, "flagged": errors > 0}
 
 
-ROLE_SCENARIOS = {"c32": "req", "stream32": "streams"}  # scenario -> what is counted per 1k
+# scenario -> (what it is counted by, the point's CPU split by role)
+ROLE_SCENARIOS = {"c32": ("req", "cpu_s_per_1k_by_role"),
+                  "stream32": ("streams", "cpu_s_per_1k_by_role"),
+                  "stream256": ("1m tokens", "cpu_s_per_1m_tokens_by_role")}
 
 
 def _role_medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """{"req": {role: median CPU s/1k}, "streams": {...}} for a contender whose points carry a
-    CPU split by role (this proxy: launcher, sidecar, workers); {} for the others."""
+    """{"req": {role: median CPU s/1k}, "streams": {...}, "1m tokens": {role: CPU s/1M}} for a
+    contender whose points carry a CPU split by role (this proxy: launcher, sidecar, workers);
+    {} for the others."""
     out: dict[str, dict[str, float | None]] = {}
-    for scenario, counted in ROLE_SCENARIOS.items():
-        points = [r.get("cpu_s_per_1k_by_role") or {} for r in runs if r.get("scenario") == scenario]
+    for scenario, (counted, split) in ROLE_SCENARIOS.items():
+        points = [r.get(split) or {} for r in runs if r.get("scenario") == scenario]
         roles = sorted({role for point in points for role in point})
         if roles:
             out[counted] = {role: median([p.get(role) for p in points]) for role in roles}
@@ -78,6 +84,9 @@ def flag_notes(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def one_line(scenario: str, point: dict[str, Any]) -> str:
+    if scenario == "stream256":
+        return (f"{point.get('streams_per_s', 0):8.1f} streams/s  cpu/1M tokens "
+                f"{point.get('cpu_s_per_1m_tokens')} s  errors {point.get('errors', 0)}")
     if scenario == "stream32":
         text = (f"{point.get('streams_per_s', 0):8.1f} streams/s  ttft p50 "
                 f"{point.get('ttft_p50_ms')} ms")
@@ -94,7 +103,9 @@ COLUMNS = [  # header, median key, format
     ("added p50 ms", "added_p50_ms", "{:.3f}"), ("added p99 ms", "added_p99_ms", "{:.3f}"),
     ("req/s c32", "rps_c32", "{:.0f}"), ("CPU s/1k req", "cpu_s_per_1k_req", "{:.3f}"),
     ("streams/s c32", "streams_per_s_c32", "{:.0f}"), ("TTFT p50 ms", "ttft_p50_ms", "{:.2f}"),
-    ("CPU s/1k streams", "cpu_s_per_1k_streams", "{:.3f}"), ("RSS MB", "rss_mb", "{:.0f}"),
+    ("CPU s/1k streams", "cpu_s_per_1k_streams", "{:.3f}"),
+    ("streams/s 256 tok", "streams_per_s_256", "{:.0f}"),
+    ("CPU s/1M tokens", "cpu_s_per_1m_tokens", "{:.2f}"), ("RSS MB", "rss_mb", "{:.0f}"),
 ]
 RATIO_COLUMNS = [("req/s ×nginx", "rps_c32"), ("streams/s ×nginx", "streams_per_s_c32"),
                  ("CPU/1k req ×nginx", "cpu_s_per_1k_req")]

@@ -41,14 +41,19 @@ TARGETS = (
     Target("req/s at c32 ≥ 1.0× vllm-router's", "c32", "rps", 1.0, True, ROUTER),
     Target("req/s at c32 ≥ 0.8× nginx's (2 workers)", "c32", "rps", 0.8, True, NGINX),
     Target("streams/s at c32 ≥ vllm-router's", "stream32", "streams_per_s", 1.0, True, ROUTER),
+    Target("streams/s of 256 tokens ≥ vllm-router's", "stream256", "streams_per_s", 1.0, True,
+           ROUTER),
+    Target("CPU s per 1M relayed tokens ≤ vllm-router's", "stream256", "cpu_s_per_1m_tokens", 1.0,
+           False, ROUTER),
     Target("CPU s per 1,000 requests, whole tree ≤ vllm-router's", "c32", "cpu_s_per_1k", 1.0,
            False, ROUTER),
     Target("added p50 at c1 ≤ 0.2 ms", "c1", "added_p50_ms", 0.2, False),
+    Target("added p50 at c1 ≤ vllm-router's", "c1", "added_p50_ms", 1.0, False, ROUTER),
     Target("p99 at c32 ≤ vllm-router's", "c32", "p99_ms", 1.0, False, ROUTER),
 )
 # The figures whose per-repeat ratios to nginx and to vllm-router are listed for every contender.
 RATIO_FIGURES = (("c32", "rps"), ("stream32", "streams_per_s"), ("c32", "cpu_s_per_1k"),
-                 ("c32", "p99_ms"))
+                 ("c32", "p99_ms"), ("stream256", "cpu_s_per_1m_tokens"))
 
 
 def by_repeat(entry: dict[str, Any] | None, scenario: str, key: str) -> dict[int, float]:

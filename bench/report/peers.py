@@ -102,8 +102,9 @@ def repeat_ratios(rows: list[dict[str, Any]]) -> str:
 
 
 def cpu_split(contenders: list[dict[str, Any]]) -> str:
-    """CPU seconds per 1,000 requests (c32) and streams (stream32) by role, for the contenders
-    whose points carry a split (this proxy), beside the whole tree's."""
+    """CPU seconds per 1,000 requests (c32) and streams (stream32), and per 1M relayed tokens
+    (stream256), by role, for the contenders whose points carry a split (this proxy), beside the
+    whole tree's."""
     rows = []
     for c in contenders:
         m = c.get("median") or {}
@@ -113,13 +114,15 @@ def cpu_split(contenders: list[dict[str, Any]]) -> str:
         roles = sorted({role for by_role in split.values() for role in by_role})
         for role in roles:
             rows.append([f"`{c['name']}`", role, num((split.get("req") or {}).get(role)),
-                         num((split.get("streams") or {}).get(role))])
+                         num((split.get("streams") or {}).get(role)),
+                         num((split.get("1m tokens") or {}).get(role))])
         rows.append([f"`{c['name']}`", "**whole tree**", num(m.get("cpu_s_per_1k_req")),
-                     num(m.get("cpu_s_per_1k_streams"))])
+                     num(m.get("cpu_s_per_1k_streams")), num(m.get("cpu_s_per_1m_tokens"))])
     if not rows:
         return ""
     return "CPU split by role (medians; roles by command line: launcher = the supervisor):\n\n" + \
-        table(["contender", "role", "CPU s/1k requests (c32)", "CPU s/1k streams (stream32)"], rows)
+        table(["contender", "role", "CPU s/1k requests (c32)", "CPU s/1k streams (stream32)",
+               "CPU s/1M tokens (stream256)"], rows)
 
 
 def metric_keys(contenders: list[dict[str, Any]]) -> list[str]:

@@ -200,7 +200,7 @@ def test_quick_run_writes_the_shared_schema(tmp_path: Path, isolate: bool, backe
     assert set(by_name) == {"direct", "nginx"}
     nginx = by_name["nginx"]
     assert nginx["kind"] == "nginx" and nginx["workers"] == 2 and nginx["strategy"] == "least_conn"
-    assert {r["scenario"] for r in nginx["runs"]} == {"c1", "c32", "stream32"}
+    assert {r["scenario"] for r in nginx["runs"]} == {"c1", "c32", "stream32", "stream256"}
     assert all(r["repeat"] == 0 for r in nginx["runs"])
     m = nginx["median"]
     assert m["rps_c32"] > 0 and m["streams_per_s_c32"] > 0 and m["added_p50_ms"] is not None
@@ -210,6 +210,8 @@ def test_quick_run_writes_the_shared_schema(tmp_path: Path, isolate: bool, backe
     assert sum(r["scenario"] == "c1" for r in by_name["direct"]["runs"]) == 2
     stream = next(r for r in nginx["runs"] if r["scenario"] == "stream32")
     assert stream["ttft_samples_ms"] and stream["ttft_p50_ms"] > 0
+    long = next(r for r in nginx["runs"] if r["scenario"] == "stream256")
+    assert long["tokens"] == long["streams_ok"] * 256 > 0 and long["cpu_s_per_1m_tokens"] > 0
     assert all(r["cpu_s"] > 0 and r["rss_mb"] > 0 for r in nginx["runs"])  # charged to nginx
     assert "| nginx |" in done.stdout and f"## backend: {backend}" in done.stdout
 

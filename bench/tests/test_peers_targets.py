@@ -11,24 +11,29 @@ from bench.report import peers as report
 
 
 def _entry(name: str, kind: str, per_repeat: list[dict[str, float]]) -> dict[str, Any]:
-    """A contender entry from per-repeat figures {rps, streams, cpu, p99, added_p50}."""
+    """A contender entry from per-repeat figures {rps, streams, cpu, p99, added_p50, and
+    optionally long_streams, per_1m_tokens}."""
     runs: list[dict[str, Any]] = []
     for repeat, f in enumerate(per_repeat):
         runs.append({"scenario": "c1", "repeat": repeat, "added_p50_ms": f.get("added_p50")})
         runs.append({"scenario": "c32", "repeat": repeat, "rps": f["rps"], "p99_ms": f["p99"],
                      "cpu_s_per_1k": f["cpu"]})
         runs.append({"scenario": "stream32", "repeat": repeat, "streams_per_s": f["streams"]})
+        if "per_1m_tokens" in f:
+            runs.append({"scenario": "stream256", "repeat": repeat,
+                         "streams_per_s": f["long_streams"], "cpu_s_per_1m_tokens": f["per_1m_tokens"]})
     return summary.contender_entry({"name": name, "kind": kind}, runs)
 
 
 def _run(proxy_rps: list[float], proxy_added_p50: float = 0.15) -> list[dict[str, Any]]:
     proxy = _entry(targets.PROXY, "proxy", [
-        {"rps": r, "streams": 1700.0, "cpu": 0.20, "p99": 9.0, "added_p50": proxy_added_p50}
-        for r in proxy_rps])
+        {"rps": r, "streams": 1700.0, "cpu": 0.20, "p99": 9.0, "added_p50": proxy_added_p50,
+         "long_streams": 90.0, "per_1m_tokens": 12.0} for r in proxy_rps])
     nginx = _entry(targets.NGINX, "nginx", [
         {"rps": 10000.0, "streams": 2100.0, "cpu": 0.05, "p99": 5.0, "added_p50": 0.1}] * 3)
     router = _entry(targets.ROUTER, "router", [
-        {"rps": 7000.0, "streams": 1600.0, "cpu": 0.25, "p99": 10.0, "added_p50": 0.3}] * 3)
+        {"rps": 7000.0, "streams": 1600.0, "cpu": 0.25, "p99": 10.0, "added_p50": 0.3,
+         "long_streams": 100.0, "per_1m_tokens": 10.0}] * 3)
     return [proxy, nginx, router]
 
 
@@ -49,6 +54,11 @@ def test_ratio_targets_use_medians_and_the_right_reference() -> None:
     assert cpu["measured"] == 0.8 and cpu["passed"] is True  # lower is better: <= 1.0
     p99 = verdicts["p99 at c32 ≤ vllm-router's"]
     assert p99["measured"] == 0.9 and p99["passed"] is True
+    tokens = verdicts["CPU s per 1M relayed tokens ≤ vllm-router's"]
+    assert tokens["measured"] == 1.2 and tokens["passed"] is False  # 12 / 10 s per 1M tokens
+    assert verdicts["streams/s of 256 tokens ≥ vllm-router's"]["measured"] == 0.9
+    added = verdicts["added p50 at c1 ≤ vllm-router's"]
+    assert added["measured"] == 0.5 and added["passed"] is True  # 0.15 / 0.3 ms
 
 
 def test_bounds_are_inclusive_and_absolute_targets_are_the_proxys_own_median() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from ssl import SSLContext
+from typing import Callable
 
 import httptools
 
@@ -46,11 +47,12 @@ class IdleTimeout(Exception):
 
 
 class UpstreamResponse:
-    """Status and head of one answer, and its body as it arrives (`readany`, `read_nowait`)."""
+    """Status and head of one answer, and its body as it arrives (`readany`, `read_nowait`), or
+    handed on as it arrives (`relay`)."""
 
     __slots__ = ("status", "content_type", "headers", "keep_alive", "_conn", "_head", "_chunks", "_size",
                  "_eof", "_error", "_waiter", "_paused", "_idle_s", "_idle_timer",
-                 "_waiting_since")
+                 "_waiting_since", "_sink", "_full")
 
     def __init__(self, conn: Http1Connection, head: asyncio.Future[None]) -> None:
         self.status = 0
@@ -68,6 +70,8 @@ class UpstreamResponse:
         self._idle_s = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
+        self._sink: Callable[[bytes], bool] | None = None  # set while `relay` runs
+        self._full = False
 
     # --- the consumer ----------------------------------------------------------------------
     async def started(self) -> None:
@@ -94,6 +98,36 @@ class UpstreamResponse:
             finally:
                 self._waiter = None
         return self._take()
+
+    async def relay(self, sink: Callable[[bytes], bool]) -> bool:
+        """Hand the body to `sink` as it arrives, from the connection's own callback: no task
+        wakes up for a piece of it, and what one read of the socket brought goes in one call.
+
+        `sink` returns True when its consumer is full: the connection stops reading and `relay`
+        returns False; call it again once the consumer takes more. True at the end of the body;
+        the body's error (IdleTimeout, the connection's) or the sink's otherwise."""
+        while self._chunks:  # what arrived while nothing was handed on
+            if sink(self._take()):
+                self._stop_reading()
+                return self.at_eof()
+        if self._paused and self._size <= LOW_WATER:
+            self._paused = False
+            self._conn.resume_reading()
+        if self._error is not None:
+            raise self._error
+        if self._eof:
+            return True
+        loop = self._conn.loop
+        self._sink, self._full = sink, False
+        self._waiter = loop.create_future()
+        self._waiting_since = loop.time()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = self._sink = None
+        if self._error is not None:
+            raise self._error
+        return self.at_eof()
 
     def limit_idle(self, idle_s: float) -> None:
         """From now on, a `readany` that waits more than `idle_s` for data raises IdleTimeout.
@@ -161,12 +195,36 @@ class UpstreamResponse:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        if self._size > HIGH_WATER and not self._paused:
-            self._paused = True
-            self._conn.pause_reading()
+        if self._sink is not None:
+            return  # handed on once the read is parsed (_hand_over), with the rest it brought
+        if self._size > HIGH_WATER:
+            self._stop_reading()
         self._wake()
 
+    def _hand_over(self) -> None:
+        """What the last read brought, to the relay's sink in one call."""
+        sink = self._sink
+        if sink is None or not self._chunks:
+            return
+        self._waiting_since = self._conn.loop.time()  # the idle bound counts from the last piece
+        try:
+            full = sink(self._take())
+        except Exception as exc:  # the consumer failed: the relay ends with its error
+            self._sink, self._error = None, exc
+            self._wake()
+            return
+        if full:  # the consumer is full: stop reading until `relay` is called again
+            self._sink, self._full = None, True
+            self._stop_reading()
+            self._wake()
+
+    def _stop_reading(self) -> None:
+        if not self._paused:
+            self._paused = True
+            self._conn.pause_reading()
+
     def _end(self) -> None:
+        self._hand_over()
         self._eof = True
         self._stop_idle()
         self._wake()
@@ -280,11 +338,14 @@ class Http1Connection(asyncio.Protocol):
         if self._response is None:  # nothing asked: an instance talking out of turn
             self.close()
             return
+        response = self._response
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._response._fail(ConnectionClosed(f"unparsable answer: {exc}"))
+            response._fail(ConnectionClosed(f"unparsable answer: {exc}"))
             self.close()
+            return
+        response._hand_over()
 
     def eof_received(self) -> bool:
         if self._response is None:  # idle: never hand it out again (connection_lost comes later)
