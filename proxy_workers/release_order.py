@@ -57,6 +57,14 @@ class ReleaseOrder:
         self.next_seq += 1
         return ticket
 
+    def pass_through(self, trace: Trace) -> int:
+        """A request with nothing to wait for, when every ticket is settled: issued and released
+        at once, as `issue` then `offer` would (no Ticket made); returns its sequence number."""
+        seq = self.next_seq
+        self.next_seq = self.next_release = seq + 1
+        self._count_release(trace, None)
+        return seq
+
     @property
     def settled(self) -> bool:
         """Every ticket issued was released or abandoned, none out of turn is pending."""
@@ -100,11 +108,13 @@ class ReleaseOrder:
 
     def _release(self, ticket: Ticket, blocked_seq: int | None) -> None:
         """Release `ticket` and record how: `blocked_seq` is the head a bypass passed."""
+        self._count_release(ticket.trace, blocked_seq)
+        ticket.release()
+
+    def _count_release(self, trace: Trace | None, blocked_seq: int | None) -> None:
         self.released += 1
-        trace = ticket.trace
         if trace is not None:
             trace.ready_release_seq = self.released
             trace.ready_release_policy = self.policy
             trace.ready_bypass = blocked_seq is not None
             trace.ready_blocked_seq = blocked_seq
-        ticket.release()

@@ -326,3 +326,71 @@ def test_a_request_through_every_path_reports_every_key_in_order(segment, stream
         assert trace["actual_vllm_internal_ms"] == trace["actual_vllm_ttft_ms"]
         assert trace["actual_total_ms"] == trace["first_token_ms"] - trace["proxy_enqueue_ms"]
         assert trace["decode_start_ms"] >= trace["first_token_ms"]
+
+
+def _plane(segment, **overrides: Any) -> tuple[DataPlane, Pipeline, _Upstream, WorkerRow]:
+    """A worker's data plane over two instances and the fake upstream (first connection
+    refused, then answers), with a real segment, router, pipeline and event channel."""
+    writer = DirectoryWriter(segment)
+    writer.allocate("inst-a", "127.0.0.1", 9001)
+    writer.allocate("inst-b", "127.0.0.1", 9002)
+    settings = Settings(instance_strategy="least_load", shm_name=segment.name, retry_attempts=1,
+                        **overrides)
+    row = WorkerRow.claim(segment, 0)
+    router = Router(settings, segment, row)
+    upstream = _Upstream()
+    predictors = get_predictors(settings.predictor_profile)
+    pipeline = Pipeline(settings, EventChannelWriter(segment, row),
+                        KnowledgePreparer(settings, upstream, predictors), predictors,
+                        pressure_of=lambda instance: 40.0)
+    return DataPlane(WorkerContext(settings, 0, router, upstream, pipeline)), pipeline, upstream, row
+
+
+def _plain_body(stream: bool) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "q" * 200}],
+                       "max_tokens": 4, "stream": stream}).encode()
+
+
+def _trace_shape(meta: dict[str, Any]) -> dict[str, Any]:
+    """What must not depend on the path: the keys in order, and every value that is not a time."""
+    trace = meta["trace"]
+    return {"keys": list(trace), **{k: v for k, v in trace.items() if not k.endswith("_ms")}}
+
+
+def _events_of(segment, row: WorkerRow) -> list[tuple[int, int, bool]]:
+    """What the sidecar would read of the row: (kind, request key, failed) in order."""
+    from shm_schema.events import EventReader
+
+    return [(e.kind, e.request_key, e.failed) for e in EventReader(segment).drain(row.row)]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_plain_request_takes_the_lean_path_and_reports_what_the_pipeline_would(segment, stream):
+    from shm_schema.events import EventKind
+
+    plane, pipeline, upstream, row = _plane(segment)
+    status, body = asyncio.run(_serve(plane, _plain_body(stream)))
+    assert status == 200 and upstream.opened[0] != upstream.opened[1]  # retried elsewhere
+    assert pipeline.plain_path == 2  # both attempts went the lean way
+    lean = meta_of(body) if stream else json.loads(body)["_cacheroute_meta"]
+    lean_events = _events_of(segment, row)
+    kinds = [kind for kind, _, _ in lean_events]
+    assert kinds.count(EventKind.RESERVE) == 2 and kinds.count(EventKind.COMPLETE) == 2
+
+    # The same request, made to take the full pipeline: the same trace, key for key, and the
+    # same events for the sidecar.
+    with fresh_segment() as other:
+        full_plane, full_pipeline, _, full_row = _plane(other)
+        full_pipeline._admit_plain = lambda *args: False  # type: ignore[method-assign]
+        _, full_body = asyncio.run(_serve(full_plane, _plain_body(stream)))
+        full_events = _events_of(other, full_row)
+    full = meta_of(full_body) if stream else json.loads(full_body)["_cacheroute_meta"]
+    assert _trace_shape(lean) == _trace_shape(full) and lean["error"] is None
+    assert lean["trace"]["ready_release_seq"] == 1 and lean["trace"]["ready_worker_idx"] == 0
+    assert lean_events == full_events
+
+
+def test_a_scheduler_request_keeps_the_full_pipeline(segment):
+    plane, pipeline, _, _ = _plane(segment, injection_strategy="iws")
+    status, _ = asyncio.run(_serve(plane, _scheduler_body(stream=False)))
+    assert status == 200 and pipeline.plain_path == 0
