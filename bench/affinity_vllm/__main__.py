@@ -6,6 +6,7 @@
         [--requests 600] [--loads 0.4,0.6] [--repeats 2] [--contenders NAME,...]
         [--saturation-rps R] [--max-tokens 32] [--seed 1]
         [--proxy-env PROXY_X=v ...] [--kv-aware-env PROXY_X=v ...]
+        [--variant NAME:PROXY_X=v,PROXY_Y=w ...]
 
 Needs .venv-vllm and the tiny model (`make install-vllm`) and the peers' venvs (`make peers`);
 `make bench-affinity-vllm` makes all three first. Everything it starts is stopped by pid (the
@@ -50,14 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a setting for both proxy contenders (repeatable)")
     parser.add_argument("--kv-aware-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the kv_aware contender only (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:NAME=VALUE,...",
+                        help="also run kv_aware with these settings, as contender 'kv_aware NAME' "
+                             "(repeatable; weighed beside the default, not judged by the targets)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    variants = [contenders.variant(text) for text in args.variant]
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    names += [v.name for v in variants if v.name not in names]
     for name in names:
-        contenders.spec(name)  # an unknown name fails here, before the engines start
+        contenders.spec(name, variants)  # an unknown name fails here, before the engines start
     loads = [float(x) for x in args.loads.split(",")]
     started_at, machine = utc_now(), machine_info()
     tokenizer = workload.load_tokenizer(TINY_MODEL)
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = engine_side.start(log_dir)
     try:
         setup = runner.Setup(engines, prompts, args.max_tokens, log_dir,
-                             name_values(args.proxy_env), name_values(args.kv_aware_env))
+                             name_values(args.proxy_env), name_values(args.kv_aware_env), variants)
         engine = engine_side.describe(engines)
         if args.saturation_rps is None:
             calibration = runner.calibrate(setup, planned[:args.calibration_requests], args.calibration_concurrency)
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "requests_per_run": args.requests, "loads": loads, "repeats": args.repeats,
         "max_tokens": args.max_tokens, "contenders": names, "workers": contenders.WORKERS,
         "profile": contenders.PROFILE, "proxy_env": setup.proxy_env, "kv_aware_env": setup.kv_aware_env,
+        "variants": {v.name: dict(v.env) for v in variants},
         "workload": {"system_prompts": len(prompts), "system_prompt_tokens": workload.SYSTEM_TOKENS,
                      "user_tokens": workload.USER_TOKENS, "zipf_s": workload.ZIPF_S,
                      "arrivals": "Poisson, open loop"},

@@ -28,6 +28,8 @@ from cacheroute_sim.processes import ROOT, ChildProcess, SupervisorPorts, free_p
 from tests.real_engine.engines import TINY_MODEL, VllmEngine
 from tests.real_engine.registration import AgentRegistration
 
+from bench.harness.cli import name_values
+
 from .workload import BLOCK_TOKENS, SERVED_MODEL
 
 WORKERS = 4
@@ -61,11 +63,23 @@ OURS = "kv_aware"
 PEERS = tuple(s.name for s in SPECS if s.kind != "proxy")
 
 
-def spec(name: str) -> Spec:
-    for candidate in SPECS:
+def variant(text: str) -> Spec:
+    """`NAME:SETTING=VALUE,...` (--variant): kv_aware with these settings as well, run as the
+    contender "kv_aware NAME" beside the default one, so a weight's candidate values meet on the
+    same engines in the same interleaved run."""
+    label, sep, settings = text.partition(":")
+    if not sep or not label.strip():
+        raise SystemExit(f"expected NAME:SETTING=VALUE,..., got {text!r}")
+    pairs = tuple(name_values([item for item in settings.split(",") if item]).items())
+    return Spec(f"{OURS} {label.strip()}", "proxy", "kv_aware", KV_AWARE_ENV + pairs)
+
+
+def spec(name: str, variants: Sequence[Spec] = ()) -> Spec:
+    for candidate in (*SPECS, *variants):
         if candidate.name == name:
             return candidate
-    raise ValueError(f"unknown contender {name!r}; choose from {', '.join(s.name for s in SPECS)}")
+    known = ", ".join(s.name for s in (*SPECS, *variants))
+    raise ValueError(f"unknown contender {name!r}; choose from {known}")
 
 
 def build(which: Spec, engines: Sequence[VllmEngine], log_dir: Path, proxy_env: dict[str, str],

@@ -25,6 +25,7 @@ class Setup:
     log_dir: Path
     proxy_env: dict[str, str]
     kv_aware_env: dict[str, str]
+    variants: Sequence[contenders.Spec] = ()  # --variant: kv_aware with other settings
 
 
 def schedule(names: Sequence[str], repeats: int) -> list[str]:
@@ -137,7 +138,7 @@ def run_all(names: Sequence[str], setup: Setup, planned: Sequence[Planned], load
     for share in loads:
         rate = share * saturation_rps
         for order, name in enumerate(schedule(names, repeats)):
-            spec = contenders.spec(name)
+            spec = contenders.spec(name, setup.variants)
             print(f"load {share:g} ({rate:.2f}/s), run {order + 1}: {name}", flush=True)
             try:
                 record = run(spec, setup, planned, rate)

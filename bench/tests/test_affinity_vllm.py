@@ -190,6 +190,22 @@ def test_proxy_settings_from_the_command_line_reach_the_proxy_contenders(tmp_pat
     assert described["env"]["PROXY_B"] == "2" and "PROXY_SHM_NAME" not in described["env"]
 
 
+def test_a_variant_is_kv_aware_with_its_own_settings_beside_the_default(tmp_path: Path):
+    sticky = contenders.variant("sticky:PROXY_KV_AWARE_WORK_WEIGHT=2,PROXY_PACE_STEP=0")
+    assert sticky.name == "kv_aware sticky" and contenders.spec("kv_aware sticky", [sticky]) is sticky
+    built = contenders.build(sticky, _engines(), tmp_path, {}, {})
+    assert built.env["PROXY_KV_AWARE_WORK_WEIGHT"] == "2" and built.env["PROXY_PACE_STEP"] == "0"
+    assert built.env["PROXY_INSTANCE_STRATEGY"] == "kv_aware"
+    assert built.env["PROXY_AFFINITY_BLOCK_TOKENS"] == "128"
+    default = contenders.build(contenders.spec("kv_aware"), _engines(), tmp_path, {}, {})
+    assert "PROXY_KV_AWARE_WORK_WEIGHT" not in default.env
+    with pytest.raises(ValueError, match="unknown contender"):
+        contenders.spec("kv_aware sticky")  # not without its definition
+    for malformed in ("sticky", ":PROXY_A=1", "sticky:PROXY_A"):
+        with pytest.raises(SystemExit):
+            contenders.variant(malformed)
+
+
 # --- the runs, the figures, the targets --------------------------------------------------------------
 def test_contenders_run_abc_then_cba():
     assert runner.schedule(["A", "B", "C"], 2) == ["A", "B", "C", "C", "B", "A"]
