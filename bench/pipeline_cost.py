@@ -10,9 +10,13 @@ socket writes is in the figures: this is the part of a request that is this prod
 Variants, interleaved block by block in the same process (CPU time per request; the median
 and the fastest of the repeats, a part's cost being the difference of the fastest blocks):
 - `full`: every part;
-- `without metrics`, `without events`, `without meta`: the same with one part replaced by a
-  no-op (the metric files' writes; the reserve/complete events to the sidecar; encoding the trace and
-  splicing it into the answer), so the difference is that part's cost;
+- `without metrics`, `without events`, `without meta`, `without predictions`, `without
+  disconnect watch`, `without admission`: the same with one part replaced by a no-op or its
+  bare minimum (the metric files' writes; the reserve/complete events to the sidecar; encoding
+  the trace and splicing it into the answer; the reserve's predicted service, decode and queue
+  wait; watching the client for a disconnect; the whole pipeline stage -- release order,
+  host-wide admission, events, predictions -- forwarding at once), so the difference is that
+  part's cost;
 - `relay floor`: bench-peers' relay floor (bench/peers/relay_floor.py) on the same client:
   read the body, open the next upstream, read its answer, send it whole: what any proxy on this
   client and server pays.
@@ -176,14 +180,28 @@ def a_cycle(connection: Any = None) -> Any:
 
 
 def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
-    from proxy_workers import event_channel, exchange, metrics
+    from proxy_workers import event_channel, exchange, metrics, pipeline
+
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
+
+    def reserve_unpredicted(self: Any, lease: Any, job: Any) -> None:
+        self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, 1.0, 1.0,
+                             job.request.decode_tokens, job.request.prompt_tokens)
+
+    async def unwatched(work: Any, cycle: Any) -> Any:
+        return await work
+
+    async def forward_at_once(self: Any, lease: Any, job: Any, forward: Any) -> Any:
+        return await forward()
     return {
         "full": (worker.full, contextlib.nullcontext),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
+        "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "_reserve", reserve_unpredicted)),
+        "without disconnect watch": (worker.full, lambda: replaced(exchange, "run_until_disconnect", unwatched)),
+        "without admission": (worker.full, lambda: replaced(pipeline.Pipeline, "run_admitted", forward_at_once)),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 
@@ -246,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(loadavg {os.getloadavg()[0]:.2f})")
     for name, r in results.items():
         part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
-        print(f"{name:<18}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
+        print(f"{name:<26}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
     if args.out:
         report = {**provenance.record(),
                   "requests_per_block": args.requests, "repeats": args.repeats,
