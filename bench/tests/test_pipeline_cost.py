@@ -14,7 +14,9 @@ def test_a_short_run_measures_every_variant_and_removes_what_it_made(tmp_path: P
     out = tmp_path / "cost.json"
     assert pipeline_cost.main(["--requests", "64", "--repeats", "1", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"full", "without metrics", "without events", "without meta", "relay floor"}
+    assert set(results) == {"full", "without metrics", "without events", "without meta",
+                            "without predictions", "without disconnect watch", "without admission",
+                            "relay floor"}
     assert all(r["median_us"] > 0 for r in results.values())
     assert results["full"]["part_us"] is None and results["relay floor"]["part_us"] is not None
     assert not {name for name in set(os.listdir("/dev/shm")) - before if "cacheroute_cost" in name}
