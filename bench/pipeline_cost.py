@@ -192,8 +192,8 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
     async def unwatched(work: Any, cycle: Any) -> Any:
         return await work
 
-    async def forward_at_once(self: Any, lease: Any, job: Any, forward: Any) -> Any:
-        return await forward()
+    def forward_at_once(self: Any, lease: Any, job: Any, forward: Any) -> Any:
+        return forward()
     return {
         "full": (worker.full, contextlib.nullcontext),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
@@ -201,7 +201,7 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
         "without meta": (worker.full, lambda: _without_meta(exchange)),
         "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "_reserve", reserve_unpredicted)),
         "without disconnect watch": (worker.full, lambda: replaced(exchange, "run_until_disconnect", unwatched)),
-        "without admission": (worker.full, lambda: replaced(pipeline.Pipeline, "run_admitted", forward_at_once)),
+        "without admission": (worker.full, lambda: replaced(pipeline.Pipeline, "run", forward_at_once)),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 

@@ -162,8 +162,7 @@ class ProxyExchange:
     async def _run(self, lease: Lease, out: Responder) -> bool:
         """True if the attempt failed before sending anything and another should be made."""
         try:
-            return await self._pipeline.run_admitted(lease, self._job,
-                                                     lambda: self._forward(lease, out))
+            return await self._pipeline.run(lease, self._job, lambda: self._forward(lease, out))
         except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
             out.error(exc, lease)
             return False

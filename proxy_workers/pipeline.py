@@ -97,15 +97,21 @@ class Pipeline:
                 ReleaseOrder(settings.ready_release_policy, settings.text_bypass_max_per_flush))
         return stages
 
-    async def run_admitted(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> T:
+    def run(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        """What brings the request to `forward()`: the lean path when a plain request is
+        admitted at once (`_admit_plain`), else the full pipeline (`run_admitted`). Made here
+        and awaited by the caller, so neither path has a frame more than the other."""
+        stages = self._stages_for(lease)
+        if job.request.knowledge is None and self._admit_plain(lease, stages, job):
+            return self._forward_admitted(lease, stages, job, forward)
+        return self.run_admitted(lease, stages, job, forward)
+
+    async def run_admitted(self, lease: Lease, stages: InstanceStages, job: Job,
+                           forward: Callable[[], Awaitable[T]]) -> T:
         """Prepare, wait for the turn and for admission; then `forward()`; clean up on exit.
-        A plain request the instance admits at once takes the lean path (`_admit_plain`).
         (A coroutine taking the work, not an async context manager: one frame less per
         request on the hot path.)"""
         settings = self._settings
-        stages = self._stages_for(lease)
-        if job.request.knowledge is None and self._admit_plain(lease, stages, job):
-            return await self._forward_admitted(lease, stages, job, forward)
         if stages.queued >= settings.max_queue_per_instance:
             metrics.admission_rejected(lease.instance.instance_id, "queue_full")
             raise queue_full(f"{stages.queued} requests already wait for {lease.instance.instance_id}")
@@ -138,7 +144,14 @@ class Pipeline:
                 stages.queued -= 1
                 if not ticket.released:
                     stages.order.abandon(ticket)
-            return await self._forward_admitted(lease, stages, job, forward)
+            failed = True
+            try:
+                self._forwarding(lease, job)
+                result = await forward()
+                failed = False
+                return result
+            finally:
+                self._forwarded(lease, stages, job, failed)
         except BaseException:
             if reserved:
                 self._events.complete(job.key, True)
@@ -178,10 +191,15 @@ class Pipeline:
             failed = False
             return result
         finally:
-            stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
-            lease.leave(layout.LANE_READY_ACTIVE)
-            stages.admission.wake()
-            self._events.complete(job.key, failed)
+            self._forwarded(lease, stages, job, failed)
+
+    def _forwarded(self, lease: Lease, stages: InstanceStages, job: Job, failed: bool) -> None:
+        """After the forward: the ready place, the lane and the request's timeline entry given
+        back, and the next waiter for admission woken."""
+        stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
+        lease.leave(layout.LANE_READY_ACTIVE)
+        stages.admission.wake()
+        self._events.complete(job.key, failed)
 
     def _forwarding(self, lease: Lease, job: Job) -> None:
         """The instance is about to hold the request's prompt prefix (vLLM's prefix cache keeps
