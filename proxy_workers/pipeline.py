@@ -144,6 +144,7 @@ class Pipeline:
                 stages.queued -= 1
                 if not ticket.released:
                     stages.order.abandon(ticket)
+            # _forward_admitted's lines, inline: an await less on this path (~2 µs a request).
             failed = True
             try:
                 self._forwarding(lease, job)

@@ -101,9 +101,15 @@ def charged(contender: Charged, load: Callable[[], dict[str, Any]]) -> dict[str,
 
 def per_1k(result: dict[str, Any], done: int | None) -> dict[str, Any]:
     """CPU seconds per 1,000 of what was done (requests or streams), whole tree and by role."""
+    return per_unit(result, done, 1000, "1k")
+
+
+def per_unit(result: dict[str, Any], done: int | None, scale: float, unit: str) -> dict[str, Any]:
+    """CPU seconds per `scale` of what was done, whole tree and by role, as `cpu_s_per_<unit>`
+    and `cpu_s_per_<unit>_by_role`."""
     if done:
-        result["cpu_s_per_1k"] = round(result["cpu_s"] / done * 1000, 4)
+        result[f"cpu_s_per_{unit}"] = round(result["cpu_s"] / done * scale, 4)
         if "cpu_s_by_role" in result:
-            result["cpu_s_per_1k_by_role"] = {role: round(s / done * 1000, 4)
-                                              for role, s in result["cpu_s_by_role"].items()}
+            result[f"cpu_s_per_{unit}_by_role"] = {role: round(s / done * scale, 4)
+                                                   for role, s in result["cpu_s_by_role"].items()}
     return result

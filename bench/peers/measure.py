@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.contenders import Contender
-from bench.harness.cpu import charged, per_1k
+from bench.harness.cpu import charged, per_1k, per_unit
 from bench.harness.wrk import wrk_post_script
 from bench.peers import stream_load
 
@@ -41,12 +41,7 @@ def long_stream_point(contender: Contender, concurrency: int, seconds: float,
     relayed = (point.get("streams_ok") or 0) * tokens
     point["tokens"] = relayed
     point["tokens_per_s"] = round(relayed / point["seconds"], 1) if point.get("seconds") else None
-    if relayed:
-        point["cpu_s_per_1m_tokens"] = round(point["cpu_s"] / relayed * 1e6, 3)
-        if "cpu_s_by_role" in point:
-            point["cpu_s_per_1m_tokens_by_role"] = {role: round(s / relayed * 1e6, 3)
-                                                    for role, s in point["cpu_s_by_role"].items()}
-    return point
+    return per_unit(point, relayed, 1e6, "1m_tokens")
 
 
 def idle_cpu(contenders: list[Contender], seconds: float) -> dict[str, float]:
