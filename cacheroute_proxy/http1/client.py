@@ -52,7 +52,7 @@ class UpstreamResponse:
 
     __slots__ = ("status", "content_type", "headers", "keep_alive", "_conn", "_head", "_chunks", "_size",
                  "_eof", "_error", "_waiter", "_paused", "_idle_s", "_idle_timer",
-                 "_waiting_since", "_sink", "_full")
+                 "_waiting_since", "_sink")
 
     def __init__(self, conn: Http1Connection, head: asyncio.Future[None]) -> None:
         self.status = 0
@@ -71,7 +71,6 @@ class UpstreamResponse:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
         self._sink: Callable[[bytes], bool] | None = None  # set while `relay` runs
-        self._full = False
 
     # --- the consumer ----------------------------------------------------------------------
     async def started(self) -> None:
@@ -118,7 +117,7 @@ class UpstreamResponse:
         if self._eof:
             return True
         loop = self._conn.loop
-        self._sink, self._full = sink, False
+        self._sink = sink
         self._waiter = loop.create_future()
         self._waiting_since = loop.time()
         try:
@@ -214,7 +213,7 @@ class UpstreamResponse:
             self._wake()
             return
         if full:  # the consumer is full: stop reading until `relay` is called again
-            self._sink, self._full = None, True
+            self._sink = None
             self._stop_reading()
             self._wake()
 
