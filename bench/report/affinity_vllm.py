@@ -12,8 +12,11 @@ from bench.report.fmt import DASH, num, table
 FULL_REQUESTS, FULL_REPEATS = 600, 2
 
 
-def section(data: dict[str, Any], file_name: str = "affinity_vllm.json") -> str:
-    parts = ["## kv_aware on two real vLLM engines, against vllm-router and the SGLang router",
+TITLE = "kv_aware on two real vLLM engines, against vllm-router and the SGLang router"
+
+
+def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: str = TITLE) -> str:
+    parts = [f"## {title}",
              _smoke(data), *blocks.header_blocks(data, file_name), _scenario(data), _contenders(data)]
     results = data.get("results") or []
     for load in dict.fromkeys(r["load"] for r in results):

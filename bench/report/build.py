@@ -54,7 +54,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity.json", affinity.section),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_vllm.json", affinity_vllm.section),
-        ("affinity_vllm_repeat.json", lambda d: affinity_vllm.section(d, "affinity_vllm_repeat.json")),
+        ("affinity_vllm_variants.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_variants.json",
+            "kv_aware's weights on the real engines: the earlier defaults beside a sticky variant")),
+        ("affinity_vllm_guard.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_guard.json",
+            "kv_aware's weights on the real engines: the run that chose the work weight and the guard")),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
