@@ -22,6 +22,7 @@ from typing import Any
 from bench.harness.backends import InstanceSpec, SimInstances
 from bench.harness.baseline import baseline_tree
 from bench.harness.contenders import ProxyContender
+from bench.harness.cpu import charged
 from bench.harness.processes import http_json
 from bench.harness.results import Run, write_report
 
@@ -47,11 +48,10 @@ def measure(contender: ProxyContender, seconds: float) -> dict[str, Any]:
         if status != 200:
             raise SystemExit(f"{contender.name}: a request before the window got {status}: {body}")
     time.sleep(SETTLE_S)
-    total, by_role = contender.cpu_seconds(), contender.cpu_seconds_by_role()
-    time.sleep(seconds)
-    spent = contender.cpu_seconds() - total
-    roles = {role: round(s - by_role.get(role, 0.0), 3) for role, s in contender.cpu_seconds_by_role().items()}
-    return {"cpu_s": round(spent, 3), "share_of_a_core": round(spent / seconds, 5), "by_role": roles}
+    window = charged(contender, lambda: time.sleep(seconds) or {})
+    spent = window["cpu_s"]
+    return {"cpu_s": spent, "share_of_a_core": round(spent / seconds, 5),
+            "by_role": window.get("cpu_s_by_role", {})}
 
 
 def main(argv: list[str] | None = None) -> int:

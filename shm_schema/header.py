@@ -59,6 +59,10 @@ def set_sidecar_sleeping(seg: Segment, sleeping: bool) -> None:
     seg.store(layout.H_SIDECAR_SLEEPING, int(sleeping))
 
 
+def sidecar_sleeping(seg: Segment) -> bool:
+    return bool(seg.load(layout.H_SIDECAR_SLEEPING))
+
+
 def count_reaped_worker(seg: Segment) -> None:
     seg.fetch_add(layout.H_REAPED_WORKERS, 1)
 

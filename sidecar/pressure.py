@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shm_schema import DirectoryReader, Segment, header, layout, read_all
+from shm_schema import DirectoryReader, Segment, header, read_all
 from shm_schema.bitfields import RequestKey
 from shm_schema.events import Event, EventHandlers, EventKind, EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
@@ -212,7 +212,7 @@ class PressurePublisher:
                     {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances}),
                 "prompt_homes": None if self.homes is None else self.homes.describe(),
                 "doorbell": None if self._doorbell is None else {
-                    "sleeping": bool(self._seg.load(layout.H_SIDECAR_SLEEPING)), "rings": self._doorbell.rings}}
+                    "sleeping": header.sidecar_sleeping(self._seg), "rings": self._doorbell.rings}}
 
     def _describe_timelines(self) -> dict[str, dict[str, Any]]:
         """Per instance id: the slots its timeline models and its learned pace."""
