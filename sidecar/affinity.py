@@ -170,6 +170,11 @@ class AffinityModels:
         self._dirty.add((slot, generation))
         return model
 
+    def capacity_tokens(self, slot: int, generation: int) -> int:
+        """The instance's KV capacity in tokens: 0 unbounded, -1 no such instance."""
+        model = self._models.get((slot, generation))
+        return model.capacity_tokens if model is not None else self._capacity_of(slot, generation)
+
     def forget(self, slot: int) -> None:
         """The slot's instance left or registered again: nothing is resident there any more."""
         for where in [w for w in self._models if w[0] == slot]:

@@ -145,14 +145,17 @@ class PressurePublisher:
             self.homes.observe(event)
 
     def _home_candidates(self) -> list[Candidate]:
-        """The candidate set, each instance at its learned speed (1 if not learned yet)."""
+        """The candidate set, each instance at its learned speed (1 if not learned yet), with
+        its KV capacity and the requests it runs at once."""
         timelines = self.timelines.by_instance()
+        capacity = self.affinity.capacity_tokens if self.affinity is not None else lambda *_: 0
         candidates = []
         for instance in self._directory.snapshot().alive:
             where = (instance.slot, instance.generation)
             timeline = timelines.get(where)
             pace = timeline.pace.factor if timeline is not None and timeline.pace.observations else 1.0
-            candidates.append(Candidate(where, instance.instance_id, 1.0 / pace))
+            candidates.append(Candidate(where, instance.instance_id, 1.0 / pace, max(0, capacity(*where)),
+                                        timeline.ready_slots if timeline is not None else 0))
         return candidates
 
     def _max_num_seqs(self, slot: int, generation: int) -> int:

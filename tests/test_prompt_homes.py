@@ -80,7 +80,7 @@ def test_a_reader_keeps_its_copy_while_a_writer_left_the_table_half_written(seg)
 def test_prompts_move_off_the_overloaded_instance_until_the_work_is_within_the_tolerance(seg) -> None:
     # Four prompts homed on a, drawing 4:3:2:1 of the requests; b has none of its own.
     requests = dict(zip(keys_homed_on(A, 4), (16, 12, 8, 4)))
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
     now = run(homes, requests, rounds=1)
     work = work_on(seg, requests)
     assert work == {"inst-a": 20, "inst-b": 20}, work  # the 16, then the 4: 12+8 and 16+4
@@ -91,10 +91,10 @@ def test_prompts_move_off_the_overloaded_instance_until_the_work_is_within_the_t
 
 def test_no_move_within_the_tolerance_or_before_enough_requests(seg) -> None:
     a_keys, b_keys = keys_homed_on(A, 1), keys_homed_on(B, 1)
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.25)
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.25, block_tokens=128)
     run(homes, {a_keys[0]: 11, b_keys[0]: 9}, rounds=5)  # a carries 1.1x its share
     assert homes.stats["moves"] == 0
-    few = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    few = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
     run(few, {keys_homed_on(A, 2)[1]: int(MIN_REQUESTS) - 1}, rounds=1)
     assert few.stats["moves"] == 0
 
@@ -102,14 +102,14 @@ def test_no_move_within_the_tolerance_or_before_enough_requests(seg) -> None:
 def test_a_faster_instance_takes_a_larger_share(seg) -> None:
     fast_b = B._replace(speed=3.0)  # its pace is a third of the profile's: three times a's share
     requests = dict.fromkeys(keys_homed_on(A, 8), 5)
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
     run(homes, requests, rounds=10, candidates=(A, fast_b))
     assert work_on(seg, requests, (A, fast_b)) == {"inst-a": 10, "inst-b": 30}
 
 
 def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_dropped(seg) -> None:
     requests = dict.fromkeys(keys_homed_on(A, 2), 30)
-    homes = PromptHomes(seg, halflife_s=1, tolerance=0.1)
+    homes = PromptHomes(seg, halflife_s=1, tolerance=0.1, block_tokens=128)
     now = run(homes, requests, rounds=1)
     assert len(HomeReader(seg).homes()) == 1
     homes.tick(now, lambda: [A])  # b left
@@ -120,11 +120,57 @@ def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_droppe
     assert HomeReader(seg).homes() == {} and homes.describe()["prompts"] == 0
 
 
+# Two engines as on the real-engine bench: 64 KV blocks of 128 tokens, 4 requests at once each:
+# room for 60 blocks of prompts, 8 of 7 blocks.
+A_KV, B_KV = A._replace(kv_capacity_tokens=64 * 128, slots=4), B._replace(kv_capacity_tokens=64 * 128, slots=4)
+
+
+def homed_prompts(seg, keys: list[int], candidates=(A_KV, B_KV)) -> dict[str, int]:
+    return work_on(seg, dict.fromkeys(keys, 1), candidates)
+
+
+def test_prompts_move_off_an_instance_whose_cache_they_overflow(seg) -> None:
+    # Ten prompts homed on a (70 blocks, past its 60), six on b; b's draw more, so by the work
+    # alone prompts would move to a.
+    a_keys, b_keys = keys_homed_on(A, 10), keys_homed_on(B, 6)
+    requests = {**dict.fromkeys(a_keys, 2), **dict.fromkeys(b_keys, 5)}
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    run(homes, requests, rounds=3, candidates=(A_KV, B_KV))
+    assert homed_prompts(seg, a_keys + b_keys) == {"inst-a": 8, "inst-b": 8}
+    assert work_on(seg, requests, (A_KV, B_KV)) == {"inst-a": 25, "inst-b": 25}
+    # Without capacities (not known), the same traffic moves prompts the other way.
+    blind = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    run(blind, requests, rounds=3)
+    assert homed_prompts(seg, a_keys + b_keys)["inst-a"] > 10
+
+
+def test_a_move_for_the_work_never_overflows_a_cache_two_homes_swap_instead(seg) -> None:
+    # Eight prompts each, a's drawing three times b's: moving one more prompt to b would take
+    # it past its room, so a hot prompt of a and a cold one of b swap homes.
+    a_keys, b_keys = keys_homed_on(A, 8), keys_homed_on(B, 8)
+    requests = {**dict.fromkeys(a_keys, 6), **dict.fromkeys(b_keys, 2)}
+    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    run(homes, requests, rounds=6, candidates=(A_KV, B_KV))
+    assert homed_prompts(seg, a_keys + b_keys) == {"inst-a": 8, "inst-b": 8}
+    assert work_on(seg, requests, (A_KV, B_KV)) == {"inst-a": 32, "inst-b": 32}
+
+
+def test_a_prompt_seen_once_takes_no_room(seg) -> None:
+    # Eight prompts that came back fill a's room; forty one-off prompts homed there as well do
+    # not make it overflow, so nothing moves for room.
+    hot, once = keys_homed_on(A, 48)[:8], keys_homed_on(A, 48)[8:]
+    b_keys = keys_homed_on(B, 8)
+    homes = PromptHomes(seg, halflife_s=20, tolerance=10.0, block_tokens=128)
+    run(homes, {**dict.fromkeys(hot + b_keys, 4), **dict.fromkeys(once, 1)}, rounds=1,
+        candidates=(A_KV, B_KV))
+    assert homes.stats["moves"] == 0
+
+
 def test_a_restarted_sidecar_keeps_the_published_homes(seg) -> None:
     requests = dict.fromkeys(keys_homed_on(A, 2), 20)
-    run(PromptHomes(seg, halflife_s=20, tolerance=0.1), requests, rounds=1)
+    run(PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128), requests, rounds=1)
     published = HomeReader(seg).homes()
-    again = PromptHomes(seg, halflife_s=20, tolerance=0.1)
+    again = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
     assert again.adopt() == 1
     again.tick(200.0, lambda: [A, B])  # a round before any request: the homes stay
     assert HomeReader(seg).homes() == published

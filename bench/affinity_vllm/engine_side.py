@@ -23,8 +23,15 @@ MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings; a request is ~
 # Every contender meets the same engines: vllm-router 0.1.17 tokenizes by calling
 # /v1/chat/completions/render, which vLLM serves only with --enable-scale-out; prefix caching is
 # vLLM's default, named anyway; VLLM_SERVER_DEV_MODE=1 serves POST /reset_prefix_cache.
-ENGINE_ARGS = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching", "--enable-scale-out")
-ENGINE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# The model runs in the engine-core process (the uniprocess executor; vLLM's CPU platform allows
+# it only with VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM's own engine-core process does
+# not need). Its default multiprocess executor keeps a worker process that, like the engine core
+# reading from it, spins on sched_yield for a second after every message: under load two
+# engines then hold both cores of this machine busy, and what every contender's TTFT measured
+# was mostly how long the router, the engines' API servers and the load got a turn on them.
+ENGINE_ARGS = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching", "--enable-scale-out",
+               "--distributed-executor-backend", "uni")
+ENGINE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 SUCCESS = "vllm:request_success_total"
 
