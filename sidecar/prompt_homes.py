@@ -18,12 +18,10 @@ away is forgotten.
 
 Homes also respect each instance's KV cache: the prompts homed on an instance that came back
 (FOOTPRINT_REQUESTS) must fit its room (its KV capacity in blocks, less a block for each request
-it runs at once). Past it, its engine evicts its own prompts to prefill them again, every one of
-them a miss; on two real engines with room for 8 of 16 prompts, the instance homed with 9 or 10
-of the less popular ones hit its cache 0.63-0.78 of the time against the other's 0.83-0.89. So a
-round first moves prompts off an instance past its room (to one they fit on, the move that
-leaves the work most even), and a move for the work never takes an instance past its room: where
-no single prompt fits, two prompts swap homes.
+it runs at once). Past it, its engine evicts its own prompts to prefill them again, each one a
+miss, however even the work. So a round first moves prompts off an instance past its room (to
+one they fit on, the move that leaves the work most even), and a move for the work never takes
+an instance past its room: where no single prompt fits, two prompts swap homes.
 """
 
 from __future__ import annotations
