@@ -54,13 +54,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity.json", affinity.section),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_vllm.json", affinity_vllm.section),
-        ("affinity_vllm_guard.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_guard.json",
-            "kv_aware's weights on the real engines: the guard at 8, and with the work weight at 2")),
-        ("affinity_vllm_defaults.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_defaults.json",
-            "kv_aware's weights on the real engines: work weight 2 and guard 8 (as kv_aware) "
-            "beside the defaults (w1a4)")),
+        ("affinity_vllm_weights.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_weights.json",
+            "kv_aware's weights on the real engines: work weight 1 (as kv_aware, then the default), "
+            "2 (w2), and 2 with the guard at 16 (a16w2)")),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
