@@ -135,7 +135,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_aware_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_ABS", SELECTION, (
         "`kv_aware`'s balance guard: it chooses as least_load does when the candidates' requests "
         "in flight spread by more than this ... (docs/architecture.md §4.4)"),
-        ge=0, finite=True)] = 16.0
+        ge=0, finite=True)] = 4.0
     kv_aware_balance_rel: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_REL", SELECTION, (
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
@@ -143,7 +143,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "`kv_aware` counts the engine work a choice adds (the prefill of what the instance does "
         "not hold, the displacement away from a prompt's home) this many times: the request's "
         "own wait once, the rest the delay it causes those queued behind it"),
-        ge=1, le=20, finite=True)] = 3.0
+        ge=1, le=20, finite=True)] = 2.0
     affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
         "how long a kv_aware choice counts as pending residency on its instance, unless confirmed "
         "sooner or withdrawn (its request failed)"), gt=0, le=3600, finite=True)] = 30.0

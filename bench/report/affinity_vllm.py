@@ -34,7 +34,7 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
                      f"`{num(failed['error'][-300:])}`")
     if data.get("runs"):
         parts.append("Each run, in the order run:\n\n" + table(
-            ["load", "#", "contender", "hit rate", "TTFT p50 / p99 (ms)", "req/s", "errors", "share",
+            ["load", "#", "contender", "hit rate (per engine)", "TTFT p50 / p99 (ms)", "req/s", "errors", "share",
              "CPU (ms/request)", "kv_aware: guard fired; choices that saved (median ms); predicted TTFT p50",
              "KV events followed: blocks stored / removed",
              "engine calls beyond the chats"],
@@ -137,7 +137,9 @@ def _run_row(run: dict[str, Any]) -> list[str]:
              if run.get("guard_decisions") else DASH)
     extra = {call: n for call, n in (run.get("engine_calls") or {}).items()
              if not call.startswith("POST /v1/chat/completions 200")}
-    return [_share(run["load"]), num(run["order"] + 1), run["contender"], _rate(run.get("prefix_cache_hit_rate")),
+    per_engine = " / ".join(_rate(e.get("hit_rate")) for e in run.get("per_engine") or [])
+    hits = _rate(run.get("prefix_cache_hit_rate")) + (f" ({per_engine})" if per_engine else "")
+    return [_share(run["load"]), num(run["order"] + 1), run["contender"], hits,
             f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}", num(run.get("completed_per_s")),
             num(run.get("error_count")), " / ".join(num(v) for v in run.get("share") or []), cpu, guard,
             _events(run), ", ".join(f"{call} ×{num(n)}" for call, n in extra.items()) or DASH]

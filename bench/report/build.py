@@ -58,6 +58,14 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             d, "affinity_vllm_weights.json",
             "kv_aware's weights on the real engines: work weight 1 (as kv_aware, then the default), "
             "2 (w2), and 2 with the guard at 16 (a16w2)")),
+        ("affinity_vllm_weights_60.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_weights_60.json",
+            "kv_aware's weights on the real engines at 60 %: work weight 2 and guard 4 (as kv_aware, "
+            "the defaults), 3 (w3), 3 with the guard at 16 (w3a16), 4 with the guard at 64 (w4a64)")),
+        ("affinity_vllm_w3a16.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_w3a16.json",
+            "kv_aware's weights on the real engines, every contender: work weight 3 and guard 16 "
+            "(as kv_aware) beside 2 and 4, the defaults (w2a4)")),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
