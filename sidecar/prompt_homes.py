@@ -64,8 +64,14 @@ class _Split(NamedTuple):
     due: list[float]        # its share of all of them, by speed
     footprint: list[float]  # blocks of the prompts homed there that came back
 
-    def ratio(self, n: int, load: float | None = None) -> float:
-        return (self.load[n] if load is None else load) / self.due[n]
+    def ratio(self, n: int) -> float:
+        """Candidate n's work over its share: above 1, more than it is due."""
+        return self.load[n] / self.due[n]
+
+    def after(self, source: int, dest: int, shift: float) -> float:
+        """The higher of the two ratios once `shift` of work moved from `source` to `dest`."""
+        return max((self.load[source] - shift) / self.due[source],
+                   (self.load[dest] + shift) / self.due[dest])
 
 
 class PromptHomes:
@@ -192,11 +198,9 @@ class PromptHomes:
             size = self._footprint(key)
             if n != full or not size:
                 continue
-            rate = self._rates[key]
             for to in range(len(room)):
                 if to != full and split.footprint[to] + size <= room[to]:
-                    worse = max(split.ratio(full, split.load[full] - rate),
-                                split.ratio(to, split.load[to] + rate))
+                    worse = split.after(full, to, self._rates[key])
                     if best is None or worse < best[0]:
                         best = (worse, key, to)
         return None if best is None else [(best[1], best[2])]
@@ -220,8 +224,7 @@ class PromptHomes:
                 if shift <= 0 or split.footprint[under] + grown > room[under] \
                         or split.footprint[over] - grown > room[over]:
                     continue
-                worse = max(split.ratio(over, split.load[over] - shift),
-                            split.ratio(under, split.load[under] + shift))
+                worse = split.after(over, under, shift)
                 if worse < split.ratio(over) and (best is None or worse < best[0]):
                     best = (worse, [(key, under)] + ([] if other is None else [(other, over)]))
         return None if best is None else best[1]

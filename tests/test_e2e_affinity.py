@@ -472,6 +472,36 @@ def _system_prompts_homed_on(instance_id: str, ids: list[str], count: int) -> li
     raise AssertionError("no prompts homed there")
 
 
+def test_prompts_whose_home_cache_cannot_hold_them_move_to_an_instance_that_can(make_cluster):
+    """Two equally popular prompts homed on each instance, so by their traffic nothing would
+    move; but `a` registers a KV capacity that holds less than one of them beside a block for
+    each of its 4 slots. The sidecar moves both of a's prompts to `b`, and no more."""
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    # Every prompt of _system_prompts_homed_on sends as many blocks as this one.
+    blocks = len(prefix_keys(f"<|system|>Corpus 100. {SYSTEM}<|user|>q0", 64, 32))
+    a = cluster.add_instance("--prefix-caching", "--max-concurrency", "4",
+                             "--kv-capacity-tokens", str((4 + blocks - 1) * 64))
+    b = cluster.add_instance("--prefix-caching", "--max-concurrency", "4")
+    ids = [a.instance_id, b.instance_id]
+    first = _system_prompts_homed_on(a.instance_id, ids, 2)
+    prompts = first + _system_prompts_homed_on(b.instance_id, ids, 2)
+    assert {len(prefix_keys(f"<|system|>{p}<|user|>q0", 64, 32)) for p in prompts} == {blocks}
+
+    def body(system: str, n: int) -> dict[str, Any]:
+        return {"model": "sim", "stream": True, "max_tokens": 2,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
+
+    for n in range(40):
+        served_by(cluster, body(prompts[n % 4], n))
+
+    def moved() -> int:
+        return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
+    wait_until(lambda: moved() == 2, 10, message="both of a's prompts moved")
+    time.sleep(2.5)  # more rounds move nothing back: a cannot hold a prompt
+    assert moved() == 2
+    assert {served_by(cluster, body(system, 100 + n)) for n, system in enumerate(first)} == {b.instance_id}
+
+
 def test_the_sidecar_moves_a_prompt_home_off_the_instance_its_prompts_overload(make_cluster):
     """Three equally popular prompts whose rendezvous home is one instance: the sidecar moves one
     of them (two would overload the other instance) and every worker sends it to its new home."""
