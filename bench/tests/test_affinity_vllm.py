@@ -143,7 +143,10 @@ def test_every_contender_meets_engines_with_the_same_flags():
     args = engine_side.ENGINE_ARGS
     assert args[args.index("--num-gpu-blocks-override") + 1] == "64"
     assert "--enable-scale-out" in args and "--enable-prefix-caching" in args
-    assert engine_side.ENGINE_ENV == {"VLLM_SERVER_DEV_MODE": "1"}
+    # The model runs in the engine-core process, on one OpenMP thread: no worker process spinning.
+    assert args[args.index("--distributed-executor-backend") + 1] == "uni"
+    assert engine_side.ENGINE_ENV == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                      "OMP_NUM_THREADS": "1"}
 
 
 # --- the contenders ----------------------------------------------------------------------------------
