@@ -129,29 +129,31 @@ def homed_prompts(seg, keys: list[int], candidates=(A_KV, B_KV)) -> dict[str, in
     return work_on(seg, dict.fromkeys(keys, 1), candidates)
 
 
+def balance_with_room(seg, a: tuple[int, int], b: tuple[int, int], rounds: int) -> dict[int, int]:
+    """`a`, `b`: (prompts whose rendezvous home it is, requests each draws a round); the homes
+    balanced for `rounds` with a cache of room for 8 prompts on each; returns the requests."""
+    requests = {**dict.fromkeys(keys_homed_on(A, a[0]), a[1]), **dict.fromkeys(keys_homed_on(B, b[0]), b[1])}
+    run(PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128), requests, rounds,
+        candidates=(A_KV, B_KV))
+    return requests
+
+
 def test_prompts_move_off_an_instance_whose_cache_they_overflow(seg) -> None:
     # Ten prompts homed on a (70 blocks, past its 60), six on b; b's draw more, so by the work
     # alone prompts would move to a.
-    a_keys, b_keys = keys_homed_on(A, 10), keys_homed_on(B, 6)
-    requests = {**dict.fromkeys(a_keys, 2), **dict.fromkeys(b_keys, 5)}
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
-    run(homes, requests, rounds=3, candidates=(A_KV, B_KV))
-    assert homed_prompts(seg, a_keys + b_keys) == {"inst-a": 8, "inst-b": 8}
+    requests = balance_with_room(seg, (10, 2), (6, 5), rounds=3)
+    assert homed_prompts(seg, list(requests)) == {"inst-a": 8, "inst-b": 8}
     assert work_on(seg, requests, (A_KV, B_KV)) == {"inst-a": 25, "inst-b": 25}
     # Without capacities (not known), the same traffic moves prompts the other way.
-    blind = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
-    run(blind, requests, rounds=3)
-    assert homed_prompts(seg, a_keys + b_keys)["inst-a"] > 10
+    run(PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128), requests, rounds=3)
+    assert homed_prompts(seg, list(requests))["inst-a"] > 10
 
 
 def test_a_move_for_the_work_never_overflows_a_cache_two_homes_swap_instead(seg) -> None:
     # Eight prompts each, a's drawing three times b's: moving one more prompt to b would take
     # it past its room, so a hot prompt of a and a cold one of b swap homes.
-    a_keys, b_keys = keys_homed_on(A, 8), keys_homed_on(B, 8)
-    requests = {**dict.fromkeys(a_keys, 6), **dict.fromkeys(b_keys, 2)}
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
-    run(homes, requests, rounds=6, candidates=(A_KV, B_KV))
-    assert homed_prompts(seg, a_keys + b_keys) == {"inst-a": 8, "inst-b": 8}
+    requests = balance_with_room(seg, (8, 6), (8, 2), rounds=6)
+    assert homed_prompts(seg, list(requests)) == {"inst-a": 8, "inst-b": 8}
     assert work_on(seg, requests, (A_KV, B_KV)) == {"inst-a": 32, "inst-b": 32}
 
 
