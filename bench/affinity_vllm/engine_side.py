@@ -29,6 +29,8 @@ MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings; a request is ~
 # reading from it, spins on sched_yield for a second after every message: under load two
 # engines then hold both cores of this machine busy, and what every contender's TTFT measured
 # was mostly how long the router, the engines' API servers and the load got a turn on them.
+# On one OpenMP thread: in-process, vLLM's per-worker thread binding does not apply, and two
+# engines with a thread a core each spin on each other's cores (3 req/s at saturation).
 ENGINE_ARGS = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-caching", "--enable-scale-out",
                "--distributed-executor-backend", "uni")
 ENGINE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
