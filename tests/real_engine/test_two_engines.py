@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(600)]
 REQUESTS = 16
 
 
-def one_request(cluster: Cluster, index: int) -> str:
+def one_request(cluster: Cluster, index: int, max_tokens: int = 32) -> str:
     body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": f"request {index}"}],
-            "max_tokens": 32, "stream": True, "ignore_eos": True}
+            "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     status, answer, headers = http("POST", f"{cluster.dp_url}/v1/chat/completions", body, timeout=120)
     assert status == 200 and answer.rstrip().endswith("data: [DONE]"), answer
     return headers["x-cacheroute-instance"]
@@ -32,8 +32,11 @@ def one_request(cluster: Cluster, index: int) -> str:
 def test_least_load_spreads_requests_over_both_engines(proxy: Callable[..., Cluster],
                                                         healthy_engines: list[VllmEngine]) -> None:
     cluster = proxy(engines=2, workers=2, strategy="least_load")
+    # Long enough (256 tokens, 4 running at once an engine) that all of them are in flight before
+    # the first ends: with short answers the threads' starts spread over more than an answer
+    # takes, and least_load rightly sends most of them to whichever engine finishes first.
     with ThreadPoolExecutor(REQUESTS) as pool:
-        chosen = Counter(pool.map(lambda i: one_request(cluster, i), range(REQUESTS)))
+        chosen = Counter(pool.map(lambda i: one_request(cluster, i, max_tokens=256), range(REQUESTS)))
     expected_ids = {f"vllm-{engine.port}" for engine in healthy_engines}
     assert set(chosen) == expected_ids, chosen
     # Concurrent arrivals: each pick sees the other's inflight, so neither gets most of them.
