@@ -62,6 +62,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             d, "affinity_vllm_weights_60.json",
             "kv_aware's weights on the real engines at 60 %: work weight 2 and guard 4 (as kv_aware, "
             "the defaults), 3 (w3), 3 with the guard at 16 (w3a16), 4 with the guard at 64 (w4a64)")),
+        ("affinity_vllm_before_room.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_before_room.json",
+            "kv_aware on the real engines before prompt homes respected each engine's cache: "
+            "work weight 1 (as kv_aware), 1 with the guard at 16 (a16), 2 with it at 16 (a16w2) "
+            "and at 64 (a64w2)")),
         ("affinity_vllm_w3a16.json", lambda d: affinity_vllm.section(
             d, "affinity_vllm_w3a16.json",
             "kv_aware's weights on the real engines, every contender: work weight 3 and guard 16 "
