@@ -135,7 +135,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_aware_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_ABS", SELECTION, (
         "`kv_aware`'s balance guard: it chooses as least_load does when the candidates' requests "
         "in flight spread by more than this ... (docs/architecture.md §4.4)"),
-        ge=0, finite=True)] = 4.0
+        ge=0, finite=True)] = 16.0
     kv_aware_balance_rel: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_REL", SELECTION, (
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
@@ -152,7 +152,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "over the instances (docs/architecture.md, \"Homes\")"), gt=0, le=3600, finite=True)] = 20.0
     affinity_home_tolerance: Annotated[float, Env("PROXY_AFFINITY_HOME_TOLERANCE", SELECTION, (
         "the sidecar moves a prompt's home off an instance whose prompts bring it more than "
-        "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.1
+        "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.5
     affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
         "`shared`: the host-wide affinity index; `per_worker`, a benchmark ablation: each worker "
         "routes on only what it sent itself"),
