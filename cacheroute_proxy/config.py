@@ -133,12 +133,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "(0 = trust the profile, 1 = the last request decides)"),
         ge=0, le=1)] = 0.05
     kv_aware_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_ABS", SELECTION, (
-        "`kv_aware`'s balance guard: it chooses as least_load does when the requests queued at "
-        "the candidates beyond their slots spread by more than this ... "
-        "(docs/architecture.md §4.4)"),
-        ge=0, finite=True)] = 4.0
+        "`kv_aware`'s balance guard: it chooses as least_load does when the candidates' requests "
+        "in flight spread by more than this ... (docs/architecture.md §4.4)"),
+        ge=0, finite=True)] = 16.0
     kv_aware_balance_rel: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_REL", SELECTION, (
-        "... **and** the longest queue is more than this × the shortest. Lower both to let load win "
+        "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
     kv_aware_work_weight: Annotated[float, Env("PROXY_KV_AWARE_WORK_WEIGHT", SELECTION, (
         "`kv_aware` counts the engine work a choice adds (the prefill of what the instance does "

@@ -21,7 +21,7 @@ from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvou
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.engine_prefix import EnginePrefix
-from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, predictions, queued
+from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, predictions
 from cacheroute_proxy.routing.load_view import LoadView
 from shm_schema import InstanceSlot, layout
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
@@ -277,8 +277,7 @@ def affinity_report(scorer: AffinityScorer, view: LoadView, policy: KvAwarePolic
         assessments = scorer.assess(request, instances)
         span = 1 + max((i.slot for i in instances), default=-1)
         predicted = predictions(view, instances, span, inflight, assessments)
-        alive = [(n, i) for n, i in zip(inflight, instances) if i.alive]
-        guard = policy.guard(queued([n for n, _ in alive], [i for _, i in alive]))
+        guard = policy.guard([n for n, i in zip(inflight, instances) if i.alive])
         rows = [scorer.report(request, i, a, p) for i, a, p in zip(instances, assessments, predicted)]
         return rows, {"active": active, "affinity_view": scorer.index.mode,
                       "request": {"knowledge": request.knowledge.knowledge_ids if request.knowledge else [],

@@ -10,12 +10,12 @@ import pytest
 
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, queued
+from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction
 from cacheroute_proxy.routing.least_load import DEFAULT_WEIGHTS, LeastLoadPolicy, resolve_weights
 from cacheroute_proxy.routing.registry import build_policy
 from cacheroute_proxy.routing.round_robin import RoundRobinPolicy
 from proxy_workers.router import Router
-from shm_schema import DirectoryWriter, InstanceSlot, WorkerRow
+from shm_schema import DirectoryWriter, WorkerRow
 from tests.shm_helpers import fresh_segment
 
 CANDIDATES = ["a", "b", "c", "d"]
@@ -130,19 +130,6 @@ def test_kv_aware_guard_fires_only_past_both_bounds_and_then_least_load_chooses(
     chosen, guard = kv.select_by_predictions(["hot", "idle"], [12.0, 5.0], [10, 5],
                                              [_predicted(5.0, 1.0), _predicted(0.0, 40.0)])
     assert (chosen, guard.fired) == ("idle", True) and "least_load" in guard.reason
-
-
-def test_kv_aware_guard_weighs_the_requests_queued_beyond_each_instance_slots():
-    """Requests that run at once do not queue: on instances of 4 slots, 8 in flight against 1 is
-    a queue of 4 against none, within the bound; where the slots are unknown, all count."""
-    four = InstanceSlot(0, 1, "a", "127.0.0.1", 1, True, 0, 0, None, max_num_seqs=4)
-    unknown = InstanceSlot(1, 1, "b", "127.0.0.1", 2, True, 0, 0, None)
-    assert queued([8, 1, None], [four, four, four]) == [4, 0, None]
-    assert queued([8, 1], [four, unknown]) == [4, 1]
-    kv = KvAwarePolicy(balance_abs=4.0, balance_rel=1.5)
-    assert kv.guard([8, 1]).fired  # in flight alone: spread 7
-    assert not kv.guard(queued([8, 1], [four, four])).fired
-    assert kv.guard(queued([9, 1], [four, four])).fired  # a queue of 5 against none
 
 
 # --- least_load semantics ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ class Guard(NamedTuple):
     """Why the balance guard did or did not make kv_aware choose as least_load does."""
     fired: bool
     reason: str
-    spread: int | None  # most - fewest requests queued (`queued`) among the candidates
+    spread: int | None  # most - fewest requests in flight among the candidates
     fewest: int | None
     most: int | None
 
@@ -74,14 +74,6 @@ class Costs(Protocol):
 Pricing = Callable[[Any, Sequence[InstanceSlot]], Sequence[Costs]]
 
 
-def queued(inflight: Sequence[int | None], candidates: Sequence[InstanceSlot]) -> list[int | None]:
-    """What the balance guard weighs: the requests each candidate holds beyond its slots (its
-    max_num_seqs), all of them where that is unknown. Requests that run at once do not queue:
-    on engines of 4 slots, 6 in flight against 1 is a wait of 2, not a spread of 5."""
-    return [n if n is None or not c.max_num_seqs else max(0, n - c.max_num_seqs)
-            for n, c in zip(inflight, candidates)]
-
-
 def predictions(view: LoadView, candidates: Sequence[InstanceSlot], span: int,
                 inflight: Sequence[int | None], costs: Sequence[Costs]) -> list[Prediction]:
     """Each candidate's queue wait and pace, with what the request would cost there."""
@@ -100,8 +92,8 @@ class KvAwarePolicy(LeastLoadPolicy):
 
     Where the predicted layer is unknown (no fresh snapshot), least_load's score chooses and
     what the request itself costs breaks its ties. The balance guard, after SGLang's router,
-    chooses as least_load does when the candidates' queues (`queued`) spread by more than
-    `balance_abs` AND the longest is more than `balance_rel` x the shortest: a queue the
+    chooses as least_load does when the candidates' requests in flight spread by more than
+    `balance_abs` AND the busiest holds more than `balance_rel` x the idlest's: a queue the
     prediction underrates cannot keep attracting what it holds.
 
     Without a pricing (a bare router in a unit test), or for a selection without a request,
@@ -120,31 +112,29 @@ class KvAwarePolicy(LeastLoadPolicy):
         self.work_weight = work_weight
         self.pricing = pricing
 
-    def guard(self, queues: Sequence[int | None]) -> Guard:
-        """The verdict on the candidates' queues (`queued`; None: unknown)."""
-        known = [n for n in queues if n is not None]
+    def guard(self, inflight: Sequence[int | None]) -> Guard:
+        known = [n for n in inflight if n is not None]
         if len(known) < 2:
-            return Guard(False, "fewer than two candidates with a known queue", None,
+            return Guard(False, "fewer than two candidates with a known inflight", None,
                          min(known, default=None), max(known, default=None))
         fewest, most = min(known), max(known)
         spread = most - fewest
         if spread <= self.balance_abs:
-            return Guard(False, f"queued spread {spread} <= balance_abs {self.balance_abs:g}",
+            return Guard(False, f"inflight spread {spread} <= balance_abs {self.balance_abs:g}",
                          spread, fewest, most)
         if most <= self.balance_rel * fewest:
-            return Guard(False, f"most queued {most} <= balance_rel {self.balance_rel:g} x "
+            return Guard(False, f"most inflight {most} <= balance_rel {self.balance_rel:g} x "
                          f"fewest {fewest}", spread, fewest, most)
-        return Guard(True, f"queued spread {spread} > balance_abs {self.balance_abs:g} and most "
+        return Guard(True, f"inflight spread {spread} > balance_abs {self.balance_abs:g} and most "
                      f"{most} > balance_rel {self.balance_rel:g} x fewest {fewest}: least_load",
                      spread, fewest, most)
 
-    def scores(self, totals: list[float | None], queues: Sequence[int | None],
+    def scores(self, totals: list[float | None], inflight: Sequence[int | None],
                predictions: Sequence[Prediction]) -> tuple[list[Any], Guard]:
         """What to select by (lowest wins, equal ones rotate): the predicted times to first
-        token with the cache cost; least_load's totals if the guard fires on the `queues`;
-        least_load's totals with the request's own cost as the tie-break where a prediction is
-        unknown."""
-        verdict = self.guard(queues)
+        token with the cache cost; least_load's totals if the guard fires; least_load's totals
+        with the request's own cost as the tie-break where a prediction is unknown."""
+        verdict = self.guard(inflight)
         if verdict.fired:
             return totals, verdict
         predicted = [p.score_ms(self.work_weight) for p in predictions]
@@ -153,9 +143,9 @@ class KvAwarePolicy(LeastLoadPolicy):
         return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict
 
     def select_by_predictions(self, candidates: Sequence[T], totals: list[float | None],
-                              queues: Sequence[int | None],
+                              inflight: Sequence[int | None],
                               predictions: Sequence[Prediction]) -> tuple[T, Guard]:
-        scores, verdict = self.scores(totals, queues, predictions)
+        scores, verdict = self.scores(totals, inflight, predictions)
         return self.select_by_totals(candidates, scores), verdict
 
     def choose(self, view: LoadView, snapshot: DirectorySnapshot,
@@ -167,7 +157,6 @@ class KvAwarePolicy(LeastLoadPolicy):
         costs = self.pricing(request, candidates)
         inflight = view.inflight(candidates, span)
         predicted = predictions(view, candidates, span, inflight, costs)
-        chosen, guard = self.select_by_predictions(candidates, totals, queued(inflight, candidates),
-                                                   predicted)
+        chosen, guard = self.select_by_predictions(candidates, totals, inflight, predicted)
         index = candidates.index(chosen)
         return Choice(chosen, costs[index], predicted[index], guard)
