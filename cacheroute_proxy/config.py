@@ -152,7 +152,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "over the instances (docs/architecture.md, \"Homes\")"), gt=0, le=3600, finite=True)] = 20.0
     affinity_home_tolerance: Annotated[float, Env("PROXY_AFFINITY_HOME_TOLERANCE", SELECTION, (
         "the sidecar moves a prompt's home off an instance whose prompts bring it more than "
-        "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.5
+        "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.1
     affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
         "`shared`: the host-wide affinity index; `per_worker`, a benchmark ablation: each worker "
         "routes on only what it sent itself"),

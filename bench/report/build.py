@@ -75,22 +75,26 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             d, "affinity_vllm_homes.json",
             "kv_aware's homes on the real engines: a home moves past 1.5× its instance's share of "
             "the work and the guard fires past 16, with work weight 2 (t5w2a16) and 3 (t5w3a16), "
-            "beside the defaults then (within 10 %, guard 4: as kv_aware)")),
+            "beside the defaults (within 10 %, guard 4: as kv_aware)")),
+        ("affinity_vllm_a16.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_a16.json",
+            "kv_aware on the real engines, every contender, with homes moved past 1.5× an "
+            "instance's share and the guard at 16 (as kv_aware), beside the defaults "
+            "(within 10 %, guard 4: t1a4), a second run")),
         ("affinity_vllm_tol025.json", lambda d: affinity_vllm.section(
             d, "affinity_vllm_tol025.json",
             "kv_aware on the real engines, every contender, with homes moved past 1.25× an "
             "instance's share and the guard at 16 (as kv_aware), beside 1.5× (t5) and the "
-            "defaults before (within 10 %, guard 4: t1a4)")),
+            "defaults (within 10 %, guard 4: t1a4)")),
         ("affinity_vllm_tol05.json", lambda d: affinity_vllm.section(
             d, "affinity_vllm_tol05.json",
             "kv_aware on the real engines, every contender, with homes moved only past 1.5× an "
-            "instance's share and the guard at 16 (as kv_aware), beside the defaults before "
+            "instance's share and the guard at 16 (as kv_aware), beside the defaults "
             "(within 10 %, guard 4: t1a4)")),
-        ("affinity_vllm_tol01.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_tol01.json",
-            "kv_aware on the real engines, every contender, with homes balanced to within 10 % and "
-            "the guard at 4 (as kv_aware, the defaults then), work weight 3 with the guard at 16 "
-            "beside (w3a16)")),
+        ("affinity_vllm_t5a4.json", lambda d: affinity_vllm.section(
+            d, "affinity_vllm_t5a4.json",
+            "kv_aware on the real engines, every contender, with homes moved past 1.5× an "
+            "instance's share and the guard at 4 (as kv_aware)")),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
