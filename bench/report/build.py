@@ -40,6 +40,11 @@ def charts_available() -> bool:
     return True
 
 
+def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
+    """A section of one more real-engine kv_aware run (bench/affinity_vllm), under its title."""
+    return name, lambda d: affinity_vllm.section(d, name, title)
+
+
 def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, list[str]]:
     """The Markdown text and the names of the files it used; also writes the charts
     (none when charts_dir is None)."""
@@ -54,47 +59,47 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity.json", affinity.section),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_vllm.json", affinity_vllm.section),
-        ("affinity_vllm_weights.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_weights.json",
+        _real_engines(
+            "affinity_vllm_weights.json",
             "kv_aware's weights on the real engines: work weight 1 (as kv_aware, then the default), "
-            "2 (w2), and 2 with the guard at 16 (a16w2)")),
-        ("affinity_vllm_weights_60.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_weights_60.json",
+            "2 (w2), and 2 with the guard at 16 (a16w2)"),
+        _real_engines(
+            "affinity_vllm_weights_60.json",
             "kv_aware's weights on the real engines at 60 %: work weight 2 and guard 4 (as kv_aware, "
-            "the defaults), 3 (w3), 3 with the guard at 16 (w3a16), 4 with the guard at 64 (w4a64)")),
-        ("affinity_vllm_before_room.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_before_room.json",
+            "the defaults), 3 (w3), 3 with the guard at 16 (w3a16), 4 with the guard at 64 (w4a64)"),
+        _real_engines(
+            "affinity_vllm_before_room.json",
             "kv_aware on the real engines before prompt homes respected each engine's cache: "
             "work weight 1 (as kv_aware), 1 with the guard at 16 (a16), 2 with it at 16 (a16w2) "
-            "and at 64 (a64w2)")),
-        ("affinity_vllm_w3a16.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_w3a16.json",
+            "and at 64 (a64w2)"),
+        _real_engines(
+            "affinity_vllm_w3a16.json",
             "kv_aware's weights on the real engines, every contender: work weight 3 and guard 16 "
-            "(as kv_aware) beside 2 and 4, the defaults (w2a4)")),
-        ("affinity_vllm_homes.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_homes.json",
+            "(as kv_aware) beside 2 and 4, the defaults (w2a4)"),
+        _real_engines(
+            "affinity_vllm_homes.json",
             "kv_aware's homes on the real engines: a home moves past 1.5× its instance's share of "
             "the work and the guard fires past 16, with work weight 2 (t5w2a16) and 3 (t5w3a16), "
-            "beside the defaults (within 10 %, guard 4: as kv_aware)")),
-        ("affinity_vllm_a16.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_a16.json",
+            "beside the defaults (within 10 %, guard 4: as kv_aware)"),
+        _real_engines(
+            "affinity_vllm_a16.json",
             "kv_aware on the real engines, every contender, with homes moved past 1.5× an "
             "instance's share and the guard at 16 (as kv_aware), beside the defaults "
-            "(within 10 %, guard 4: t1a4), a second run")),
-        ("affinity_vllm_tol025.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_tol025.json",
+            "(within 10 %, guard 4: t1a4), a second run"),
+        _real_engines(
+            "affinity_vllm_tol025.json",
             "kv_aware on the real engines, every contender, with homes moved past 1.25× an "
             "instance's share and the guard at 16 (as kv_aware), beside 1.5× (t5) and the "
-            "defaults (within 10 %, guard 4: t1a4)")),
-        ("affinity_vllm_tol05.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_tol05.json",
+            "defaults (within 10 %, guard 4: t1a4)"),
+        _real_engines(
+            "affinity_vllm_tol05.json",
             "kv_aware on the real engines, every contender, with homes moved only past 1.5× an "
             "instance's share and the guard at 16 (as kv_aware), beside the defaults "
-            "(within 10 %, guard 4: t1a4)")),
-        ("affinity_vllm_t5a4.json", lambda d: affinity_vllm.section(
-            d, "affinity_vllm_t5a4.json",
+            "(within 10 %, guard 4: t1a4)"),
+        _real_engines(
+            "affinity_vllm_t5a4.json",
             "kv_aware on the real engines, every contender, with homes moved past 1.5× an "
-            "instance's share and the guard at 4 (as kv_aware)")),
+            "instance's share and the guard at 4 (as kv_aware)"),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
