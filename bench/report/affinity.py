@@ -37,12 +37,15 @@ def _scenario(data: dict[str, Any]) -> str:
             f"Every contender starts from empty caches.")
 
 
-def section(data: dict[str, Any], source: str = "affinity.json") -> str:
+def section(data: dict[str, Any], source: str = "affinity.json", what: str | None = None) -> str:
+    """The run's tables; `what`, if given, says how the run differs from the default one."""
     rows = {r["contender"]: r for r in data.get("results") or []}
     name = (data.get("workload") or {}).get("name")
     title = "## kv_aware on simulated instances: knowledge KV from the KDN"
     if name != TARGETED:
         title += f" (workload `{name}`, no targets)"
+    if what:
+        title += f", {what}"
     parts = [title, *blocks.header_blocks(data, source), _scenario(data)]
     header = ["contender", "resident-hit rate", "KDN GB moved", "TTFT p50 (ms)", "TTFT p99 (ms)",
               "share per instance", "max share / fair share", "guard fired", "saved p50 (ms)", "errors"]
