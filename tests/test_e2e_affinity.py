@@ -472,6 +472,11 @@ def _system_prompts_homed_on(instance_id: str, ids: list[str], count: int) -> li
     raise AssertionError("no prompts homed there")
 
 
+def _homes_moved(cluster) -> int:
+    """How many prompts the sidecar homes away from their rendezvous home now."""
+    return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
+
+
 def test_prompts_whose_home_cache_cannot_hold_them_move_to_an_instance_that_can(make_cluster):
     """Two equally popular prompts homed on each instance, so by their traffic nothing would
     move; but `a` registers a KV capacity that holds less than one of them beside a block for
@@ -493,12 +498,9 @@ def test_prompts_whose_home_cache_cannot_hold_them_move_to_an_instance_that_can(
 
     for n in range(40):
         served_by(cluster, body(prompts[n % 4], n))
-
-    def moved() -> int:
-        return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
-    wait_until(lambda: moved() == 2, 10, message="both of a's prompts moved")
+    wait_until(lambda: _homes_moved(cluster) == 2, 10, message="both of a's prompts moved")
     time.sleep(2.5)  # more rounds move nothing back: a cannot hold a prompt
-    assert moved() == 2
+    assert _homes_moved(cluster) == 2
     assert {served_by(cluster, body(system, 100 + n)) for n, system in enumerate(first)} == {b.instance_id}
 
 
@@ -514,12 +516,9 @@ def test_the_sidecar_moves_a_prompt_home_off_the_instance_its_prompts_overload(m
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
 
     assert {served_by(cluster, body(prompts[n % 3], n)) for n in range(36)} == {a.instance_id}
-
-    def moved() -> int:
-        return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
-    wait_until(lambda: moved() == 1, 10, message="one prompt moved")
+    wait_until(lambda: _homes_moved(cluster) == 1, 10, message="one prompt moved")
     time.sleep(2.5)  # more rounds move nothing more: a second move would overload b
-    assert moved() == 1
+    assert _homes_moved(cluster) == 1
     # A prompt's home is where it pays no displacement.
     homes = {system: {w: [iid for iid, row in affinity_rows(
         cluster, w, prompt=f"<|system|>{system}<|user|>x").items() if row["displace_ms"] == 0]

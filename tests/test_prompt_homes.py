@@ -32,6 +32,11 @@ def named(key: int, blocks: int = 7) -> Event:
     return Event(EventKind.PREFIX, 1, blocks, 0, 1, 0, service_us=key)
 
 
+def homes_over(seg, tolerance: float = 0.1, halflife_s: float = 20) -> PromptHomes:
+    """The sidecar's prompt homes over `seg`, in blocks of 128 tokens."""
+    return PromptHomes(seg, halflife_s=halflife_s, tolerance=tolerance, block_tokens=128)
+
+
 def run(homes: PromptHomes, requests: dict[int, int], rounds: int, candidates=(A, B),
         start: float = 100.0) -> float:
     """`requests` per prompt key in each round, then the round; returns when the next is due."""
@@ -80,7 +85,7 @@ def test_a_reader_keeps_its_copy_while_a_writer_left_the_table_half_written(seg)
 def test_prompts_move_off_the_overloaded_instance_until_the_work_is_within_the_tolerance(seg) -> None:
     # Four prompts homed on a, drawing 4:3:2:1 of the requests; b has none of its own.
     requests = dict(zip(keys_homed_on(A, 4), (16, 12, 8, 4)))
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    homes = homes_over(seg)
     now = run(homes, requests, rounds=1)
     work = work_on(seg, requests)
     assert work == {"inst-a": 20, "inst-b": 20}, work  # the 16, then the 4: 12+8 and 16+4
@@ -91,10 +96,10 @@ def test_prompts_move_off_the_overloaded_instance_until_the_work_is_within_the_t
 
 def test_no_move_within_the_tolerance_or_before_enough_requests(seg) -> None:
     a_keys, b_keys = keys_homed_on(A, 1), keys_homed_on(B, 1)
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.25, block_tokens=128)
+    homes = homes_over(seg, 0.25)
     run(homes, {a_keys[0]: 11, b_keys[0]: 9}, rounds=5)  # a carries 1.1x its share
     assert homes.stats["moves"] == 0
-    few = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    few = homes_over(seg)
     run(few, {keys_homed_on(A, 2)[1]: int(MIN_REQUESTS) - 1}, rounds=1)
     assert few.stats["moves"] == 0
 
@@ -102,14 +107,14 @@ def test_no_move_within_the_tolerance_or_before_enough_requests(seg) -> None:
 def test_a_faster_instance_takes_a_larger_share(seg) -> None:
     fast_b = B._replace(speed=3.0)  # its pace is a third of the profile's: three times a's share
     requests = dict.fromkeys(keys_homed_on(A, 8), 5)
-    homes = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    homes = homes_over(seg)
     run(homes, requests, rounds=10, candidates=(A, fast_b))
     assert work_on(seg, requests, (A, fast_b)) == {"inst-a": 10, "inst-b": 30}
 
 
 def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_dropped(seg) -> None:
     requests = dict.fromkeys(keys_homed_on(A, 2), 30)
-    homes = PromptHomes(seg, halflife_s=1, tolerance=0.1, block_tokens=128)
+    homes = homes_over(seg, halflife_s=1)
     now = run(homes, requests, rounds=1)
     assert len(HomeReader(seg).homes()) == 1
     homes.tick(now, lambda: [A])  # b left
@@ -133,8 +138,7 @@ def balance_with_room(seg, a: tuple[int, int], b: tuple[int, int], rounds: int) 
     """`a`, `b`: (prompts whose rendezvous home it is, requests each draws a round); the homes
     balanced for `rounds` with a cache of room for 8 prompts on each; returns the requests."""
     requests = {**dict.fromkeys(keys_homed_on(A, a[0]), a[1]), **dict.fromkeys(keys_homed_on(B, b[0]), b[1])}
-    run(PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128), requests, rounds,
-        candidates=(A_KV, B_KV))
+    run(homes_over(seg), requests, rounds, candidates=(A_KV, B_KV))
     return requests
 
 
@@ -145,7 +149,7 @@ def test_prompts_move_off_an_instance_whose_cache_they_overflow(seg) -> None:
     assert homed_prompts(seg, list(requests)) == {"inst-a": 8, "inst-b": 8}
     assert work_on(seg, requests, (A_KV, B_KV)) == {"inst-a": 25, "inst-b": 25}
     # Without capacities (not known), the same traffic moves prompts the other way.
-    run(PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128), requests, rounds=3)
+    run(homes_over(seg), requests, rounds=3)
     assert homed_prompts(seg, list(requests))["inst-a"] > 10
 
 
@@ -162,7 +166,7 @@ def test_a_prompt_seen_once_takes_no_room(seg) -> None:
     # not make it overflow, so nothing moves for room.
     hot, once = keys_homed_on(A, 48)[:8], keys_homed_on(A, 48)[8:]
     b_keys = keys_homed_on(B, 8)
-    homes = PromptHomes(seg, halflife_s=20, tolerance=10.0, block_tokens=128)
+    homes = homes_over(seg, 10.0)
     run(homes, {**dict.fromkeys(hot + b_keys, 4), **dict.fromkeys(once, 1)}, rounds=1,
         candidates=(A_KV, B_KV))
     assert homes.stats["moves"] == 0
@@ -170,9 +174,9 @@ def test_a_prompt_seen_once_takes_no_room(seg) -> None:
 
 def test_a_restarted_sidecar_keeps_the_published_homes(seg) -> None:
     requests = dict.fromkeys(keys_homed_on(A, 2), 20)
-    run(PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128), requests, rounds=1)
+    run(homes_over(seg), requests, rounds=1)
     published = HomeReader(seg).homes()
-    again = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128)
+    again = homes_over(seg)
     assert again.adopt() == 1
     again.tick(200.0, lambda: [A, B])  # a round before any request: the homes stay
     assert HomeReader(seg).homes() == published
