@@ -139,6 +139,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_aware_balance_rel: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_REL", SELECTION, (
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
+    kv_aware_prompt_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_BALANCE_ABS", SELECTION, (
+        "the guard's bound on the spread in place of `PROXY_KV_AWARE_BALANCE_ABS` for a plain "
+        "request whose prompt has a home: the sidecar balances the homes' work, and a spill "
+        "prefills the prompt again and evicts another (docs/architecture.md §4.4)"),
+        ge=0, finite=True)] = 16.0
     kv_aware_work_weight: Annotated[float, Env("PROXY_KV_AWARE_WORK_WEIGHT", SELECTION, (
         "`kv_aware` counts the engine work a choice adds (the prefill of what the instance does "
         "not hold, the displacement away from a prompt's home) this many times: the request's "
@@ -152,7 +157,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "over the instances (docs/architecture.md, \"Homes\")"), gt=0, le=3600, finite=True)] = 20.0
     affinity_home_tolerance: Annotated[float, Env("PROXY_AFFINITY_HOME_TOLERANCE", SELECTION, (
         "the sidecar moves a prompt's home off an instance whose prompts bring it more than "
-        "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.1
+        "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.5
     affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
         "`shared`: the host-wide affinity index; `per_worker`, a benchmark ablation: each worker "
         "routes on only what it sent itself"),

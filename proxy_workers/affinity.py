@@ -277,13 +277,14 @@ def affinity_report(scorer: AffinityScorer, view: LoadView, policy: KvAwarePolic
         assessments = scorer.assess(request, instances)
         span = 1 + max((i.slot for i in instances), default=-1)
         predicted = predictions(view, instances, span, inflight, assessments)
-        guard = policy.guard([n for n, i in zip(inflight, instances) if i.alive])
+        bound = policy.spread_bound(assessments)
+        guard = policy.guard([n for n, i in zip(inflight, instances) if i.alive], bound)
         rows = [scorer.report(request, i, a, p) for i, a, p in zip(instances, assessments, predicted)]
         return rows, {"active": active, "affinity_view": scorer.index.mode,
                       "request": {"knowledge": request.knowledge.knowledge_ids if request.knowledge else [],
                                   "prefix_blocks": len(scorer.prefix_of(request))},
                       "guard": {"fired": guard.fired, "reason": guard.reason, "spread": guard.spread,
-                                "balance_abs": policy.balance_abs, "balance_rel": policy.balance_rel}}
+                                "balance_abs": bound, "balance_rel": policy.balance_rel}}
     return report
 
 

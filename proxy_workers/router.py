@@ -91,6 +91,7 @@ class Lease:
 
 def kv_aware_settings(settings: Settings) -> dict[str, float]:
     return {"balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel,
+            "prompt_balance_abs": settings.kv_aware_prompt_balance_abs,
             "work_weight": settings.kv_aware_work_weight}
 
 

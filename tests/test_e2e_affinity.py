@@ -398,7 +398,9 @@ def test_a_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves(make
 
 
 def test_the_guard_makes_kv_aware_choose_as_least_load_when_inflight_spreads_too_far(make_cluster):
-    cluster = make_cluster(workers=2, env={**INFLIGHT_ONLY, "PROXY_KV_AWARE_BALANCE_ABS": "0.5",
+    """A prompt with a home: the guard's bound is the prompt one (the other one stays at its
+    default, past the spread this makes)."""
+    cluster = make_cluster(workers=2, env={**INFLIGHT_ONLY, "PROXY_KV_AWARE_PROMPT_BALANCE_ABS": "0.5",
                                            "PROXY_KV_AWARE_BALANCE_REL": "1"})
     a, b = cluster.add_instance(), cluster.add_instance()
     warm = served_by(cluster, prefix_body("first"))

@@ -132,6 +132,21 @@ def test_kv_aware_guard_fires_only_past_both_bounds_and_then_least_load_chooses(
     assert (chosen, guard.fired) == ("idle", True) and "least_load" in guard.reason
 
 
+def test_kv_aware_guard_bounds_a_prompt_with_a_home_by_its_own_spread():
+    """Displacement is charged away from a prompt's home: such a request spreads by the prompt
+    bound; one charged none (knowledge, a prompt without a home) by balance_abs."""
+    kv = KvAwarePolicy(balance_abs=4.0, balance_rel=1.5, prompt_balance_abs=16.0)
+    homed = [_predicted(5.0, 1.0), _predicted(0.0, 40.0, displace=30.0)]
+    chosen, guard = kv.select_by_predictions(["home", "idle"], [12.0, 5.0], [10, 5], homed)
+    assert (chosen, guard.fired) == ("home", False) and "bound 16" in guard.reason
+    chosen, guard = kv.select_by_predictions(["home", "idle"], [22.0, 5.0], [22, 5], homed)
+    assert (chosen, guard.fired) == ("idle", True)  # spread 17 > 16
+    knowledge = [_predicted(5.0, 1.0), _predicted(0.0, 1.0, transfer=40.0)]
+    chosen, guard = kv.select_by_predictions(["holder", "idle"], [12.0, 5.0], [10, 5], knowledge)
+    assert (chosen, guard.fired) == ("idle", True) and "bound 4" in guard.reason
+    assert KvAwarePolicy(balance_abs=4.0).prompt_balance_abs == 4.0  # unset: one bound for all
+
+
 # --- least_load semantics ------------------------------------------------------------------------
 
 def test_lower_inflight_wins():

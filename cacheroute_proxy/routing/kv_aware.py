@@ -94,7 +94,10 @@ class KvAwarePolicy(LeastLoadPolicy):
     what the request itself costs breaks its ties. The balance guard, after SGLang's router,
     chooses as least_load does when the candidates' requests in flight spread by more than
     `balance_abs` AND the busiest holds more than `balance_rel` x the idlest's: a queue the
-    prediction underrates cannot keep attracting what it holds.
+    prediction underrates cannot keep attracting what it holds. A request whose prompt has a
+    home (its pricing charges displacement away from it) spreads by `prompt_balance_abs`
+    instead: the sidecar already balances the homes' work, so a spill only prefills the prompt
+    again elsewhere and evicts one of that instance's own.
 
     Without a pricing (a bare router in a unit test), or for a selection without a request,
     kv_aware is least_load. Built bare, the guard never fires and the work counts once; the
@@ -104,28 +107,37 @@ class KvAwarePolicy(LeastLoadPolicy):
 
     def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
                  tie_cursor: Cursor | None = None, *, balance_abs: float = math.inf,
-                 balance_rel: float = 1.5, work_weight: float = 1.0, pricing: Pricing | None = None,
+                 balance_rel: float = 1.5, prompt_balance_abs: float | None = None,
+                 work_weight: float = 1.0, pricing: Pricing | None = None,
                  native: bool = True) -> None:
         super().__init__(weights, cursor, tie_cursor, native=native)
         self.balance_abs = balance_abs
+        self.prompt_balance_abs = balance_abs if prompt_balance_abs is None else prompt_balance_abs
         self.balance_rel = balance_rel
         self.work_weight = work_weight
         self.pricing = pricing
 
-    def guard(self, inflight: Sequence[int | None]) -> Guard:
+    def spread_bound(self, costs: Sequence[Costs] | Sequence[Prediction]) -> float:
+        """The guard's bound on the inflight spread for a request priced so: displacement is
+        charged only away from a prompt's home, so a request charged any has one."""
+        return self.prompt_balance_abs if any(c.displace_ms for c in costs) else self.balance_abs
+
+    def guard(self, inflight: Sequence[int | None], bound: float | None = None) -> Guard:
+        """Whether least_load chooses instead: the inflight spread past `bound` (balance_abs
+        unless given) and the busiest past balance_rel x the idlest."""
+        bound = self.balance_abs if bound is None else bound
         known = [n for n in inflight if n is not None]
         if len(known) < 2:
             return Guard(False, "fewer than two candidates with a known inflight", None,
                          min(known, default=None), max(known, default=None))
         fewest, most = min(known), max(known)
         spread = most - fewest
-        if spread <= self.balance_abs:
-            return Guard(False, f"inflight spread {spread} <= balance_abs {self.balance_abs:g}",
-                         spread, fewest, most)
+        if spread <= bound:
+            return Guard(False, f"inflight spread {spread} <= bound {bound:g}", spread, fewest, most)
         if most <= self.balance_rel * fewest:
             return Guard(False, f"most inflight {most} <= balance_rel {self.balance_rel:g} x "
                          f"fewest {fewest}", spread, fewest, most)
-        return Guard(True, f"inflight spread {spread} > balance_abs {self.balance_abs:g} and most "
+        return Guard(True, f"inflight spread {spread} > bound {bound:g} and most "
                      f"{most} > balance_rel {self.balance_rel:g} x fewest {fewest}: least_load",
                      spread, fewest, most)
 
@@ -134,7 +146,7 @@ class KvAwarePolicy(LeastLoadPolicy):
         """What to select by (lowest wins, equal ones rotate): the predicted times to first
         token with the cache cost; least_load's totals if the guard fires; least_load's totals
         with the request's own cost as the tie-break where a prediction is unknown."""
-        verdict = self.guard(inflight)
+        verdict = self.guard(inflight, self.spread_bound(predictions))
         if verdict.fired:
             return totals, verdict
         predicted = [p.score_ms(self.work_weight) for p in predictions]
