@@ -36,6 +36,9 @@ ENGINE_ARGS = ("--num-gpu-blocks-override", str(KV_BLOCKS), "--enable-prefix-cac
 ENGINE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 SUCCESS = "vllm:request_success_total"
+# The engine's own TTFT (from its API server taking the request to the first token): its sum and
+# count give the mean, which, beside the client's mean, says what the route in front added.
+ENGINE_TTFT_SUM, ENGINE_TTFT_COUNT = "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"
 
 
 def start(log_dir: Path) -> list[VllmEngine]:
@@ -73,18 +76,22 @@ def reset_prefix_cache(engine: VllmEngine) -> None:
 # --- /metrics (pure from the text on) ------------------------------------------------------------
 @dataclass(frozen=True)
 class Counters:
-    """One engine's prefix-cache counters (prompt tokens) and finished requests."""
+    """One engine's prefix-cache counters (prompt tokens), finished requests and its own TTFT
+    histogram's sum (s) and count."""
     hits: float
     queries: float
     finished: float
+    ttft_s: float
+    ttft_count: float
 
 
 def counters_of(text: str) -> Counters:
-    found = {name: metric_sum(text, name) for name in (HITS, QUERIES, SUCCESS)}
-    missing = [name for name, value in found.items() if value is None]
+    names = (HITS, QUERIES, SUCCESS, ENGINE_TTFT_SUM, ENGINE_TTFT_COUNT)
+    found = [metric_sum(text, name) for name in names]
+    missing = [name for name, value in zip(names, found) if value is None]
     if missing:
         raise RuntimeError(f"/metrics has no {', '.join(missing)}")
-    return Counters(found[HITS], found[QUERIES], found[SUCCESS])  # type: ignore[arg-type]
+    return Counters(*found)  # type: ignore[arg-type]
 
 
 def read_counters(engines: Sequence[VllmEngine]) -> list[Counters]:
@@ -92,13 +99,17 @@ def read_counters(engines: Sequence[VllmEngine]) -> list[Counters]:
 
 
 def engine_account(before: Sequence[Counters], after: Sequence[Counters]) -> dict[str, Any]:
-    """Between two readings: the hit rate over all engines (Δhits / Δqueries, in tokens), and
-    per engine its hits, queries, hit rate and the requests it finished (its share)."""
+    """Between two readings: the hit rate over all engines (Δhits / Δqueries, in tokens), the
+    engines' own mean TTFT (ms), and per engine its hits, queries, hit rate and the requests it
+    finished (its share)."""
     per = [{"hits": a.hits - b.hits, "queries": a.queries - b.queries, "finished": a.finished - b.finished}
            for b, a in zip(before, after)]
     hits, queries = sum(p["hits"] for p in per), sum(p["queries"] for p in per)
+    ttft_s = sum(a.ttft_s - b.ttft_s for b, a in zip(before, after))
+    ttft_count = sum(a.ttft_count - b.ttft_count for b, a in zip(before, after))
     return {"prefix_cache_hits": hits, "prefix_cache_queries": queries,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+            "engine_ttft_mean_ms": round(1000 * ttft_s / ttft_count, 2) if ttft_count else None,
             "share": [int(p["finished"]) for p in per],
             "per_engine": [{**p, "hit_rate": round(p["hits"] / p["queries"], 4) if p["queries"] else None}
                            for p in per]}

@@ -50,6 +50,7 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
         "errors": dict(Counter(failed).most_common(5)),
         "ttft_p50_ms": _round(percentile(ttft, 0.5) if ttft else None),
         "ttft_p99_ms": _round(percentile(ttft, 0.99) if ttft else None),
+        "ttft_mean_ms": _round(statistics.fmean(ttft) if ttft else None),
         "wall_s": round(wall_s, 2),
         "completed_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
         "guard_fired": sum(guards), "guard_decisions": len(guards),
@@ -83,7 +84,8 @@ def cpu_figures(cpu_s: float, by_role: dict[str, float], answered: int) -> dict[
     return figures
 
 
-SPREAD_KEYS = ("prefix_cache_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "completed_per_s", "cpu_ms_per_request")
+SPREAD_KEYS = ("prefix_cache_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "engine_ttft_mean_ms",
+               "completed_per_s", "cpu_ms_per_request")
 
 
 def spread(values: Sequence[float | None]) -> dict[str, Any]:

@@ -34,7 +34,8 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
                      f"`{num(failed['error'][-300:])}`")
     if data.get("runs"):
         parts.append("Each run, in the order run:\n\n" + table(
-            ["load", "#", "contender", "hit rate (per engine)", "TTFT p50 / p99 (ms)", "req/s", "errors", "share",
+            ["load", "#", "contender", "hit rate (per engine)", "TTFT p50 / p99; mean: client / engines (ms)",
+             "req/s", "errors", "share",
              "CPU (ms/request)", "kv_aware: guard fired; choices that saved (median ms); predicted TTFT p50",
              "KV events followed: blocks stored / removed",
              "engine calls beyond the chats"],
@@ -119,13 +120,20 @@ def _load_table(data: dict[str, Any], load: float, rows: list[dict[str, Any]]) -
     head = (f"At {_share(load)} of least_load's saturation ({num(first.get('rate_per_s'))} req/s offered); "
             f"medians over the runs (min–max):")
     return head + "\n\n" + table(
-        ["contender", "runs", "hit rate", "TTFT p50 (ms)", "TTFT p99 (ms)", "completed req/s", "errors",
-         "share per engine", "CPU (ms/request)", "guard fired"],
+        ["contender", "runs", "hit rate", "TTFT p50 (ms)", "TTFT p99 (ms)", "TTFT mean: client / engines (ms)",
+         "completed req/s", "errors", "share per engine", "CPU (ms/request)", "guard fired"],
         [[r["contender"], num(r["runs"]), _spread(r, "prefix_cache_hit_rate", _rate), _spread(r, "ttft_p50_ms"),
-          _spread(r, "ttft_p99_ms"), _spread(r, "completed_per_s"), num(r["errors"]),
+          _spread(r, "ttft_p99_ms"), _means(r), _spread(r, "completed_per_s"), num(r["errors"]),
           " / ".join(num(v) for v in r.get("share") or []), _spread(r, "cpu_ms_per_request"),
           f"{num(r['guard_fired'])} of {num(r['guard_decisions'])}" if r.get("guard_decisions") else DASH]
          for r in rows])
+
+
+def _means(row: dict[str, Any]) -> str:
+    """The client's mean TTFT beside the engines' own (medians over the runs): the difference is
+    what the route in front of the engines added."""
+    client, engines = ((row.get(key) or {}).get("median") for key in ("ttft_mean_ms", "engine_ttft_mean_ms"))
+    return DASH if client is None or engines is None else f"{num(client)} / {num(engines)}"
 
 
 def _run_row(run: dict[str, Any]) -> list[str]:
@@ -140,7 +148,9 @@ def _run_row(run: dict[str, Any]) -> list[str]:
     per_engine = " / ".join(_rate(e.get("hit_rate")) for e in run.get("per_engine") or [])
     hits = _rate(run.get("prefix_cache_hit_rate")) + (f" ({per_engine})" if per_engine else "")
     return [_share(run["load"]), num(run["order"] + 1), run["contender"], hits,
-            f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}", num(run.get("completed_per_s")),
+            f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}" + (
+                f"; {num(run['ttft_mean_ms'])} / {num(run['engine_ttft_mean_ms'])}"
+                if run.get("engine_ttft_mean_ms") is not None else ""), num(run.get("completed_per_s")),
             num(run.get("error_count")), " / ".join(num(v) for v in run.get("share") or []), cpu, guard,
             _events(run), ", ".join(f"{call} ×{num(n)}" for call, n in extra.items()) or DASH]
 

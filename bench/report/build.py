@@ -68,7 +68,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         _real_engines(
             "affinity_vllm_weights_60.json",
             "kv_aware's weights on the real engines at 60 %: work weight 2 and guard 4 (as kv_aware, "
-            "the defaults), 3 (w3), 3 with the guard at 16 (w3a16), 4 with the guard at 64 (w4a64)"),
+            "the defaults then), 3 (w3), 3 with the guard at 16 (w3a16), 4 with the guard at 64 (w4a64)"),
         _real_engines(
             "affinity_vllm_before_room.json",
             "kv_aware on the real engines before prompt homes respected each engine's cache: "
@@ -77,26 +77,26 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         _real_engines(
             "affinity_vllm_w3a16.json",
             "kv_aware's weights on the real engines, every contender: work weight 3 and guard 16 "
-            "(as kv_aware) beside 2 and 4, the defaults (w2a4)"),
+            "(as kv_aware) beside 2 and 4, the defaults then (w2a4)"),
         _real_engines(
             "affinity_vllm_homes.json",
             "kv_aware's homes on the real engines: a home moves past 1.5× its instance's share of "
             "the work and the guard fires past 16, with work weight 2 (t5w2a16) and 3 (t5w3a16), "
-            "beside the defaults (within 10 %, guard 4: as kv_aware)"),
+            "beside the defaults then (within 10 %, guard 4: as kv_aware)"),
         _real_engines(
             "affinity_vllm_a16.json",
             "kv_aware on the real engines, every contender, with homes moved past 1.5× an "
-            "instance's share and the guard at 16 (as kv_aware), beside the defaults "
+            "instance's share and the guard at 16 (as kv_aware), beside the defaults then "
             "(within 10 %, guard 4: t1a4), a second run"),
         _real_engines(
             "affinity_vllm_tol025.json",
             "kv_aware on the real engines, every contender, with homes moved past 1.25× an "
             "instance's share and the guard at 16 (as kv_aware), beside 1.5× (t5) and the "
-            "defaults (within 10 %, guard 4: t1a4)"),
+            "defaults then (within 10 %, guard 4: t1a4)"),
         _real_engines(
             "affinity_vllm_tol05.json",
             "kv_aware on the real engines, every contender, with homes moved only past 1.5× an "
-            "instance's share and the guard at 16 (as kv_aware), beside the defaults "
+            "instance's share and the guard at 16 (as kv_aware), beside the defaults then "
             "(within 10 %, guard 4: t1a4)"),
         _real_engines(
             "affinity_vllm_t5a4.json",

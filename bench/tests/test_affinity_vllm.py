@@ -98,6 +98,8 @@ vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
 vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 99.0
 vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 7.0
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.16
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 8.0
 """
 
 
@@ -114,16 +116,17 @@ def test_an_engine_publishes_its_kv_events_on_tcp_for_subscribers_in_other_proce
 
 
 def test_counters_are_the_totals_not_the_created_or_external_series():
-    assert engine_side.counters_of(METRICS) == engine_side.Counters(3840.0, 6400.0, 8.0)
+    assert engine_side.counters_of(METRICS) == engine_side.Counters(3840.0, 6400.0, 8.0, 0.16, 8.0)
     with pytest.raises(RuntimeError, match="prefix_cache_hits_total"):
         engine_side.counters_of(METRICS.replace("vllm:prefix_cache_hits_total", "vllm:other"))
 
 
 def test_the_engine_account_is_the_counters_difference_over_both_engines():
-    before = [engine_side.Counters(100, 1000, 5), engine_side.Counters(0, 0, 0)]
-    after = [engine_side.Counters(700, 2000, 15), engine_side.Counters(200, 1000, 30)]
+    before = [engine_side.Counters(100, 1000, 5, 1.0, 5), engine_side.Counters(0, 0, 0, 0.0, 0)]
+    after = [engine_side.Counters(700, 2000, 15, 1.2, 15), engine_side.Counters(200, 1000, 30, 0.9, 30)]
     account = engine_side.engine_account(before, after)
     assert account["prefix_cache_hit_rate"] == 0.4 and account["share"] == [10, 30]
+    assert account["engine_ttft_mean_ms"] == 27.5  # 1.1 s over 40 first tokens
     assert [e["hit_rate"] for e in account["per_engine"]] == [0.6, 0.2]
 
 
