@@ -22,13 +22,7 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
     for load in dict.fromkeys(r["load"] for r in results):
         parts.append(_load_table(data, load, [r for r in results if r["load"] == load]))
     if data.get("targets"):
-        parts.append("Targets, from the medians over the runs:\n\n" + table(
-            ["load", "target", "kv_aware", "reference", "ratio", "bound", "verdict"],
-            [[_share(t["load"]), t["target"], _figure(t["target"], t["ours"]),
-              f"{_figure(t['target'], t['reference'])} ({t['reference_name']})",
-              DASH if t["ratio"] is None else f"{t['ratio']:.2f}×", t["bound"],
-              t["verdict"] if t["verdict"] == "not measured" else f"**{t['verdict']}**"]
-             for t in data["targets"]]))
+        parts.append("Targets, from the medians over the runs:\n\n" + _targets_table(data["targets"]))
     for failed in data.get("failed_starts") or []:
         parts.append(f"**{failed['contender']} did not start** (load {_share(failed['load'])}): "
                      f"`{num(failed['error'][-300:])}`")
@@ -41,6 +35,34 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
              "engine calls beyond the chats"],
             [_run_row(r) for r in data["runs"]]))
     return "\n\n".join(p for p in parts if p)
+
+
+def pooled(sources: dict[str, dict[str, Any]], title: str) -> str:
+    """The runs of several files of the same scenario and contenders taken together: per load
+    the medians over all their runs, and the targets judged from those."""
+    from bench.affinity_vllm import figures, targets
+
+    runs = [run for data in sources.values() for run in data.get("runs") or []]
+    results = figures.aggregate(runs)
+    merged = {"runs": runs}
+    parts = [f"## {title}", "The runs of " + " and ".join(f"`{name}`" for name in sources)
+             + ", each file's offered rates from its own calibration; a figure only some "
+             "files have (the engines' own TTFT) is the median of theirs."]
+    for load in dict.fromkeys(r["load"] for r in results):
+        parts.append(_load_table(merged, load, [r for r in results if r["load"] == load]))
+    parts.append("Targets, from the medians over all these runs:\n\n"
+                 + _targets_table(targets.as_records(targets.judge(results))))
+    return "\n\n".join(parts)
+
+
+def _targets_table(verdicts: list[dict[str, Any]]) -> str:
+    return table(
+        ["load", "target", "kv_aware", "reference", "ratio", "bound", "verdict"],
+        [[_share(t["load"]), t["target"], _figure(t["target"], t["ours"]),
+          f"{_figure(t['target'], t['reference'])} ({t['reference_name']})",
+          DASH if t["ratio"] is None else f"{t['ratio']:.2f}×", t["bound"],
+          t["verdict"] if t["verdict"] == "not measured" else f"**{t['verdict']}**"]
+         for t in verdicts])
 
 
 def _smoke(data: dict[str, Any]) -> str:

@@ -45,6 +45,17 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
     return name, lambda d: affinity_vllm.section(d, name, title)
 
 
+def _repeated(results_dir: Path, repeat: dict[str, Any]) -> str:
+    """The judged real-engine run repeated, and both runs' medians and targets together."""
+    sources = {"affinity_vllm.json": load(results_dir / "affinity_vllm.json"),
+               "affinity_vllm_repeat.json": repeat}
+    again = affinity_vllm.section(repeat, "affinity_vllm_repeat.json",
+                                  f"{affinity_vllm.TITLE}: the same run repeated")
+    if sources["affinity_vllm.json"] is None:
+        return again
+    return again + "\n\n" + affinity_vllm.pooled(sources, f"{affinity_vllm.TITLE}: both runs together")
+
+
 def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, list[str]]:
     """The Markdown text and the names of the files it used; also writes the charts
     (none when charts_dir is None)."""
@@ -61,6 +72,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         ("affinity_vllm.json", affinity_vllm.section),
+        ("affinity_vllm_repeat.json", lambda d: _repeated(results_dir, d)),
         _real_engines(
             "affinity_vllm_weights.json",
             "kv_aware's weights on the real engines: work weight 1 (as kv_aware, then the default), "
