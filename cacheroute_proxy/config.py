@@ -140,9 +140,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
     kv_aware_prompt_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_BALANCE_ABS", SELECTION, (
-        "the guard's bound on the spread in place of `PROXY_KV_AWARE_BALANCE_ABS` for a plain "
-        "request whose prompt has a home: the sidecar balances the homes' work, and a spill "
-        "prefills the prompt again and evicts another (docs/architecture.md §4.4)"),
+        "the same bound for a plain request whose prompt has a home, whose work the sidecar "
+        "balances (docs/architecture.md §4.4)"),
         ge=0, finite=True)] = 16.0
     kv_aware_work_weight: Annotated[float, Env("PROXY_KV_AWARE_WORK_WEIGHT", SELECTION, (
         "`kv_aware` counts the engine work a choice adds (the prefill of what the instance does "
