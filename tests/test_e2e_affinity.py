@@ -420,6 +420,7 @@ def test_the_guard_makes_kv_aware_choose_as_least_load_when_inflight_spreads_too
                         f"{urllib.parse.urlencode(_prompt_query())}")
             guard = loads["kv_aware"]["guard"]
             assert guard["fired"] is True and "least_load" in guard["reason"], guard
+            assert guard["balance_abs"] == 0.5  # the prompt's bound, not PROXY_KV_AWARE_BALANCE_ABS
             # warm is predicted the faster (its slots are free, it holds the prompt), but the
             # inflight spread is past the bound: least_load's choice, the idle cold instance.
             rows = {r["instance_id"]: r["affinity"] for r in loads["instances"]}

@@ -53,7 +53,7 @@ def _repeated(results_dir: Path, repeat: dict[str, Any]) -> str:
                                   f"{affinity_vllm.TITLE}: the same run repeated")
     if sources["affinity_vllm.json"] is None:
         return again
-    return again + "\n\n" + affinity_vllm.pooled(sources, f"{affinity_vllm.TITLE}: both runs together")
+    return again + "\n\n" + affinity_vllm.pooled(sources, "Both runs together")
 
 
 def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, list[str]]:

@@ -264,3 +264,14 @@ def test_a_file_of_no_known_shape_still_names_its_command_and_machine(tmp_path: 
     assert used == ["probe.json"] and "## `probe.json`" in text
     assert "Command: `python -m bench.probe --baseline REF` (REF:" in text and "Machine: nproc 2" in text
     assert "Method: one loop" in text and "a probe note" in text
+
+
+def test_the_repeated_real_engine_run_is_judged_with_the_first_one_pooled(tmp_path: Path) -> None:
+    results = ROOT / "bench" / "results"
+    text, _ = build(results, tmp_path / "BENCHMARKS.md", None)
+    repeat = text.split("\n## ")[[t.splitlines()[0] for t in text.split("\n## ")].index(
+        "kv_aware on two real vLLM engines, against vllm-router and the SGLang router: the same run repeated")]
+    pooled = repeat.split("### Both runs together")[1]
+    # Two runs a contender in each file: four in the pooled medians, judged from them.
+    assert "| kv_aware | 4 |" in pooled and "| least_load | 4 |" in pooled
+    assert pooled.count("**PASS**") + pooled.count("**FAIL**") == 10
