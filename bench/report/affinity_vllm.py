@@ -45,7 +45,8 @@ def pooled(sources: dict[str, dict[str, Any]], title: str) -> str:
     runs = [run for data in sources.values() for run in data.get("runs") or []]
     results = figures.aggregate(runs)
     merged = {"runs": runs}
-    parts = [f"### {title}", "The runs of " + " and ".join(f"`{name}`" for name in sources)
+    names = [f"`{name}`" for name in sources]
+    parts = [f"### {title}", "The runs of " + ", ".join(names[:-1]) + " and " + names[-1]
              + ", each file's offered rates from its own calibration; a figure only some "
              "files have (the engines' own TTFT) is the median of theirs."]
     for load in dict.fromkeys(r["load"] for r in results):

@@ -45,15 +45,20 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
     return name, lambda d: affinity_vllm.section(d, name, title)
 
 
-def _repeated(results_dir: Path, repeat: dict[str, Any]) -> str:
-    """The judged real-engine run repeated, and both runs' medians and targets together."""
-    sources = {"affinity_vllm.json": load(results_dir / "affinity_vllm.json"),
-               "affinity_vllm_repeat.json": repeat}
-    again = affinity_vllm.section(repeat, "affinity_vllm_repeat.json",
-                                  f"{affinity_vllm.TITLE}: the same run repeated")
-    if sources["affinity_vllm.json"] is None:
+# The judged real-engine run (affinity_vllm.json) run again on the same tree, in order.
+REPEATS = ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json")
+_AGAIN = ("repeated", "a third time")
+
+
+def _repeated(results_dir: Path, name: str, data: dict[str, Any]) -> str:
+    """A repeat of the judged real-engine run; after the last one present, every run of them
+    all and of the judged one together: their medians and targets."""
+    again = affinity_vllm.section(data, name, f"{affinity_vllm.TITLE}: the same run {_AGAIN[REPEATS.index(name)]}")
+    later = [n for n in REPEATS[REPEATS.index(name) + 1:] if (results_dir / n).exists()]
+    sources = {n: load(results_dir / n) for n in ("affinity_vllm.json", *REPEATS) if (results_dir / n).exists()}
+    if later or len(sources) < 2:
         return again
-    return again + "\n\n" + affinity_vllm.pooled(sources, "Both runs together")
+    return again + "\n\n" + affinity_vllm.pooled(sources, "All these runs together")
 
 
 def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, list[str]]:
@@ -72,7 +77,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         ("affinity_vllm.json", affinity_vllm.section),
-        ("affinity_vllm_repeat.json", lambda d: _repeated(results_dir, d)),
+        *((name, lambda d, name=name: _repeated(results_dir, name, d)) for name in REPEATS),
         _real_engines(
             "affinity_vllm_weights.json",
             "kv_aware's weights on the real engines: work weight 1 (as kv_aware, then the default), "
