@@ -53,11 +53,12 @@ _AGAIN = ("repeated", "a third time")
 def _repeated(results_dir: Path, name: str, data: dict[str, Any]) -> str:
     """A repeat of the judged real-engine run; after the last one present, every run of them
     all and of the judged one together: their medians and targets."""
-    again = affinity_vllm.section(data, name, f"{affinity_vllm.TITLE}: the same run {_AGAIN[REPEATS.index(name)]}")
-    later = [n for n in REPEATS[REPEATS.index(name) + 1:] if (results_dir / n).exists()]
-    sources = {n: load(results_dir / n) for n in ("affinity_vllm.json", *REPEATS) if (results_dir / n).exists()}
-    if later or len(sources) < 2:
+    index = REPEATS.index(name)
+    again = affinity_vllm.section(data, name, f"{affinity_vllm.TITLE}: the same run {_AGAIN[index]}")
+    present = [n for n in ("affinity_vllm.json", *REPEATS) if (results_dir / n).exists()]
+    if any(n in present for n in REPEATS[index + 1:]) or len(present) < 2:
         return again
+    sources = {n: load(results_dir / n) for n in present}
     return again + "\n\n" + affinity_vllm.pooled(sources, "All these runs together")
 
 

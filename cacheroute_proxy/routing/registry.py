@@ -23,9 +23,10 @@ def build_policy(name: str, *, weights: Mapping[str, float] | None = None,
                  kv_aware: Mapping[str, float] | None = None, pricing: Pricing | None = None,
                  native: bool = True) -> Policy:
     """The policy `name` (or an alias) stands for; any other name is a ValueError at start.
-    `weights`: least_load's (and kv_aware's) overrides; `kv_aware`: KvAwarePolicy's balance
-    settings (balance_abs, balance_rel); `pricing`: the worker's, for kv_aware; `native`: False
-    keeps least_load's C selector out even where the install built it (benchmarks compare)."""
+    `weights`: least_load's (and kv_aware's) overrides; `kv_aware`: KvAwarePolicy's settings
+    (balance_abs, balance_rel, prompt_balance_abs, work_weight); `pricing`: the worker's, for
+    kv_aware; `native`: False keeps least_load's C selector out even where the install built it
+    (benchmarks compare)."""
     canonical = ALIASES.get(name.strip().lower())
     if canonical == "round_robin":
         return RoundRobinPolicy(cursor)
