@@ -157,10 +157,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_home_tolerance: Annotated[float, Env("PROXY_AFFINITY_HOME_TOLERANCE", SELECTION, (
         "the sidecar moves a prompt's home off an instance whose prompts bring it more than "
         "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.5
-    affinity_home_settle_s: Annotated[float, Env("PROXY_AFFINITY_HOME_SETTLE_S", SELECTION, (
-        "for this long after the sidecar first sees a prompt, its home may move once past 1.1 × "
-        "its instance's share, while moving it costs little (0: never)"),
-        ge=0, le=3600, finite=True)] = 0.0
     affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
         "`shared`: the host-wide affinity index; `per_worker`, a benchmark ablation: each worker "
         "routes on only what it sent itself"),

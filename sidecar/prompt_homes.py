@@ -16,12 +16,6 @@ two closer; then again, up to MOVES_A_ROUND moves. Only moved prompts are publis
 (shm_schema.homes); every other prompt keeps its rendezvous home, and a prompt whose rate decays
 away is forgotten.
 
-Moving a prompt costs a miss and an eviction once its home caches it, and a few seconds'
-rates are noisy, so established homes move only past a loose tolerance. A prompt first seen
-less than PROXY_AFFINITY_HOME_SETTLE_S ago is still settling: its home may move once at
-SETTLE_TOLERANCE, so a split that a handful of new prompts made uneven by chance is evened
-while moving them costs only the requests they have had.
-
 Homes also respect each instance's KV cache: the prompts homed on an instance that came back
 (FOOTPRINT_REQUESTS) must fit its room (its KV capacity in blocks, less a block for each request
 it runs at once). Past it, its engine evicts its own prompts to prefill them again, each one a
@@ -52,10 +46,6 @@ MIN_REQUESTS = 32.0
 # prompt seen once (a one-off conversation) is no home's lasting tenant.
 FOOTPRINT_REQUESTS = 2.0
 FORGET_BELOW = 0.05  # decayed blocks: a prompt unseen for several half-lives
-# Above its share by more than this, an instance's settling prompts may move (once each), once
-# SETTLE_REQUESTS decayed requests say more about popularity than MIN_REQUESTS.
-SETTLE_TOLERANCE = 0.1
-SETTLE_REQUESTS = 128.0
 
 
 class Candidate(NamedTuple):
@@ -85,16 +75,11 @@ class _Split(NamedTuple):
 
 
 class PromptHomes:
-    def __init__(self, seg: Segment, halflife_s: float, tolerance: float, block_tokens: int,
-                 settle_s: float = 0.0) -> None:
+    def __init__(self, seg: Segment, halflife_s: float, tolerance: float, block_tokens: int) -> None:
         self._writer = HomeWriter(seg)
         self._block_tokens = block_tokens
         self._decay_per_s = math.log(2) / halflife_s
         self._tolerance = tolerance
-        self._settle_s = settle_s
-        self._first_seen: dict[int, float] = {}  # prompt key -> the round that first saw it
-        self._settled: set[int] = set()  # moved while settling: not again before it is settled
-        self._now = 0.0
         self._rates: dict[int, float] = {}  # prompt key -> decayed blocks
         self._sizes: dict[int, int] = {}    # prompt key -> fewest blocks a request of it sent
         self._requests = 0.0                # decayed requests, every prompt
@@ -108,7 +93,6 @@ class PromptHomes:
         rate of one block: forgotten after several half-lives unless its requests come again."""
         self._moved = self._writer.read()
         self._rates = dict.fromkeys(self._moved, 1.0)
-        self._first_seen = dict.fromkeys(self._moved, -math.inf)  # settled long ago
         return len(self._moved)
 
     def observe(self, event: Event) -> None:
@@ -126,10 +110,7 @@ class PromptHomes:
         if now < self._next_round:
             return
         self._next_round = now + ROUND_S
-        self._now = now
         self._decay(now)
-        for key in self._rates.keys() - self._first_seen.keys():
-            self._first_seen[key] = now
         candidates = candidates_now()
         live = {c.where for c in candidates}
         changed = self._forget(live)
@@ -160,8 +141,6 @@ class PromptHomes:
         for key in [k for k, rate in rates.items() if rate < FORGET_BELOW]:
             del rates[key]
             self._sizes.pop(key, None)
-            self._first_seen.pop(key, None)
-            self._settled.discard(key)
         gone = [key for key, where in self._moved.items() if key not in rates or where not in live]
         for key in gone:
             del self._moved[key]
@@ -207,15 +186,9 @@ class PromptHomes:
             return False  # the table is full: the rest keep their homes
         for key, _ in move:
             self._moved.pop(key, None)
-            if self._settling(key):
-                self._settled.add(key)
         self._moved.update(published)
         self.stats["moves"] += 1
         return True
-
-    def _settling(self, key: int) -> bool:
-        """First seen less than the settle window ago and not moved since."""
-        return self._now - self._first_seen.get(key, -math.inf) < self._settle_s and key not in self._settled
 
     def _relief(self, split: _Split, room: list[float], full: int) -> list[tuple[int, int]] | None:
         """The move off `full`, past its room, to where the prompt fits that leaves the work
@@ -235,20 +208,14 @@ class PromptHomes:
     def _evening(self, split: _Split, room: list[float]) -> list[tuple[int, int]] | None:
         """The move (or swap of two homes) from the instance furthest above its share of the
         work to the one furthest below that brings them closest, within both rooms; None if the
-        work is within the tolerance or nothing brings it closer. Within the tolerance but past
-        SETTLE_TOLERANCE, only settling prompts move."""
+        work is within the tolerance or nothing brings it closer."""
         count = len(room)
         over = max(range(count), key=split.ratio)
         under = min(range(count), key=split.ratio)
-        ratio = split.ratio(over)
-        if ratio > 1.0 + self._tolerance:
-            movable: Callable[[int], bool] = lambda key: True
-        elif ratio > 1.0 + SETTLE_TOLERANCE and self._requests >= SETTLE_REQUESTS:
-            movable = self._settling
-        else:
+        if split.ratio(over) <= 1.0 + self._tolerance:
             return None
-        mine = [key for key, n in split.homes.items() if n == over and movable(key)]
-        theirs = [key for key, n in split.homes.items() if n == under and movable(key)]
+        mine = [key for key, n in split.homes.items() if n == over]
+        theirs = [key for key, n in split.homes.items() if n == under]
         best: tuple[float, list[tuple[int, int]]] | None = None
         for key in mine:
             for other in (None, *theirs):
@@ -258,6 +225,6 @@ class PromptHomes:
                         or split.footprint[over] - grown > room[over]:
                     continue
                 worse = split.after(over, under, shift)
-                if worse < ratio and (best is None or worse < best[0]):
+                if worse < split.ratio(over) and (best is None or worse < best[0]):
                     best = (worse, [(key, under)] + ([] if other is None else [(other, over)]))
         return None if best is None else best[1]

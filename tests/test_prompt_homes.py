@@ -9,7 +9,7 @@ from cacheroute_proxy.affinity_keys import rendezvous_home
 from shm_schema import layout
 from shm_schema.events import Event, EventKind
 from shm_schema.homes import HOME_ENTRIES, HomeReader, HomeWriter
-from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, SETTLE_REQUESTS, Candidate, PromptHomes
+from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, Candidate, PromptHomes
 from tests.shm_helpers import fresh_segment
 
 A, B = Candidate((0, 1), "inst-a", 1.0), Candidate((1, 1), "inst-b", 1.0)
@@ -32,9 +32,9 @@ def named(key: int, blocks: int = 7) -> Event:
     return Event(EventKind.PREFIX, 1, blocks, 0, 1, 0, service_us=key)
 
 
-def homes_over(seg, tolerance: float = 0.1, halflife_s: float = 20, settle_s: float = 0.0) -> PromptHomes:
+def homes_over(seg, tolerance: float = 0.1, halflife_s: float = 20) -> PromptHomes:
     """The sidecar's prompt homes over `seg`, in blocks of 128 tokens."""
-    return PromptHomes(seg, halflife_s=halflife_s, tolerance=tolerance, block_tokens=128, settle_s=settle_s)
+    return PromptHomes(seg, halflife_s=halflife_s, tolerance=tolerance, block_tokens=128)
 
 
 def run(homes: PromptHomes, requests: dict[int, int], rounds: int, candidates=(A, B),
@@ -102,26 +102,6 @@ def test_no_move_within_the_tolerance_or_before_enough_requests(seg) -> None:
     few = homes_over(seg)
     run(few, {keys_homed_on(A, 2)[1]: int(MIN_REQUESTS) - 1}, rounds=1)
     assert few.stats["moves"] == 0
-
-
-def test_a_settling_prompt_moves_once_within_the_tolerance_and_an_established_one_does_not(seg) -> None:
-    """a carries 1.4x its share: within the tolerance (0.5) but past SETTLE_TOLERANCE. While its
-    prompts settle (and once the requests say enough), one moves, once; past the settle window
-    nothing does."""
-    a_keys, b_keys = keys_homed_on(A, 2), keys_homed_on(B, 1)
-    requests = {a_keys[0]: 25, a_keys[1]: 10, b_keys[0]: 15}  # 35 : 15 of 50
-    assert 50 * 2 < SETTLE_REQUESTS < 50 * 5  # the first two rounds say too little
-
-    settling = homes_over(seg, tolerance=0.5, settle_s=10)
-    now = run(settling, requests, rounds=2)
-    assert settling.stats["moves"] == 0
-    run(settling, requests, rounds=6, start=now)
-    assert settling.stats["moves"] == 1 and work_on(seg, requests) == {"inst-a": 25, "inst-b": 25}
-
-    with fresh_segment(4, 2) as other:
-        established = homes_over(other, tolerance=0.5, settle_s=2)
-        run(established, requests, rounds=8)
-        assert established.stats["moves"] == 0  # enough requests came after its 2 s
 
 
 def test_a_faster_instance_takes_a_larger_share(seg) -> None:
