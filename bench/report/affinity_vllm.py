@@ -40,6 +40,8 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
 def pooled(sources: dict[str, dict[str, Any]], title: str) -> str:
     """The runs of several files of the same scenario and contenders taken together: per load
     the medians over all their runs, and the targets judged from those."""
+    # Here, not at the top: the benchmark's figures import its load generator (aiohttp), which
+    # the report does not otherwise need.
     from bench.affinity_vllm import figures, targets
 
     runs = [run for data in sources.values() for run in data.get("runs") or []]
@@ -156,7 +158,12 @@ def _means(row: dict[str, Any]) -> str:
     """The client's mean TTFT beside the engines' own (medians over the runs): the difference is
     what the route in front of the engines added."""
     client, engines = ((row.get(key) or {}).get("median") for key in ("ttft_mean_ms", "engine_ttft_mean_ms"))
-    return DASH if client is None or engines is None else f"{num(client)} / {num(engines)}"
+    return _client_engines(client, engines) or DASH
+
+
+def _client_engines(client: float | None, engines: float | None) -> str:
+    """"client / engines" mean TTFT; empty where the run did not read the engines' own."""
+    return "" if client is None or engines is None else f"{num(client)} / {num(engines)}"
 
 
 def _run_row(run: dict[str, Any]) -> list[str]:
@@ -171,9 +178,9 @@ def _run_row(run: dict[str, Any]) -> list[str]:
     per_engine = " / ".join(_rate(e.get("hit_rate")) for e in run.get("per_engine") or [])
     hits = _rate(run.get("prefix_cache_hit_rate")) + (f" ({per_engine})" if per_engine else "")
     return [_share(run["load"]), num(run["order"] + 1), run["contender"], hits,
-            f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}" + (
-                f"; {num(run['ttft_mean_ms'])} / {num(run['engine_ttft_mean_ms'])}"
-                if run.get("engine_ttft_mean_ms") is not None else ""), num(run.get("completed_per_s")),
+            "; ".join(filter(None, (f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}",
+                                    _client_engines(run.get("ttft_mean_ms"), run.get("engine_ttft_mean_ms"))))),
+            num(run.get("completed_per_s")),
             num(run.get("error_count")), " / ".join(num(v) for v in run.get("share") or []), cpu, guard,
             _events(run), ", ".join(f"{call} ×{num(n)}" for call, n in extra.items()) or DASH]
 

@@ -45,18 +45,17 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
     return name, lambda d: affinity_vllm.section(d, name, title)
 
 
-# The judged real-engine run (affinity_vllm.json) run again on the same tree, in order.
-REPEATS = ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json")
-_AGAIN = ("repeated", "a third time")
+# The judged real-engine run (affinity_vllm.json) run again on the same tree, in order, and how
+# each one's title says so.
+REPEATS = {"affinity_vllm_repeat.json": "repeated", "affinity_vllm_repeat2.json": "a third time"}
 
 
 def _repeated(results_dir: Path, name: str, data: dict[str, Any]) -> str:
     """A repeat of the judged real-engine run; after the last one present, every run of them
     all and of the judged one together: their medians and targets."""
-    index = REPEATS.index(name)
-    again = affinity_vllm.section(data, name, f"{affinity_vllm.TITLE}: the same run {_AGAIN[index]}")
+    again = affinity_vllm.section(data, name, f"{affinity_vllm.TITLE}: the same run {REPEATS[name]}")
     present = [n for n in ("affinity_vllm.json", *REPEATS) if (results_dir / n).exists()]
-    if any(n in present for n in REPEATS[index + 1:]) or len(present) < 2:
+    if present[-1] != name or len(present) < 2:
         return again
     sources = {n: load(results_dir / n) for n in present}
     return again + "\n\n" + affinity_vllm.pooled(sources, "All these runs together")

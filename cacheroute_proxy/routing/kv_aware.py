@@ -117,7 +117,7 @@ class KvAwarePolicy(LeastLoadPolicy):
         self.work_weight = work_weight
         self.pricing = pricing
 
-    def spread_bound(self, costs: Sequence[Costs] | Sequence[Prediction]) -> float:
+    def spread_bound(self, costs: Sequence[Costs]) -> float:
         """The guard's bound on the inflight spread for a request priced so: displacement is
         charged only away from a prompt's home, so a request charged any has one."""
         return self.prompt_balance_abs if any(c.displace_ms for c in costs) else self.balance_abs
