@@ -1,6 +1,5 @@
-"""The prompt-home table: the instance kv_aware treats as holding each shared prompt, for the
-recurring prompts whose home is not their rendezvous home, and the instance a new prompt (one
-no instance holds yet) calls home.
+"""The prompt-home table: the instance kv_aware treats as holding each recurring prompt, and the
+instance a new prompt (one no instance holds yet) calls home.
 
 One table for the host (layout.py's byte map: HomeTableHeader, then HOME_ENTRIES entries),
 written whole by the sidecar under its seqlock word (seqlock.py), read by every worker with

@@ -303,8 +303,8 @@ CLAIM_RING_CAPACITY = 4096
 C_SEQ = CLAIM.offset.seq
 
 # --- prompt homes (sidecar -> workers) ---------------------------------------------------------
-# 1,024 entries of 16 bytes (16 KB): only recurring prompts whose home is not their rendezvous
-# home are listed, a few per instance for a workload of a few dozen shared system prompts.
+# 1,024 entries of 16 bytes (16 KB): only recurring prompts are listed, a few dozen for a
+# workload of a few dozen shared system prompts.
 HOME_TABLE_SIZE = HOME_TABLE_HEADER.size + HOME_ENTRIES * HOME_ENTRY.size
 HT_SEQ = HOME_TABLE_HEADER.offset.seq
 HT_NEW_HOME = HOME_TABLE_HEADER.offset.new_home

@@ -283,7 +283,7 @@ CLAIM_OP_DROP = 2
 
 
 # --- prompt homes (one table for the host; written only by the sidecar) ----------------------------
-HOME_ENTRIES = 1024  # recurring prompts whose home is not their rendezvous home
+HOME_ENTRIES = 1024  # the homes of recurring prompts
 
 
 class HomeTableHeader(NamedTuple):

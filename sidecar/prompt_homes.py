@@ -18,9 +18,8 @@ balances prompts by count, not by work.
 
 Where a prompt's first request went is its home. A worker knows it without the table while the
 prompt is held there (an unpublished prompt's home is the instance holding most of it); the
-sidecar publishes it (shm_schema.homes) once the prompt came back (FOOTPRINT_REQUESTS) if that
-is not its rendezvous home, so a prompt evicted everywhere goes back to it. A prompt seen once
-takes no entry.
+sidecar publishes it (shm_schema.homes) at the next round once the prompt came back, so a prompt
+evicted everywhere goes back to it. A prompt seen once takes no entry.
 
 The sidecar keeps a decayed rate of each prompt's blocks (half-life
 PROXY_AFFINITY_HOME_HALFLIFE_S) and, once a round, moves a prompt from the instance furthest
@@ -151,7 +150,7 @@ class PromptHomes:
         live = {c.where for c in candidates}
         changed = self._forget(live)
         if len(candidates) > 1:
-            changed |= self._publish_placed(candidates)
+            changed |= self._publish_placed()
             if self._requests >= MIN_REQUESTS:
                 for _ in range(MOVES_A_ROUND):
                     if not self._move_one(candidates):
@@ -167,7 +166,7 @@ class PromptHomes:
 
     def describe(self) -> dict[str, Any]:
         new_home = self._new_home()
-        return {**self.stats, "prompts": len(self._rates), "moved": len(self._moved),
+        return {**self.stats, "prompts": len(self._rates), "homes": len(self._moved),
                 "requests_decayed": round(self._requests, 1),
                 "new_home": None if new_home is None else list(new_home)}
 
@@ -202,15 +201,11 @@ class PromptHomes:
             del self._placed[key]
         return bool(gone)
 
-    def _publish_placed(self, candidates: Sequence[Candidate]) -> bool:
-        """Publish the placed prompts that came back and are not at their rendezvous home, while
-        the table has room; True if any was."""
-        names = [c.instance_id for c in candidates]
-        index_of = {c.where: n for n, c in enumerate(candidates)}
-        came_back = [key for key, where in self._placed.items()  # more than one request's blocks
-                     if self._rates[key] > self._sizes[key] and rendezvous_home(key, names) != index_of[where]]
-        came_back = came_back[:max(0, HOME_ENTRIES - len(self._moved))]
-        for key in came_back:
+    def _publish_placed(self) -> bool:
+        """Publish the placed prompts that came back (more than one request's blocks), while the
+        table has room; True if any was."""
+        came_back = [key for key in self._placed if self._rates[key] > self._sizes[key]]
+        for key in came_back[:max(0, HOME_ENTRIES - len(self._moved))]:
             self._moved[key] = self._placed.pop(key)
         return bool(came_back)
 

@@ -462,16 +462,13 @@ def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_hol
     assert held["predict_service_ms"] < first["predict_service_ms"] - held["affinity_saved_ms"] / 2
 
 
-def _rendezvous_home(system: str, ids: list[str]) -> str:
-    return ids[rendezvous_home(prefix_keys(f"<|system|>{system}<|user|>", 64, 1)[0], ids)]
-
-
 def _system_prompts_homed_on(instance_id: str, ids: list[str], count: int) -> list[str]:
     """`count` system prompts whose rendezvous home among `ids` is `instance_id`."""
     prompts = []
     for n in range(200):
         system = f"Corpus {n}. " + SYSTEM
-        if _rendezvous_home(system, ids) == instance_id:
+        first = prefix_keys(f"<|system|>{system}<|user|>", 64, 1)[0]
+        if ids[rendezvous_home(first, ids)] == instance_id:
             prompts.append(system)
             if len(prompts) == count:
                 return prompts
@@ -486,9 +483,8 @@ def _prompt_homes(cluster) -> dict[str, Any]:
 
 
 def _homes_moved(cluster) -> int:
-    """How many prompts have a home the sidecar published: moved, or placed away from their
-    rendezvous home."""
-    return _prompt_homes(cluster)["moved"]
+    """How many times the sidecar moved prompts' homes (a swap of two homes is one)."""
+    return _prompt_homes(cluster)["moves"]
 
 
 def _homes_seen_by_workers(cluster, system: str) -> dict[int, list[str]]:
@@ -516,13 +512,13 @@ def test_a_new_prompt_goes_to_the_instance_whose_prompts_draw_the_least_work(mak
     busy_id = busy.pop()
     idle = b.instance_id if busy_id == a.instance_id else a.instance_id
     second = _system_prompts_homed_on(busy_id, ids, 1)[0]  # rendezvous would send it there
-    first_away = _rendezvous_home(first, ids) != busy_id
     wait_until(lambda: _prompt_homes(cluster)["placed"] == 1, 10, message="the sidecar saw the first prompt")
     assert served_by(cluster, body(second, 100)) == idle
     assert {served_by(cluster, body(second, 101 + n)) for n in range(4)} == {idle}
     assert _homes_seen_by_workers(cluster, second) == {w: [idle] for w in range(cluster.workers)}
-    # Away from its rendezvous home: published once it came back.
-    wait_until(lambda: _homes_moved(cluster) == 1 + first_away, 10, message="the placed prompt's home published")
+    # Both came back: their homes are published, and none moved.
+    wait_until(lambda: _prompt_homes(cluster)["homes"] == 2, 10, message="the placed prompts' homes published")
+    assert _homes_moved(cluster) == 0
     assert _homes_seen_by_workers(cluster, second) == {w: [idle] for w in range(cluster.workers)}
 
 
