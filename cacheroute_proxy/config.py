@@ -25,7 +25,6 @@ from .value_rules import (check_kdn_links, host_port, http_url, is_loopback, kv_
 
 LOAD_VIEWS = ("shared", "per_worker")
 AFFINITY_VIEWS = ("shared", "per_worker")
-NEW_PROMPT_HOMES = ("lightest", "rendezvous")
 LOG_FORMATS = ("text", "json")
 RELEASE_POLICIES = ("ordered", "text_bypass")
 INJECTION_STRATEGIES = ("default", "iws")
@@ -158,11 +157,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_home_tolerance: Annotated[float, Env("PROXY_AFFINITY_HOME_TOLERANCE", SELECTION, (
         "the sidecar moves a prompt's home off an instance whose prompts bring it more than "
         "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.5
-    affinity_new_prompt_home: Annotated[str, Env("PROXY_AFFINITY_NEW_PROMPT_HOME", SELECTION, (
-        "where a prompt no instance holds yet goes: `lightest`, the instance whose prompts draw "
-        "the least work for its share, as the sidecar names it; `rendezvous`, the prompt's "
-        "rendezvous hash, balancing prompts by count (docs/architecture.md, \"Homes\")"),
-        choices=NEW_PROMPT_HOMES, what="new prompt home")] = "lightest"
     affinity_view: Annotated[str, Env("PROXY_AFFINITY_VIEW", SELECTION, (
         "`shared`: the host-wide affinity index; `per_worker`, a benchmark ablation: each worker "
         "routes on only what it sent itself"),

@@ -44,15 +44,6 @@ def rendered_prompt(request: ProxyRequest) -> str | None:
     return raw if isinstance(raw, str) else str(raw)
 
 
-def _index_of(where: tuple[int, int] | None, candidates: Sequence[InstanceSlot]) -> int | None:
-    """The index of the candidate at (slot, generation) `where`; None if none is."""
-    if where is not None:
-        for index, instance in enumerate(candidates):
-            if (instance.slot, instance.generation) == where:
-                return index
-    return None
-
-
 class _Holding(NamedTuple):
     """What the index and the claims say one candidate holds of one request."""
     resident: tuple[str, ...]
@@ -146,28 +137,22 @@ class AffinityScorer:
             self.index.refresh(now)
         holdings = [self._holding(instance, kid_keys, blocks, now if claims else 0) for instance in candidates]
         homes = _homes(candidates, holdings, kid_keys) if claims and len(candidates) > 1 else {}
-        prompt_home = self._home(blocks[0], candidates, holdings) if claims and blocks and len(candidates) > 1 else None
+        prompt_home = self._home(blocks[0], candidates) if claims and blocks and len(candidates) > 1 else None
         displace = self._prompt_saving(request, len(blocks)) if prompt_home is not None else 0.0
         return [self._assessment(request, instance, holding, homes.get(index, 0),
                                  len(blocks) - holding.cached if index == prompt_home else 0,
                                  0.0 if index == prompt_home else displace, len(kid_keys))
                 for index, (instance, holding) in enumerate(zip(candidates, holdings))]
 
-    def _home(self, prompt_key: int, candidates: Sequence[InstanceSlot],
-              holdings: Sequence[_Holding]) -> int:
-        """The index of the prompt's home among `candidates`: where the sidecar published it;
-        else the candidate holding most of it, confirmed or claimed (where its first request
-        went); else, held nowhere, the home the sidecar names for new prompts; else (neither is
-        a candidate) its rendezvous home."""
-        published = _index_of(self.index.home_of(prompt_key), candidates)
-        if published is not None:
-            return published
-        most = max(h.cached for h in holdings)
-        if most:
-            holders = [n for n, h in enumerate(holdings) if h.cached == most]
-            return holders[rendezvous_home(prompt_key, [candidates[n].instance_id for n in holders])]
-        new = _index_of(self.index.new_home(), candidates)
-        return new if new is not None else rendezvous_home(prompt_key, [c.instance_id for c in candidates])
+    def _home(self, prompt_key: int, candidates: Sequence[InstanceSlot]) -> int:
+        """The index of the prompt's home among `candidates`: where the sidecar moved it, if that
+        is one of them, else its rendezvous home."""
+        moved = self.index.home_of(prompt_key)
+        if moved is not None:
+            for index, instance in enumerate(candidates):
+                if (instance.slot, instance.generation) == moved:
+                    return index
+        return rendezvous_home(prompt_key, [c.instance_id for c in candidates])
 
     def _holding(self, instance: InstanceSlot, kid_keys: list[tuple[str, int]], blocks: list[int],
                  now: int) -> _Holding:

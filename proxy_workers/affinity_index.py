@@ -130,8 +130,6 @@ class AffinityIndex(Protocol):
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None: ...
 
-    def new_home(self) -> tuple[int, int] | None: ...
-
     def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int: ...
 
     def drop(self, instance: InstanceSlot, claim: int, groups: Sequence[KeyGroup]) -> None: ...
@@ -169,12 +167,8 @@ class SharedAffinity:
         return self._reader.row(instance.slot, instance.generation).capacity_tokens
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None:
-        """(slot, generation) of the prompt's home, if the sidecar published it."""
+        """(slot, generation) of the home the sidecar moved the prompt to; None: its rendezvous home."""
         return self._homes.home_of(prompt_key)
-
-    def new_home(self) -> tuple[int, int] | None:
-        """(slot, generation) of the home the sidecar names for a prompt no instance holds yet."""
-        return self._homes.new_home()
 
     def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int:
         return self._claim_writer.claim(instance.slot, instance.generation, groups)
@@ -192,8 +186,7 @@ class SharedAffinity:
 class PerWorkerAffinity(SharedAffinity):
     """Only what this worker sent and claimed: its own LRU per instance (bounded as the sidecar's
     model: by the capacity the sidecar publishes, and by AFFINITY_ENTRIES) and its own claims,
-    which no other worker reads; no home the sidecar names: a prompt's home is where this worker
-    sent it, else its rendezvous home."""
+    which no other worker reads; every prompt at its rendezvous home."""
 
     mode = "per_worker"
 
@@ -206,10 +199,7 @@ class PerWorkerAffinity(SharedAffinity):
         self.pending.prune(now)
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None:
-        return None  # nothing host-wide
-
-    def new_home(self) -> tuple[int, int] | None:
-        return None
+        return None  # nothing host-wide: every prompt has its rendezvous home
 
     def residency(self, instance: InstanceSlot) -> Residency:
         model = self._models.get((instance.slot, instance.generation))

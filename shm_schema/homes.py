@@ -1,12 +1,10 @@
-"""The prompt-home table: the instance kv_aware treats as holding each recurring prompt, and the
-instance a new prompt (one no instance holds yet) calls home.
+"""The prompt-home table: the instance kv_aware treats as holding each shared prompt, for the
+prompts the sidecar has moved off their rendezvous home to balance the instances' work.
 
 One table for the host (layout.py's byte map: HomeTableHeader, then HOME_ENTRIES entries),
 written whole by the sidecar under its seqlock word (seqlock.py), read by every worker with
 one atomic load when nothing changed. An entry names its instance by slot and generation, so
-a freed or reused slot's entries name nobody a worker can choose. The new prompts' home is one
-word of the header, stored and loaded on its own: it changes as often as the sidecar sees a
-prompt's request, and a worker reading it must not decode the table again for that.
+a freed or reused slot's entries name nobody a worker can choose.
 """
 
 from __future__ import annotations
@@ -32,14 +30,6 @@ class HomeWriter:
 
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
-        self._new_home = -1  # not stored yet: the first call stores, over a previous sidecar's word
-
-    def point_new_prompts(self, where: tuple[int, int] | None) -> None:
-        """Name the instance a prompt no instance holds yet calls home (None: its rendezvous home)."""
-        word = 0 if where is None else SlotGeneration.pack(*where)
-        if word != self._new_home:
-            self._new_home = word
-            self._seg.store(self._seg.geometry.homes_offset + layout.HT_NEW_HOME, word)
 
     def publish(self, homes: Homes) -> None:
         """Replace the table with `homes` (at most HOME_ENTRIES; keys of 0 are left out)."""
@@ -52,8 +42,7 @@ class HomeWriter:
 
         def rewrite(odd: int) -> None:
             _ENTRIES.pack_into(seg.buf, seg.geometry.home_entries_offset(), *words)
-            _HEADER.pack_into(seg.buf, base, _HEADER.make((odd, len(kept), time.time_ns() // 1000,
-                                                           max(0, self._new_home))))
+            _HEADER.pack_into(seg.buf, base, _HEADER.make((odd, len(kept), time.time_ns() // 1000)))
         seqlock.write(seg, base + layout.HT_SEQ, rewrite)
 
     def read(self) -> dict[int, tuple[int, int]]:
@@ -87,14 +76,8 @@ class HomeReader:
         return self._homes
 
     def home_of(self, key: int) -> tuple[int, int] | None:
-        """(slot, generation) of the prompt's published home; None if the table names none."""
+        """(slot, generation) of the prompt's published home; None if it has its rendezvous home."""
         return self.homes().get(key)
-
-    def new_home(self) -> tuple[int, int] | None:
-        """(slot, generation) of the instance a prompt no instance holds yet calls home; None:
-        its rendezvous home."""
-        word = self._seg.load(self._seg.geometry.homes_offset + layout.HT_NEW_HOME)
-        return (SlotGeneration.slot(word), SlotGeneration.generation(word)) if word else None
 
 
 def _decoded(count: int, words: tuple[int, ...]) -> dict[int, tuple[int, int]]:

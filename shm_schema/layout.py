@@ -164,15 +164,11 @@ the host, written only by the sidecar, read by every worker; layout version 6)::
     0   seq              seqlock, as an affinity row's
     8   count            entries in use
     16  published_us     when the table was last written (wall clock)
-    24  new_home         SlotGeneration of the instance a prompt no instance holds yet calls
-                         home, 0 = none (its rendezvous home); stored on its own, outside the
-                         seqlock, and read with one atomic load
-    32..63 reserved
+    24..63 reserved
     64  entries          HOME_ENTRIES x (key: a prompt's first block key, never 0;
                          slot_generation: SlotGeneration of the instance that is its home)
 
-A prompt missing from the table has its home where it is held; held nowhere, new_home if that
-is among the request's candidates, else its rendezvous home.
+A prompt missing from the table has its rendezvous home among the request's candidates.
 
 Bit-packed words (bitfields)::
 
@@ -303,11 +299,10 @@ CLAIM_RING_CAPACITY = 4096
 C_SEQ = CLAIM.offset.seq
 
 # --- prompt homes (sidecar -> workers) ---------------------------------------------------------
-# 1,024 entries of 16 bytes (16 KB): only recurring prompts are listed, a few dozen for a
-# workload of a few dozen shared system prompts.
+# 1,024 entries of 16 bytes (16 KB): only prompts moved off their rendezvous home are listed,
+# a few per instance for a workload of a few dozen shared system prompts.
 HOME_TABLE_SIZE = HOME_TABLE_HEADER.size + HOME_ENTRIES * HOME_ENTRY.size
 HT_SEQ = HOME_TABLE_HEADER.offset.seq
-HT_NEW_HOME = HOME_TABLE_HEADER.offset.new_home
 
 
 def _align(offset: int, to: int = 64) -> int:

@@ -283,7 +283,7 @@ CLAIM_OP_DROP = 2
 
 
 # --- prompt homes (one table for the host; written only by the sidecar) ----------------------------
-HOME_ENTRIES = 1024  # the homes of recurring prompts
+HOME_ENTRIES = 1024  # prompts whose home the sidecar has moved off their rendezvous home
 
 
 class HomeTableHeader(NamedTuple):
@@ -291,7 +291,6 @@ class HomeTableHeader(NamedTuple):
     seq: int           # seqlock: odd while the sidecar rewrites the table
     count: int         # entries in use
     published_us: int  # when the sidecar last wrote the table, wall clock
-    new_home: int      # SlotGeneration of where a prompt no instance holds yet goes; 0: none
 
 
 HOME_TABLE_HEADER = Record(HomeTableHeader, size=64)

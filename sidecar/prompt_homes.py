@@ -1,39 +1,27 @@
-"""Where each shared prompt lives: the sidecar places new prompts and balances the prompts'
-homes by their traffic.
+"""Where each shared prompt lives: the sidecar balances the prompts' homes by their traffic.
 
 kv_aware credits a prompt's home with holding it and charges any other instance the
 displacement of its blocks (docs/architecture.md, "Homes"), so a prompt stays at its home until
-that queue costs more than moving it. Every worker must name the same home without talking.
+that queue costs more than moving it. Rendezvous hashing names a home every worker agrees on
+without talking, but it balances prompts by count: with a skewed popularity the prompts homed
+on one instance can draw most of the requests, and that instance is slower all along (batch
+interference the timeline does not see as queue).
 
-A new prompt (one no instance holds) calls home the instance the sidecar names in the table's
-`new_home` word: the one whose prompts draw the least work for its share (shares by speed: 1 /
-its learned pace) among those whose cache has room for another prompt. The sidecar sees every
-request's prompt -- the PREFIX event that names it carries how many blocks it sent and where it
-went -- so it adds each request to its home's work as it comes and names another instance as
-soon as this one is no longer the lightest. Popular prompts are seen first and draw work
-fastest, so placing each new prompt on the lightest instance balances the work as greedy
-longest-first scheduling does, before any prompt has to move. Rendezvous hashing names a home
-only where nothing else does (no `new_home`, or it is not among a request's candidates): it
-balances prompts by count, not by work.
-
-Where a prompt's first request went is its home. A worker knows it without the table while the
-prompt is held there (an unpublished prompt's home is the instance holding most of it); the
-sidecar publishes it (shm_schema.homes) at the next round once the prompt came back, so a prompt
-evicted everywhere goes back to it. A prompt seen once takes no entry.
-
-The sidecar keeps a decayed rate of each prompt's blocks (half-life
+The sidecar sees every request's prompt: the PREFIX event that names it carries how many
+blocks the request sent. It keeps a decayed rate of each prompt's blocks (half-life
 PROXY_AFFINITY_HOME_HALFLIFE_S) and, once a round, moves a prompt from the instance furthest
-above its share of the work to the one furthest below, when the first is above by more than
-PROXY_AFFINITY_HOME_TOLERANCE and the move brings the two closer; then again, up to
-MOVES_A_ROUND moves. A moved prompt's home is published, wherever it moved; a prompt whose rate
-decays away is forgotten.
+above its share of the work (shares by speed: 1 / its learned pace) to the one furthest below,
+when the first is above by more than PROXY_AFFINITY_HOME_TOLERANCE and the move brings the
+two closer; then again, up to MOVES_A_ROUND moves. Only moved prompts are published
+(shm_schema.homes); every other prompt keeps its rendezvous home, and a prompt whose rate decays
+away is forgotten.
 
 Homes also respect each instance's KV cache: the prompts homed on an instance that came back
-must fit its room (its KV capacity in blocks, less a block for each request it runs at once).
-Past it, its engine evicts its own prompts to prefill them again, each one a miss, however even
-the work. So a round first moves prompts off an instance past its room (to one they fit on, the
-move that leaves the work most even), and a move for the work never takes an instance past its
-room: where no single prompt fits, two prompts swap homes.
+(FOOTPRINT_REQUESTS) must fit its room (its KV capacity in blocks, less a block for each request
+it runs at once). Past it, its engine evicts its own prompts to prefill them again, each one a
+miss, however even the work. So a round first moves prompts off an instance past its room (to
+one they fit on, the move that leaves the work most even), and a move for the work never takes
+an instance past its room: where no single prompt fits, two prompts swap homes.
 """
 
 from __future__ import annotations
@@ -87,27 +75,18 @@ class _Split(NamedTuple):
 
 
 class PromptHomes:
-    def __init__(self, seg: Segment, halflife_s: float, tolerance: float, block_tokens: int,
-                 place_new: bool = True) -> None:
+    def __init__(self, seg: Segment, halflife_s: float, tolerance: float, block_tokens: int) -> None:
         self._writer = HomeWriter(seg)
-        self._place_new = place_new  # name the new prompts' home (else: their rendezvous home)
         self._block_tokens = block_tokens
         self._decay_per_s = math.log(2) / halflife_s
         self._tolerance = tolerance
         self._rates: dict[int, float] = {}  # prompt key -> decayed blocks
         self._sizes: dict[int, int] = {}    # prompt key -> fewest blocks a request of it sent
-        self._sizes_total = 0               # their sum
         self._requests = 0.0                # decayed requests, every prompt
-        self._moved: dict[int, Where] = {}  # prompt key -> its published home
-        self._placed: dict[int, Where] = {}  # prompt key -> where its first request went, unpublished
-        # Since the last round: each instance's work and the room its prompts take, with the
-        # requests and new prompts seen since added, for naming the new prompts' home.
-        self._candidates: list[Candidate] = []
-        self._work: dict[Where, float] = {}
-        self._taken: dict[Where, float] = {}
+        self._moved: dict[int, Where] = {}  # prompt key -> its home, where not its rendezvous one
         self._decayed_at: float | None = None
         self._next_round = 0.0
-        self.stats = {"moves": 0, "published": 0, "placed": 0}
+        self.stats = {"moves": 0, "published": 0}
 
     def adopt(self) -> int:
         """A restarted sidecar keeps the homes the previous one published, each prompt at the
@@ -117,68 +96,36 @@ class PromptHomes:
         return len(self._moved)
 
     def observe(self, event: Event) -> None:
-        """A PREFIX event; the one that names its prompt counts toward the prompt's rate and its
-        home's work, and a prompt not seen before is placed where it went."""
+        """A PREFIX event; the one that names its prompt counts toward the prompt's rate."""
         blocks = event.request_key
         if blocks:
             key = residency(event).key_0
-            if key not in self._rates:
-                self._placed[key] = (event.slot, event.generation)
-                self._taken[self._placed[key]] = self._taken.get(self._placed[key], 0.0) + blocks
-                self.stats["placed"] += 1
             self._rates[key] = self._rates.get(key, 0.0) + blocks
-            size = self._sizes.get(key, 0)
-            if not size or blocks < size:
-                self._sizes[key] = blocks
-                self._sizes_total += blocks - size
+            self._sizes[key] = min(blocks, self._sizes.get(key, blocks))
             self._requests += 1.0
-            home = self._moved.get(key) or self._placed.get(key)
-            if home is not None:
-                self._work[home] = self._work.get(home, 0.0) + blocks
 
     def tick(self, now: float, candidates_now: Callable[[], Sequence[Candidate]]) -> None:
-        """Name the new prompts' home; and a round, once ROUND_S has passed since the last:
-        decay, forget, publish the placed prompts that came back, move prompts one at a time
-        while a move brings the work closer to the shares (at most MOVES_A_ROUND)."""
-        if now >= self._next_round:
-            self._round(now, list(candidates_now()))
-        self._writer.point_new_prompts(self._new_home())
-
-    def _round(self, now: float, candidates: list[Candidate]) -> None:
+        """A round, once ROUND_S has passed since the last: decay, forget, move prompts one at
+        a time while a move brings the work closer to the shares (at most MOVES_A_ROUND)."""
+        if now < self._next_round:
+            return
         self._next_round = now + ROUND_S
         self._decay(now)
+        candidates = candidates_now()
         live = {c.where for c in candidates}
         changed = self._forget(live)
-        if len(candidates) > 1:
-            changed |= self._publish_placed()
-            if self._requests >= MIN_REQUESTS:
-                for _ in range(MOVES_A_ROUND):
-                    if not self._move_one(candidates):
-                        break
-                    changed = True
+        if len(candidates) > 1 and self._requests >= MIN_REQUESTS:
+            for _ in range(MOVES_A_ROUND):
+                if not self._move_one(candidates):
+                    break
+                changed = True
         if changed:
             self._writer.publish(self._moved)
             self.stats["published"] += 1
-        self._candidates = candidates
-        split = self._split(candidates)
-        self._work = {c.where: split.load[n] for n, c in enumerate(candidates)}
-        self._taken = {c.where: split.footprint[n] for n, c in enumerate(candidates)}
 
     def describe(self) -> dict[str, Any]:
-        new_home = self._new_home()
-        return {**self.stats, "prompts": len(self._rates), "homes": len(self._moved),
-                "requests_decayed": round(self._requests, 1),
-                "new_home": None if new_home is None else list(new_home)}
-
-    def _new_home(self) -> Where | None:
-        """The instance whose prompts draw the least work for its share, among those with room
-        for one more prompt (all, if none has); None with fewer than two instances."""
-        candidates = self._candidates
-        if not self._place_new or len(candidates) < 2:
-            return None
-        blocks = self._sizes_total / len(self._sizes) if self._sizes else 1.0  # a prompt's, on average
-        roomy = [c for c in candidates if self._taken.get(c.where, 0.0) + blocks <= self._room(c)]
-        return min(roomy or candidates, key=lambda c: self._work.get(c.where, 0.0) / c.speed).where
+        return {**self.stats, "prompts": len(self._rates), "moved": len(self._moved),
+                "requests_decayed": round(self._requests, 1)}
 
     # --- a round ------------------------------------------------------------------------------
     def _decay(self, now: float) -> None:
@@ -193,26 +140,17 @@ class PromptHomes:
         rates = self._rates
         for key in [k for k, rate in rates.items() if rate < FORGET_BELOW]:
             del rates[key]
-            self._sizes_total -= self._sizes.pop(key, 0)
+            self._sizes.pop(key, None)
         gone = [key for key, where in self._moved.items() if key not in rates or where not in live]
         for key in gone:
             del self._moved[key]
-        for key in [k for k, where in self._placed.items() if k not in rates or where not in live]:
-            del self._placed[key]
         return bool(gone)
-
-    def _publish_placed(self) -> bool:
-        """Publish the placed prompts that came back (more than one request's blocks), while the
-        table has room; True if any was."""
-        came_back = [key for key in self._placed if self._rates[key] > self._sizes[key]]
-        for key in came_back[:max(0, HOME_ENTRIES - len(self._moved))]:
-            self._moved[key] = self._placed.pop(key)
-        return bool(came_back)
 
     def _split(self, candidates: Sequence[Candidate]) -> _Split:
         names = [c.instance_id for c in candidates]
         index_of = {c.where: n for n, c in enumerate(candidates)}
-        homes = {key: self._home_index(key, index_of, names) for key in self._rates}
+        homes = {key: index_of[self._moved[key]] if key in self._moved else rendezvous_home(key, names)
+                 for key in self._rates}
         load = [0.0] * len(candidates)
         footprint = [0.0] * len(candidates)
         for key, n in homes.items():
@@ -220,11 +158,6 @@ class PromptHomes:
             footprint[n] += self._footprint(key)
         total_speed, total = sum(c.speed for c in candidates), sum(load)
         return _Split(homes, load, [c.speed / total_speed * total for c in candidates], footprint)
-
-    def _home_index(self, key: int, index_of: dict[Where, int], names: list[str]) -> int:
-        """A prompt's home among the candidates: published, else placed, else rendezvous."""
-        where = self._moved.get(key) or self._placed.get(key)
-        return index_of[where] if where in index_of else rendezvous_home(key, names)
 
     def _room(self, candidate: Candidate) -> float:
         """The prompt blocks the candidate's cache keeps: its capacity less a block a slot."""
@@ -247,13 +180,12 @@ class PromptHomes:
         move = move or self._evening(split, room)
         if move is None:
             return False
-        # Published wherever it goes, its rendezvous home too: unpublished, a prompt's home is
-        # where it is held, and it is still held where it was.
-        published = {key: candidates[to].where for key, to in move}
+        names = [c.instance_id for c in candidates]
+        published = {key: candidates[to].where for key, to in move if rendezvous_home(key, names) != to}
         if len(self._moved.keys() | published.keys()) > HOME_ENTRIES:
             return False  # the table is full: the rest keep their homes
-        for key in published:
-            self._placed.pop(key, None)
+        for key, _ in move:
+            self._moved.pop(key, None)
         self._moved.update(published)
         self.stats["moves"] += 1
         return True

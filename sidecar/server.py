@@ -70,8 +70,7 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     registry.on_resident_keys.append(
         lambda record, kids: affinity.report(record.slot, record.generation, map(knowledge_key, kids)))
     homes = PromptHomes(seg, settings.affinity_home_halflife_s, settings.affinity_home_tolerance,
-                       settings.affinity_block_tokens,
-                       place_new=settings.affinity_new_prompt_home == "lightest")
+                       settings.affinity_block_tokens)
     if not seg.created and homes.adopt():
         log.info("kept the prompt homes of the previous sidecar")
     pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step,

@@ -17,7 +17,6 @@ from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader
 from shm_schema.events import EventReader
-from shm_schema.homes import HomeWriter
 from sidecar.affinity import AffinityModels
 from tests.harness import wait_until
 from tests.shm_helpers import fresh_segment
@@ -283,37 +282,13 @@ def test_a_prompt_has_one_home_every_worker_names_the_same_and_away_from_it_pays
         assert unpriced[home].home_blocks == 0 and not any(a.displace_ms for a in unpriced)
         homes.append(home)
     assert len(set(homes)) > 1  # prompts spread over the instances
-    # Held elsewhere (here: a claim) with no home published: where it is held is its home (where
-    # its first request went); its rendezvous home pays the displacement.
+    # Another instance comes to hold the prompt (here: a claim): the home keeps its credit, and
+    # the holder away from it holds the blocks (its prefill skips them) but pays the displacement.
     plain = prompts[0]
     elsewhere = (homes[0] + 1) % 3
     one.claim(plain, instances[elsewhere], one.assess(plain, instances)[elsewhere])
-    held = one.assess(plain, instances)
-    assert held[elsewhere].pending_blocks == 4 and held[elsewhere].displace_ms == 0.0
-    assert held[homes[0]].home_blocks == 0 and held[homes[0]].displace_ms > 0
-    # A published home keeps its credit, and the holder away from it holds the blocks (its
-    # prefill skips them) but pays the displacement.
-    first_block = one.prefix_of(plain)[0]
-    HomeWriter(segment).publish({first_block: (instances[homes[0]].slot, instances[homes[0]].generation)})
     held = one.assess(plain, instances)
     assert held[homes[0]].home_blocks == 4 and held[homes[0]].displace_ms == 0.0
     assert held[elsewhere].pending_blocks == 4 and held[elsewhere].home_blocks == 0
     assert held[elsewhere].held_tokens == plain.prompt_tokens and held[elsewhere].displace_ms > 0
     assert held[elsewhere].prefill_ms == held[homes[0]].prefill_ms
-
-
-def test_a_prompt_held_nowhere_goes_to_the_home_the_sidecar_names_for_new_prompts(segment):
-    directory = DirectoryWriter(segment)
-    for port in (9001, 9002, 9003):
-        directory.allocate(f"i{port}", "127.0.0.1", port)
-    instances = read_all(segment)
-    scorer = _scorer(segment)
-    prompts = [recover(Endpoint.COMPLETIONS, b'{"prompt":"' + bytes([65 + n]) * 1024 + b'"}') for n in range(12)]
-    named = instances[1]
-    HomeWriter(segment).point_new_prompts((named.slot, named.generation))
-    assert {next(i for i, a in enumerate(scorer.assess(p, instances)) if a.home_blocks) for p in prompts} == {1}
-    # Among the candidates of a request that cannot go there: its rendezvous home.
-    others = [instances[0], instances[2]]
-    assert {next(i for i, a in enumerate(scorer.assess(p, others)) if a.home_blocks) for p in prompts} == {0, 1}
-    HomeWriter(segment).point_new_prompts(None)
-    assert len({next(i for i, a in enumerate(scorer.assess(p, instances)) if a.home_blocks) for p in prompts}) > 1

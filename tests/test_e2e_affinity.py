@@ -475,59 +475,16 @@ def _system_prompts_homed_on(instance_id: str, ids: list[str], count: int) -> li
     raise AssertionError("no prompts homed there")
 
 
-RENDEZVOUS_PLACED = {**KV_AWARE, "PROXY_AFFINITY_NEW_PROMPT_HOME": "rendezvous"}
-
-
-def _prompt_homes(cluster) -> dict[str, Any]:
-    return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]
-
-
 def _homes_moved(cluster) -> int:
-    """How many times the sidecar moved prompts' homes (a swap of two homes is one)."""
-    return _prompt_homes(cluster)["moves"]
-
-
-def _homes_seen_by_workers(cluster, system: str) -> dict[int, list[str]]:
-    """Per worker: the instances where the prompt pays no displacement (its home)."""
-    return {w: [iid for iid, row in affinity_rows(cluster, w, prompt=f"<|system|>{system}<|user|>x").items()
-                if row["displace_ms"] == 0] for w in range(cluster.workers)}
-
-
-def test_a_new_prompt_goes_to_the_instance_whose_prompts_draw_the_least_work(make_cluster):
-    """The first prompt's requests all go to one instance; a second prompt whose rendezvous home
-    is that same instance goes to the other, the one the sidecar names for new prompts, and
-    stays there for every worker: first as where it is held, then as its published home."""
-    cluster = make_cluster(workers=4, env=KV_AWARE)
-    a, b = (cluster.add_instance("--prefix-caching") for _ in range(2))
-    ids = [a.instance_id, b.instance_id]
-    wait_until(lambda: _prompt_homes(cluster)["new_home"] is not None, 10, message="a home named for new prompts")
-    first = "Corpus first. " + SYSTEM
-
-    def body(system: str, n: int) -> dict[str, Any]:
-        return {"model": "sim", "stream": False, "max_tokens": 2,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
-
-    busy = {served_by(cluster, body(first, n)) for n in range(6)}
-    assert len(busy) == 1, busy
-    busy_id = busy.pop()
-    idle = b.instance_id if busy_id == a.instance_id else a.instance_id
-    second = _system_prompts_homed_on(busy_id, ids, 1)[0]  # rendezvous would send it there
-    wait_until(lambda: _prompt_homes(cluster)["placed"] == 1, 10, message="the sidecar saw the first prompt")
-    assert served_by(cluster, body(second, 100)) == idle
-    assert {served_by(cluster, body(second, 101 + n)) for n in range(4)} == {idle}
-    assert _homes_seen_by_workers(cluster, second) == {w: [idle] for w in range(cluster.workers)}
-    # Both came back: their homes are published, and none moved.
-    wait_until(lambda: _prompt_homes(cluster)["homes"] == 2, 10, message="the placed prompts' homes published")
-    assert _homes_moved(cluster) == 0
-    assert _homes_seen_by_workers(cluster, second) == {w: [idle] for w in range(cluster.workers)}
+    """How many prompts the sidecar homes away from their rendezvous home now."""
+    return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
 
 
 def test_prompts_whose_home_cache_cannot_hold_them_move_to_an_instance_that_can(make_cluster):
     """Two equally popular prompts homed on each instance, so by their traffic nothing would
     move; but `a` registers a KV capacity that holds less than one of them beside a block for
-    each of its 4 slots. The sidecar moves both of a's prompts to `b`, and no more. (New prompts
-    go to their rendezvous home: placing them would balance them before any move.)"""
-    cluster = make_cluster(workers=2, env=RENDEZVOUS_PLACED)
+    each of its 4 slots. The sidecar moves both of a's prompts to `b`, and no more."""
+    cluster = make_cluster(workers=2, env=KV_AWARE)
     # Every prompt of _system_prompts_homed_on sends as many blocks as this one.
     blocks = len(prefix_keys(f"<|system|>Corpus 100. {SYSTEM}<|user|>q0", 64, 32))
     a = cluster.add_instance("--prefix-caching", "--max-concurrency", "4",
@@ -553,7 +510,7 @@ def test_prompts_whose_home_cache_cannot_hold_them_move_to_an_instance_that_can(
 def test_the_sidecar_moves_a_prompt_home_off_the_instance_its_prompts_overload(make_cluster):
     """Three equally popular prompts whose rendezvous home is one instance: the sidecar moves one
     of them (two would overload the other instance) and every worker sends it to its new home."""
-    cluster = make_cluster(workers=2, env=RENDEZVOUS_PLACED)
+    cluster = make_cluster(workers=2, env=KV_AWARE)
     a, b = (cluster.add_instance("--prefix-caching") for _ in range(2))
     prompts = _system_prompts_homed_on(a.instance_id, [a.instance_id, b.instance_id], 3)
 
@@ -565,7 +522,10 @@ def test_the_sidecar_moves_a_prompt_home_off_the_instance_its_prompts_overload(m
     wait_until(lambda: _homes_moved(cluster) == 1, 10, message="one prompt moved")
     time.sleep(2.5)  # more rounds move nothing more: a second move would overload b
     assert _homes_moved(cluster) == 1
-    homes = {system: _homes_seen_by_workers(cluster, system) for system in prompts}
+    # A prompt's home is where it pays no displacement.
+    homes = {system: {w: [iid for iid, row in affinity_rows(
+        cluster, w, prompt=f"<|system|>{system}<|user|>x").items() if row["displace_ms"] == 0]
+        for w in range(cluster.workers)} for system in prompts}
     at_b = [system for system, seen in homes.items() if seen == {0: [b.instance_id], 1: [b.instance_id]}]
     assert len(at_b) == 1, homes
     assert all(seen == {0: [a.instance_id], 1: [a.instance_id]} for system, seen in homes.items()

@@ -27,12 +27,9 @@ def keys_homed_on(candidate: Candidate, count: int) -> list[int]:
     return keys[:count]
 
 
-def named(key: int, blocks: int = 7, where: tuple[int, int] | None = None) -> Event:
-    """The PREFIX event that names a prompt (its first block) and says how many blocks were sent
-    to `where` (by default the prompt's rendezvous home among a and b)."""
-    names = [A.instance_id, B.instance_id]
-    slot, generation = where or (A, B)[rendezvous_home(key, names)].where
-    return Event(EventKind.PREFIX, 1, blocks, slot, generation, 0, service_us=key)
+def named(key: int, blocks: int = 7) -> Event:
+    """The PREFIX event that names a prompt (its first block) and says how many blocks were sent."""
+    return Event(EventKind.PREFIX, 1, blocks, 0, 1, 0, service_us=key)
 
 
 def homes_over(seg, tolerance: float = 0.1, halflife_s: float = 20) -> PromptHomes:
@@ -119,11 +116,11 @@ def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_droppe
     requests = dict.fromkeys(keys_homed_on(A, 2), 30)
     homes = homes_over(seg, halflife_s=1)
     now = run(homes, requests, rounds=1)
-    assert sorted(HomeReader(seg).homes().values()) == [A.where, B.where]  # one moved to b
+    assert len(HomeReader(seg).homes()) == 1
     homes.tick(now, lambda: [A])  # b left
-    assert list(HomeReader(seg).homes().values()) == [A.where]
+    assert HomeReader(seg).homes() == {}
     now = run(homes, requests, rounds=1, start=now + ROUND_S)
-    assert sorted(HomeReader(seg).homes().values()) == [A.where, B.where]
+    assert len(HomeReader(seg).homes()) == 1
     homes.tick(now + 20, lambda: [A, B])  # silent for 20 half-lives: forgotten
     assert HomeReader(seg).homes() == {} and homes.describe()["prompts"] == 0
 
@@ -180,85 +177,8 @@ def test_a_restarted_sidecar_keeps_the_published_homes(seg) -> None:
     run(homes_over(seg), requests, rounds=1)
     published = HomeReader(seg).homes()
     again = homes_over(seg)
-    assert again.adopt() == 2
+    assert again.adopt() == 1
     again.tick(200.0, lambda: [A, B])  # a round before any request: the homes stay
     assert HomeReader(seg).homes() == published
     run(again, requests, rounds=3, start=201.0)
     assert HomeReader(seg).homes() == published and again.stats["moves"] == 0
-
-
-# --- the new prompts' home ------------------------------------------------------------------------
-def new_home(seg) -> tuple[int, int] | None:
-    return HomeReader(seg).new_home()
-
-
-def test_new_prompts_go_where_the_prompts_draw_the_least_work_as_soon_as_requests_say_so(seg) -> None:
-    homes = homes_over(seg)
-    homes.tick(100.0, lambda: [A, B])  # a round: the candidates, no work yet
-    assert new_home(seg) == A.where
-    first, second = keys_homed_on(A, 2)  # rendezvous would home both on a
-    for _ in range(3):
-        homes.observe(named(first, where=A.where))
-    homes.tick(100.01, lambda: [A, B])  # no round: the requests seen since count at once
-    assert new_home(seg) == B.where
-    homes.observe(named(second, where=B.where))  # placed on b: 7 blocks against a's 21
-    homes.tick(100.02, lambda: [A, B])
-    assert new_home(seg) == B.where
-    for _ in range(3):
-        homes.observe(named(second, where=A.where))  # its home is b, wherever a request went
-    homes.tick(100.03, lambda: [A, B])
-    assert new_home(seg) == A.where and homes.describe()["placed"] == 2
-    homes.tick(101.0, lambda: [A, B])  # a round counts the same work from the rates
-    assert new_home(seg) == A.where
-
-
-def test_the_new_prompts_home_weighs_speed_and_room(seg) -> None:
-    fast_b = B._replace(speed=3.0)
-    homes = homes_over(seg)
-    homes.tick(100.0, lambda: [A, fast_b])
-    keys = keys_homed_on(A, 10)
-    homes.observe(named(keys[0], where=A.where))
-    homes.observe(named(keys[1], where=B.where))
-    homes.observe(named(keys[1], where=B.where))
-    homes.tick(100.01, lambda: [A, fast_b])
-    assert new_home(seg) == B.where  # twice a's work, at three times its speed
-    # Eight prompts that came back fill b's room (60 blocks of 7-block prompts): a new prompt
-    # goes to a, however much more work a's prompts draw.
-    roomy = homes_over(seg)
-    roomy.tick(100.0, lambda: [A_KV, B_KV])
-    for key in keys[2:10]:
-        for _ in range(3):
-            roomy.observe(named(key, where=B.where))
-    for _ in range(40):
-        roomy.observe(named(keys[0], where=A.where))
-    roomy.tick(100.01, lambda: [A_KV, B_KV])  # placed since the round: their room counts at once
-    assert new_home(seg) == A.where
-    roomy.tick(101.0, lambda: [A_KV, B_KV])  # a round: they came back
-    assert new_home(seg) == A.where
-
-
-def test_no_new_prompts_home_with_one_instance_or_when_rendezvous_places_them(seg) -> None:
-    homes = homes_over(seg)
-    homes.tick(100.0, lambda: [A])
-    assert new_home(seg) is None
-    homes.tick(101.0, lambda: [A, B])
-    assert new_home(seg) == A.where
-    rendezvous = PromptHomes(seg, halflife_s=20, tolerance=0.1, block_tokens=128, place_new=False)
-    rendezvous.tick(100.0, lambda: [A, B])  # a restarted sidecar stores its own word
-    assert new_home(seg) is None and rendezvous.describe()["new_home"] is None
-
-
-def test_where_a_prompt_was_placed_is_published_once_it_came_back_a_one_off_never(seg) -> None:
-    homes = homes_over(seg, tolerance=10.0)  # no move for the work: only placements publish
-    homes.tick(100.0, lambda: [A, B])
-    regular, once, at_home = keys_homed_on(A, 3)
-    homes.observe(named(regular, where=B.where))
-    homes.observe(named(once, where=B.where))
-    homes.observe(named(at_home, where=A.where))
-    homes.tick(101.0, lambda: [A, B])
-    assert HomeReader(seg).homes() == {}  # none came back yet
-    homes.observe(named(regular, where=B.where))
-    homes.observe(named(at_home, where=A.where))
-    homes.tick(102.0, lambda: [A, B])
-    assert HomeReader(seg).homes() == {regular: B.where, at_home: A.where}
-    assert work_on(seg, {regular: 2, once: 1, at_home: 2}) == {"inst-a": 3, "inst-b": 2}
