@@ -12,7 +12,6 @@ stalls mid-way). None of them is the original's 6-hour total.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable
 
 import aiohttp
@@ -90,11 +89,10 @@ class Upstream:
         The first-byte bound is the connection's own lazy timer (Http1Connection.request: no
         asyncio.timeout, no timer per request); only a new connection's connect has its own."""
         settings = self._settings
-        deadline = asyncio.get_running_loop().time() + settings.upstream_first_byte_timeout_s
         request = b"%s%s%s%d\r\n\r\n%s" % (self._line(path, host, port), headers, self._own,
                                              len(body), body)
         try:
-            return await self._pool.send(host, port, request, deadline,
+            return await self._pool.send(host, port, request, settings.upstream_first_byte_timeout_s,
                                          min(settings.upstream_connect_timeout_s,
                                              settings.upstream_first_byte_timeout_s))
         except ConnectFailed as exc:

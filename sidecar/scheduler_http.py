@@ -55,10 +55,9 @@ class SchedulerHttp:
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         request = b"%s%s%d\r\n\r\n%s" % (request_line(self._prefix + path, self._host, self._port),
                                          self._headers, len(body), body)
-        head_due = asyncio.get_running_loop().time() + self._timeout_s
         async with asyncio.timeout(self._timeout_s):
             try:
-                response = await self._pool.send(self._host, self._port, request, head_due,
+                response = await self._pool.send(self._host, self._port, request, self._timeout_s,
                                                  self._timeout_s)
             except HeadTimeout:  # the same bound as the timeout around it, whichever fires first
                 raise TimeoutError from None

@@ -247,6 +247,7 @@ class _Cycle:
         self.method, self.path, self.headers = "POST", "/v1/chat/completions", []
         self.disconnected, self.started, self.complete = False, False, False
         self.on_disconnect = None
+        self.task = None  # no server task: the exchange takes the current one
         self.status = 0
         self.sent: list[bytes] = []
         self._body = body

@@ -411,10 +411,10 @@ class Http1Pool:
         self._idle: dict[tuple[str, int], list[Http1Connection]] = {}
         self.resent = 0  # requests sent again after the keep-alive race (`send`)
 
-    async def send(self, host: str, port: int, request: bytes, head_due: float,
+    async def send(self, host: str, port: int, request: bytes, head_timeout_s: float,
                    connect_timeout_s: float) -> UpstreamResponse:
         """Send `request` (complete bytes) on an idle connection, else a new one, and return
-        the response once its head has arrived (by `head_due`, loop time).
+        the response once its head has arrived (within `head_timeout_s` of its first sending).
 
         The keep-alive race: the peer may close an idle connection just as a request goes out
         on it. A reused connection closed or reset before any byte of the answer was closed
@@ -422,6 +422,7 @@ class Http1Pool:
         started, or that fails on a new connection, is never sent again.
         Raises ConnectFailed, HeadTimeout, or OSError (closed or reset before the head)."""
         conn = await self.acquire(host, port, connect_timeout_s)
+        head_due = conn.loop.time() + head_timeout_s
         while True:
             response = conn.request(request, head_due)
             try:
@@ -442,17 +443,17 @@ class Http1Pool:
                       fresh: bool = False) -> Http1Connection:
         """An idle connection (unless `fresh`), else a new one; ConnectFailed if there is none."""
         key = (host, port)
-        loop = asyncio.get_running_loop()
         idle = None if fresh else self._idle.get(key)
-        if idle:
-            oldest_ok = loop.time() - self._keepalive_s
-            while idle:
-                conn = idle.pop()
-                transport = conn.transport
-                if not conn.closed and conn.idle_since >= oldest_ok \
-                        and transport is not None and not transport.is_closing():
-                    return conn
-                conn.close()
+        while idle:
+            conn = idle.pop()
+            transport = conn.transport
+            if not conn.closed and conn.loop.time() - conn.idle_since <= self._keepalive_s \
+                    and transport is not None and not transport.is_closing():
+                return conn
+            conn.close()
+        # Only for a new connection: on CPython 3.11 every get_running_loop() is a getpid()
+        # syscall, which a request on a kept-alive connection does without.
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: Http1Connection(self, key, loop),

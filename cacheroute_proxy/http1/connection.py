@@ -209,7 +209,7 @@ class Connection(asyncio.Protocol):
     # --- running requests -------------------------------------------------------------------------
     def _run(self, cycle: Cycle) -> None:
         self.cycle = cycle
-        task = self.loop.create_task(self._call_app(cycle))
+        task = cycle.task = self.loop.create_task(self._call_app(cycle))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
