@@ -32,6 +32,11 @@ class Outcome:
     predicted_ttft_ms: float | None = None
     error: str | None = None
     system: int | None = None  # the request's system prompt
+    # This proxy's own account (cacheroute_meta.trace), in whole ms: from the request reaching a
+    # worker to its forward; from the client's send to the worker's receipt plus from the
+    # instance's first chunk at the worker to the client (the client's TTFT less the worker's).
+    before_forward_ms: int | None = None
+    outside_ms: float | None = None
 
 
 async def _one(session: aiohttp.ClientSession, url: str, request: Planned, request_body: dict[str, Any],
@@ -40,7 +45,9 @@ async def _one(session: aiohttp.ClientSession, url: str, request: Planned, reque
     choice = kv_aware_choice(streamed.meta)
     outcome = Outcome(streamed.ttft_ms, None if streamed.ended_at is None else streamed.ended_at - begin,
                       streamed.instance, choice.guard, choice.saved_ms, choice.predicted_ttft_ms,
-                      streamed.error, request.system)
+                      streamed.error, request.system, choice.before_forward_ms,
+                      None if streamed.ttft_ms is None or choice.proxy_ttft_ms is None
+                      else streamed.ttft_ms - choice.proxy_ttft_ms)
     if outcome.error is None and not streamed.finished:
         outcome.error = "stream ended without [DONE]"
     if streamed.meta is not None:

@@ -65,15 +65,21 @@ def meta_of(stream: bytes) -> dict[str, Any] | None:
 
 
 class KvAwareChoice(NamedTuple):
-    """What kv_aware said of its choice in `cacheroute_meta.trace` (all None for another
-    strategy): the balance guard fired, what the chosen instance's holding saved of the
-    predicted TTFT, and that prediction."""
+    """What this proxy said of a request in `cacheroute_meta.trace` (all None for a peer):
+    kv_aware's balance guard fired, what the chosen instance's holding saved of the predicted
+    TTFT, and that prediction; the milliseconds from the request reaching the worker to its
+    forward, and to the instance's first chunk (whole milliseconds of the worker's clock)."""
     guard: bool | None = None
     saved_ms: float | None = None
     predicted_ttft_ms: float | None = None
+    before_forward_ms: int | None = None
+    proxy_ttft_ms: int | None = None
 
 
 def kv_aware_choice(meta: dict[str, Any] | None) -> KvAwareChoice:
     trace = (meta or {}).get("trace") or {}
+    received, forwarded = trace.get("proxy_recv_ms"), trace.get("forward_start_ms")
     return KvAwareChoice(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
-                         trace.get("route_predicted_ttft_ms"))
+                         trace.get("route_predicted_ttft_ms"),
+                         None if received is None or forwarded is None else forwarded - received,
+                         trace.get("actual_ttft_ms"))
