@@ -56,7 +56,7 @@ from bench.harness.processes import wait_for
 from bench.harness.results import machine_info, run_record, utc_now, write_report
 from bench.harness.stats import percentile
 from bench.harness.arrivals import closed_loop, open_loop
-from bench.harness.streamed import kv_aware_choice, stream_chat
+from bench.harness.streamed import proxy_account, stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
 
 SYSTEM_PROMPTS = 4
@@ -184,9 +184,9 @@ class Outcome:
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], knowledge: bool) -> Outcome:
     streamed = await stream_chat(session, url, body)
-    choice = kv_aware_choice(streamed.meta)
-    outcome = Outcome(knowledge, streamed.ttft_ms, streamed.instance, guard=choice.guard,
-                      saved_ms=choice.saved_ms, ended_at=streamed.ended_at, error=streamed.error)
+    account = proxy_account(streamed.meta)
+    outcome = Outcome(knowledge, streamed.ttft_ms, streamed.instance, guard=account.guard,
+                      saved_ms=account.saved_ms, ended_at=streamed.ended_at, error=streamed.error)
     meta = streamed.meta
     if meta is not None:
         outcome.kv_ready = len(meta.get("kv_ready_kids") or [])

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from bench.harness import arrivals
-from bench.harness.streamed import kv_aware_choice, stream_chat
+from bench.harness.streamed import proxy_account, stream_chat
 
 from .workload import Planned, body
 
@@ -42,12 +42,12 @@ class Outcome:
 async def _one(session: aiohttp.ClientSession, url: str, request: Planned, request_body: dict[str, Any],
                begin: float) -> Outcome:
     streamed = await stream_chat(session, url, request_body)
-    choice = kv_aware_choice(streamed.meta)
+    account = proxy_account(streamed.meta)
     outcome = Outcome(streamed.ttft_ms, None if streamed.ended_at is None else streamed.ended_at - begin,
-                      streamed.instance, choice.guard, choice.saved_ms, choice.predicted_ttft_ms,
-                      streamed.error, request.system, choice.before_forward_ms,
-                      None if streamed.ttft_ms is None or choice.proxy_ttft_ms is None
-                      else streamed.ttft_ms - choice.proxy_ttft_ms)
+                      streamed.instance, account.guard, account.saved_ms, account.predicted_ttft_ms,
+                      streamed.error, request.system, account.before_forward_ms,
+                      None if streamed.ttft_ms is None or account.proxy_ttft_ms is None
+                      else streamed.ttft_ms - account.proxy_ttft_ms)
     if outcome.error is None and not streamed.finished:
         outcome.error = "stream ended without [DONE]"
     if streamed.meta is not None:

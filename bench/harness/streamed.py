@@ -64,7 +64,7 @@ def meta_of(stream: bytes) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-class KvAwareChoice(NamedTuple):
+class ProxyAccount(NamedTuple):
     """What this proxy said of a request in `cacheroute_meta.trace` (all None for a peer):
     kv_aware's balance guard fired, what the chosen instance's holding saved of the predicted
     TTFT, and that prediction; the milliseconds from the request reaching the worker to its
@@ -76,10 +76,10 @@ class KvAwareChoice(NamedTuple):
     proxy_ttft_ms: int | None = None
 
 
-def kv_aware_choice(meta: dict[str, Any] | None) -> KvAwareChoice:
+def proxy_account(meta: dict[str, Any] | None) -> ProxyAccount:
     trace = (meta or {}).get("trace") or {}
     received, forwarded = trace.get("proxy_recv_ms"), trace.get("forward_start_ms")
-    return KvAwareChoice(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
+    return ProxyAccount(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
                          trace.get("route_predicted_ttft_ms"),
                          None if received is None or forwarded is None else forwarded - received,
                          trace.get("actual_ttft_ms"))
