@@ -47,7 +47,8 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 
 # The judged real-engine run (affinity_vllm.json) run again on the same tree, in order, and how
 # each one's title says so.
-REPEATS = {"affinity_vllm_repeat.json": "repeated", "affinity_vllm_repeat2.json": "a third time"}
+REPEATS = {"affinity_vllm_repeat.json": "repeated", "affinity_vllm_repeat2.json": "a third time",
+           "affinity_vllm_repeat3.json": "a fourth time"}
 
 
 def _repeated(results_dir: Path, name: str, data: dict[str, Any]) -> str:
