@@ -28,7 +28,8 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
                      f"`{num(failed['error'][-300:])}`")
     if data.get("runs"):
         parts.append("Each run, in the order run:\n\n" + table(
-            ["load", "#", "contender", "hit rate (per engine)", "TTFT p50 / p99; mean: client / engines (ms)",
+            ["load", "#", "contender", "hit rate (per engine)",
+             "TTFT p50 / p99; mean: client / engines; this proxy's mean before forwarding / outside the worker (ms)",
              "req/s", "errors", "share",
              "CPU (ms/request)", "kv_aware: guard fired; choices that saved (median ms); predicted TTFT p50",
              "KV events followed: blocks stored / removed",
@@ -179,10 +180,19 @@ def _run_row(run: dict[str, Any]) -> list[str]:
     hits = _rate(run.get("prefix_cache_hit_rate")) + (f" ({per_engine})" if per_engine else "")
     return [_share(run["load"]), num(run["order"] + 1), run["contender"], hits,
             "; ".join(filter(None, (f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}",
-                                    _client_engines(run.get("ttft_mean_ms"), run.get("engine_ttft_mean_ms"))))),
+                                    _client_engines(run.get("ttft_mean_ms"), run.get("engine_ttft_mean_ms")),
+                                    _in_the_proxy(run)))),
             num(run.get("completed_per_s")),
             num(run.get("error_count")), " / ".join(num(v) for v in run.get("share") or []), cpu, guard,
             _events(run), ", ".join(f"{call} ×{num(n)}" for call, n in extra.items()) or DASH]
+
+
+def _in_the_proxy(run: dict[str, Any]) -> str:
+    """This proxy's own account of a run's requests (its trace, whole ms): the mean time from a
+    worker receiving one to forwarding it, and outside the worker (the client's TTFT less the
+    worker's); "" for a peer, or a run that did not record it."""
+    before, outside = run.get("before_forward_mean_ms"), run.get("outside_worker_mean_ms")
+    return "" if before is None or outside is None else f"{num(before)} / {num(outside)}"
 
 
 def _events(run: dict[str, Any]) -> str:
