@@ -159,12 +159,13 @@ def _means(row: dict[str, Any]) -> str:
     """The client's mean TTFT beside the engines' own (medians over the runs): the difference is
     what the route in front of the engines added."""
     client, engines = ((row.get(key) or {}).get("median") for key in ("ttft_mean_ms", "engine_ttft_mean_ms"))
-    return _client_engines(client, engines) or DASH
+    return _pair(client, engines) or DASH
 
 
-def _client_engines(client: float | None, engines: float | None) -> str:
-    """"client / engines" mean TTFT; empty where the run did not read the engines' own."""
-    return "" if client is None or engines is None else f"{num(client)} / {num(engines)}"
+def _pair(first: float | None, second: float | None) -> str:
+    """"first / second"; empty where the run did not record both (the engines' own TTFT, this
+    proxy's account: older runs, and peers)."""
+    return "" if first is None or second is None else f"{num(first)} / {num(second)}"
 
 
 def _run_row(run: dict[str, Any]) -> list[str]:
@@ -180,19 +181,11 @@ def _run_row(run: dict[str, Any]) -> list[str]:
     hits = _rate(run.get("prefix_cache_hit_rate")) + (f" ({per_engine})" if per_engine else "")
     return [_share(run["load"]), num(run["order"] + 1), run["contender"], hits,
             "; ".join(filter(None, (f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}",
-                                    _client_engines(run.get("ttft_mean_ms"), run.get("engine_ttft_mean_ms")),
-                                    _in_the_proxy(run)))),
+                                    _pair(run.get("ttft_mean_ms"), run.get("engine_ttft_mean_ms")),
+                                    _pair(run.get("before_forward_mean_ms"), run.get("outside_worker_mean_ms"))))),
             num(run.get("completed_per_s")),
             num(run.get("error_count")), " / ".join(num(v) for v in run.get("share") or []), cpu, guard,
             _events(run), ", ".join(f"{call} ×{num(n)}" for call, n in extra.items()) or DASH]
-
-
-def _in_the_proxy(run: dict[str, Any]) -> str:
-    """This proxy's own account of a run's requests (its trace, whole ms): the mean time from a
-    worker receiving one to forwarding it, and outside the worker (the client's TTFT less the
-    worker's); "" for a peer, or a run that did not record it."""
-    before, outside = run.get("before_forward_mean_ms"), run.get("outside_worker_mean_ms")
-    return "" if before is None or outside is None else f"{num(before)} / {num(outside)}"
 
 
 def _events(run: dict[str, Any]) -> str:
