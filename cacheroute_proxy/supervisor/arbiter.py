@@ -146,8 +146,8 @@ class Arbiter:
         for group in (self.workers, [self.sidecar]):
             for child in group:
                 child.signal(signal.SIGTERM)
-            for child in group:
-                child.stop(self.stop_timeout_s)
+            for child in group:  # one SIGTERM each: a second tells a worker to cut its drain short
+                child.wait_or_kill(self.stop_timeout_s)
             if group is self.workers:  # and the old ones still draining from a rolling restart
                 stop_retired(self.retired, self.stop_timeout_s)
         if Segment.unlink(self.settings.shm_name):
