@@ -14,7 +14,8 @@ the last: a system prompt, a conversation's history) by a hash of their text, in
 their tokens and block chain are computed once, and only the rest of a prompt is tokenized, from
 a word boundary a margin before the splice, after a check that tokenizing from there gives the
 memo's own tokens (otherwise the whole prompt is tokenized). The keys are always those of the
-whole prompt.
+whole prompt. A worker routes on the memo's keys alone (`lead_keys`: no rendering, no
+tokenizing) and makes them exact just after the request is sent.
 
 Loaded from a model directory (PROXY_AFFINITY_TOKENIZER: `tokenizer.json`, and the chat
 template in `chat_template.jinja` or `tokenizer_config.json`), with the optional `engine-kv`
@@ -163,6 +164,17 @@ class EnginePrefix:
         if self._memo_entries <= 0 or len(rendered) < 2:
             return self._text_keys(prompt, False)
         return self._memo_keys(rendered, prompt)
+
+    def lead_keys(self, messages: Sequence[Any]) -> list[int] | None:
+        """The keys of the blocks this worker memoized for chat `messages`' leading messages,
+        with no rendering and no tokenizing: the leading part of what `chat_keys` gives, to route
+        on before the request is sent (`chat_keys` then makes them exact, and checks that the
+        prompt starts as memoized). None when no memo serves (chat_keys is needed now)."""
+        if self._memo_entries <= 0 or len(messages) < 2:
+            return None
+        rendered = _template_messages(messages)
+        lead = None if rendered is None else self._memo.get(_leading_hashes(rendered)[-1])
+        return list(lead.keys) if lead is not None and lead.keys else None
 
     def completion_keys(self, prompt: str) -> list[int]:
         return self._text_keys(prompt, True)

@@ -15,6 +15,7 @@ routing package imports nothing of a worker.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable, NamedTuple, Sequence
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
@@ -101,11 +102,47 @@ class AffinityScorer:
         self._engine_prefix = engine_prefix
 
     def prefix_of(self, request: ProxyRequest) -> list[int]:
-        """The request's prefix keys, hashed once (a retry reuses them)."""
+        """The request's prefix keys, hashed once (a retry reuses them). For a chat whose leading
+        messages this worker memoized, only theirs at first: tokenizing the rest waits until
+        the request is sent (`forwarding`)."""
         if request.prefix_keys is None:
-            request.prefix_keys = self._engine_keys(request) if self._engine_prefix is not None \
-                else self._own_keys(request)
+            request.prefix_keys = self._route_keys(request)
         return request.prefix_keys
+
+    def _route_keys(self, request: ProxyRequest) -> list[int]:
+        engine = self._engine_prefix
+        if engine is None:
+            return self._own_keys(request)
+        if request.endpoint is Endpoint.CHAT and request.source == "openai" and request.parsed_prompt:
+            lead = engine.lead_keys(request.parsed_prompt)
+            if lead is not None:
+                request.prefix_exact = False
+                return lead
+        return self._engine_keys(request)
+
+    def forwarding(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None) -> None:
+        """The request is being sent to `instance`, which will hold its prompt's blocks (the
+        PREFIX event). Keys that are only the leading messages' are made exact first, in a
+        callback that runs once the request is out and its answer awaited: the tokenizing then
+        delays no request's send."""
+        if request.prefix_exact:
+            self.index.forwarded(instance, request.prefix_keys or (), self._settings.affinity_block_tokens)
+        else:
+            asyncio.get_running_loop().call_soon(self._forwarded_exact, instance, request, claim)
+
+    def acknowledged(self, instance: InstanceSlot, request: ProxyRequest, kids: Sequence[str]) -> None:
+        """The instance acknowledged (or already held) the KV of these knowledge ids."""
+        spec = request.knowledge
+        if kids and spec is not None:
+            self.index.acknowledged(instance, [knowledge_key(k) for k in kids],
+                                    spec.knowledge_tokens // max(1, len(spec.knowledge_ids)))
+
+    def _forwarded_exact(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None) -> None:
+        request.prefix_keys, request.prefix_exact = self._engine_keys(request), True
+        if claim is not None:
+            held = self.index.residency(instance).prefix
+            claim.amend([key for key in request.prefix_keys if key not in held])
+        self.forwarding(instance, request, claim)
 
     def _own_keys(self, request: ProxyRequest) -> list[int]:
         text = rendered_prompt(request)
@@ -221,22 +258,20 @@ class AffinityScorer:
     def claim(self, request: ProxyRequest, instance: InstanceSlot,
               assessment: Assessment) -> Claim | None:
         """Record choosing `instance` as pending residency of what the request will make
-        resident there and the index does not confirm yet; None if that is nothing."""
+        resident there and the index does not confirm yet; None if that is nothing (and no
+        exact prefix keys are still to come)."""
         spec = request.knowledge
         knowledge: dict[str, int] = {}
         if spec is not None and spec.wanted and spec.injection_type == "kvcache" \
                 and instance.kv_inject != layout.KV_INJECT_NO:
             knowledge = {kid: knowledge_key(kid) for kid in spec.knowledge_ids
                          if kid not in assessment.resident_kids}
-        held = self.index.residency(instance).prefix
-        prefix = () if knowledge else tuple(k for k in self.prefix_of(request) if k not in held)
-        if not knowledge and not prefix:
-            return None
         tokens_each = spec.knowledge_tokens // max(1, len(spec.knowledge_ids)) if knowledge else 0  # type: ignore[union-attr]
-        claim = Claim(self.index, instance, knowledge, tokens_each, prefix,
-                      self._settings.affinity_block_tokens)
-        claim.id = self.index.claim(instance, claim.groups(knowledge.values(), prefix))
-        return claim
+        claim = Claim(self.index, instance, knowledge, tokens_each, self._settings.affinity_block_tokens)
+        if not knowledge:
+            held = self.index.residency(instance).prefix
+            claim.add_prefix([k for k in self.prefix_of(request) if k not in held])
+        return None if claim.empty and request.prefix_exact else claim
 
     def report(self, request: ProxyRequest, instance: InstanceSlot, assessment: Assessment,
                prediction: Prediction) -> dict[str, Any]:

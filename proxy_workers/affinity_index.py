@@ -25,7 +25,6 @@ import itertools
 from collections import OrderedDict
 from typing import Any, NamedTuple, Protocol, Sequence
 
-from cacheroute_proxy.affinity_keys import knowledge_key
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot, Segment
@@ -35,7 +34,6 @@ from shm_schema.homes import HomeReader
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM
 
 from .event_channel import EventChannelWriter
-from .request_model import ProxyRequest
 
 Where = tuple[int, int, int]  # (slot, generation, kind)
 PRUNE_EVERY_US = 1_000_000
@@ -250,31 +248,49 @@ def make_index(settings: Settings, seg: Segment, events: EventChannelWriter) -> 
 class Claim:
     """A request's routing decision, pending residency on its instance for every worker until the
     index confirms it. What the attempt does not make resident -- knowledge whose inject was not
-    acknowledged, a prompt the instance did not take -- is withdrawn when its lease ends."""
+    acknowledged, a prompt the instance did not take -- is withdrawn when its lease ends.
 
-    __slots__ = ("id", "_index", "_instance", "_knowledge", "_tokens_each", "_prefix",
-                 "_block_tokens", "_kept_kids", "_prefix_kept", "_settled")
+    A chat routed on its memoized leading blocks alone (ProxyRequest.prefix_exact) claims those
+    at once and the rest when `amend` hears the exact keys, just after the send."""
+
+    __slots__ = ("_index", "_instance", "_knowledge", "_knowledge_claim", "_tokens_each",
+                 "_block_tokens", "_prefix", "_kept_kids", "_prefix_kept", "_settled")
 
     def __init__(self, index: AffinityIndex, instance: InstanceSlot, knowledge: dict[str, int],
-                 tokens_each: int, prefix: tuple[int, ...], block_tokens: int) -> None:
-        self.id = -1
+                 tokens_each: int, block_tokens: int) -> None:
         self._index = index
         self._instance = instance
         self._knowledge = knowledge  # kid -> key
         self._tokens_each = tokens_each
-        self._prefix = prefix
         self._block_tokens = block_tokens
+        self._knowledge_claim = -1
+        self._prefix: dict[int, int] = {}  # prefix key -> the claim id that holds it
         self._kept_kids: set[str] = set()
         self._prefix_kept = False
         self._settled = False
+        if knowledge:
+            self._knowledge_claim = index.claim(instance, [self._group(AFFINITY_KNOWLEDGE, knowledge.values())])
 
-    def groups(self, knowledge_keys: Any, prefix: Sequence[int]) -> list[KeyGroup]:
-        groups = []
-        if knowledge_keys:
-            groups.append(KeyGroup(AFFINITY_KNOWLEDGE, self._tokens_each, tuple(knowledge_keys)))
-        if prefix:
-            groups.append(KeyGroup(AFFINITY_PREFIX, self._block_tokens, tuple(prefix)))
-        return groups
+    @property
+    def empty(self) -> bool:
+        return not self._knowledge and not self._prefix
+
+    def add_prefix(self, keys: Sequence[int]) -> None:
+        """Claim these prefix blocks too (those not claimed already)."""
+        new = tuple(key for key in keys if key not in self._prefix)
+        if new and not self._settled:
+            claim = self._index.claim(self._instance, [self._group(AFFINITY_PREFIX, new)])
+            self._prefix.update(dict.fromkeys(new, claim))
+
+    def amend(self, keys: Sequence[int]) -> None:
+        """The exact prefix blocks the request brings, of those routed on its leading messages:
+        the new ones are claimed, and any it does not bring after all (the chat template
+        rendered the leading messages otherwise) withdrawn."""
+        if self._settled:
+            return
+        exact = set(keys)
+        self._drop_prefix([key for key in self._prefix if key not in exact])
+        self.add_prefix(keys)
 
     def knowledge_acknowledged(self, kids: Sequence[str]) -> None:
         """The instance acknowledged these ids' inject: the index will confirm them."""
@@ -288,22 +304,20 @@ class Claim:
         """At the end of the attempt: withdraw what it did not make resident (once)."""
         if self._settled:
             return
-        self._settled = True
         dropped = [key for kid, key in self._knowledge.items() if kid not in self._kept_kids]
-        groups = self.groups(dropped, () if self._prefix_kept else self._prefix)
-        if groups:
-            self._index.drop(self._instance, self.id, groups)
+        if dropped:
+            self._index.drop(self._instance, self._knowledge_claim, [self._group(AFFINITY_KNOWLEDGE, dropped)])
+        if not self._prefix_kept:
+            self._drop_prefix(list(self._prefix))
+        self._settled = True
 
+    def _drop_prefix(self, keys: list[int]) -> None:
+        by_claim: dict[int, list[int]] = {}
+        for key in keys:
+            by_claim.setdefault(self._prefix.pop(key), []).append(key)
+        for claim, dropped in by_claim.items():
+            self._index.drop(self._instance, claim, [self._group(AFFINITY_PREFIX, dropped)])
 
-def report_residency(index: AffinityIndex, instance: InstanceSlot, request: ProxyRequest,
-                     acknowledged_kids: Sequence[str], prefix: Sequence[int],
-                     block_tokens: int) -> None:
-    """After a request: the knowledge the instance acknowledged (or already held) and the
-    prefix blocks it was sent are now resident there, most recently used."""
-    spec = request.knowledge
-    if acknowledged_kids and spec is not None:
-        wanted = max(1, len(spec.knowledge_ids))
-        index.acknowledged(instance, [knowledge_key(k) for k in acknowledged_kids],
-                           spec.knowledge_tokens // wanted)
-    if prefix:
-        index.forwarded(instance, prefix, block_tokens)
+    def _group(self, kind: int, keys: Any) -> KeyGroup:
+        tokens = self._tokens_each if kind == AFFINITY_KNOWLEDGE else self._block_tokens
+        return KeyGroup(kind, tokens, tuple(keys))

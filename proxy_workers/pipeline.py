@@ -31,7 +31,7 @@ from shm_schema import Admission, layout
 
 from . import metrics
 from .admission import AdmissionQueue
-from .affinity_index import AffinityIndex, report_residency
+from .affinity import AffinityScorer
 from .event_channel import EventChannelWriter
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
@@ -75,7 +75,7 @@ class Job(msgspec.Struct):
 
 class Pipeline:
     def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
-                 predictors: Any, pressure_of: Any, affinity: AffinityIndex | None = None) -> None:
+                 predictors: Any, pressure_of: Any, affinity: AffinityScorer | None = None) -> None:
         self._settings = settings
         self._affinity = affinity  # told what each instance now holds
         self._events = events
@@ -208,17 +208,14 @@ class Pipeline:
         it is sent, as SGLang's and vllm-router's cache-aware routers insert at selection: were it
         reported after the answer, every request sharing the prefix that arrived meanwhile would
         get no credit and go by load alone, spreading a shared system prompt over every engine."""
-        request = job.request
-        if self._affinity is not None and request.prefix_keys:
-            report_residency(self._affinity, lease.instance, request, (), request.prefix_keys,
-                             self._settings.affinity_block_tokens)
+        if self._affinity is not None and job.request.prefix_keys:
+            self._affinity.forwarding(lease.instance, job.request, lease.claim)
 
     def _acknowledged(self, lease: Lease, job: Job) -> None:
         """The knowledge whose KV the instance acknowledged, or already held, is resident there."""
         knowledge = job.knowledge
         if self._affinity is not None and knowledge.prefix_tokens and knowledge.kv_ack.get("ok"):
-            report_residency(self._affinity, lease.instance, job.request, knowledge.kv_ready_kids,
-                             (), self._settings.affinity_block_tokens)
+            self._affinity.acknowledged(lease.instance, job.request, knowledge.kv_ready_kids)
             if lease.claim is not None:
                 lease.claim.knowledge_acknowledged(knowledge.kv_ready_kids)
 

@@ -122,6 +122,9 @@ class ProxyRequest(msgspec.Struct):
     # kv_aware's prefix hashes (proxy_workers/affinity.py), and those hashes once computed.
     parsed_prompt: Any = None
     prefix_keys: list[int] | None = None
+    # False while prefix_keys are only those of the leading messages the worker memoized (what
+    # it routes on), until the exact keys replace them just after the request is sent.
+    prefix_exact: bool = True
 
     def encoded_body(self) -> bytes:
         return self.upstream_body if self.body is None else _encoder.encode(self.body)

@@ -165,7 +165,7 @@ def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
     preparer = KnowledgePreparer(settings, upstream, predictors, links)
     router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer.transfer_ms,
                                                        engine_prefix.from_settings(settings)))
-    pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, affinity)
+    pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, router.affinity)
     ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                         pipeline=pipeline, tracing=tracing)
     return WorkerParts(ctx, events, links)

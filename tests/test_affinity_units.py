@@ -3,22 +3,30 @@ the per-worker view, the assessment's arithmetic, and the settings' validation."
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
+from cacheroute_proxy import engine_prefix
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys
+from cacheroute_proxy.clock import now_us
+from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_proxy.config import ConfigError, Settings
 from proxy_workers.affinity import AffinityScorer, rendered_prompt
 from proxy_workers.affinity_index import PerWorkerAffinity, SharedAffinity
 from proxy_workers.kdn_links import LinkTable
 from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.predictors import get_predictors
-from proxy_workers.request_model import Endpoint, recover
+from proxy_workers.request_model import Endpoint, ProxyRequest, recover
 from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader
 from shm_schema.events import EventReader
+from shm_schema.records import AFFINITY_PREFIX
 from sidecar.affinity import AffinityModels
 from tests.harness import wait_until
+from tests.real_engine.build_tiny_model import WORDS, write_tokenizer_files
 from tests.shm_helpers import fresh_segment
 
 
@@ -136,12 +144,13 @@ def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_seg
     assert slot.slot == instance.slot
 
 
-def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None) -> AffinityScorer:
-    settings = Settings(instance_strategy="kv_aware")
+def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None,
+            engine: EnginePrefix | None = None) -> AffinityScorer:
+    settings = Settings(instance_strategy="kv_aware", affinity_block_tokens=16 if engine else 64)
     events = EventChannelWriter(segment, row or WorkerRow.claim(segment, 0))
     predictors = get_predictors(settings.predictor_profile)
     preparer = KnowledgePreparer(settings, None, predictors)
-    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer.transfer_ms)
+    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer.transfer_ms, engine)
 
 
 KNOWLEDGE = (b'{"Prompt":{"model":"m","user_prompt":"q"},"Service":{"Enable_know_injection":true,'
@@ -231,6 +240,50 @@ def test_each_worker_sees_another_workers_claim_only_in_the_shared_view(segment)
         other.assess(request, [a])  # the other worker has read the ring up to here
         deciding.claim(request, a, deciding.assess(request, [a])[0])
         assert other.assess(request, [a])[0].pending_kids == seen, view
+
+
+def test_a_chat_routes_on_its_memoized_leading_blocks_and_claims_the_rest_once_it_is_sent(segment, tmp_path):
+    """A worker that memoized a system prompt routes its next chats on the memo's blocks alone
+    (no rendering, no tokenizing before the send); just after the send the exact keys replace
+    them: the claim, which every worker reads, and the PREFIX event then cover every block."""
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    [a] = read_all(segment)
+    model = write_tokenizer_files(tmp_path / "tiny-llama")
+    rows = [WorkerRow.claim(segment, i, identity=1000 + i) for i in range(2)]
+    scorer, other = (_scorer(segment, row=row, engine=engine_prefix.load(str(model), 16, 64)) for row in rows)
+    whole = engine_prefix.load(str(model), 16, 64, memo_entries=0)
+    system = " ".join(WORDS[i % len(WORDS)] for i in range(300))
+
+    def chat(user: str) -> ProxyRequest:
+        return recover(Endpoint.CHAT, json.dumps({"messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
+
+    first = chat("what is the cache")
+    scorer.prefix_of(first)
+    assert first.prefix_exact  # a memo miss: tokenized whole, now memoized
+    second = chat(" ".join(WORDS[::-1] * 3))
+    exact = whole.chat_keys(second.parsed_prompt)
+    routed = scorer.prefix_of(second)
+    assert not second.prefix_exact and 0 < len(routed) < len(exact) and exact[:len(routed)] == routed
+    forwarded: list[list[int]] = []
+    scorer.index.forwarded = lambda instance, keys, tokens: forwarded.append(list(keys))  # type: ignore[method-assign]
+    claim = scorer.claim(second, a, scorer.assess(second, [a])[0])
+    assert claim is not None
+
+    def pending() -> list[int]:
+        other.index.refresh(now_us())
+        return [k for k in exact if other.index.pending.holds((a.slot, a.generation, AFFINITY_PREFIX), k, now_us())]
+
+    async def send() -> None:
+        scorer.forwarding(a, second, claim)
+        assert (second.prefix_keys, forwarded, pending()) == (routed, [], routed)  # not before the send
+        await asyncio.sleep(0)
+
+    asyncio.run(send())
+    assert second.prefix_exact and second.prefix_keys == exact
+    assert forwarded == [exact] and pending() == exact
+    claim.settle()  # the instance never took the prompt: every block is withdrawn, both claims'
+    assert pending() == []
 
 
 # --- settings --------------------------------------------------------------------------------------
