@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = engine_side.start(log_dir)
     try:
         setup = runner.Setup(engines, prompts, args.max_tokens, log_dir,
-                             name_values(args.proxy_env), name_values(args.kv_aware_env), variants)
+                             {**dict(contenders.PROXY_ENV), **name_values(args.proxy_env)},
+                             name_values(args.kv_aware_env), variants)
         engine = engine_side.describe(engines)
         if args.saturation_rps is None:
             calibration = runner.calibrate(setup, planned[:args.calibration_requests], args.calibration_concurrency)

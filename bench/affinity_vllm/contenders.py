@@ -10,7 +10,7 @@ by pid (bench.harness.contenders.Contender: url, pids for CPU, describe()):
   under PEERS_DIR (`make peers`), pinned in PEER_REQUIREMENTS.
 
 Nothing here is tuned per contender beyond what the benchmark names: the peers run with their
-defaults, at log level warning like the proxy."""
+defaults, at log level warning like the proxy, and this proxy with PROXY_ENV."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ class Spec:
     env: tuple[tuple[str, str], ...] = ()  # the proxy's settings of this contender alone
 
 
+# Every proxy contender's settings: the host-wide ready gate (READY_CONCURRENCY, 8 by default)
+# sized above what the engines hold (max_num_seqs 4 each, the rest in their own queues), since the
+# peers forward every request at once: the engines queue alike behind every contender. At 8, the
+# engine kv_aware gives most prompts made its requests wait in the proxy (affinity_vllm_ready64.json).
+PROXY_ENV = (("READY_CONCURRENCY", "64"),)
 KV_AWARE_ENV = (("PROXY_AFFINITY_TOKENIZER", str(TINY_MODEL)),
                 ("PROXY_AFFINITY_BLOCK_TOKENS", str(BLOCK_TOKENS)))
 SPECS = (
