@@ -45,21 +45,40 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
     return name, lambda d: affinity_vllm.section(d, name, title)
 
 
-# The judged real-engine run (affinity_vllm.json) run again on the same tree, in order, and how
-# each one's title says so.
-REPEATS = {"affinity_vllm_repeat.json": "repeated", "affinity_vllm_repeat2.json": "a third time",
-           "affinity_vllm_repeat3.json": "a fourth time"}
+# Runs of the judged real-engine scenario, a series per tree: its first file (and that file's
+# title), then the same run again on the same tree, in order. After the last repeat present,
+# every run of the series is pooled and judged.
+SERIES = {
+    "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json",)),
+    "affinity_vllm_gate8.json": (
+        f"{affinity_vllm.TITLE}, before routing on memoized leading blocks, this proxy's ready "
+        "gate at 8 (READY_CONCURRENCY's default)",
+        ("affinity_vllm_gate8_repeat.json", "affinity_vllm_gate8_repeat2.json",
+         "affinity_vllm_gate8_repeat3.json")),
+}
+AGAIN = ("repeated", "a third time", "a fourth time")
 
 
-def _repeated(results_dir: Path, name: str, data: dict[str, Any]) -> str:
-    """A repeat of the judged real-engine run; after the last one present, every run of them
-    all and of the judged one together: their medians and targets."""
-    again = affinity_vllm.section(data, name, f"{affinity_vllm.TITLE}: the same run {REPEATS[name]}")
-    present = [n for n in ("affinity_vllm.json", *REPEATS) if (results_dir / n).exists()]
+def _series(results_dir: Path) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = []
+    for first, (title, repeats) in SERIES.items():
+        sections.append((first, lambda d, first=first, title=title: affinity_vllm.section(d, first, title)))
+        for again, name in zip(AGAIN, repeats):
+            sections.append((name, lambda d, name=name, first=first, title=title, repeats=repeats,
+                             again=again: _repeated(results_dir, (first, *repeats), name, title, again, d)))
+    return sections
+
+
+def _repeated(results_dir: Path, series: tuple[str, ...], name: str, title: str, again: str,
+              data: dict[str, Any]) -> str:
+    """A repeat of a judged real-engine run; after the last one present, every run of its
+    series together: their medians and targets."""
+    text = affinity_vllm.section(data, name, f"{title}: the same run {again}")
+    present = [n for n in series if (results_dir / n).exists()]
     if present[-1] != name or len(present) < 2:
-        return again
+        return text
     sources = {n: load(results_dir / n) for n in present}
-    return again + "\n\n" + affinity_vllm.pooled(sources, "All these runs together")
+    return text + "\n\n" + affinity_vllm.pooled(sources, "All these runs together")
 
 
 def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, list[str]]:
@@ -77,8 +96,15 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
-        ("affinity_vllm.json", affinity_vllm.section),
-        *((name, lambda d, name=name: _repeated(results_dir, name, d)) for name in REPEATS),
+        *_series(results_dir),
+        _real_engines(
+            "affinity_vllm_lead_gate8.json",
+            "kv_aware on the real engines, every contender, routing on memoized leading blocks, "
+            "this proxy's ready gate at 8 (READY_CONCURRENCY's default), with work weight 3 (w3)"),
+        _real_engines(
+            "affinity_vllm_ready64.json",
+            "this proxy's ready gate on the real engines at 60 %: READY_CONCURRENCY at its default "
+            "8 (as kv_aware) and at 64 (r64)"),
         _real_engines(
             "affinity_vllm_weights.json",
             "kv_aware's weights on the real engines: work weight 1 (as kv_aware, then the default), "

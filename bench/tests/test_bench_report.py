@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.report import peers
-from bench.report.build import REPEATS, build, charts_available
+from bench.report.build import SERIES, build, charts_available
 from bench.routing import summary, uncertainty
 from cacheroute_sim.processes import ROOT
 
@@ -268,12 +268,14 @@ def test_a_file_of_no_known_shape_still_names_its_command_and_machine(tmp_path: 
 
 def test_the_repeated_real_engine_runs_are_judged_with_the_first_one_pooled(tmp_path: Path) -> None:
     results = ROOT / "bench" / "results"
-    present = [name for name in ("affinity_vllm.json", *REPEATS) if (results / name).exists()]
     text, _ = build(results, tmp_path / "BENCHMARKS.md", None)
     parts = text.split("### All these runs together")
-    assert len(parts) == 2 and len(present) >= 2  # only the last repeat's section pools them
-    pooled = parts[1].split("\n## ")[0]
-    # Two runs a contender in each file, all in the pooled medians, judged from them.
-    runs = 2 * len(present)
-    assert f"| kv_aware | {runs} |" in pooled and f"| least_load | {runs} |" in pooled
-    assert pooled.count("**PASS**") + pooled.count("**FAIL**") == 10
+    series = [(first, *repeats) for first, (_, repeats) in SERIES.items()]
+    present = [[name for name in names if (results / name).exists()] for names in series]
+    assert len(parts) == 1 + len(series) and all(len(names) >= 2 for names in present)
+    for names, part in zip(present, parts[1:]):  # only each series' last repeat pools it
+        pooled = part.split("\n## ")[0]
+        # Two runs a contender in each file, all in the pooled medians, judged from them.
+        runs = 2 * len(names)
+        assert f"| kv_aware | {runs} |" in pooled and f"| least_load | {runs} |" in pooled
+        assert pooled.count("**PASS**") + pooled.count("**FAIL**") == 10
