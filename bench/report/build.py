@@ -100,7 +100,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         _real_engines(
             "affinity_vllm_lead_gate8.json",
             "kv_aware on the real engines, every contender, routing on memoized leading blocks, "
-            "this proxy's ready gate at 8 (READY_CONCURRENCY's default), with work weight 3 (w3)"),
+            "this proxy's ready gate at 8 (READY_CONCURRENCY's default): work weight 2 (as "
+            "kv_aware, the default then) and 3 (w3)"),
+        _real_engines(
+            "affinity_vllm_w3_gate64.json",
+            "kv_aware on the real engines, every contender, routing on memoized leading blocks, "
+            "this proxy's ready gate at 64: work weight 2 (as kv_aware, the default then) and 3 (w3)"),
         _real_engines(
             "affinity_vllm_ready64.json",
             "this proxy's ready gate on the real engines at 60 %: READY_CONCURRENCY at its default "
