@@ -92,7 +92,8 @@ class Lease:
 def kv_aware_settings(settings: Settings) -> dict[str, float]:
     return {"balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel,
             "prompt_balance_abs": settings.kv_aware_prompt_balance_abs,
-            "work_weight": settings.kv_aware_work_weight}
+            "work_weight": settings.kv_aware_work_weight,
+            "prompt_work_weight": settings.kv_aware_prompt_work_weight}
 
 
 class Router:

@@ -104,6 +104,21 @@ def test_kv_aware_weighs_the_work_a_choice_adds_as_the_delay_it_causes_those_beh
                                         [_predicted(queue, 10.0), cold])[0] == chosen
 
 
+def test_kv_aware_weighs_a_homed_prompts_work_by_its_own_weight_and_knowledge_by_the_other():
+    """Work weight 2, 3 for a prompt with a home (charged displacement away from it): at a home
+    queue of 130 ms the prompt stays (3 x (40 + 30) = 210 > 130 + 3 x 10), where at weight 2 it
+    would move (140 < 150); a knowledge request, charged no displacement, still counts twice."""
+    kv = KvAwarePolicy(work_weight=2.0, prompt_work_weight=3.0)
+    cold = _predicted(0.0, 40.0, displace=30.0)
+    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+                                    [_predicted(130.0, 10.0), cold])[0] == "home"
+    assert KvAwarePolicy(work_weight=2.0).select_by_predictions(
+        ["home", "away"], [2.0, 0.0], [2, 0], [_predicted(130.0, 10.0), cold])[0] == "away"
+    # Knowledge: 41 + 2 x 10 = 61 > 0 + 2 x 30 = 60 moves it; 3 x would keep it (71 < 90).
+    holder, other = _predicted(41.0, 10.0), _predicted(0.0, 30.0)
+    assert kv.select_by_predictions(["holder", "other"], [1.0, 0.0], [1, 0], [holder, other])[0] == "other"
+
+
 def test_kv_aware_equal_predictions_rotate():
     kv = KvAwarePolicy()
     same = [_predicted(0.0, 40.0)] * 2

@@ -94,6 +94,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
+        ("affinity_w3.json", lambda d: affinity.section(
+            d, "affinity_w3.json", "work weight 3 for knowledge too (not the default: prompts only)")),
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         *_series(results_dir),

@@ -82,6 +82,11 @@ def predictions(view: LoadView, candidates: Sequence[InstanceSlot], span: int,
             for (queue_ms, pace), c in zip(waits, costs)]
 
 
+def _homed(costs: Sequence[Costs]) -> bool:
+    """Displacement is charged only away from a prompt's home: a request charged any has one."""
+    return any(c.displace_ms for c in costs)
+
+
 class KvAwarePolicy(LeastLoadPolicy):
     """The candidate with the lowest predicted time to first token: queue wait, plus the prefill
     of the prompt tokens not already resident at the instance's measured pace, plus the KV
@@ -97,7 +102,8 @@ class KvAwarePolicy(LeastLoadPolicy):
     prediction underrates cannot keep attracting what it holds. A request whose prompt has a
     home (its pricing charges displacement away from it) spreads by `prompt_balance_abs`
     instead: the sidecar already balances the homes' work, so a spill only prefills the prompt
-    again elsewhere and evicts one of that instance's own.
+    again elsewhere and evicts one of that instance's own; and its work counts
+    `prompt_work_weight` times.
 
     Without a pricing (a bare router in a unit test), or for a selection without a request,
     kv_aware is least_load. Built bare, the guard never fires and the work counts once; the
@@ -108,19 +114,26 @@ class KvAwarePolicy(LeastLoadPolicy):
     def __init__(self, weights: Mapping[str, float] | None = None, cursor: Cursor | None = None,
                  tie_cursor: Cursor | None = None, *, balance_abs: float = math.inf,
                  balance_rel: float = 1.5, prompt_balance_abs: float | None = None,
-                 work_weight: float = 1.0, pricing: Pricing | None = None,
+                 work_weight: float = 1.0, prompt_work_weight: float | None = None,
+                 pricing: Pricing | None = None,
                  native: bool = True) -> None:
         super().__init__(weights, cursor, tie_cursor, native=native)
         self.balance_abs = balance_abs
         self.prompt_balance_abs = balance_abs if prompt_balance_abs is None else prompt_balance_abs
         self.balance_rel = balance_rel
         self.work_weight = work_weight
+        self.prompt_work_weight = work_weight if prompt_work_weight is None else prompt_work_weight
         self.pricing = pricing
 
     def spread_bound(self, costs: Sequence[Costs]) -> float:
-        """The guard's bound on the inflight spread for a request priced so: displacement is
-        charged only away from a prompt's home, so a request charged any has one."""
-        return self.prompt_balance_abs if any(c.displace_ms for c in costs) else self.balance_abs
+        """The guard's bound on the inflight spread for a request priced so."""
+        return self.prompt_balance_abs if _homed(costs) else self.balance_abs
+
+    def weight(self, costs: Sequence[Costs]) -> float:
+        """How many times the engine work of a request priced so counts: a prompt with a home
+        by its own weight (its work stays home unless a queue outweighs it), knowledge by
+        work_weight (the KV arrives by transfer, and a slow instance holds ids too)."""
+        return self.prompt_work_weight if _homed(costs) else self.work_weight
 
     def guard(self, inflight: Sequence[int | None], bound: float | None = None) -> Guard:
         """Whether least_load chooses instead: the inflight spread past `bound` (balance_abs
@@ -149,7 +162,8 @@ class KvAwarePolicy(LeastLoadPolicy):
         verdict = self.guard(inflight, self.spread_bound(predictions))
         if verdict.fired:
             return totals, verdict
-        predicted = [p.score_ms(self.work_weight) for p in predictions]
+        weight = self.weight(predictions)
+        predicted = [p.score_ms(weight) for p in predictions]
         if None not in predicted:
             return predicted, verdict
         return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict

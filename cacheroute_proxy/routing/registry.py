@@ -24,9 +24,9 @@ def build_policy(name: str, *, weights: Mapping[str, float] | None = None,
                  native: bool = True) -> Policy:
     """The policy `name` (or an alias) stands for; any other name is a ValueError at start.
     `weights`: least_load's (and kv_aware's) overrides; `kv_aware`: KvAwarePolicy's settings
-    (balance_abs, balance_rel, prompt_balance_abs, work_weight); `pricing`: the worker's, for
-    kv_aware; `native`: False keeps least_load's C selector out even where the install built it
-    (benchmarks compare)."""
+    (balance_abs, balance_rel, prompt_balance_abs, work_weight, prompt_work_weight); `pricing`:
+    the worker's, for kv_aware; `native`: False keeps least_load's C selector out even where the
+    install built it (benchmarks compare)."""
     canonical = ALIASES.get(name.strip().lower())
     if canonical == "round_robin":
         return RoundRobinPolicy(cursor)
