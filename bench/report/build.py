@@ -100,6 +100,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         *_series(results_dir),
         _real_engines(
+            "affinity_vllm_no_warmup.json",
+            "kv_aware on the real engines, every contender, this tree's defaults, before the "
+            "warm-up: the first run of each load is its first contender's"),
+        _real_engines(
             "affinity_vllm_lead_gate8.json",
             "kv_aware on the real engines, every contender, routing on memoized leading blocks, "
             "this proxy's ready gate at 8 (READY_CONCURRENCY's default): work weight 2 (as "
