@@ -231,7 +231,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "knowledge preparations at once per instance, per worker"), **QUEUE_BOUND)] = 8
     ready_concurrency: Annotated[int, Env("READY_CONCURRENCY", PIPELINE, (
         "requests forwarded to one instance at once, **host-wide** (all workers together); also "
-        "the timelines' slots per instance"), **QUEUE_BOUND)] = 8
+        "the timelines' slots per instance; above an engine's own limit where it queues the rest"),
+        **QUEUE_BOUND)] = 8
     ready_release_policy: Annotated[str, Env("PROXY_READY_RELEASE_POLICY", PIPELINE, (
         "`text_bypass`: text requests may pass a head still preparing (docs/architecture.md "
         "§5.2)"), choices=RELEASE_POLICIES, what="release policy")] = "ordered"
