@@ -106,19 +106,9 @@ class AffinityScorer:
         messages this worker memoized, only theirs at first: tokenizing the rest waits until
         the request is sent (`forwarding`)."""
         if request.prefix_keys is None:
-            request.prefix_keys = self._route_keys(request)
+            request.prefix_keys = self._own_keys(request) if self._engine_prefix is None \
+                else self._engine_keys(request, lead=True)
         return request.prefix_keys
-
-    def _route_keys(self, request: ProxyRequest) -> list[int]:
-        engine = self._engine_prefix
-        if engine is None:
-            return self._own_keys(request)
-        if request.endpoint is Endpoint.CHAT and request.source == "openai" and request.parsed_prompt:
-            lead = engine.lead_keys(request.parsed_prompt)
-            if lead is not None:
-                request.prefix_exact = False
-                return lead
-        return self._engine_keys(request)
 
     def forwarding(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None) -> None:
         """The request is being sent to `instance`, which will hold its prompt's blocks (the
@@ -149,13 +139,19 @@ class AffinityScorer:
         return [] if text is None else prefix_keys(
             text, self._settings.affinity_block_tokens, self._settings.affinity_max_blocks)
 
-    def _engine_keys(self, request: ProxyRequest) -> list[int]:
+    def _engine_keys(self, request: ProxyRequest, lead: bool = False) -> list[int]:
+        """The keys as the engine names the prompt's blocks. With `lead`, a chat whose leading
+        messages this worker memoized gets only theirs, and request.prefix_exact says so."""
         engine, raw = self._engine_prefix, request.parsed_prompt
         assert engine is not None
         if request.source != "openai" or raw is None:
             return []
         if request.endpoint is Endpoint.CHAT:
-            return engine.chat_keys(raw)
+            keys = engine.lead_keys(raw) if lead else None
+            if keys is None:
+                return engine.chat_keys(raw)
+            request.prefix_exact = False
+            return keys
         # A list prompt (token ids, several prompts) is not one text: no keys.
         return engine.completion_keys(raw) if isinstance(raw, str) else []
 

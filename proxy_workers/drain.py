@@ -38,7 +38,7 @@ class Response(Protocol):
 
     started: bool
     complete: bool
-    task: asyncio.Task[None] | None  # the task that answers it, where the server says
+    task: asyncio.Task[None] | None  # the task that answers it (set by the server)
 
     def start(self, status: int, headers: Any) -> None: ...
 
@@ -99,7 +99,7 @@ class Drain:
     async def run(self, response: Response, request: Coroutine[Any, Any, None]) -> None:
         """Await `request` (one request's handling) in its task, known to be in flight; if the
         deadline cuts it, finish its response and return normally."""
-        task = response.task or asyncio.current_task()
+        task = response.task
         assert task is not None
         self.active[task] = response
         cut = False

@@ -330,7 +330,7 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], cycle: Cycle) -> T 
     The CancelledError this causes is recognised here and absorbed; any other cancellation
     (server shutdown, drain) goes on up. The server calls back on disconnect (Cycle.on_disconnect),
     so a silent upstream stall is noticed too, with no task per request waiting on the socket."""
-    task = cycle.task or asyncio.current_task()
+    task = cycle.task
     assert task is not None
     if cycle.disconnected:  # gone before we started watching
         work.close()

@@ -247,7 +247,7 @@ class _Cycle:
         self.method, self.path, self.headers = "POST", "/v1/chat/completions", []
         self.disconnected, self.started, self.complete = False, False, False
         self.on_disconnect = None
-        self.task = None  # no server task: the exchange takes the current one
+        self.task = asyncio.current_task()  # what the server's Connection sets: the task answering it
         self.status = 0
         self.sent: list[bytes] = []
         self._body = body
