@@ -142,6 +142,7 @@ class Worker:
 
     async def full(self, cycle: Any) -> None:
         from proxy_workers.request_model import Endpoint
+        cycle.task = asyncio.current_task()  # as the server's Connection sets it
         await self.plane.serve(Endpoint.CHAT, cycle)
 
     def drain_events(self) -> None:
