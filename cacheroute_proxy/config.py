@@ -149,7 +149,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "own wait once, the rest the delay it causes those queued behind it"),
         ge=1, le=20, finite=True)] = 2.0
     kv_aware_prompt_work_weight: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_WORK_WEIGHT", SELECTION, (
-        "the same for a plain request whose prompt has a home"), ge=1, le=20, finite=True)] = 3.0
+        "the same for a plain request whose prompt has a home"), ge=1, le=20, finite=True)] = 6.0
     affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
         "how long a kv_aware choice counts as pending residency on its instance, unless confirmed "
         "sooner or withdrawn (its request failed)"), gt=0, le=3600, finite=True)] = 30.0

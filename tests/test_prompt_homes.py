@@ -9,7 +9,7 @@ from cacheroute_proxy.affinity_keys import rendezvous_home
 from shm_schema import layout
 from shm_schema.events import Event, EventKind
 from shm_schema.homes import HOME_ENTRIES, HomeReader, HomeWriter
-from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, Candidate, PromptHomes
+from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, Candidate, PromptHomes, speed_classes
 from tests.shm_helpers import fresh_segment
 
 A, B = Candidate((0, 1), "inst-a", 1.0), Candidate((1, 1), "inst-b", 1.0)
@@ -110,6 +110,25 @@ def test_a_faster_instance_takes_a_larger_share(seg) -> None:
     homes = homes_over(seg)
     run(homes, requests, rounds=10, candidates=(A, fast_b))
     assert work_on(seg, requests, (A, fast_b)) == {"inst-a": 10, "inst-b": 30}
+
+
+def test_paces_a_little_apart_count_as_one_speed_so_their_drift_moves_no_prompt(seg) -> None:
+    # a draws 62 % of the requests; b learned a pace 1.25x faster. As two speeds a would be due
+    # 44 % and carry 1.39x its share, past a tolerance of 0.3: a prompt would move to b. As one
+    # class each is due half, and a's 1.24x is within it.
+    requests = {**dict.fromkeys(keys_homed_on(A, 2), 31), **dict.fromkeys(keys_homed_on(B, 2), 19)}
+    homes = homes_over(seg, tolerance=0.3)
+    run(homes, requests, rounds=5, candidates=(A, B._replace(speed=1.25)))
+    assert homes.stats["moves"] == 0
+    # An instance twice as fast is another class: it takes its larger share.
+    run(homes, requests, rounds=5, candidates=(A, B._replace(speed=2.0)), start=106.0)
+    assert homes.stats["moves"] >= 1
+
+
+def test_speeds_are_classed_within_the_band_at_their_geometric_mean() -> None:
+    assert speed_classes([1.0, 1.25]) == pytest.approx([1.25 ** 0.5] * 2)
+    assert speed_classes([0.5, 1.0, 1.2]) == pytest.approx([0.5, 1.2 ** 0.5, 1.2 ** 0.5])
+    assert speed_classes([2.0]) == [2.0]
 
 
 def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_dropped(seg) -> None:
