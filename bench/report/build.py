@@ -50,6 +50,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json",)),
+    "affinity_vllm_w3.json": (
+        f"{affinity_vllm.TITLE}, prompt work weight 3 and the homes weighing every pace difference "
+        "(the defaults then)", ("affinity_vllm_w3_repeat.json", "affinity_vllm_w3_repeat2.json")),
     "affinity_vllm_gate8.json": (
         f"{affinity_vllm.TITLE}, before routing on memoized leading blocks, this proxy's ready "
         "gate at 8 (READY_CONCURRENCY's default)",
@@ -99,6 +102,14 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         *_series(results_dir),
+        _real_engines(
+            "affinity_vllm_w6.json",
+            "kv_aware's prompt work weight on the real engines: 3 (as kv_aware, the default then), "
+            "4 (w4) and 6 (w6)"),
+        _real_engines(
+            "affinity_vllm_w6_repeat.json",
+            "kv_aware's prompt work weight on the real engines, a second run: 3 (as kv_aware, the "
+            "default then) and 6 (w6)"),
         _real_engines(
             "affinity_vllm_no_warmup.json",
             "kv_aware on the real engines, every contender, this tree's defaults, before the "
