@@ -49,9 +49,9 @@ MIN_REQUESTS = 32.0
 FOOTPRINT_REQUESTS = 2.0
 FORGET_BELOW = 0.05  # decayed blocks: a prompt unseen for several half-lives
 # Speeds closer than this ratio are one class. On the real-engine bench two identical engines,
-# one drawing 65 % of the requests, learned paces 1.18-1.31x apart (batching the profile does
-# not model), enough to move a prompt now and then (each move cost the run 4-7 % of its hits);
-# an instance half as fast is 2x apart.
+# one drawing two thirds of the requests, learned paces up to ~1.3x apart (batching the profile
+# does not model), now and then enough to move a prompt, and each such run lost hits
+# (BENCHMARKS.md, the prompt weight runs); an instance half as fast is 2x apart.
 SPEED_BAND = 1.5
 
 
