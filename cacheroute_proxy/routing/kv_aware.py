@@ -127,13 +127,16 @@ class KvAwarePolicy(LeastLoadPolicy):
 
     def spread_bound(self, costs: Sequence[Costs]) -> float:
         """The guard's bound on the inflight spread for a request priced so."""
-        return self.prompt_balance_abs if _homed(costs) else self.balance_abs
+        return self._terms(_homed(costs))[0]
 
-    def weight(self, costs: Sequence[Costs]) -> float:
-        """How many times the engine work of a request priced so counts: a prompt with a home
-        by its own weight (its work stays home unless a queue outweighs it), knowledge by
-        work_weight (the KV arrives by transfer, and a slow instance holds ids too)."""
-        return self.prompt_work_weight if _homed(costs) else self.work_weight
+    def _terms(self, homed: bool) -> tuple[float, float]:
+        """(spread bound, work weight) of a request whose prompt has a home, or not. A homed
+        prompt's work counts by its own weight (it stays home unless a queue outweighs it),
+        knowledge's by work_weight (the KV arrives by transfer, and a slow instance holds ids
+        too)."""
+        if homed:
+            return self.prompt_balance_abs, self.prompt_work_weight
+        return self.balance_abs, self.work_weight
 
     def guard(self, inflight: Sequence[int | None], bound: float | None = None) -> Guard:
         """Whether least_load chooses instead: the inflight spread past `bound` (balance_abs
@@ -159,10 +162,10 @@ class KvAwarePolicy(LeastLoadPolicy):
         """What to select by (lowest wins, equal ones rotate): the predicted times to first
         token with the cache cost; least_load's totals if the guard fires; least_load's totals
         with the request's own cost as the tie-break where a prediction is unknown."""
-        verdict = self.guard(inflight, self.spread_bound(predictions))
+        bound, weight = self._terms(_homed(predictions))  # one look at the candidates for both
+        verdict = self.guard(inflight, bound)
         if verdict.fired:
             return totals, verdict
-        weight = self.weight(predictions)
         predicted = [p.score_ms(weight) for p in predictions]
         if None not in predicted:
             return predicted, verdict
