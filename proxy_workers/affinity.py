@@ -114,8 +114,10 @@ class AffinityScorer:
         """The request is being sent to `instance`, which will hold its prompt's blocks (the
         PREFIX event). Keys that are only the leading messages' are made exact first, in a
         callback that runs once the request is out and its answer awaited: the tokenizing then
-        delays no request's send."""
-        if request.prefix_exact:
+        delays no request's send. Not for an instance whose engine reports its blocks itself
+        (KV events): the index takes no worker's account of them, and the leading blocks name
+        the prompt and its size as the sidecar weighs its home."""
+        if request.prefix_exact or self.index.residency(instance).engine_fed:
             self.index.forwarded(instance, request.prefix_keys or (), self._settings.affinity_block_tokens)
         else:
             asyncio.get_running_loop().call_soon(self._forwarded_exact, instance, request, claim)

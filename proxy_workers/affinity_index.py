@@ -43,6 +43,7 @@ class Residency(NamedTuple):
     """What the index confirms an instance holds."""
     knowledge: frozenset[int]
     prefix: frozenset[int]
+    engine_fed: bool = False  # the prefix blocks are its engine's own account (KV events)
 
 
 _NOTHING = Residency(frozenset(), frozenset())
@@ -159,7 +160,7 @@ class SharedAffinity:
 
     def residency(self, instance: InstanceSlot) -> Residency:
         row = self._reader.row(instance.slot, instance.generation)
-        return Residency(row.knowledge, row.prefix)
+        return Residency(row.knowledge, row.prefix, row.engine_fed)
 
     def capacity_tokens(self, instance: InstanceSlot) -> int:
         return self._reader.row(instance.slot, instance.generation).capacity_tokens

@@ -48,9 +48,10 @@ class AffinityRow(NamedTuple):
     tokens: int
     capacity_tokens: int
     published_us: int
+    engine_fed: bool  # the prefix keys are the engine's own account, not the workers' guesses
 
 
-_EMPTY = AffinityRow(0, 0, frozenset(), frozenset(), 0, 0, 0)
+_EMPTY = AffinityRow(0, 0, frozenset(), frozenset(), 0, 0, 0, False)
 
 
 class AffinityWriter:
@@ -60,9 +61,10 @@ class AffinityWriter:
         self._seg = seg
 
     def publish(self, slot: int, generation: int, entries: Sequence[Resident],
-                capacity_tokens: int) -> None:
+                capacity_tokens: int, engine_fed: bool = False) -> None:
         """Replace the row of `slot` with `entries` (at most AFFINITY_ENTRIES: the oldest beyond
-        that are left out) for the instance of `generation`."""
+        that are left out) for the instance of `generation`; `engine_fed`: its prefix entries
+        are its engine's own KV events."""
         seg = self._seg
         geometry = seg.geometry
         base = geometry.affinity_row_offset(slot)
@@ -76,16 +78,17 @@ class AffinityWriter:
             _ENTRIES.pack_into(seg.buf, geometry.affinity_entries_offset(slot), *words)
             _HEADER.pack_into(seg.buf, base, _HEADER.make((
                 generation, odd, len(kept), sum(e.tokens for e in kept), capacity_tokens,
-                time.time_ns() // 1000)))
+                time.time_ns() // 1000, int(engine_fed))))
         seqlock.write(seg, base + layout.A_SEQ, rewrite)
 
     def clear(self, slot: int) -> None:
         """Nothing is resident in `slot` (its instance left)."""
         self.publish(slot, 0, (), 0)
 
-    def read(self, slot: int) -> tuple[int, list[Resident], int]:
+    def read(self, slot: int) -> tuple[int, list[Resident], int, bool]:
         """What the row holds now, for a restarted sidecar: (generation, entries oldest first,
-        capacity_tokens). The sidecar is the only writer, so no seqlock check is needed."""
+        capacity_tokens, engine_fed). The sidecar is the only writer, so no seqlock check is
+        needed."""
         seg = self._seg
         geometry = seg.geometry
         header = _HEADER.unpack_from(seg.buf, geometry.affinity_row_offset(slot))
@@ -93,7 +96,7 @@ class AffinityWriter:
         count = min(header.count, AFFINITY_ENTRIES)
         entries = [Resident(words[2 * i], AffinityValue.kind(words[2 * i + 1]),
                             AffinityValue.tokens(words[2 * i + 1])) for i in range(count)]
-        return header.generation, entries, header.capacity_tokens
+        return header.generation, entries, header.capacity_tokens, bool(header.engine_fed)
 
 
 class AffinityReader:
@@ -136,4 +139,5 @@ def _decoded(header: tuple, words: tuple[int, ...], seq: int) -> AffinityRow:
         (knowledge if kind == AFFINITY_KNOWLEDGE else prefix).append(words[2 * i])
     return AffinityRow(header[_HEADER.index.generation], seq, frozenset(knowledge),
                        frozenset(prefix), header[_HEADER.index.tokens],
-                       header[_HEADER.index.capacity_tokens], header[_HEADER.index.published_us])
+                       header[_HEADER.index.capacity_tokens], header[_HEADER.index.published_us],
+                       bool(header[_HEADER.index.engine_fed]))

@@ -133,7 +133,10 @@ row per instance slot, written only by the sidecar, read by every worker; layout
     24  tokens           tokens the entries stand for, summed
     32  capacity_tokens  the instance's modelled KV capacity in tokens (0 = unknown)
     40  published_us     when the row was last written (wall clock)
-    48..63 reserved
+    48  engine_fed       1: the prefix entries are the engine's own KV cache events, so a
+                         worker's guess of them is not read; 0 (also in a row written before
+                         the field was taken from the reserved words): the workers' guesses
+    56..63 reserved
     64  entries          AFFINITY_ENTRIES x (key: 64-bit hash, never 0; value: AffinityValue)
 
 Claim record (ClaimRecord; the claims ring, written by every worker, read by every worker;

@@ -242,6 +242,7 @@ class AffinityRowHeader(NamedTuple):
     tokens: int           # tokens the entries stand for, summed
     capacity_tokens: int  # the instance's modelled KV capacity in tokens (0 = unknown)
     published_us: int     # when the sidecar last wrote the row, wall clock
+    engine_fed: int       # 1: the prefix entries are the engine's own KV events (0: the workers')
 
 
 AFFINITY_ROW_HEADER = Record(AffinityRowHeader, size=64)

@@ -101,10 +101,11 @@ class AffinityModels:
         """A restarted sidecar: take over every row that still describes its slot's instance."""
         adopted = 0
         for instance in read_all(self._seg):
-            generation, entries, capacity = self._writer.read(instance.slot)
+            generation, entries, capacity, engine_fed = self._writer.read(instance.slot)
             if generation != instance.generation or not entries:
                 continue
             model = self._model(instance.slot, instance.generation, capacity)
+            model.engine_fed = engine_fed
             for entry in entries:
                 model.touch(entry.key, entry.kind, entry.tokens)
             adopted += len(entries)
@@ -205,7 +206,8 @@ class AffinityModels:
         for where in self._dirty:
             model = self._models.get(where)
             if model is not None:
-                self._writer.publish(where[0], where[1], model.published(), model.capacity_tokens)
+                self._writer.publish(where[0], where[1], model.published(), model.capacity_tokens,
+                                     model.engine_fed)
                 written += 1
         self._dirty.clear()
         return written

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint, ProxyRequest, recover
 from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow, read_all
-from shm_schema.affinity import AffinityReader
+from shm_schema.affinity import AffinityReader, AffinityWriter
 from shm_schema.events import EventReader
 from shm_schema.records import AFFINITY_PREFIX
 from sidecar.affinity import AffinityModels
@@ -114,6 +115,23 @@ def test_a_restarted_sidecar_adopts_the_rows_of_live_instances_only(segment):
     assert successor.adopt() == 2
     described = successor.describe({(live.slot, live.generation): "a"})
     assert described["instances"]["a"]["knowledge"] == 2 and len(described["instances"]) == 1
+
+
+def test_an_engine_fed_row_says_so_and_a_restarted_sidecar_still_ignores_the_guesses(segment):
+    slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    row = WorkerRow.claim(segment, 0)
+    models = AffinityModels(segment, lambda s, g: 0)
+    models.engine_stored(slot.slot, slot.generation, [7, 8], 128)
+    models.publish()
+    published = AffinityReader(segment).row(slot.slot, slot.generation)
+    assert (published.prefix, published.engine_fed) == ({7, 8}, True)
+    successor = AffinityModels(segment, lambda s, g: 0)
+    assert successor.adopt() == 2
+    for event in _event(slot.slot, slot.generation, "prefix", (9,), 128, segment, row):
+        successor.apply(event)  # a worker's guess: the engine's account stands
+    successor.publish()
+    assert successor.stats["prefix_guesses_ignored"] == 1
+    assert AffinityReader(segment).row(slot.slot, slot.generation).prefix == {7, 8}
 
 
 def test_forget_clears_the_row(segment):
@@ -242,48 +260,82 @@ def test_each_worker_sees_another_workers_claim_only_in_the_shared_view(segment)
         assert other.assess(request, [a])[0].pending_kids == seen, view
 
 
+class _MemoizedChat:
+    """Two workers' scorers over instance `a`; `second` a chat whose system prompt the first
+    worker memoized, routed on its leading blocks (`routed`), `exact` its keys made whole."""
+
+    def __init__(self, segment, tmp_path) -> None:
+        DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+        [self.a] = read_all(segment)
+        model = write_tokenizer_files(tmp_path / "tiny-llama")
+        rows = [WorkerRow.claim(segment, i, identity=1000 + i) for i in range(2)]
+        self.scorer, self.other = (_scorer(segment, row=row, engine=engine_prefix.load(str(model), 16, 64))
+                                   for row in rows)
+        whole = engine_prefix.load(str(model), 16, 64, memo_entries=0)
+        system = " ".join(WORDS[i % len(WORDS)] for i in range(300))
+
+        def chat(user: str) -> ProxyRequest:
+            return recover(Endpoint.CHAT, json.dumps({"messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
+
+        first = chat("what is the cache")
+        self.scorer.prefix_of(first)
+        assert first.prefix_exact  # a memo miss: tokenized whole, now memoized
+        self.second = second = chat(" ".join(WORDS[::-1] * 3))
+        self.exact = whole.chat_keys(second.parsed_prompt)
+        self.routed = self.scorer.prefix_of(second)
+        assert not second.prefix_exact and 0 < len(self.routed) < len(self.exact)
+        assert self.exact[:len(self.routed)] == self.routed
+        self.forwarded: list[list[int]] = []
+        self.scorer.index.forwarded = (  # type: ignore[method-assign]
+            lambda instance, keys, tokens: self.forwarded.append(list(keys)))
+
+    def pending(self) -> list[int]:
+        """The blocks of `exact` the other worker reads as claimed on `a`."""
+        index, a = self.other.index, self.a
+        index.refresh(now_us())
+        return [k for k in self.exact if index.pending.holds((a.slot, a.generation, AFFINITY_PREFIX), k, now_us())]
+
+    def send(self) -> Any:
+        """Claim `a` for `second` and send it there; what the send did before its callbacks ran
+        (the keys, the PREFIX events, the blocks claimed), and the claim."""
+        scorer, second, a = self.scorer, self.second, self.a
+        claim = scorer.claim(second, a, scorer.assess(second, [a])[0])
+        assert claim is not None
+
+        async def send() -> tuple[list[int], list[list[int]], list[int]]:
+            scorer.forwarding(a, second, claim)
+            at_send = (list(second.prefix_keys or ()), list(self.forwarded), self.pending())
+            await asyncio.sleep(0)
+            return at_send
+
+        return asyncio.run(send()), claim
+
+
 def test_a_chat_routes_on_its_memoized_leading_blocks_and_claims_the_rest_once_it_is_sent(segment, tmp_path):
     """A worker that memoized a system prompt routes its next chats on the memo's blocks alone
     (no rendering, no tokenizing before the send); just after the send the exact keys replace
     them: the claim, which every worker reads, and the PREFIX event then cover every block."""
-    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
-    [a] = read_all(segment)
-    model = write_tokenizer_files(tmp_path / "tiny-llama")
-    rows = [WorkerRow.claim(segment, i, identity=1000 + i) for i in range(2)]
-    scorer, other = (_scorer(segment, row=row, engine=engine_prefix.load(str(model), 16, 64)) for row in rows)
-    whole = engine_prefix.load(str(model), 16, 64, memo_entries=0)
-    system = " ".join(WORDS[i % len(WORDS)] for i in range(300))
-
-    def chat(user: str) -> ProxyRequest:
-        return recover(Endpoint.CHAT, json.dumps({"messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
-
-    first = chat("what is the cache")
-    scorer.prefix_of(first)
-    assert first.prefix_exact  # a memo miss: tokenized whole, now memoized
-    second = chat(" ".join(WORDS[::-1] * 3))
-    exact = whole.chat_keys(second.parsed_prompt)
-    routed = scorer.prefix_of(second)
-    assert not second.prefix_exact and 0 < len(routed) < len(exact) and exact[:len(routed)] == routed
-    forwarded: list[list[int]] = []
-    scorer.index.forwarded = lambda instance, keys, tokens: forwarded.append(list(keys))  # type: ignore[method-assign]
-    claim = scorer.claim(second, a, scorer.assess(second, [a])[0])
-    assert claim is not None
-
-    def pending() -> list[int]:
-        other.index.refresh(now_us())
-        return [k for k in exact if other.index.pending.holds((a.slot, a.generation, AFFINITY_PREFIX), k, now_us())]
-
-    async def send() -> None:
-        scorer.forwarding(a, second, claim)
-        assert (second.prefix_keys, forwarded, pending()) == (routed, [], routed)  # not before the send
-        await asyncio.sleep(0)
-
-    asyncio.run(send())
-    assert second.prefix_exact and second.prefix_keys == exact
-    assert forwarded == [exact] and pending() == exact
+    chat = _MemoizedChat(segment, tmp_path)
+    at_send, claim = chat.send()
+    assert at_send == (chat.routed, [], chat.routed)  # not before the send
+    assert chat.second.prefix_exact and chat.second.prefix_keys == chat.exact
+    assert chat.forwarded == [chat.exact] and chat.pending() == chat.exact
     claim.settle()  # the instance never took the prompt: every block is withdrawn, both claims'
-    assert pending() == []
+    assert chat.pending() == []
+
+
+def test_a_chat_sent_to_an_engine_that_reports_its_blocks_is_not_tokenized_again(segment, tmp_path):
+    """Where the instance's engine publishes its KV events, the index takes no worker's account
+    of its blocks: the memoized leading blocks name the prompt in the PREFIX event at once, and
+    the rest of the chat is never tokenized."""
+    chat = _MemoizedChat(segment, tmp_path)
+    AffinityWriter(segment).publish(chat.a.slot, chat.a.generation, [], 0, engine_fed=True)
+    at_send, claim = chat.send()
+    assert at_send == (chat.routed, [chat.routed], chat.routed)
+    assert not chat.second.prefix_exact and chat.forwarded == [chat.routed]
+    claim.settle()
+    assert chat.pending() == []
 
 
 # --- settings --------------------------------------------------------------------------------------

@@ -432,21 +432,22 @@ def test_an_affinity_row_is_seen_only_under_its_generation_and_reread_when_it_ch
     assert reader.row(2, 7).knowledge == frozenset()
     writer.publish(2, 7, [Resident(11, AFFINITY_KNOWLEDGE, 100), Resident(12, AFFINITY_PREFIX, 64)], 900)
     row = reader.row(2, 7)
-    assert (row.knowledge, row.prefix, row.tokens, row.capacity_tokens) == \
-        (frozenset({11}), frozenset({12}), 164, 900)
+    assert (row.knowledge, row.prefix, row.tokens, row.capacity_tokens, row.engine_fed) == \
+        (frozenset({11}), frozenset({12}), 164, 900, False)
     assert reader.row(2, 8).knowledge == frozenset()  # the slot's next instance sees nothing
     assert reader.row(2, 7) is row  # unchanged seqlock word: the cached copy
-    writer.publish(2, 7, [Resident(13, AFFINITY_KNOWLEDGE, 5)], 900)
-    assert reader.row(2, 7).knowledge == frozenset({13})
+    writer.publish(2, 7, [Resident(13, AFFINITY_KNOWLEDGE, 5)], 900, engine_fed=True)
+    assert (reader.row(2, 7).knowledge, reader.row(2, 7).engine_fed) == (frozenset({13}), True)
+    assert writer.read(2)[3] is True  # what a restarted sidecar takes back
     writer.clear(2)
-    assert reader.row(2, 7).knowledge == frozenset()
-    assert writer.read(2) == (0, [], 0)
+    assert (reader.row(2, 7).knowledge, reader.row(2, 7).engine_fed) == (frozenset(), False)
+    assert writer.read(2) == (0, [], 0, False)
 
 
 def test_an_affinity_row_keeps_the_most_recent_entries_when_there_are_too_many(seg) -> None:
     writer = AffinityWriter(seg)
     writer.publish(0, 1, [Resident(k, AFFINITY_PREFIX, 1) for k in range(1, 600)], 0)
-    generation, entries, _ = writer.read(0)
+    generation, entries, _, _ = writer.read(0)
     assert (generation, len(entries), entries[0].key, entries[-1].key) == (1, 512, 88, 599)
 
 
