@@ -12,8 +12,9 @@ replaces the model's knowledge entries outright; a vLLM engine's KV cache events
 stores are added and those it evicts taken out, and the workers' PREFIX guesses for it are
 ignored.
 
-Each change is published (shm_schema.affinity.AffinityWriter) at the next tick, one row per
-changed instance. A registration (new, or again: the engine restarted and its KV with it) and a
+Each change readers see (a key added, evicted or resized; not a mere reordering, which would
+have every worker decode the row again for nothing) is published
+(shm_schema.affinity.AffinityWriter) at the next tick, one row per changed instance. A registration (new, or again: the engine restarted and its KV with it) and a
 removal clear the row. A restarted sidecar keeps the index: `adopt` reads back every row whose
 generation is still its slot's, so routing loses nothing across the restart.
 """
@@ -55,11 +56,17 @@ class InstanceModel:
             self.drop(key)
         return dropped
 
-    def touch(self, key: int, kind: int, tokens: int) -> None:
+    def touch(self, key: int, kind: int, tokens: int) -> bool:
+        """The key is used now (most recent); True if the row readers see changed with it: a
+        key new to the model, or another kind or size, or an entry evicted for it. Only the
+        order changes otherwise, and readers see sets: the row waits for a change."""
+        old = self.entries.get(key)
+        evicted = self.evicted
         self.drop(key)
         self.entries[key] = (kind, tokens)
         self.tokens += tokens
         self._evict()
+        return old != (kind, tokens) or self.evicted != evicted
 
     def replace_knowledge(self, keys: Iterable[int]) -> None:
         """The instance's own account of its knowledge: exactly these ids are resident
@@ -123,11 +130,13 @@ class AffinityModels:
         if kind == AFFINITY_PREFIX and model.engine_fed:  # the engine says what it holds
             self.stats["prefix_guesses_ignored"] += 1
             return
+        changed = False
         for key in (payload.key_0, payload.key_1, payload.key_2):
             if key:
-                model.touch(key, kind, payload.tokens_each)
+                changed |= model.touch(key, kind, payload.tokens_each)
                 self.stats["acknowledged" if kind == AFFINITY_KNOWLEDGE else "prefix_blocks"] += 1
-        self._dirty.add((event.slot, event.generation))
+        if changed:
+            self._dirty.add((event.slot, event.generation))
 
     def report(self, slot: int, generation: int, keys: Iterable[int]) -> None:
         """A heartbeat's `resident_keys`, as key hashes."""

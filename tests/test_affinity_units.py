@@ -88,6 +88,25 @@ def test_the_sidecar_model_evicts_lru_past_the_capacity_and_publishes_the_row(se
     assert models.stats["stale_instance"] == 1
 
 
+def test_blocks_sent_again_rewrite_no_row_until_what_it_holds_changes(segment):
+    """Each request of a shared prompt names its blocks again; the row is rewritten (and every
+    worker decodes it again) only when a key comes, goes or changes size."""
+    slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    row = WorkerRow.claim(segment, 0)
+    models = AffinityModels(segment, lambda s, g: 0)
+
+    def send(keys: tuple[int, ...], tokens: int = 64) -> int:
+        for event in _event(slot.slot, slot.generation, "prefix", keys, tokens, segment, row):
+            models.apply(event)
+        return models.publish()
+
+    assert send((7, 8)) == 1
+    assert (send((7, 8)), send((8,))) == (0, 0)  # the same blocks again: nothing readers see
+    assert send((8, 9)) == 1  # a new block
+    assert send((9,), tokens=128) == 1  # another size
+    assert AffinityReader(segment).row(slot.slot, slot.generation).tokens == 64 + 64 + 128
+
+
 def test_a_report_replaces_the_knowledge_and_keeps_the_prefix_blocks(segment):
     slot = DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
     row = WorkerRow.claim(segment, 0)
