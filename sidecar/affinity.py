@@ -14,8 +14,9 @@ ignored.
 
 Each change readers see (a key added, evicted or resized; not a mere reordering, which would
 have every worker decode the row again for nothing) is published
-(shm_schema.affinity.AffinityWriter) at the next tick, one row per changed instance. A registration (new, or again: the engine restarted and its KV with it) and a
-removal clear the row. A restarted sidecar keeps the index: `adopt` reads back every row whose
+(shm_schema.affinity.AffinityWriter) at the next tick, one row per changed instance, saying
+whether its prefix entries are the engine's. A registration (new, or again: the engine
+restarted and its KV with it) and a removal clear the row. A restarted sidecar keeps the index: `adopt` reads back every row whose
 generation is still its slot's, so routing loses nothing across the restart.
 """
 

@@ -50,6 +50,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json",)),
+    "affinity_vllm_tokenized_after_send.json": (
+        f"{affinity_vllm.TITLE}, a memoized chat tokenized again after its send whatever the "
+        "engine (the tree then)", ("affinity_vllm_tokenized_after_send_repeat.json",)),
     "affinity_vllm_w3.json": (
         f"{affinity_vllm.TITLE}, prompt work weight 3 and the homes weighing every pace difference "
         "(the defaults then)", ("affinity_vllm_w3_repeat.json", "affinity_vllm_w3_repeat2.json")),
@@ -102,6 +105,15 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         *_series(results_dir),
+        _real_engines(
+            "affinity_vllm_tol02.json",
+            "kv_aware's homes on the real engines, the machine at half its usual speed: moved past "
+            "1.5× an instance's share of the work (the default, as kv_aware) and past 1.2× (tol02)"),
+        _real_engines(
+            "affinity_vllm_tol02_repeat.json",
+            "kv_aware's homes on the real engines, the machine at half its usual speed, a second "
+            "run: moved past 1.5× an instance's share of the work (the default, as kv_aware) and "
+            "past 1.2× (tol02)"),
         _real_engines(
             "affinity_vllm_w6.json",
             "kv_aware's prompt work weight on the real engines: 3 (as kv_aware, the default then), "
