@@ -16,8 +16,9 @@ Each change readers see (a key added, evicted or resized; not a mere reordering,
 have every worker decode the row again for nothing) is published
 (shm_schema.affinity.AffinityWriter) at the next tick, one row per changed instance, saying
 whether its prefix entries are the engine's. A registration (new, or again: the engine
-restarted and its KV with it) and a removal clear the row. A restarted sidecar keeps the index: `adopt` reads back every row whose
-generation is still its slot's, so routing loses nothing across the restart.
+restarted and its KV with it) and a removal clear the row. A restarted sidecar keeps the
+index: `adopt` reads back every row whose generation is still its slot's, so routing loses
+nothing across the restart.
 """
 
 from __future__ import annotations
