@@ -1,11 +1,13 @@
 """The sidecar's doorbell: how a worker wakes an idle sidecar instead of the sidecar polling.
 
-Busy, the sidecar drains the workers' event rings every PROXY_EVENT_POLL_MS. Idle (nothing
-written for a while), it sets the header's `sidecar_sleeping` word, looks at the rings once more,
-and sleeps until its doorbell rings or its next periodic duty (the snapshot heartbeat) is due. A
+Busy, the sidecar drains the workers' event rings every PROXY_EVENT_POLL_MS. As soon as a tick
+finds no event, it sets the header's `sidecar_sleeping` word, looks at the rings once more, and
+sleeps until its doorbell rings or its next periodic duty (the snapshot heartbeat) is due. A
 worker that publishes an event then loads that word and, when it is set, rings: one datagram to
 the sidecar's socket. Either the sidecar's last look sees the event or the worker sees the word
-(both are sequentially consistent atomics), so an event never waits for the heartbeat.
+(both are sequentially consistent atomics), so an event never waits for the heartbeat. What
+changes inside the sidecar and is published at its next tick (an engine's KV events) rings the
+bell from there (`ring_here`).
 
 The socket is a Unix datagram socket in the abstract namespace, named after the segment: no file
 to clean up, gone with the sidecar, private to the host's network namespace. A ring that cannot
@@ -33,28 +35,49 @@ class Doorbell:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self._sock.bind(address(shm_name))
-        self._rung = asyncio.Event()
+        self._rung = False  # since the last wait
+        self._waiter: asyncio.Future[None] | None = None
         self._watching = False
         self.rings = 0
 
     async def wait(self, timeout_s: float) -> bool:
-        """Until a worker rings (True) or `timeout_s` passes (False)."""
+        """Until a worker or the sidecar itself rings (True) or `timeout_s` passes (False). A
+        future and a timer, no task: the sidecar waits here after nearly every quiet tick."""
+        loop = asyncio.get_running_loop()
         if not self._watching:
-            asyncio.get_running_loop().add_reader(self._sock.fileno(), self._on_ring)
+            loop.add_reader(self._sock.fileno(), self._on_ring)
             self._watching = True
-        try:
-            await asyncio.wait_for(self._rung.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        self._rung.clear()
-        return True
+        if not self._rung:
+            self._waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, self._wake)
+            try:
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        rung, self._rung = self._rung, False
+        return rung
+
+    def settle(self) -> None:
+        """Forget the rings so far: the tick that just ran took what they announced."""
+        self._rung = False
+
+    def ring_here(self) -> None:
+        """A ring from inside the sidecar: something its next tick publishes has changed."""
+        self._rung = True
+        self._wake()
 
     def _on_ring(self) -> None:
         with contextlib.suppress(BlockingIOError):
             while True:
                 self._sock.recv(16)
                 self.rings += 1
-        self._rung.set()
+        self.ring_here()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def close(self) -> None:
         if self._watching:
@@ -80,8 +103,24 @@ class Bell:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self._address = address(shm_name)
+        self._due = False
 
     def ring(self) -> None:
+        """Ring once the event loop's current step is done: the woken sidecar would take a core
+        from under it, and that step is often sending a request on (a reserve event comes just
+        before the forward). Rings asked for in one step are one datagram."""
+        if self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a tool, a test): at once
+            self._send()
+            return
+        self._due = True
+        loop.call_soon(self._send)
+
+    def _send(self) -> None:
+        self._due = False
         with contextlib.suppress(OSError):
             self._sock.sendto(b"!", self._address)
 

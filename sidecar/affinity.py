@@ -101,6 +101,8 @@ class AffinityModels:
         self._models: dict[Where, InstanceModel] = {}
         self._dirty: set[Where] = set()
         self._cleared: set[int] = set()  # slots whose row must be emptied
+        # Called when a row is to be written: a sidecar asleep between ticks wakes to publish it.
+        self.on_change: Callable[[], None] = lambda: None
         self.stats = {"acknowledged": 0, "prefix_blocks": 0, "reports": 0, "adopted_entries": 0,
                       "stale_instance": 0, "prefix_guesses_ignored": 0, "engine_blocks_stored": 0,
                       "engine_blocks_removed": 0, "engine_clears": 0}
@@ -138,7 +140,7 @@ class AffinityModels:
                 changed |= model.touch(key, kind, payload.tokens_each)
                 self.stats["acknowledged" if kind == AFFINITY_KNOWLEDGE else "prefix_blocks"] += 1
         if changed:
-            self._dirty.add((event.slot, event.generation))
+            self._changed((event.slot, event.generation))
 
     def report(self, slot: int, generation: int, keys: Iterable[int]) -> None:
         """A heartbeat's `resident_keys`, as key hashes."""
@@ -146,7 +148,7 @@ class AffinityModels:
         if model is not None:
             model.replace_knowledge(keys)
             self.stats["reports"] += 1
-            self._dirty.add((slot, generation))
+            self._changed((slot, generation))
 
     def engine_stored(self, slot: int, generation: int, keys: Iterable[int], tokens_each: int) -> None:
         """Blocks the instance's engine reports it now holds (a BlockStored)."""
@@ -179,7 +181,7 @@ class AffinityModels:
         # (a restarted sidecar's adopted entries are the engine's own from before; a guess that
         # was right is a block the engine will report removed): the LRU bound ages out the rest.
         model.engine_fed = True
-        self._dirty.add((slot, generation))
+        self._changed((slot, generation))
         return model
 
     def capacity_tokens(self, slot: int, generation: int) -> int:
@@ -193,6 +195,11 @@ class AffinityModels:
             del self._models[where]
             self._dirty.discard(where)
         self._cleared.add(slot)
+        self.on_change()
+
+    def _changed(self, where: Where) -> None:
+        self._dirty.add(where)
+        self.on_change()
 
     def _model(self, slot: int, generation: int, capacity: int | None = None) -> InstanceModel | None:
         where = (slot, generation)

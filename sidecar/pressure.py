@@ -26,9 +26,6 @@ from .prompt_homes import Candidate, PromptHomes
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
-# Ticks without an event before the sidecar sleeps on its doorbell: at the default 5 ms poll,
-# 100 ms of quiet (a burst's gaps do not put it to sleep).
-QUIET_TICKS = 20
 
 
 @dataclass
@@ -93,22 +90,22 @@ class PressurePublisher:
         return self.stats.consumed != consumed
 
     async def run(self, poll_s: float, doorbell: Doorbell | None) -> None:
-        """Tick every `poll_s` while events come; after QUIET_TICKS ticks without one, sleep until
-        a worker rings the doorbell or the snapshot heartbeat is due (cacheroute_proxy/doorbell.py)."""
+        """Tick every `poll_s` while events come; after a tick without one, sleep until a worker
+        rings the doorbell, an engine's KV events change an affinity row, or the snapshot
+        heartbeat is due (cacheroute_proxy/doorbell.py). A wake costs about as much CPU as a
+        tick's work, so between a request's events the sidecar sleeps instead of polling."""
         self._doorbell = doorbell
-        quiet = 0
+        if doorbell is not None and self.affinity is not None:
+            self.affinity.on_change = doorbell.ring_here
         while True:
-            quiet = 0 if self._safe_tick() else quiet + 1
-            if doorbell is None or quiet < QUIET_TICKS:
+            took = self._safe_tick()
+            if doorbell is None or took or self._dirty:  # dirty: a publish is still due
                 await asyncio.sleep(poll_s)
                 continue
+            doorbell.settle()  # the tick published what changed before it
             header.set_sidecar_sleeping(self._seg, True)
-            if self._events_waiting():  # written before the word was set: no ring is coming
-                header.set_sidecar_sleeping(self._seg, False)
-                quiet = 0
-                continue
-            if await doorbell.wait(self._heartbeat):
-                quiet = 0
+            if not self._events_waiting():  # else written before the word was set: no ring comes
+                await doorbell.wait(self._heartbeat)
             header.set_sidecar_sleeping(self._seg, False)
 
     def _events_waiting(self) -> bool:

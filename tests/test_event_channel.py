@@ -194,13 +194,13 @@ def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_fu
 
 
 def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_name):
-    """After QUIET_TICKS empty polls the sidecar stops polling (the header's sleeping word) until
-    the doorbell rings; a worker's next event rings it and is taken at once, long before the
-    sidecar's next periodic wake (30 s here)."""
+    """After a tick that took no event the sidecar stops polling (the header's sleeping word)
+    until the doorbell rings; a worker's next event rings it and is taken at once, long before
+    the sidecar's next periodic wake (30 s here)."""
     import asyncio
 
     from cacheroute_proxy.doorbell import Bell, open_doorbell
-    from sidecar.pressure import QUIET_TICKS, PressurePublisher
+    from sidecar.pressure import PressurePublisher
 
     name, seg = seg_name
     row = WorkerRow.claim(seg, 0)
@@ -217,13 +217,13 @@ def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_nam
         assert doorbell is not None
         task = asyncio.create_task(publisher.run(0.001, doorbell))
         try:
-            await _until(sleeping, QUIET_TICKS * 0.001 + 5)
+            await _until(sleeping, 5)
             polls = len(ticks)
             await asyncio.sleep(0.3)
             assert len(ticks) == polls and sleeping()  # asleep: no tick in 300 ms
             writer.complete(1, RequestKey.pack(row.row, 1), 0, 1, 1, failed=False)
             await _until(lambda: publisher.stats.consumed == 1, 5)
-            assert doorbell.rings == 1 and not sleeping()
+            assert doorbell.rings == 1
         finally:
             task.cancel()
             doorbell.close()
@@ -231,6 +231,124 @@ def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_nam
     asyncio.run(scenario())
     bell.close()
     row.release()
+
+
+def test_a_workers_rings_wait_for_its_current_step_and_are_one_datagram(seg_name):
+    """A worker rings once the step that wrote its events is done (it may be sending a request
+    on, and the woken sidecar would take its core): rings asked for in one step are one."""
+    import asyncio
+    import socket
+
+    from cacheroute_proxy.doorbell import Bell, address
+
+    name, _ = seg_name
+    sidecar = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sidecar.bind(address(name))
+    sidecar.setblocking(False)
+
+    def datagrams() -> int:
+        count = 0
+        while True:
+            try:
+                sidecar.recv(16)
+            except BlockingIOError:
+                return count
+            count += 1
+
+    async def scenario() -> None:
+        bell = Bell(name)
+        try:
+            for _ in range(3):
+                bell.ring()
+            assert datagrams() == 0  # still this step: nothing sent
+            await asyncio.sleep(0)
+            assert datagrams() == 1
+            bell.ring()
+            await asyncio.sleep(0)
+            assert datagrams() == 1  # a later step rings again
+        finally:
+            bell.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        sidecar.close()
+
+
+def test_between_a_requests_events_the_sidecar_sleeps_after_one_quiet_tick(seg_name):
+    """Woken by an event, the sidecar takes it, polls once more and, finding nothing, sleeps
+    again: it does not keep polling through the gap before the request's next event."""
+    import asyncio
+
+    from cacheroute_proxy.doorbell import Bell, open_doorbell
+    from sidecar.pressure import PressurePublisher
+
+    name, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    bell = Bell(name)
+    writer = EventWriter(seg, row.row, wake=bell.ring)
+    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, min_publish_interval_s=0.0,
+                                  heartbeat_s=30.0)
+    ticks = []
+    tick = publisher.tick
+    publisher.tick = lambda: ticks.append(1) or tick()  # type: ignore[method-assign]
+    sleeping = lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1  # noqa: E731
+
+    async def scenario() -> None:
+        doorbell = open_doorbell(name)
+        assert doorbell is not None
+        task = asyncio.create_task(publisher.run(0.001, doorbell))
+        try:
+            await _until(sleeping, 5)
+            for request in (1, 2, 3):
+                before = len(ticks)
+                writer.complete(1, RequestKey.pack(row.row, request), 0, 1, 1, failed=False)
+                await _until(lambda: publisher.stats.consumed == request and sleeping(), 5)
+                await asyncio.sleep(0.05)  # a gap between two events: 50 polls' worth
+                assert len(ticks) - before == 2 and sleeping()  # the event's tick and one more
+            assert doorbell.rings == 3
+        finally:
+            task.cancel()
+            doorbell.close()
+
+    asyncio.run(scenario())
+    bell.close()
+    row.release()
+
+
+def test_an_engines_kv_events_wake_the_sleeping_sidecar_to_publish_the_row(seg_name):
+    """An affinity change made outside a tick (an engine's KV event batch, a heartbeat's resident
+    keys) rings the doorbell from inside the sidecar: the row is published at once, not at the
+    next heartbeat (30 s here)."""
+    import asyncio
+
+    from cacheroute_proxy.doorbell import open_doorbell
+    from shm_schema import DirectoryWriter
+    from shm_schema.affinity import AffinityReader
+    from sidecar.affinity import AffinityModels
+    from sidecar.pressure import PressurePublisher
+
+    name, seg = seg_name
+    slot = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+    models = AffinityModels(seg, lambda s, g: 0)
+    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, heartbeat_s=30.0, affinity=models)
+    sleeping = lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1  # noqa: E731
+
+    async def scenario() -> None:
+        doorbell = open_doorbell(name)
+        assert doorbell is not None
+        task = asyncio.create_task(publisher.run(0.001, doorbell))
+        try:
+            await _until(sleeping, 5)
+            models.engine_stored(slot.slot, slot.generation, [7, 8], 128)
+            await _until(lambda: AffinityReader(seg).row(slot.slot, slot.generation).prefix == {7, 8}, 5)
+            assert doorbell.rings == 0  # no worker rang: the sidecar woke itself
+            await _until(sleeping, 5)
+        finally:
+            task.cancel()
+            doorbell.close()
+
+    asyncio.run(scenario())
 
 
 async def _until(predicate, timeout_s: float) -> None:
