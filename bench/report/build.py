@@ -50,6 +50,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json",)),
+    "affinity_vllm_sidecar_polled.json": (
+        f"{affinity_vllm.TITLE}, the sidecar polling its rings until 100 ms passed without an "
+        "event (the tree then)", ("affinity_vllm_sidecar_polled_repeat.json",)),
     "affinity_vllm_tokenized_after_send.json": (
         f"{affinity_vllm.TITLE}, a memoized chat tokenized again after its send whatever the "
         "engine (the tree then)", ("affinity_vllm_tokenized_after_send_repeat.json",)),
@@ -105,6 +108,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
         *_series(results_dir),
+        _real_engines(
+            "affinity_vllm_tol01.json",
+            "kv_aware's homes on the real engines: moved past 1.5× an instance's share of the work "
+            "(the default, as kv_aware) and past 1.1× (tol01)"),
         _real_engines(
             "affinity_vllm_tol02.json",
             "kv_aware's homes on the real engines, the machine at half its usual speed: moved past "
