@@ -193,11 +193,12 @@ def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_fu
     assert reader.scan().identities[:4] == (rows[0].identity, rows[1].identity, 0, above.identity)
 
 
-def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_name):
-    """After a tick that took no event the sidecar stops polling (the header's sleeping word)
-    until the doorbell rings; a worker's next event rings it and is taken at once, long before
-    the sidecar's next periodic wake (30 s here)."""
+def _sidecar_on_its_doorbell(seg_name, scenario, **publisher_settings) -> None:
+    """Runs `await scenario(rig)` while a PressurePublisher ticks every 1 ms on its doorbell
+    (heartbeat 30 s away) beside one worker row that rings it. The rig: `writer` and `row` (the
+    worker's), `publisher`, `ticks` (one entry a tick), `doorbell`, `sleeping()`."""
     import asyncio
+    from types import SimpleNamespace
 
     from cacheroute_proxy.doorbell import Bell, open_doorbell
     from sidecar.pressure import PressurePublisher
@@ -205,32 +206,47 @@ def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_nam
     name, seg = seg_name
     row = WorkerRow.claim(seg, 0)
     bell = Bell(name)
-    writer = EventWriter(seg, row.row, wake=bell.ring)
-    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, heartbeat_s=30.0)
-    ticks = []
+    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, heartbeat_s=30.0, **publisher_settings)
+    ticks: list[int] = []
     tick = publisher.tick
     publisher.tick = lambda: ticks.append(1) or tick()  # type: ignore[method-assign]
-    sleeping = lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1  # noqa: E731
 
-    async def scenario() -> None:
+    async def run() -> None:
         doorbell = open_doorbell(name)
         assert doorbell is not None
         task = asyncio.create_task(publisher.run(0.001, doorbell))
         try:
-            await _until(sleeping, 5)
-            polls = len(ticks)
-            await asyncio.sleep(0.3)
-            assert len(ticks) == polls and sleeping()  # asleep: no tick in 300 ms
-            writer.complete(1, RequestKey.pack(row.row, 1), 0, 1, 1, failed=False)
-            await _until(lambda: publisher.stats.consumed == 1, 5)
-            assert doorbell.rings == 1
+            await scenario(SimpleNamespace(
+                writer=EventWriter(seg, row.row, wake=bell.ring), row=row, publisher=publisher,
+                ticks=ticks, doorbell=doorbell,
+                sleeping=lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1))
         finally:
             task.cancel()
             doorbell.close()
 
-    asyncio.run(scenario())
-    bell.close()
-    row.release()
+    try:
+        asyncio.run(run())
+    finally:
+        bell.close()
+        row.release()
+
+
+def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_name):
+    """After a tick that took no event the sidecar stops polling (the header's sleeping word)
+    until the doorbell rings; a worker's next event rings it and is taken at once, long before
+    the sidecar's next periodic wake (30 s here)."""
+    import asyncio
+
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        polls = len(rig.ticks)
+        await asyncio.sleep(0.3)
+        assert len(rig.ticks) == polls and rig.sleeping()  # asleep: no tick in 300 ms
+        rig.writer.complete(1, RequestKey.pack(rig.row.row, 1), 0, 1, 1, failed=False)
+        await _until(lambda: rig.publisher.stats.consumed == 1, 5)
+        assert rig.doorbell.rings == 1
+
+    _sidecar_on_its_doorbell(seg_name, scenario)
 
 
 def test_a_workers_rings_wait_for_its_current_step_and_are_one_datagram(seg_name):
@@ -280,75 +296,39 @@ def test_between_a_requests_events_the_sidecar_sleeps_after_one_quiet_tick(seg_n
     again: it does not keep polling through the gap before the request's next event."""
     import asyncio
 
-    from cacheroute_proxy.doorbell import Bell, open_doorbell
-    from sidecar.pressure import PressurePublisher
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        for request in (1, 2, 3):
+            before = len(rig.ticks)
+            rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
+            await _until(lambda: rig.publisher.stats.consumed == request and rig.sleeping(), 5)
+            await asyncio.sleep(0.05)  # a gap between two events: 50 polls' worth
+            assert len(rig.ticks) - before == 2 and rig.sleeping()  # the event's tick and one more
+        assert rig.doorbell.rings == 3
 
-    name, seg = seg_name
-    row = WorkerRow.claim(seg, 0)
-    bell = Bell(name)
-    writer = EventWriter(seg, row.row, wake=bell.ring)
-    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, min_publish_interval_s=0.0,
-                                  heartbeat_s=30.0)
-    ticks = []
-    tick = publisher.tick
-    publisher.tick = lambda: ticks.append(1) or tick()  # type: ignore[method-assign]
-    sleeping = lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1  # noqa: E731
-
-    async def scenario() -> None:
-        doorbell = open_doorbell(name)
-        assert doorbell is not None
-        task = asyncio.create_task(publisher.run(0.001, doorbell))
-        try:
-            await _until(sleeping, 5)
-            for request in (1, 2, 3):
-                before = len(ticks)
-                writer.complete(1, RequestKey.pack(row.row, request), 0, 1, 1, failed=False)
-                await _until(lambda: publisher.stats.consumed == request and sleeping(), 5)
-                await asyncio.sleep(0.05)  # a gap between two events: 50 polls' worth
-                assert len(ticks) - before == 2 and sleeping()  # the event's tick and one more
-            assert doorbell.rings == 3
-        finally:
-            task.cancel()
-            doorbell.close()
-
-    asyncio.run(scenario())
-    bell.close()
-    row.release()
+    _sidecar_on_its_doorbell(seg_name, scenario, min_publish_interval_s=0.0)
 
 
 def test_an_engines_kv_events_wake_the_sleeping_sidecar_to_publish_the_row(seg_name):
     """An affinity change made outside a tick (an engine's KV event batch, a heartbeat's resident
     keys) rings the doorbell from inside the sidecar: the row is published at once, not at the
     next heartbeat (30 s here)."""
-    import asyncio
-
-    from cacheroute_proxy.doorbell import open_doorbell
     from shm_schema import DirectoryWriter
     from shm_schema.affinity import AffinityReader
     from sidecar.affinity import AffinityModels
-    from sidecar.pressure import PressurePublisher
 
-    name, seg = seg_name
+    _, seg = seg_name
     slot = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
     models = AffinityModels(seg, lambda s, g: 0)
-    publisher = PressurePublisher(seg, epoch=1, ready_slots=8, heartbeat_s=30.0, affinity=models)
-    sleeping = lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1  # noqa: E731
 
-    async def scenario() -> None:
-        doorbell = open_doorbell(name)
-        assert doorbell is not None
-        task = asyncio.create_task(publisher.run(0.001, doorbell))
-        try:
-            await _until(sleeping, 5)
-            models.engine_stored(slot.slot, slot.generation, [7, 8], 128)
-            await _until(lambda: AffinityReader(seg).row(slot.slot, slot.generation).prefix == {7, 8}, 5)
-            assert doorbell.rings == 0  # no worker rang: the sidecar woke itself
-            await _until(sleeping, 5)
-        finally:
-            task.cancel()
-            doorbell.close()
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        models.engine_stored(slot.slot, slot.generation, [7, 8], 128)
+        await _until(lambda: AffinityReader(seg).row(slot.slot, slot.generation).prefix == {7, 8}, 5)
+        assert rig.doorbell.rings == 0  # no worker rang: the sidecar woke itself
+        await _until(rig.sleeping, 5)
 
-    asyncio.run(scenario())
+    _sidecar_on_its_doorbell(seg_name, scenario, affinity=models)
 
 
 async def _until(predicate, timeout_s: float) -> None:
