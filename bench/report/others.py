@@ -193,8 +193,9 @@ def soak_section(data: dict[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def idle_section(data: dict[str, Any]) -> str:
-    """bench/results/idle.json (bench/idle.py): each tree's CPU at rest, by role, and the target."""
+def idle_section(data: dict[str, Any], file_name: str = "idle.json", title: str = "At rest") -> str:
+    """bench/results/idle.json, or another run of bench/idle.py: each tree's CPU at rest, by
+    role, and the target."""
     target = data.get("target") or {}
     rows = []
     for name, result in (data.get("results") or {}).items():
@@ -205,7 +206,7 @@ def idle_section(data: dict[str, Any]) -> str:
         rows.append([name, num(result.get("cpu_s_median")),
                      f"{num(100 * result.get('share_of_a_core_median', 0))} %", by_role,
                      ", ".join(num(w.get("cpu_s")) for w in windows)])
-    parts = ["## At rest", *blocks.header_blocks(data, "idle.json"),
+    parts = [f"## {title}", *blocks.header_blocks(data, file_name),
              f"{num(data.get('workers'))} workers, {num(data.get('seconds'))} s windows without traffic "
              f"(medians; every window beside them). Target ≤ "
              f"{num(100 * target.get('share_of_a_core_at_most', 0))} % of a core: **{target.get('verdict')}**.",
