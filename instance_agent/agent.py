@@ -8,7 +8,10 @@
        (an upsert: a restarted engine may serve another model)
     -> resource snapshots and topology reports on their own intervals
     -> on stop: unregister, whenever a registration was ever sent (even one cut short by the
-       stop, or an upsert still due: the proxy may hold the instance either way).
+       stop, or an upsert still due: the proxy may hold the instance either way). A register
+       still on its way is waited for first (at most LEAVE_WAIT_S): the proxy applies one it has
+       read whether or not we wait for the answer, and one applied after our unregister would
+       leave the instance behind until its TTL.
 
 The proxy may forget the instance (restarted without its segment, purged): a heartbeat answered
 "unknown" registers again at once; asked for capabilities (a restarted sidecar adopts the slot
@@ -28,6 +31,7 @@ import aiohttp
 from cacheroute_proxy.engine_probe import EngineInfo, probe_health, read_engine
 from cacheroute_proxy.instance_wire import (
     HeartbeatRequest,
+    RegisterReply,
     RegisterRequest,
     TopologyReportRequest,
     resource_snapshot_request,
@@ -46,6 +50,7 @@ HEALTH_TIMEOUT_S = 1.0    # an engine slower than this to answer /health is not 
 DESCRIBE_TIMEOUT_S = 5.0  # /v1/models, /version
 BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 5.0
+LEAVE_WAIT_S = 3.0  # for a register on its way at the stop: longer than the client's call timeout
 ENDPOINTS = ["chat/completions", "completions"]
 
 
@@ -68,6 +73,7 @@ class Agent:
         self.healthy = False
         self._upsert_due = False  # the engine was described anew: register it again
         self._register_sent = False  # the proxy may hold this instance: unregister on the way out
+        self._register_call: asyncio.Future[RegisterReply] | None = None  # not cut by a stop
         self._request: RegisterRequest | None = None
         self._fingerprint: str | None = None
         self._interval_s = config.heartbeat_interval_s or HEARTBEAT_FALLBACK_S
@@ -154,7 +160,8 @@ class Agent:
         request = self._request
         assert request is not None
         self._register_sent = True
-        reply = await self._proxy.register(request)
+        self._register_call = asyncio.ensure_future(self._proxy.register(request))
+        reply = await asyncio.shield(self._register_call)
         if self._request is request:  # not described anew while this one was on its way
             self._upsert_due = False
         self._fingerprint = reply.capability_fingerprint
@@ -212,6 +219,12 @@ class Agent:
     async def _leave(self) -> None:
         if not self._register_sent:
             return
+        call = self._register_call
+        if call is not None:
+            if not call.done():
+                log.info("waiting for the register on its way before unregistering")
+            with contextlib.suppress(Exception):  # its outcome does not matter, only that it is over
+                await asyncio.wait_for(call, LEAVE_WAIT_S)
         try:
             left = await self._proxy.unregister(self.instance_id)
             log.info("unregistered %s%s", self.instance_id, "" if left else " (the proxy did not know it)")

@@ -270,3 +270,66 @@ def test_a_stop_while_the_agent_registers_again_still_unregisters(monkeypatch: p
     finally:
         engine.stop()
     assert calls[-1] == "unregister", calls
+
+
+def test_a_stop_while_a_register_is_on_its_way_unregisters_after_the_proxy_applied_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The proxy applies a register it has read whether or not the agent waits for the answer.
+    An agent that stopped waiting and unregistered at once could see its unregister applied
+    first and the register after it: the instance stayed registered after the agent had gone."""
+    applied: list[str] = []  # what the proxy applied, in its order
+    read: list[str] = []  # what it has read
+
+    class SlowProxy:  # applies the upsert 0.5 s after reading it, like a busy control plane
+        def __init__(self, *args: object) -> None:
+            self.registers = 0
+
+        async def register(self, request: Any) -> RegisterReply:
+            self.registers += 1
+            read.append("register")
+
+            async def apply() -> None:
+                if self.registers > 1:
+                    await asyncio.sleep(0.5)
+                applied.append("register")
+            await asyncio.shield(asyncio.ensure_future(apply()))  # the proxy is not cancelled with us
+            return RegisterReply(request.instance_id, 1, 10.0, None)
+
+        async def heartbeat(self, request: Any) -> Heartbeat:
+            return Heartbeat.ACCEPTED
+
+        async def unregister(self, instance_id: str) -> bool:
+            applied.append("unregister")
+            return True
+
+        async def report(self, path: str, body: Any) -> bool:
+            return True
+
+    monkeypatch.setattr(agent_module, "ProxyClient", SlowProxy)
+    engine = Engine(tmp_path).start()
+    config = parse(["--instance-url", engine.url, "--health-interval", "0.1", "--heartbeat-interval", "0.2"])
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        run = asyncio.create_task(agent_module.Agent(config).run(stop))
+        for _ in range(300):
+            if applied:
+                break
+            await asyncio.sleep(0.05)
+        engine.stop()  # the engine goes, comes back: the agent registers it again
+        await asyncio.sleep(0.5)
+        engine.start()
+        for _ in range(300):
+            if len(read) == 2:  # the upsert is read, not yet applied
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"the upsert never went out: {applied}")
+        stop.set()
+        await asyncio.wait_for(run, 10)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert applied == ["register", "register", "unregister"], applied
