@@ -272,7 +272,7 @@ def test_a_stop_while_the_agent_registers_again_still_unregisters(monkeypatch: p
     assert calls[-1] == "unregister", calls
 
 
-def test_a_stop_while_a_register_is_on_its_way_unregisters_after_the_proxy_applied_it(
+def test_a_stop_during_a_register_unregisters_once_it_is_applied(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The proxy applies a register it has read whether or not the agent waits for the answer.
     An agent that stopped waiting and unregistered at once could see its unregister applied
