@@ -72,8 +72,9 @@ class Agent:
         self.registered = False  # the proxy accepted the registration and has not forgotten it
         self.healthy = False
         self._upsert_due = False  # the engine was described anew: register it again
-        self._register_sent = False  # the proxy may hold this instance: unregister on the way out
-        self._register_call: asyncio.Future[RegisterReply] | None = None  # not cut by a stop
+        # The last register sent, not cut by a stop; once set, the proxy may hold this instance:
+        # unregister on the way out.
+        self._register_call: asyncio.Future[RegisterReply] | None = None
         self._request: RegisterRequest | None = None
         self._fingerprint: str | None = None
         self._interval_s = config.heartbeat_interval_s or HEARTBEAT_FALLBACK_S
@@ -159,7 +160,6 @@ class Agent:
     async def _register(self) -> None:
         request = self._request
         assert request is not None
-        self._register_sent = True
         self._register_call = asyncio.ensure_future(self._proxy.register(request))
         reply = await asyncio.shield(self._register_call)
         if self._request is request:  # not described anew while this one was on its way
@@ -217,14 +217,13 @@ class Agent:
                 self._set_state("failing", f"proxy control plane {self.config.proxy_cp_url}: {exc}; retrying")
 
     async def _leave(self) -> None:
-        if not self._register_sent:
-            return
         call = self._register_call
-        if call is not None:
-            if not call.done():
-                log.info("waiting for the register on its way before unregistering")
-            with contextlib.suppress(Exception):  # its outcome does not matter, only that it is over
-                await asyncio.wait_for(call, LEAVE_WAIT_S)
+        if call is None:
+            return
+        if not call.done():
+            log.info("waiting for the register on its way before unregistering")
+        with contextlib.suppress(Exception):  # its outcome does not matter, only that it is over
+            await asyncio.wait_for(call, LEAVE_WAIT_S)
         try:
             left = await self._proxy.unregister(self.instance_id)
             log.info("unregistered %s%s", self.instance_id, "" if left else " (the proxy did not know it)")
