@@ -395,6 +395,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return int(min(10, max(1, self.instance_ttl_s // 3)))
 
     @property
+    def snapshot_heartbeat_s(self) -> float:
+        """How often a quiet sidecar republishes its (unchanged) snapshot: a quarter of the
+        staleness bound, so a live sidecar is never read as stale, and an idle one wakes for it
+        a few times a second, not a hundred."""
+        return self.snapshot_stale_ms / 4000
+
+    @property
     def cp_url(self) -> str:
         return f"http://{self.cp_host}:{self.cp_port}"
 

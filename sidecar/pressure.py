@@ -1,9 +1,11 @@
 """Draining the workers' event rings into the timelines and publishing pressure snapshots.
 
-Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS). Publishes when
-something changed (at most every `min_publish_interval_s`) and at least every `heartbeat_s`,
-so a worker can tell a quiet sidecar (fresh snapshot, nothing pending) from a dead one (the
-snapshot ages past PROXY_SNAPSHOT_STALE_MS).
+Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS) while events come.
+Publishes when something changed (at most every `min_publish_interval_s`) and at least every
+`heartbeat_s`, so a worker can tell a quiet sidecar (fresh snapshot, nothing pending) from a
+dead one (the snapshot ages past PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the
+header's sidecar heartbeat. A snapshot holds absolute times computed on events, so republishing
+an unchanged one changes nothing but its age.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ChannelStats:
 
 class PressurePublisher:
     def __init__(self, seg: Segment, epoch: int, ready_slots: int, pace_step: float = 0.0,
-                 min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.1,
+                 min_publish_interval_s: float = 0.01, heartbeat_s: float = 0.5,
                  reservation_max_age_s: float = 900.0,
                  affinity: AffinityModels | None = None, homes: PromptHomes | None = None) -> None:
         self._seg = seg
@@ -195,6 +197,7 @@ class PressurePublisher:
                 pressure = Pressure(instance.generation, 0, 0, now_us, now_us, now_us)
             records[instance.slot] = pressure
         self._writer.publish(records)
+        header.sidecar_heartbeat(self._seg)
         self._last_publish = now
         self._dirty = False
         self.stats.published += 1

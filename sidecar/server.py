@@ -74,7 +74,7 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     if not seg.created and homes.adopt():
         log.info("kept the prompt homes of the previous sidecar")
     pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step,
-                                 affinity=affinity, homes=homes)
+                                 heartbeat_s=settings.snapshot_heartbeat_s, affinity=affinity, homes=homes)
     reaper.before_reap.append(pressure.drain_dead_row)
     topology = Topology()
     registry.on_removed.append(topology.forget)  # an instance's links leave with it
@@ -115,7 +115,6 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
             _every(min(1.0, settings.instance_ttl_s / 10), state.registry.sweep, "liveness sweep"),
             _every(settings.reaper_interval_s, state.reaper.tick, "worker reaper"),
             state.pressure.run(settings.event_poll_ms / 1000, doorbell),
-            _every(1.0, lambda: header.sidecar_heartbeat(state.seg), "sidecar heartbeat"),
         ]
         if state.static is not None:
             loops.append(state.static.run())

@@ -254,6 +254,25 @@ def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
         kdn.stop()
 
 
+def test_a_quiet_sidecar_republishes_four_times_per_staleness_bound(make_cluster):
+    """With nothing to report, the sidecar wakes only for its snapshot heartbeat, every quarter
+    of PROXY_SNAPSHOT_STALE_MS: a few publishes a second, and a worker never reads it as stale."""
+    cluster = make_cluster(workers=1, env={"PROXY_INSTANCE_STRATEGY": "least_load",
+                                           "PROXY_SNAPSHOT_STALE_MS": "1200"})
+    cluster.add_instance()
+    wait_until(lambda: cluster.status()["event_channel"]["doorbell"]["sleeping"], 10,
+               message="the idle sidecar asleep")
+    published = cluster.status()["event_channel"]["snapshots_published"]
+    started, ages = time.monotonic(), []
+    while time.monotonic() - started < 3.0:
+        ages.append(cluster.loads(0)["snapshot_age_ms"])
+        time.sleep(0.05)
+    window = time.monotonic() - started
+    published = cluster.status()["event_channel"]["snapshots_published"] - published
+    assert all(age is not None and age < 1200 for age in ages), ages
+    assert 3 <= published <= window / 0.3 + 2, published
+
+
 def test_an_idle_sidecar_sleeps_and_a_request_rings_it_awake(make_cluster):
     """At rest the sidecar stops polling the rings (its doorbell says it sleeps); a request's
     events ring it, and its timeline hears of the request: the snapshot goes on being fresh."""
