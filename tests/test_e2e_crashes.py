@@ -1,5 +1,5 @@
 """Processes that die: a worker SIGKILLed with open streams, a sidecar killed and restarted,
-and the launcher's Ctrl-C leaving nothing behind."""
+the launcher's Ctrl-C leaving nothing behind, and a launcher that sleeps until a child dies."""
 
 from __future__ import annotations
 
@@ -51,6 +51,24 @@ def test_sigkill_worker_with_open_streams(make_cluster):
     status = cluster.status()
     assert status["reaper"]["reaped"] == 1 and status["reaper"]["subtracted"] == 2, status["reaper"]
     assert len(status["workers"]) == 4 and all(w["alive"] for w in status["workers"])
+
+
+def test_an_idle_launcher_sleeps_and_a_dying_worker_wakes_it(make_cluster):
+    """Idle, the launcher's loop barely wakes (it used to look at its children ten times a
+    second); a worker's death (SIGCHLD) wakes it at once, well before its idle nap would end."""
+    cluster = make_cluster(workers=1)
+    launcher = psutil.Process(cluster.launcher.pid)
+    time.sleep(1.0)  # past the launch's own readiness polling
+    before = launcher.num_ctx_switches().voluntary
+    time.sleep(3.0)
+    assert launcher.num_ctx_switches().voluntary - before <= 5
+    pid = cluster.worker_pids()[0]
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: f"worker0 (pid {pid}) killed by SIGKILL" in cluster.launcher_log(), 5,
+               interval=0.02, message=cluster.launcher_log()[-2000:])
+    assert time.monotonic() - killed_at < 1.0, "seen when it died, not at the next nap's end"
+    wait_until(lambda: cluster.worker_pids()[0] != pid, 10, message="worker0 restarted")
 
 
 def test_sidecar_killed_and_restarted_keeps_counters(make_cluster):

@@ -2,12 +2,17 @@
 workers; restart whatever crashes (with backoff if it crash-loops); on SIGHUP replace the
 workers one at a time (rolling.py); on SIGINT/SIGTERM stop the workers, then the sidecar, and
 remove the segment. Instances are not its business: they register themselves.
+
+Between passes the loop sleeps on a pipe that every signal writes to (`signal.set_wakeup_fd`):
+a child's exit (SIGCHLD), a stop or a restart request wakes it at once, and with nothing
+scheduled it sleeps IDLE_NAP_S, so an idle launcher costs next to no CPU.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import signal
 import time
@@ -30,6 +35,10 @@ STABLE_AFTER_S = 5.0  # a child that ran this long before dying is restarted wit
 STOP_MARGIN_S = 10.0
 # At a stop, how long the workers wait for the sidecar to unregister (its own bound is 2 s).
 LEAVE_WAIT_S = 3.0
+# The loop's sleep between passes when a restart, a rolling step or a retired worker's stop
+# deadline may be due; otherwise only a signal has work for it, and the sleep is a safety net.
+BUSY_NAP_S = 0.1
+IDLE_NAP_S = 5.0
 
 
 class Arbiter:
@@ -53,6 +62,7 @@ class Arbiter:
         signal.signal(signal.SIGINT, self._on_stop_signal)
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGHUP, self._on_restart_signal)
+        wakeup = _SignalWakeup()
         try:
             _fresh_directory(self.metrics_dir)
         except OSError as exc:
@@ -73,9 +83,10 @@ class Arbiter:
             while not self._stopping:
                 self._supervise_once()
                 self._roll_once()
-                time.sleep(0.1)
+                wakeup.nap(BUSY_NAP_S if self._something_scheduled() else IDLE_NAP_S)
             return 1 if self.failed else 0
         finally:
+            wakeup.close()
             self._stop_all()
 
     def _on_stop_signal(self, signum: int, frame: object) -> None:
@@ -85,6 +96,12 @@ class Arbiter:
 
     def _on_restart_signal(self, signum: int, frame: object) -> None:
         self._restart_requested = True
+
+    def _something_scheduled(self) -> bool:
+        """A pass may have work that no signal announces: a restart after its backoff, a rolling
+        restart's next step, a retired worker to kill at its deadline."""
+        return (self._rolling is not None or self._restart_requested or bool(self.retired)
+                or any(child.next_start_at for child in self.children()))
 
     def _roll_once(self) -> None:
         """Start, advance or finish a rolling restart; reap retired workers that exited."""
@@ -201,6 +218,31 @@ class Arbiter:
                 return
             time.sleep(0.2)
         log.warning("not every worker answered /healthz within %.0fs", READY_TIMEOUT_S)
+
+
+class _SignalWakeup:
+    """A pipe the interpreter writes each arriving signal's number to, so a sleep on it ends
+    when a signal comes. SIGCHLD gets a handler of its own (its default is to be ignored, which
+    would write nothing); the handlers themselves run in the main thread as usual."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._previous_chld = signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+
+    def nap(self, timeout_s: float) -> None:
+        if select.select([self._read], [], [], timeout_s)[0]:
+            try:
+                while os.read(self._read, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        signal.signal(signal.SIGCHLD, self._previous_chld)
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._read)
+        os.close(self._write)
 
 
 def _fresh_directory(path: str) -> None:
