@@ -202,8 +202,6 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("pressure_vllm.json", others.pressure_vllm_section),
         ("soak.json", others.soak_section),
         ("idle.json", others.idle_section),
-        ("idle_half_speed.json", lambda d: others.idle_section(
-            d, "idle_half_speed.json", "At rest, the machine at half its usual speed")),
         ("metrics.json", settled.metrics_section),
         ("stack_choice.json", settled.stack_choice_section),
         ("wakeup_cost.json", settled.wakeup_cost_section),
