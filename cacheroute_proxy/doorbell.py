@@ -28,6 +28,12 @@ def address(shm_name: str) -> bytes:
     return b"\0cacheroute-doorbell" + shm_name.encode()
 
 
+def worker_address(shm_name: str, row: int) -> bytes:
+    """The bell of the worker on `row` (proxy_workers/admission_bell.py): the sidecar's address
+    and the row, which no segment name can spell (it holds no second slash)."""
+    return address(shm_name) + b"/w%d" % row
+
+
 class Doorbell:
     """The sidecar's side: bound to the segment's address."""
 

@@ -12,7 +12,11 @@ from typing import Callable
 
 from shm_schema import Admission
 
-ADMISSION_POLL_S = (0.001, 0.002, 0.005)  # cross-worker releases are seen by polling; local ones wake at once
+# How often the head waiter looks at the host-wide count, in turn, the last one from then on. A
+# local release wakes it at once; another worker's, only where that worker can ring its bell
+# (admission_bell.py): then the polls are a guard and back off; else they are how it is seen.
+POLL_S = (0.001, 0.002, 0.005)
+POLL_S_WITH_BELLS = (0.001, 0.005, 0.025, 0.1)
 
 
 class _Waiter:
@@ -33,8 +37,13 @@ class AdmissionQueue:
 
     SAFETY_POLL_S = 0.5
 
-    def __init__(self) -> None:
+    def __init__(self, poll_s: tuple[float, ...] = POLL_S) -> None:
         self._waiters: deque[_Waiter] = deque()
+        self._poll_s = poll_s
+        self.tries = 0  # try_admit calls while waiting: what the waiting cost
+
+    def __len__(self) -> int:
+        return len(self._waiters)
 
     @property
     def busy(self) -> bool:
@@ -55,7 +64,7 @@ class AdmissionQueue:
         try:
             while True:
                 if waiters[0] is me:
-                    delay = ADMISSION_POLL_S[min(attempt, len(ADMISSION_POLL_S) - 1)]
+                    delay = self._poll_s[min(attempt, len(self._poll_s) - 1)]
                     attempt += 1
                 else:
                     delay = self.SAFETY_POLL_S
@@ -64,6 +73,7 @@ class AdmissionQueue:
                     await me.wake
                 finally:
                     timer.cancel()
+                self.tries += 1
                 result = try_admit()
                 if result is not Admission.FULL:
                     return result

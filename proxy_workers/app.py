@@ -111,7 +111,8 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
         return Response(metrics.render(ctx.router.view), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe()})
+        return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe(),
+                             "admission": ctx.pipeline.describe_admission()})
 
     async def health(request: Request) -> Response:  # can the proxy serve a request now?
         alive = len(ctx.router.view.directory.snapshot().alive)

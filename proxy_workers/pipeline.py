@@ -30,7 +30,8 @@ from cacheroute_proxy.config import Settings
 from shm_schema import Admission, layout
 
 from . import metrics
-from .admission import AdmissionQueue
+from .admission import POLL_S, POLL_S_WITH_BELLS, AdmissionQueue
+from .admission_bell import AdmissionBells
 from .affinity import AffinityScorer
 from .event_channel import EventChannelWriter
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
@@ -75,7 +76,8 @@ class Job(msgspec.Struct):
 
 class Pipeline:
     def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
-                 predictors: Any, pressure_of: Any, affinity: AffinityScorer | None = None) -> None:
+                 predictors: Any, pressure_of: Any, affinity: AffinityScorer | None = None,
+                 bells: AdmissionBells | None = None) -> None:
         self._settings = settings
         self._affinity = affinity  # told what each instance now holds
         self._events = events
@@ -84,6 +86,24 @@ class Pipeline:
         self._pressure_of = pressure_of  # (InstanceSlot) -> predicted ready wait ms, or None
         self._stages: dict[tuple[int, int], InstanceStages] = {}
         self.plain_path = 0  # requests that took the lean path (_admit_plain)
+        # Other workers' releases wake this worker's waiters by its bell, or are polled for.
+        self.bells = bells
+        self._poll_s = POLL_S if bells is None else POLL_S_WITH_BELLS
+
+    def listen(self) -> None:
+        """On the running loop: another worker's ring about a slot wakes its waiters here."""
+        if self.bells is not None:
+            self.bells.listen(self._wake_waiters)
+
+    def _wake_waiters(self, slot: int) -> None:
+        for (waiting_slot, _), stages in self._stages.items():
+            if waiting_slot == slot:
+                stages.admission.wake()
+
+    def describe_admission(self) -> dict[str, int]:
+        """What waiting for ready admission has cost this worker: tries and rings."""
+        tries = sum(stages.admission.tries for stages in self._stages.values())
+        return {"tries": tries, **({} if self.bells is None else self.bells.describe())}
 
     def _stages_for(self, lease: Lease) -> InstanceStages:
         key = (lease.instance.slot, lease.instance.generation)
@@ -94,7 +114,8 @@ class Pipeline:
             settings = self._settings
             stages = self._stages[key] = InstanceStages(
                 asyncio.Semaphore(settings.prepare_concurrency),
-                ReleaseOrder(settings.ready_release_policy, settings.text_bypass_max_per_flush))
+                ReleaseOrder(settings.ready_release_policy, settings.text_bypass_max_per_flush),
+                admission=AdmissionQueue(self._poll_s))
         return stages
 
     def run(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> Awaitable[T]:
@@ -200,6 +221,9 @@ class Pipeline:
         stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
         lease.leave(layout.LANE_READY_ACTIVE)
         stages.admission.wake()
+        bells = self.bells
+        if bells is not None and bells.others_wait(lease.instance, len(stages.admission)):
+            bells.ring_others(lease.instance.slot)
         self._events.complete(job.key, failed)
 
     def _forwarding(self, lease: Lease, job: Job) -> None:

@@ -22,6 +22,7 @@ from shm_schema import Segment, SegmentError, WorkerRow, WorkerTableFull
 from proxy_workers.predictors import get_predictors
 
 from . import metrics
+from .admission_bell import open_bells
 from .affinity import AffinityScorer
 from .affinity_index import make_index
 from .app import WorkerApp, WorkerContext, build_app, worker_name
@@ -100,6 +101,8 @@ class _Lifespan:
     @contextlib.asynccontextmanager
     async def __call__(self, app: object) -> AsyncIterator[None]:
         await self._ctx.upstream.start()
+        pipeline = self._ctx.pipeline
+        pipeline.listen()
         tracing = self._ctx.tracing
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._tick_events()),
                  asyncio.create_task(self._links.run())]
@@ -110,6 +113,8 @@ class _Lifespan:
             for task in tasks:
                 task.cancel()
             await self._ctx.upstream.close()
+            if pipeline.bells is not None:
+                pipeline.bells.close()
             if tracing is not None:  # the spans still batched go out before the worker does
                 tracing.shutdown()
 
@@ -165,7 +170,8 @@ def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
     preparer = KnowledgePreparer(settings, upstream, predictors, links)
     router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer.transfer_ms,
                                                        engine_prefix.from_settings(settings)))
-    pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, router.affinity)
+    pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, router.affinity,
+                        open_bells(seg, row.row))
     ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                         pipeline=pipeline, tracing=tracing)
     return WorkerParts(ctx, events, links)

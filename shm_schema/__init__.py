@@ -11,8 +11,8 @@ Outside the segment, `metric_file` lays out the per-worker file of metric values
 
 from . import layout
 from .bitfields import CounterWord
-from .counters import (Admission, CountersReader, WorkerRow, WorkerTableFull, counter_value,
-                       inflight_count)
+from .counters import (Admission, CountersReader, WorkerRow, WorkerTableFull, claimed_rows,
+                       counter_value, inflight_count)
 from .directory import (DirectoryFull, DirectoryReader, DirectorySnapshot, DirectoryWriter,
                         InstanceSlot, encode_identity, read_all)
 from .layout import LAYOUT_VERSION
@@ -21,7 +21,7 @@ from .repair import (Reaped, RowState, free_row, read_rows, reap_row, reconcile,
 from .segment import Segment, SegmentError, SegmentLayoutError, SegmentNotFound
 
 __all__ = [
-    "Admission", "CounterWord", "CountersReader", "counter_value", "layout", "reconcile",
+    "Admission", "CounterWord", "CountersReader", "claimed_rows", "counter_value", "layout", "reconcile",
     "take_row", "DirectoryFull", "DirectoryReader", "DirectorySnapshot", "DirectoryWriter",
     "InstanceSlot", "LAYOUT_VERSION", "Reaped", "RowState", "Segment", "SegmentError",
     "SegmentLayoutError", "SegmentNotFound", "WorkerRow", "WorkerTableFull", "encode_identity",

@@ -102,6 +102,13 @@ def counter_value(seg: Segment, slot: int, generation: int, lane: int = _INFLIGH
     return CounterWord.count_under(seg.load(seg.geometry.counter_offset(slot, lane)), generation)
 
 
+def claimed_rows(seg: Segment) -> list[int]:
+    """The worker rows a process holds now (identity not 0): one load a row."""
+    geometry, load = seg.geometry, seg.load
+    return [row for row in range(geometry.worker_capacity)
+            if load(geometry.row_offset(row) + layout.R_IDENTITY)]
+
+
 def inflight_count(seg: Segment, slot: int, generation: int) -> int | None:
     return counter_value(seg, slot, generation, _INFLIGHT)
 

@@ -70,3 +70,35 @@ def test_a_cancelled_head_hands_over_and_a_stale_result_ends_the_wait():
         assert not queue._waiters
 
     run(main())
+
+
+def test_a_bell_rings_every_other_claimed_row_and_says_when_others_wait() -> None:
+    """Row 0 frees a place of slot s: rows 1 and 2 (claimed) hear s, row 0 does not ring
+    itself; `others_wait` is true only while the host-wide queue holds more than one's own."""
+    from proxy_workers.admission_bell import AdmissionBells
+    from shm_schema import DirectoryWriter, WorkerRow, layout, read_all
+    from tests.shm_helpers import fresh_segment
+
+    async def scenario(seg) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
+        rows = [WorkerRow.claim(seg, i, identity=1000 + i) for i in range(3)]
+        bells = [AdmissionBells(seg, row.row) for row in rows]
+        heard: dict[int, list[int]] = {row.row: [] for row in rows}
+        for row, bell in zip(rows, bells):
+            bell.listen(heard[row.row].append)
+        instance = read_all(seg)[0]
+        assert not bells[0].others_wait(instance, 0)
+        rows[1].add(layout.LANE_READY_WAITING, instance.slot, instance.generation)
+        assert bells[0].others_wait(instance, 0) and not bells[1].others_wait(instance, 1)
+        bells[0].ring_others(instance.slot)
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if heard[1] and heard[2]:
+                break
+        for bell in bells:
+            bell.close()
+        return heard
+
+    with fresh_segment(instance_capacity=4, worker_capacity=4) as seg:
+        DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+        slot = read_all(seg)[0].slot
+        assert uvloop.run(scenario(seg)) == {0: [], 1: [slot], 2: [slot]}

@@ -254,6 +254,38 @@ def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
         kdn.stop()
 
 
+def test_a_place_freed_by_one_worker_rings_the_worker_whose_request_waits_for_it(make_cluster):
+    """READY_CONCURRENCY is host-wide: worker 0 holds the one ready place, worker 1's request
+    waits for it. The waiting head tries a few times a second, not every few ms; when worker 0
+    frees the place it rings worker 1's bell and the request is admitted."""
+    cluster = make_cluster(workers=2, env={"PROXY_INSTANCE_STRATEGY": "least_load", "READY_CONCURRENCY": "1"})
+    inst = cluster.add_instance("--hold-streams", time_scale=0.001)
+
+    def admission(worker: int) -> dict:
+        return get(f"{cluster.worker_url(worker)}/healthz")["admission"]
+
+    async def scenario() -> tuple[int, dict, dict]:
+        async with aiohttp.ClientSession() as session:
+            held = await OpenStream.open(session, f"{cluster.worker_url(0)}/v1/chat/completions", chat_body())
+            queued = asyncio.ensure_future(session.post(f"{cluster.worker_url(1)}/v1/chat/completions",
+                                                        json=chat_body(stream=False)))
+            await asyncio.to_thread(wait_until, lambda: _row(cluster, inst.instance_id)["ready_queue_depth"] == 1,
+                                    10, message="worker 1's request waits for the ready place")
+            tries = admission(1)["tries"]
+            await asyncio.sleep(1.5)
+            waited = admission(1)["tries"] - tries
+            inst.release()
+            await held.finish()
+            answer = await asyncio.wait_for(queued, 10)
+            await answer.read()
+            return answer.status, {"tries while waiting 1.5 s": waited}, {**admission(0), "w1": admission(1)}
+
+    status, waited, bells = asyncio.run(scenario())
+    assert status == 200
+    assert waited["tries while waiting 1.5 s"] <= 25, waited  # polling every 5 ms: about 300
+    assert bells["rings_sent"] >= 1 and bells["w1"]["rings_heard"] >= 1, bells
+
+
 def test_a_quiet_sidecar_republishes_four_times_per_staleness_bound(make_cluster):
     """With nothing to report, the sidecar wakes only for its snapshot heartbeat, every quarter
     of PROXY_SNAPSHOT_STALE_MS: a few publishes a second, and a worker never reads it as stale."""

@@ -8,14 +8,18 @@ chunks then `data: [DONE]\\n\\n`, chunked), GET /health (200, empty, what vllm-r
 for), GET /v1/models and /version; uvicorn's `date` and `server: uvicorn`, and `x-request-id`
 (the request's, else a new one, as vLLM's --enable-request-id-headers). The answer is tiny and
 fixed (max_tokens words, one SSE chunk each) and comes without artificial delay: the backend is
-cheap, so the proxies in front of it decide the numbers.
+cheap, so the proxies in front of it decide the numbers. With --token-interval-ms a stream's
+chunks come that far apart, as an engine sends one token per decode step: a relay then wakes
+for every token instead of finding many in one read.
 
     python -m bench.peers.openai_fake --host 127.0.0.1 --port 9100 [--model sim-model]
+        [--token-interval-ms 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -135,14 +139,16 @@ def _request_id(request: Request) -> str:
     return request.headers.get(REQUEST_ID) or uuid.uuid4().hex
 
 
-async def _relay(chunks: list[bytes]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
+async def _relay(chunks: list[bytes], interval_s: float) -> AsyncIterator[bytes]:
+    for index, chunk in enumerate(chunks):
+        if interval_s and index:
+            await asyncio.sleep(interval_s)
         yield chunk
 
 
 def generation_route(fake: Fake, required: str,
                      whole: Callable[[str, int, int], dict[str, Any]],
-                     chunks: Callable[[str, int], list[bytes]]) -> Callable[..., Any]:
+                     chunks: Callable[[str, int], list[bytes]], interval_s: float) -> Callable[..., Any]:
     async def endpoint(request: Request) -> Response:
         body = await _parsed(request, required)
         if isinstance(body, JSONResponse):
@@ -150,14 +156,14 @@ def generation_route(fake: Fake, required: str,
         request_id, tokens = _request_id(request), body.get("max_tokens", DEFAULT_MAX_TOKENS)
         headers = {REQUEST_ID: request_id}
         if body.get("stream"):
-            return StreamingResponse(_relay(chunks(request_id, tokens)),
+            return StreamingResponse(_relay(chunks(request_id, tokens), interval_s),
                                      media_type="text/event-stream", headers=headers)
         return Response(_dumps(whole(request_id, tokens, _prompt_tokens(body))),
                         media_type="application/json", headers=headers)
     return endpoint
 
 
-def build_app(model: str = "sim-model") -> Starlette:
+def build_app(model: str = "sim-model", token_interval_ms: float = 0.0) -> Starlette:
     fake = Fake(model)
 
     async def health(request: Request) -> Response:
@@ -169,11 +175,12 @@ def build_app(model: str = "sim-model") -> Starlette:
     async def version(request: Request) -> JSONResponse:
         return JSONResponse({"version": "0.0.0+openai-fake"})
 
+    interval_s = token_interval_ms / 1000
     return Starlette(routes=[
-        Route("/v1/chat/completions", generation_route(fake, "messages", fake.chat, fake.chat_chunks),
-              methods=["POST"]),
+        Route("/v1/chat/completions", generation_route(fake, "messages", fake.chat, fake.chat_chunks,
+                                                       interval_s), methods=["POST"]),
         Route("/v1/completions", generation_route(fake, "prompt", fake.completion,
-                                                  fake.completion_chunks), methods=["POST"]),
+                                                  fake.completion_chunks, interval_s), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
@@ -188,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="sim-model", help="the served model name")
+    p.add_argument("--token-interval-ms", type=float, default=0.0,
+                   help="between a stream's chunks (0: all at once)")
     a = p.parse_args(argv)
     # vLLM's server: uvicorn with a 5 s keep-alive; no access log (the backend must stay cheap).
-    uvicorn.run(build_app(a.model), host=a.host, port=a.port, log_level="warning",
+    uvicorn.run(build_app(a.model, a.token_interval_ms), host=a.host, port=a.port, log_level="warning",
                 access_log=False, timeout_keep_alive=5)
     return 0
 
