@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity bench-idle soak clean-shm clean
+.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity bench-idle bench-gate soak clean-shm clean
 
 # setup.py builds the C parts (shm_schema/_lanes.c, cacheroute_proxy/routing/_least_load.c) into
 # the checkout: an edit rebuilds them.
@@ -91,6 +91,9 @@ bench: $(STAMP)
 # interleaved).
 bench-idle: $(STAMP)
 	$(PY) -m bench.idle --out bench/results/idle.json $(if $(BASELINE),--baseline $(BASELINE),)
+
+bench-gate: $(STAMP)
+	$(PY) -m bench.gate_wait --out bench/results/gate_wait.json $(if $(BASELINE),--baseline $(BASELINE),)
 
 # The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
 # BASELINE=<git ref> the same scenarios against that ref too, interleaved).

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.harness.backends import InstanceSpec, SimInstances
-from bench.harness.baseline import baseline_tree
+from bench.harness.ab import ab_parser, interleaved, trees
 from bench.harness.contenders import ProxyContender
 from bench.harness.cpu import charged
 from bench.harness.processes import http_json
@@ -31,13 +29,8 @@ SETTLE_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.idle", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/idle.json"))
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=60.0, help="the idle window")
-    parser.add_argument("--rounds", type=int, default=2, help="windows per contender (A B B A ...)")
-    parser.add_argument("--baseline", metavar="REF", help="also measure the product at this git ref")
-    return parser
+    return ab_parser("python -m bench.idle", __doc__.split("\n")[0], "bench/results/idle.json",
+                     workers=4, seconds=60.0, rounds=2, seconds_help="the idle window")
 
 
 def measure(contender: ProxyContender, seconds: float) -> dict[str, Any]:
@@ -57,21 +50,16 @@ def measure(contender: ProxyContender, seconds: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = Run("bench.idle", argv)
-    scratch = Path(tempfile.mkdtemp(prefix="bench_idle_"))
-    trees: dict[str, Path | None] = {"current": None}
-    if args.baseline:
-        trees["baseline"] = baseline_tree(args.baseline, scratch)
-    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    contenders = trees(args.baseline)
+    windows: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     with SimInstances([InstanceSpec(), InstanceSpec()]) as instances:
-        for round_index in range(args.rounds):
-            names = list(trees) if round_index % 2 == 0 else list(reversed(trees))
-            for name in names:
-                print(f"round {round_index + 1}: {name}, {args.seconds:g} s idle", flush=True)
-                with ProxyContender(name, instances, args.workers, "least_load", tree=trees[name]) as contender:
-                    window = measure(contender, args.seconds)
-                print(f"  {window['cpu_s']} s of CPU ({window['share_of_a_core']:.3%} of a core) {window['by_role']}",
-                      flush=True)
-                windows[name].append(window)
+        for round_index, name in interleaved(list(contenders), args.rounds):
+            print(f"round {round_index + 1}: {name}, {args.seconds:g} s idle", flush=True)
+            with ProxyContender(name, instances, args.workers, "least_load", tree=contenders[name]) as contender:
+                window = measure(contender, args.seconds)
+            print(f"  {window['cpu_s']} s of CPU ({window['share_of_a_core']:.3%} of a core) {window['by_role']}",
+                  flush=True)
+            windows[name].append(window)
     results = {name: {"cpu_s_median": statistics.median(w["cpu_s"] for w in ws),
                       "share_of_a_core_median": statistics.median(w["share_of_a_core"] for w in ws),
                       "windows": ws} for name, ws in windows.items()}

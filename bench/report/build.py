@@ -202,6 +202,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("pressure_vllm.json", others.pressure_vllm_section),
         ("soak.json", others.soak_section),
         ("idle.json", others.idle_section),
+        ("gate_wait.json", others.gate_wait_section),
         ("metrics.json", settled.metrics_section),
         ("stack_choice.json", settled.stack_choice_section),
         ("wakeup_cost.json", settled.wakeup_cost_section),

@@ -200,9 +200,7 @@ def idle_section(data: dict[str, Any], file_name: str = "idle.json", title: str 
     rows = []
     for name, result in (data.get("results") or {}).items():
         windows = result.get("windows") or []
-        roles = sorted({role for w in windows for role in w.get("by_role", {})})
-        by_role = ", ".join(f"{role} {num(statistics.median(w['by_role'].get(role, 0.0) for w in windows))} s"
-                            for role in roles)
+        by_role = _median_by_role(windows, "by_role")
         rows.append([name, num(result.get("cpu_s_median")),
                      f"{num(100 * result.get('share_of_a_core_median', 0))} %", by_role,
                      ", ".join(num(w.get("cpu_s")) for w in windows)])
@@ -212,3 +210,29 @@ def idle_section(data: dict[str, Any], file_name: str = "idle.json", title: str 
              f"{num(100 * target.get('share_of_a_core_at_most', 0))} % of a core: **{target.get('verdict')}**.",
              table(["tree", "CPU s", "of a core", "by role (median)", "windows (CPU s)"], rows)]
     return "\n\n".join(p for p in parts if p)
+
+
+def gate_wait_section(data: dict[str, Any]) -> str:
+    """bench/results/gate_wait.json: what waiting at the ready gate costs the workers, per tree."""
+    rows = []
+    for name, result in (data.get("results") or {}).items():
+        windows = result.get("windows") or []
+        by_role = _median_by_role(windows, "cpu_s_by_role")
+        rows.append([name, num(result.get("cpu_us_per_token_median")),
+                     ", ".join(num(w.get("cpu_us_per_token")) for w in windows),
+                     num(statistics.median(w.get("streams_ok", 0) for w in windows)),
+                     num(statistics.median(w.get("ttft_p50_ms") or 0.0 for w in windows)), by_role])
+    parts = ["## Requests waiting at the ready gate", *blocks.header_blocks(data, "gate_wait.json"),
+             f"{num(data.get('workers'))} workers, least_load, READY_CONCURRENCY 8; {num(data.get('streams'))} "
+             f"clients streaming {num(data.get('tokens'))} tokens {num(data.get('token_interval_ms'))} ms apart, "
+             f"{num(data.get('seconds'))} s windows (medians; every window beside them).",
+             table(["tree", "CPU µs per token", "windows", "streams a window", "TTFT p50 (ms)",
+                    "CPU by role (median)"], rows)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def _median_by_role(windows: list[dict[str, Any]], key: str) -> str:
+    """"role N s, ...": each role's median CPU seconds over the windows' `key` dicts."""
+    roles = sorted({role for w in windows for role in w.get(key, {})})
+    return ", ".join(f"{role} {num(statistics.median(w[key].get(role, 0.0) for w in windows))} s"
+                     for role in roles)
