@@ -91,10 +91,15 @@ class EventChannelWriter:
         self._writer.flush()
 
     @property
-    def busy(self) -> bool:
-        """Events wait in the spill, or requests are live (a new sidecar must hear of them soon):
-        ticks are due often. Otherwise the next event's own write checks the epoch."""
-        return bool(self._writer.spilled or self._live)
+    def spilled(self) -> bool:
+        """Events wait in the spill: ticks are due often, to move them into the ring."""
+        return bool(self._writer.spilled)
+
+    @property
+    def live(self) -> bool:
+        """Requests are live: a new sidecar must hear of them, if no event's own write (which
+        checks the epoch) tells it first."""
+        return bool(self._live)
 
     def _check_epoch(self) -> None:
         epoch = header.sidecar_epoch(self._seg)

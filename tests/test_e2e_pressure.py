@@ -9,6 +9,7 @@ import signal
 import time
 
 import aiohttp
+import psutil
 
 from tests.aio import OpenStream, meta_of
 from tests.harness import Process, SimKdn, chat_body, free_port, get, http, post, wait_until
@@ -252,6 +253,29 @@ def test_text_bypass_is_seen_in_the_meta(make_cluster, tmp_path):
         assert text["forward_end_ms"] < kv["ready_enqueue_ms"]  # it was served while the head waited
     finally:
         kdn.stop()
+
+
+def test_a_worker_holding_a_quiet_stream_barely_wakes(make_cluster):
+    """A stream the instance holds writes no event: the worker's event channel ticks twice a
+    second for it (to re-announce it to a restarted sidecar), not fifty times."""
+    cluster = make_cluster(workers=1, strategy="least_load")
+    inst = cluster.add_instance("--hold-streams")
+    worker = psutil.Process(cluster.worker_pids()[0])
+
+    async def scenario() -> int:
+        async with aiohttp.ClientSession() as session:
+            held = await OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions", chat_body())
+            await asyncio.to_thread(wait_until, lambda: _row(cluster, inst.instance_id)["active_decode_count"] == 1,
+                                    5, message="the stream decoding")
+            await asyncio.sleep(0.5)
+            before = worker.num_ctx_switches().voluntary
+            await asyncio.sleep(3.0)
+            woke = worker.num_ctx_switches().voluntary - before
+            inst.release()
+            await held.finish()
+            return woke
+
+    assert asyncio.run(scenario()) <= 30  # a tick every 20 ms: 150 and more
 
 
 def test_a_place_freed_by_one_worker_rings_the_worker_whose_request_waits_for_it(make_cluster):
