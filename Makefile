@@ -94,6 +94,7 @@ bench-idle: $(STAMP)
 
 bench-gate: $(STAMP)
 	$(PY) -m bench.gate_wait --out bench/results/gate_wait.json $(if $(BASELINE),--baseline $(BASELINE),)
+	$(PY) -m bench.gate_wait --streams 8 --out bench/results/gate_wait_unqueued.json $(if $(BASELINE),--baseline $(BASELINE),)
 
 # The sidecar's CPU per request consuming its events (in-process, real segment, ~1 min; with
 # BASELINE=<git ref> the same scenarios against that ref too, interleaved).

@@ -1,14 +1,14 @@
-"""Requests waiting at the ready gate: what the wait costs the workers.
+"""Paced streams through the proxy: what relaying them, and waiting at the ready gate, costs.
 
     python -m bench.gate_wait --out bench/results/gate_wait.json [--workers 2] [--streams 16]
         [--seconds 8] [--rounds 3] [--baseline REF]
 
 One OpenAI fake (bench/peers/openai_fake.py) that sends a stream's 32 tokens 20 ms apart, as
 an engine sends one per decode step; the proxy (least_load, READY_CONCURRENCY at its default 8)
-in front of it; `--streams` clients streaming back to back, so about half of them wait at the
-host-wide gate at any time, most for a place another worker frees. Per window: streams done,
-TTFT p50, and the CPU of the proxy's tree per relayed token, by role. With `--baseline REF`
-the product at that ref too, interleaved (A B B A ...), in one run."""
+in front of it; `--streams` clients streaming back to back: with 16, about half of them wait at
+the host-wide gate at any time, most for a place another worker frees; with 8, none. Per
+window: streams done, TTFT p50, and the CPU of the proxy's tree per relayed token, by role. With
+`--baseline REF` the product at that ref too, interleaved (A B B A ...), in one run."""
 
 from __future__ import annotations
 

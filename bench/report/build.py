@@ -203,6 +203,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("soak.json", others.soak_section),
         ("idle.json", others.idle_section),
         ("gate_wait.json", others.gate_wait_section),
+        ("gate_wait_unqueued.json", lambda d: others.gate_wait_section(
+            d, "gate_wait_unqueued.json", "Paced streams, none of them waiting (8 clients, 8 places)")),
         ("metrics.json", settled.metrics_section),
         ("stack_choice.json", settled.stack_choice_section),
         ("wakeup_cost.json", settled.wakeup_cost_section),

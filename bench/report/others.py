@@ -212,8 +212,10 @@ def idle_section(data: dict[str, Any], file_name: str = "idle.json", title: str 
     return "\n\n".join(p for p in parts if p)
 
 
-def gate_wait_section(data: dict[str, Any]) -> str:
-    """bench/results/gate_wait.json: what waiting at the ready gate costs the workers, per tree."""
+def gate_wait_section(data: dict[str, Any], file_name: str = "gate_wait.json",
+                      title: str = "Paced streams, half of them waiting at the ready gate") -> str:
+    """bench/results/gate_wait.json, or another run of bench/gate_wait.py: the proxy's CPU per
+    relayed token of paced streams, per tree."""
     rows = []
     for name, result in (data.get("results") or {}).items():
         windows = result.get("windows") or []
@@ -222,7 +224,7 @@ def gate_wait_section(data: dict[str, Any]) -> str:
                      ", ".join(num(w.get("cpu_us_per_token")) for w in windows),
                      num(statistics.median(w.get("streams_ok", 0) for w in windows)),
                      num(statistics.median(w.get("ttft_p50_ms") or 0.0 for w in windows)), by_role])
-    parts = ["## Requests waiting at the ready gate", *blocks.header_blocks(data, "gate_wait.json"),
+    parts = [f"## {title}", *blocks.header_blocks(data, file_name),
              f"{num(data.get('workers'))} workers, least_load, READY_CONCURRENCY 8; {num(data.get('streams'))} "
              f"clients streaming {num(data.get('tokens'))} tokens {num(data.get('token_interval_ms'))} ms apart, "
              f"{num(data.get('seconds'))} s windows (medians; every window beside them).",

@@ -17,4 +17,4 @@ def test_a_short_window_relays_paced_streams_past_the_gate_and_the_report_render
     assert window["streams_ok"] > 0 and window["errors"] == 0, window
     assert window["cpu_us_per_token"] > 0 and set(window["cpu_s_by_role"]) >= {"sidecar", "workers"}
     text, used = build(out.parent, tmp_path / "BENCHMARKS.md", None)
-    assert used == ["gate_wait.json"] and "## Requests waiting at the ready gate" in text
+    assert used == ["gate_wait.json"] and "## Paced streams, half of them waiting at the ready gate" in text
