@@ -41,8 +41,8 @@ log = logging.getLogger("cacheroute.worker")
 SEGMENT_WAIT_S = 15.0
 # How often a worker ticks its event channel (EventChannelWriter.tick). Spilled events are moved
 # into the ring soon. With requests live a restarted sidecar learns of them by the first event
-# any of them writes, or at the next tick: a tick every 20 ms for that alone was ~50 wake-ups a
-# second per worker for the whole of every stream.
+# any of them writes, or at the next tick: ticking every 20 ms for that alone would wake each
+# worker ~50 times a second through every stream.
 EVENT_TICK_S = 0.02
 LIVE_EVENT_TICK_S = 0.5
 IDLE_EVENT_TICK_S = 1.0  # nothing spilled, no request live: nothing to move or re-announce
