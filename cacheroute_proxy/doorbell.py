@@ -28,6 +28,19 @@ def address(shm_name: str) -> bytes:
     return b"\0cacheroute-doorbell" + shm_name.encode()
 
 
+def datagram_socket(bind_to: bytes | None = None) -> socket.socket:
+    """A non-blocking Unix datagram socket, bound to `bind_to` if given (OSError if taken)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    if bind_to is not None:
+        try:
+            sock.bind(bind_to)
+        except OSError:
+            sock.close()
+            raise
+    return sock
+
+
 def worker_address(shm_name: str, row: int) -> bytes:
     """The bell of the worker on `row` (proxy_workers/admission_bell.py): the sidecar's address
     and the row, which no segment name can spell (it holds no second slash)."""
@@ -38,9 +51,7 @@ class Doorbell:
     """The sidecar's side: bound to the segment's address."""
 
     def __init__(self, shm_name: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._sock.bind(address(shm_name))
+        self._sock = datagram_socket(address(shm_name))
         self._rung = False  # since the last wait
         self._waiter: asyncio.Future[None] | None = None
         self._watching = False
@@ -106,8 +117,7 @@ class Bell:
     """A worker's side."""
 
     def __init__(self, shm_name: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
+        self._sock = datagram_socket()
         self._address = address(shm_name)
         self._due = False
 

@@ -5,7 +5,7 @@ worker frees may be another worker's to take. A worker that frees a place while 
 host-wide ready queue holds more waiters than its own sends the slot's number to every other
 worker's bell: a datagram to an abstract Unix socket named after the segment and the worker's
 row (cacheroute_proxy/doorbell.py). The woken worker's head waiter for that instance tries at
-once, so a waiting head needs no fast poll: it backs off to AdmissionQueue.SLOW_POLL_S.
+once, so a waiting head needs no fast poll: it backs off (admission.POLL_S_WITH_BELLS).
 
 No wake-up is lost for good: a waiter counts itself in the queue lane before it first tries, and
 the freeing worker reads that lane after its release (both sequentially consistent atomics), so
@@ -18,10 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from typing import Callable
 
-from cacheroute_proxy.doorbell import worker_address
+from cacheroute_proxy.doorbell import datagram_socket, worker_address
 from shm_schema import InstanceSlot, Segment, claimed_rows, counter_value, layout
 
 log = logging.getLogger("cacheroute.worker")
@@ -33,9 +32,7 @@ class AdmissionBells:
     def __init__(self, seg: Segment, row: int) -> None:
         self._seg = seg
         self._row = row
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._sock.bind(worker_address(seg.name, row))
+        self._sock = datagram_socket(worker_address(seg.name, row))
         self._on_slot: Callable[[int], None] | None = None
         self.rings_sent = 0
         self.rings_heard = 0
