@@ -57,7 +57,7 @@ from bench.harness.results import machine_info, run_record, utc_now, write_repor
 from bench.harness.stats import percentile
 from bench.harness.arrivals import closed_loop, open_loop
 from bench.harness.streamed import proxy_account, stream_chat
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_pair
 
 SYSTEM_PROMPTS = 4
 INSTANCES = 3
@@ -273,7 +273,7 @@ class Stack:
         wait_for(lambda: all(_get(f"{ports.worker_url(i)}/healthz")["ok"] for i in range(c.workers)),
                  60, "workers")
         for i in range(INSTANCES):
-            port = free_port()
+            port = free_port_pair()  # and its control plane's, port + 1
             self.instance_urls.append(f"http://127.0.0.1:{port}")
             self._spawn(["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(port),
                          "--instance-id", f"inst-{i}", "--proxy-cp-url", ports.cp_url,

@@ -90,6 +90,13 @@ def free_port() -> int:
     return free_port_range(1)
 
 
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free right now: for a simulated instance, whose
+    control plane listens on its port + 1 unless told otherwise. Were only P reserved, P + 1
+    could be any other listener, and the Proxy's KV pulls would go to it."""
+    return free_port_range(2)
+
+
 def free_port_range(count: int) -> int:
     """A base port such that base .. base+count-1 are all free right now, outside the ephemeral
     range, and none of them handed out lately by this process."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 # ROOT, Process, free_port and free_port_range are re-exported: the tests take them from here.
-from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_range, segment_name
+from cacheroute_sim.processes import ROOT, SupervisorPorts, free_port, free_port_pair, free_port_range, segment_name
 from cacheroute_sim.processes import ChildProcess as Process
 
 __all__ = ["ROOT", "Agent", "Cluster", "Engine", "Process", "SimInstance", "SimKdn", "alive", "chat_body",
@@ -82,7 +82,7 @@ class SimInstance:
 
     def __init__(self, cp_url: str, log_dir: Path, *args: str, port: int | None = None,
                  instance_id: str | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or free_port_pair()  # and its control plane's, port + 1
         self.instance_id = instance_id or f"sim-{self.port}"
         self.url = f"http://127.0.0.1:{self.port}"
         argv = ["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(self.port),

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port
+from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port_pair
 from tests.harness import http, wait_until
 from tests.rolling_load import LoadGenerator
 
@@ -57,7 +57,7 @@ class Scenario:
             self.instances.append(self._instance(i))
 
     def _instance(self, i: int) -> ChildProcess:
-        port, instance_id = free_port(), f"sim-{i}"
+        port, instance_id = free_port_pair(), f"sim-{i}"
         proc = ChildProcess(["-m", "cacheroute_sim.instance", "--host", "127.0.0.1", "--port", str(port),
                              "--instance-id", instance_id, "--proxy-cp-url", self.ports.cp_url,
                              "--time-scale", str(self.args.time_scale), "--max-concurrency", "256"],

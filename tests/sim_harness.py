@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from cacheroute_sim.processes import free_port, free_port_range
+from cacheroute_sim.processes import free_port, free_port_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_SCALE = 0.05
@@ -39,17 +39,12 @@ T = TypeVar("T")
 
 # --------------------------------------------------------------------------- process helpers
 
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 are both free right now (data + default CP port)."""
-    return free_port_range(2)
-
-
 class SimProcess:
     """One ``python -m cacheroute_sim.instance`` (or ``module``) subprocess, output captured to a file."""
 
     def __init__(self, args: list[str], log_path: Path, port: int | None = None,
                  env: dict[str, str] | None = None, module: str = "cacheroute_sim.instance") -> None:
-        self.port = port or free_port()
+        self.port = port or free_port_pair()  # and its default control-plane port
         self.url = f"http://127.0.0.1:{self.port}"
         # The Instance control plane, when a test gave it an explicit --cp-port.
         self.cp_url: str | None = None

@@ -19,7 +19,7 @@ import psutil
 
 from bench.harness.processes import Supervisor
 from bench.soak.config import SoakConfig
-from cacheroute_sim.processes import ChildProcess, free_port_range
+from cacheroute_sim.processes import ChildProcess, free_port_pair
 
 REGISTER_TIMEOUT_S = 30.0
 
@@ -32,7 +32,7 @@ class SoakProcesses(Supervisor):
                          shm_prefix="cacheroute_soak", append_log=True, stop_timeout_s=60.0)
         self.cfg = cfg
         self.run_dir = run_dir
-        self.instance_ports = [free_port_range(2) for _ in range(cfg.instances)]  # port, port + 1
+        self.instance_ports = [free_port_pair() for _ in range(cfg.instances)]
         self.instance_ids = [f"soak-sim-{i}" for i in range(cfg.instances)]
         self.instances: list[ChildProcess | None] = [None] * cfg.instances
         # The soak's own short requests (status, knobs, health); open while the soak drives.
