@@ -143,6 +143,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware on the real engines, every contender, routing on memoized leading blocks, "
             "this proxy's ready gate at 64: work weight 2 (as kv_aware, the default then) and 3 (w3)"),
         _real_engines(
+            "affinity_vllm_best_peer.json",
+            "kv_aware against the best peer, the SGLang router, at 40 % and 60 %: the two alone, "
+            "interleaved, twice a load"),
+        _real_engines(
             "affinity_vllm_tolerance.json",
             "kv_aware's homes on the real engines at 60 %, this tree: moved past 1.5× an "
             "instance's share of the work (the default, as kv_aware), 1.25× (t25) and 1.15× (t15)"),
