@@ -146,7 +146,8 @@ def test_registration_lifecycle(tmp_path: Path) -> None:
         "meta": {"version": "instance_v1", "simulated": True, "max_num_seqs": 8,
                  "cp_port": sim.port + 1, "kv_mem_gb": 128.0},
         "capabilities": {"schema_version": "1",
-                         "model": {"identifier": "sim-model", "revision": None}}}
+                         "model": {"identifier": "sim-model", "revision": None},
+                         "runtime": {"supported_cache_features": ["kv_inject"]}}}
     plain = {"instance_id": "sim-reg", "capability_fingerprint": "sha256:fake"}
     assert calls[1]["body"] == calls[2]["body"] == calls[4]["body"] == plain
     assert calls[3]["body"] == {**plain, "capabilities": calls[0]["body"]["capabilities"]}
@@ -462,14 +463,17 @@ def test_cp_rejects_malformed_requests(sim: SimProcess) -> None:
 
 @pytest.mark.timeout(30)
 def test_cp_port_zero_taken_default_and_taken_explicit(tmp_path: Path) -> None:
-    # --cp-port 0: no control plane, no meta.cp_port.
+    # --cp-port 0: no control plane, no meta.cp_port, no KV pull among its cache features
+    # (the Proxy sends its knowledge as text).
+    no_pull = {"supported_cache_features": []}
     port = free_port_pair()
     with FakeControlPlane(free_port()) as cp, \
             running_sim(tmp_path / "zero.log", "--proxy-cp-url", cp.url, "--cp-port", "0",
                         port=port):
-        meta = cp.wait_for_calls(1)[0]["body"]["meta"]
-        assert meta == {"version": "instance_v1", "simulated": True, "max_num_seqs": 8,
-                        "kv_mem_gb": 128.0}
+        body = cp.wait_for_calls(1)[0]["body"]
+        assert body["meta"] == {"version": "instance_v1", "simulated": True, "max_num_seqs": 8,
+                                "kv_mem_gb": 128.0}
+        assert body["capabilities"]["runtime"] == no_pull
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/healthz", timeout=1)
     # Default port (data + 1) taken: serve the data plane anyway, register without cp_port.
@@ -480,8 +484,8 @@ def test_cp_port_zero_taken_default_and_taken_explicit(tmp_path: Path) -> None:
         with FakeControlPlane(free_port()) as cp, \
                 running_sim(tmp_path / "taken.log", "--proxy-cp-url", cp.url,
                             port=port) as sim:
-            meta = cp.wait_for_calls(1)[0]["body"]["meta"]
-            assert "cp_port" not in meta
+            body = cp.wait_for_calls(1)[0]["body"]
+            assert "cp_port" not in body["meta"] and body["capabilities"]["runtime"] == no_pull
             assert "running without a control plane" in sim.log()
         # An explicit --cp-port that cannot be bound is fatal.
         sim = SimProcess(["--no-register", "--cp-port", str(port + 1)], tmp_path / "x.log")

@@ -16,7 +16,9 @@ skipped with a warning when that port is taken; ``--cp-port 0`` disables it):
 (fake, never contacted) Redis target ``--redis-host/--redis-port/--redis-db/--redis-password``
 and relays the KDN's answer verbatim; a failed KDN call (unreachable, ``--kdn-timeout``
 exceeded, 5xx, not a JSON object) answers 502 ``{"ok": false, ..., "detail": <reason>}``.
-The register body carries ``meta.cp_port`` so the Proxy need not assume 9002.
+The register body carries ``meta.cp_port`` so the Proxy need not assume 9002, and lists
+``kv_inject`` in ``capabilities.runtime.supported_cache_features`` only when the control plane
+runs (without one, the Proxy sends knowledge as text).
 
 KV prefix hit (simulation-only hint, a real vLLM ignores the header): a data-plane request
 with ``x-cacheroute-kv-prefix-tokens: N`` (integer >= 0; the Proxy sends it on the kvcache path

@@ -22,7 +22,12 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from cacheroute_proxy.instance_wire import ResourceSnapshotV1, resource_snapshot_request, stamped_metadata
+from cacheroute_proxy.instance_wire import (
+    KV_INJECT_FEATURE,
+    ResourceSnapshotV1,
+    resource_snapshot_request,
+    stamped_metadata,
+)
 from cacheroute_sim.instance.config import SimConfig
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,12 @@ class ControlPlaneError(Exception):
     """The control plane answered, but not with something we can use (HTTP error, not JSON)."""
 
 
-def capabilities(config: SimConfig) -> dict[str, Any]:
-    return {"schema_version": "1", "model": {"identifier": config.model, "revision": None}}
+def capabilities(config: SimConfig, control_plane: bool) -> dict[str, Any]:
+    """The runtime lists the KV pull only with a control plane to take it: an instance running
+    without one (`--cp-port 0`, or its default port was taken) says so, and the Proxy sends its
+    knowledge as text instead of sending pulls to whatever holds that port."""
+    return {"schema_version": "1", "model": {"identifier": config.model, "revision": None},
+            "runtime": {"supported_cache_features": [KV_INJECT_FEATURE] if control_plane else []}}
 
 
 def register_meta(max_num_seqs: int | None, cp_port: int | None = None,
@@ -77,7 +86,7 @@ def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, An
         "tags": [],
         "weight": 1.0,
         "meta": meta,
-        "capabilities": capabilities(config),
+        "capabilities": capabilities(config, bool(cp_port)),
     }
 
 
@@ -200,7 +209,7 @@ class Registrar:
             return True
         if reply.get("requires_capabilities"):
             log.info("control plane asked for capabilities (%s); resending", reply.get("error"))
-            reply = await self._heartbeat_call(capabilities(self.config))
+            reply = await self._heartbeat_call(capabilities(self.config, bool(self.cp_port)))
             return reply.get("ok") is True
         return False
 
