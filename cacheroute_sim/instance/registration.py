@@ -46,12 +46,12 @@ class ControlPlaneError(Exception):
     """The control plane answered, but not with something we can use (HTTP error, not JSON)."""
 
 
-def capabilities(config: SimConfig, control_plane: bool) -> dict[str, Any]:
-    """The runtime lists the KV pull only with a control plane to take it: an instance running
-    without one (`--cp-port 0`, or its default port was taken) says so, and the Proxy sends its
-    knowledge as text instead of sending pulls to whatever holds that port."""
+def capabilities(config: SimConfig, cp_port: int | None) -> dict[str, Any]:
+    """The runtime lists the KV pull only with a control plane (`cp_port`) to take it: an
+    instance running without one (`--cp-port 0`, or its default port was taken) says so, and
+    the Proxy sends its knowledge as text instead of sending pulls to whatever holds that port."""
     return {"schema_version": "1", "model": {"identifier": config.model, "revision": None},
-            "runtime": {"supported_cache_features": [KV_INJECT_FEATURE] if control_plane else []}}
+            "runtime": {"supported_cache_features": [KV_INJECT_FEATURE] if cp_port else []}}
 
 
 def register_meta(max_num_seqs: int | None, cp_port: int | None = None,
@@ -86,7 +86,7 @@ def register_body(config: SimConfig, cp_port: int | None = None) -> dict[str, An
         "tags": [],
         "weight": 1.0,
         "meta": meta,
-        "capabilities": capabilities(config, bool(cp_port)),
+        "capabilities": capabilities(config, cp_port),
     }
 
 
@@ -209,7 +209,7 @@ class Registrar:
             return True
         if reply.get("requires_capabilities"):
             log.info("control plane asked for capabilities (%s); resending", reply.get("error"))
-            reply = await self._heartbeat_call(capabilities(self.config, bool(self.cp_port)))
+            reply = await self._heartbeat_call(capabilities(self.config, self.cp_port))
             return reply.get("ok") is True
         return False
 
