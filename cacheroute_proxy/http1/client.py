@@ -14,7 +14,6 @@ instance answers uncompressed and the bytes can be relayed as they are); TLS onl
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from ssl import SSLContext
 from typing import Callable
 
@@ -61,7 +60,7 @@ class UpstreamResponse:
         self.keep_alive = False
         self._conn = conn
         self._head = head
-        self._chunks: deque[bytes] = deque()
+        self._chunks: list[bytes] = []
         self._size = 0
         self._eof = False
         self._error: BaseException | None = None
@@ -178,22 +177,21 @@ class UpstreamResponse:
         self._conn.close()
 
     def _take(self) -> bytes:
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
         self._size -= len(data)
         if self._paused and self._size <= LOW_WATER:
             self._paused = False
             self._conn.resume_reading()
         return data
 
-    def _drain(self) -> list[bytes]:
-        chunks = list(self._chunks)
-        self._chunks.clear()
-        return chunks
-
     # --- the protocol ----------------------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
+    def _feed(self, parts: list[bytes]) -> None:
+        """Take the body pieces one read brought (emptying `parts`, the connection's list)."""
+        self._chunks += parts
+        self._size += sum(map(len, parts))
+        parts.clear()
         if self._sink is not None:
             return  # handed on once the read is parsed (_hand_over), with the rest it brought
         if self._size > HIGH_WATER:
@@ -255,6 +253,11 @@ class Http1Connection(asyncio.Protocol):
         self.idle_since = 0.0  # when the last answer ended (the instance's keep-alive clock)
         self.reused = False  # has it carried an answer before the current request?
         self.received_any = False  # has the current request had any byte back?
+        # The body's pieces (one a chunk of a chunked answer) go into this list by the parser's
+        # C call of its append, not by a Python callback each: a stream of tokens is one chunk a
+        # token. data_received hands the list to the response once the whole read is parsed.
+        self._body: list[bytes] = []
+        self.on_body = self._body.append  # the parser takes its callbacks once, at its creation
         self._parser = httptools.HttpResponseParser(self)
         self._response: UpstreamResponse | None = None
         self._content_type: bytes | None = None
@@ -279,6 +282,7 @@ class Http1Connection(asyncio.Protocol):
         self._content_type = None
         self._headers = []
         self._framed = self._until_close = self.received_any = False
+        self._body.clear()  # what a failed answer left
         self._head_due = head_due
         timer = self._head_timer
         if timer is None or timer.when() > head_due:
@@ -344,6 +348,8 @@ class Http1Connection(asyncio.Protocol):
             response._fail(ConnectionClosed(f"unparsable answer: {exc}"))
             self.close()
             return
+        if self._body:
+            response._feed(self._body)
         response._hand_over()
 
     def eof_received(self) -> bool:
@@ -388,14 +394,13 @@ class Http1Connection(asyncio.Protocol):
         if not response._head.done():
             response._head.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
-        assert self._response is not None
-        self._response._feed(body)
-
     def on_message_complete(self) -> None:
-        assert self._response is not None
+        response = self._response
+        assert response is not None
         self.idle_since = self.loop.time()
-        self._response._end()
+        if self._body:
+            response._feed(self._body)
+        response._end()
 
 
 class Http1Pool:
