@@ -21,6 +21,12 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
   read the body, open the next upstream, read its answer, send it whole: what any proxy on this
   client and server pays.
 
+After the blocks, one more block of the full path runs under cProfile: what a request costs by
+function (calls a request, a coroutine counted at each resumption; and the share of the
+profiled own time, shown as µs of the unprofiled full path) and by package. The profiler adds a fixed cost to every call, so a
+function called often weighs more in it than it does unprofiled: the shares say where the time
+is, not to the microsecond.
+
 The event ring is drained between blocks, as the sidecar would. Bounded: `--requests` per
 block, `--repeats` blocks per variant; everything it creates (the segment, the metrics
 directory) is removed at the end.
@@ -31,9 +37,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import json
 import os
+import pstats
 import shutil
 import sys
 import tempfile
@@ -60,6 +68,8 @@ RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-lengt
 HEADERS = [(b"host", b"127.0.0.1:8001"), (b"user-agent", b"wrk"), (b"content-type", b"application/json"),
            (b"content-length", str(len(BODY)).encode())]
 CONCURRENCY = 32
+PROFILE_TOP = 25  # functions listed in the by-function profile
+_ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
 class CannedUpstream(asyncio.Protocol):
@@ -220,7 +230,7 @@ def _without_meta(exchange: Any) -> Iterator[None]:
         yield
 
 
-async def measure(requests: int, repeats: int) -> dict[str, list[float]]:
+async def measure(requests: int, repeats: int) -> tuple[dict[str, list[float]], pstats.Stats]:
     async with canned_worker() as worker:
         runs = variants(worker)
         samples: dict[str, list[float]] = {name: [] for name in runs}
@@ -238,7 +248,60 @@ async def measure(requests: int, repeats: int) -> dict[str, list[float]]:
                         worker.drain_events()
                     elapsed = time.process_time() - started
                 samples[name].append(elapsed / (batches * CONCURRENCY) * 1e6)
-        return samples
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(batches):
+            await asyncio.gather(*(worker.full(a_cycle()) for _ in range(CONCURRENCY)))
+            worker.drain_events()
+        profiler.disable()
+        return samples, pstats.Stats(profiler)
+
+
+def by_function(stats: pstats.Stats, requests: int, full_us: float) -> dict[str, Any]:
+    """The profiled block's own time by function and by package: calls a request, share of
+    the profiled own time, and that share of `full_us` (the unprofiled full path)."""
+    rows: dict[str, list[float]] = {}
+    for (path, line, function), (_, calls, own_s, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        name = _where(path, line, function)
+        row = rows.setdefault(name, [0, 0.0])
+        row[0] += calls
+        row[1] += own_s
+    total_s = sum(own for _, own in rows.values()) or 1.0
+    packages: dict[str, float] = {}
+    for name, (_, own_s) in rows.items():
+        package = _package(name)
+        packages[package] = packages.get(package, 0.0) + own_s
+
+    def share(own_s: float) -> dict[str, float]:
+        return {"share": round(own_s / total_s, 4), "us": round(own_s / total_s * full_us, 2)}
+    top = sorted(rows.items(), key=lambda item: -item[1][1])[:PROFILE_TOP]
+    return {"requests": requests, "full_us": round(full_us, 1),
+            "functions": [{"function": name, "calls_per_request": round(calls / requests, 2), **share(own_s)}
+                          for name, (calls, own_s) in top],
+            "packages": [{"package": package, **share(own_s)}
+                         for package, own_s in sorted(packages.items(), key=lambda item: -item[1])]}
+
+
+def _where(path: str, line: int, function: str) -> str:
+    """A profiled function as pstats names it, by the path it has in this repository (or its
+    module's file name elsewhere; a built-in by its name)."""
+    if path == "~":
+        return function.strip("<>")
+    if path.startswith(_ROOT) and "site-packages" not in path:
+        return f"{path[len(_ROOT):]}:{line}({function})"
+    return f"{Path(path).name}:{line}({function})"
+
+
+def _package(name: str) -> str:
+    """The repository's package (or subpackage of cacheroute_proxy) a function is in; `other`:
+    the standard library, third-party modules and built-ins; `bench`: this harness's canned
+    upstream and client."""
+    parts = name.split(":", 1)[0].split("/")
+    if len(parts) < 2:
+        return "other (stdlib, libraries, built-ins)"
+    if parts[0] == "cacheroute_proxy" and len(parts) > 2:
+        return "/".join(parts[:2])
+    return "bench (the canned upstream and client)" if parts[0] == "bench" else parts[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     from proxy_workers import metrics
     metrics.open_store(metrics_dir)  # as a worker does: its own file, real writes
     try:
-        samples = uvloop.run(measure(args.requests, args.repeats))
+        samples, profile = uvloop.run(measure(args.requests, args.repeats))
     finally:
         metrics.open_store(None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -266,13 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
         print(f"{name:<26}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
+    profiled = by_function(profile, max(1, args.requests // CONCURRENCY) * CONCURRENCY,
+                           results["full"]["median_us"])
+    print("# the full path by package (share of the profiled own time, as us of the median)")
+    for row in profiled["packages"]:
+        print(f"{row['package']:<40}{row['share'] * 100:6.1f} %{row['us']:8.1f}")
     if args.out:
         report = {**provenance.record(),
                   "requests_per_block": args.requests, "repeats": args.repeats,
-                  "concurrency": CONCURRENCY, "results": results,
+                  "concurrency": CONCURRENCY, "results": results, "profile": profiled,
                   "method": ("CPU time (time.process_time) per request of each variant, blocks "
                              "interleaved in one process; a part is the fastest full block minus "
-                             "the fastest block without it")}
+                             "the fastest block without it. Profile: one more block of the full "
+                             "path under cProfile; a function's (or package's) share of the "
+                             "profiled own time, shown as that share of the full path's median; "
+                             "the profiler's cost a call makes often-called functions weigh more; a "
+                             "coroutine's calls count its resumptions")}
         write_report(args.out, report)
     return 0
 

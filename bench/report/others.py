@@ -46,8 +46,24 @@ def pipeline_cost_section(data: dict[str, Any]) -> str:
         parts.append(f"{num(data.get('repeats'))} interleaved blocks of {num(data.get('requests_per_block'))} "
                      f"requests, {num(data.get('concurrency'))} at a time:\n\n" +
                      table(["variant", "fastest block (µs)", "median (µs)", "full − this, fastest (µs)"], rows))
+    parts += _profile_tables(data.get("profile") or {})
     parts.append(blocks.method(data))
     return "\n\n".join(p for p in parts if p)
+
+
+def _profile_tables(profile: dict[str, Any]) -> list[str]:
+    """The full path under cProfile: own time by package, then the functions that take most."""
+    if not profile:
+        return []
+    full = num(profile.get("full_us"))
+    packages = [[f"`{row['package']}`", f"{num(row['share'] * 100)} %", num(row["us"])]
+                for row in profile.get("packages") or []]
+    functions = [[f"`{row['function']}`", num(row["calls_per_request"]), f"{num(row['share'] * 100)} %",
+                  num(row["us"])] for row in profile.get("functions") or []]
+    return [f"The full path by package, under cProfile (own time; µs: that share of the {full} µs "
+            "median):\n\n" + table(["package", "share", "µs"], packages),
+            "The functions taking most of it:\n\n" +
+            table(["function", "calls a request", "share", "µs"], functions)]
 
 
 def prefix_keys_section(data: dict[str, Any]) -> str:

@@ -23,6 +23,29 @@ def test_a_short_run_measures_every_variant_and_removes_what_it_made(tmp_path: P
     from bench.report.others import pipeline_cost_section
     text = pipeline_cost_section(json.loads(out.read_text()))
     assert "| relay floor |" in text and "1 interleaved blocks of 64 requests" in text
+    assert "| `proxy_workers` |" in text and "(serve)` |" in text
+
+
+def test_the_profile_names_the_data_planes_functions_by_repository_path() -> None:
+    """The profiled block: its shares add up to the whole, a function of the data plane is named
+    by its path here with its line, and counted in its package."""
+    from bench.pipeline_cost import by_function
+    import cProfile
+    import pstats
+
+    from proxy_workers import app
+
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [app.worker_name(i) for i in range(2000)])
+    profile = by_function(pstats.Stats(profiler), 2000, 10.0)
+    assert abs(sum(row["share"] for row in profile["packages"]) - 1) < 0.01
+    names = [row["function"] for row in profile["functions"]]
+    line = app.worker_name.__code__.co_firstlineno
+    assert f"proxy_workers/app.py:{line}(worker_name)" in names
+    worker = next(row for row in profile["functions"] if row["function"].endswith("(worker_name)"))
+    assert worker["calls_per_request"] == 1.0
+    packages = {row["package"]: row["share"] for row in profile["packages"]}
+    assert packages["proxy_workers"] >= worker["share"] > 0
 
 
 def test_a_variant_replaces_its_part_only_while_it_runs() -> None:
