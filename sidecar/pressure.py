@@ -1,11 +1,12 @@
 """Draining the workers' event rings into the timelines and publishing pressure snapshots.
 
-Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS) while events come.
-Publishes when something changed (at most every `min_publish_interval_s`) and at least every
-`heartbeat_s`, so a worker can tell a quiet sidecar (fresh snapshot, nothing pending) from a
-dead one (the snapshot ages past PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the
-header's sidecar heartbeat. A snapshot holds absolute times computed on events, so republishing
-an unchanged one changes nothing but its age.
+Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS) while events come
+often, else when a worker's doorbell ring says one came. Publishes when something changed (at
+most every `min_publish_interval_s`) and at least every `heartbeat_s`, so a worker can tell a
+quiet sidecar (fresh snapshot, nothing pending) from a dead one (the snapshot ages past
+PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the header's sidecar heartbeat. A snapshot
+holds absolute times computed on events, so republishing an unchanged one changes nothing but
+its age.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from .prompt_homes import Candidate, PromptHomes
 from .timelines import Timelines
 
 log = logging.getLogger("cacheroute.sidecar.pressure")
+
+# After a tick that took events, poll again while they come closer together than this many
+# poll intervals on average (run); a gap counts at most MAX_GAP_POLLS of them, GAP_WEIGHT the
+# moving average's weight of the newest.
+POLL_WHILE_GAP_BELOW = 2.0
+MAX_GAP_POLLS = 8.0
+GAP_WEIGHT = 0.25
 
 
 @dataclass
@@ -58,6 +66,9 @@ class PressurePublisher:
         self._identities: tuple[int, ...] = ()  # every row's owner at the last tick
         self._dirty = True
         self._last_publish = 0.0
+        self._events_at = time.monotonic()  # the last tick that took events (run)
+        self._event_gap_s = 0.0  # their mean gap: from 0, polling until it says otherwise
+        self._paced = True  # publishes at most every min_publish_interval_s (run: while polling)
         self._min_interval = min_publish_interval_s
         self._heartbeat = heartbeat_s
         self._max_age = reservation_max_age_s
@@ -82,7 +93,7 @@ class PressurePublisher:
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             self._housekeeping(now)
-        if (self._dirty and now - self._last_publish >= self._min_interval) \
+        if (self._dirty and (not self._paced or now - self._last_publish >= self._min_interval)) \
                 or now - self._last_publish >= self._heartbeat:
             self._publish(now)
         if self.affinity is not None:
@@ -92,23 +103,47 @@ class PressurePublisher:
         return self.stats.consumed != consumed
 
     async def run(self, poll_s: float, doorbell: Doorbell | None) -> None:
-        """Tick every `poll_s` while events come; after a tick without one, sleep until a worker
-        rings the doorbell, an engine's KV events change an affinity row, or the snapshot
-        heartbeat is due (cacheroute_proxy/doorbell.py). A wake costs about as much CPU as a
-        tick's work, so between a request's events the sidecar sleeps instead of polling."""
+        """Tick every `poll_s` while events come often; otherwise sleep until a worker rings the
+        doorbell, an engine's KV events change an affinity row, a publish the minimum interval
+        held back while polling is due, or the snapshot heartbeat is
+        (cacheroute_proxy/doorbell.py).
+
+        A wake costs about as much CPU as a tick's work, whether a timer or a ring makes it.
+        Events that come closer together than POLL_WHILE_GAP_BELOW polls apart (on average, the
+        tick's events counted once) are taken by the next poll with fewer wakes than rings; far
+        apart -- a request's reserve, first token and end on a real engine, tens of
+        milliseconds or more apart -- a poll after each would find nothing, so the sidecar
+        sleeps from the tick that took one until the next rings."""
         self._doorbell = doorbell
         if doorbell is not None and self.affinity is not None:
             self.affinity.on_change = doorbell.ring_here
         while True:
             took = self._safe_tick()
-            if doorbell is None or took or self._dirty:  # dirty: a publish is still due
+            if took:
+                self._time_events(poll_s)
+            # Polling, publishes are paced by the minimum interval; a tick a ring woke publishes
+            # what it took at once (a wake of its own for it would cost as much as the tick).
+            self._paced = doorbell is None or (took and self._event_gap_s < POLL_WHILE_GAP_BELOW * poll_s)
+            if self._paced:
                 await asyncio.sleep(poll_s)
                 continue
             doorbell.settle()  # the tick published what changed before it
             header.set_sidecar_sleeping(self._seg, True)
             if not self._events_waiting():  # else written before the word was set: no ring comes
-                await doorbell.wait(self._heartbeat)
+                await doorbell.wait(self._next_publish_in() if self._dirty else self._heartbeat)
             header.set_sidecar_sleeping(self._seg, False)
+
+    def _time_events(self, poll_s: float) -> None:
+        """The moving average of the time between ticks that take events. A gap counts at most
+        MAX_GAP_POLLS polls: after a quiet spell, a few close events bring back the polling."""
+        now = time.monotonic()
+        gap = min(now - self._events_at, MAX_GAP_POLLS * poll_s)
+        self._events_at = now
+        self._event_gap_s += GAP_WEIGHT * (gap - self._event_gap_s)
+
+    def _next_publish_in(self) -> float:
+        """Seconds until the minimum interval lets the publish held back go out."""
+        return max(0.0, self._last_publish + self._min_interval - time.time())
 
     def _events_waiting(self) -> bool:
         """An unread event in any ring: one scan, none of a tick's work."""

@@ -291,22 +291,87 @@ def test_a_workers_rings_wait_for_its_current_step_and_are_one_datagram(seg_name
         sidecar.close()
 
 
-def test_between_a_requests_events_the_sidecar_sleeps_after_one_quiet_tick(seg_name):
-    """Woken by an event, the sidecar takes it, polls once more and, finding nothing, sleeps
-    again: it does not keep polling through the gap before the request's next event."""
+def test_events_far_apart_wake_the_sidecar_once_each(seg_name):
+    """A request's events on a real engine come tens of milliseconds apart: once the sidecar
+    has seen them come so, the tick that takes one is the only one, and it sleeps until the
+    next rings -- no poll after it, which would find nothing."""
     import asyncio
 
     async def scenario(rig) -> None:
         await _until(rig.sleeping, 5)
-        for request in (1, 2, 3):
+        ticks_per_event = []
+        for request in range(1, 9):
             before = len(rig.ticks)
             rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
             await _until(lambda: rig.publisher.stats.consumed == request and rig.sleeping(), 5)
             await asyncio.sleep(0.05)  # a gap between two events: 50 polls' worth
-            assert len(rig.ticks) - before == 2 and rig.sleeping()  # the event's tick and one more
-        assert rig.doorbell.rings == 3
+            assert rig.sleeping()  # not polling through the gap
+            ticks_per_event.append(len(rig.ticks) - before)
+        assert ticks_per_event[-4:] == [1, 1, 1, 1]  # learned: the event's tick alone
+        assert max(ticks_per_event) <= 2  # before that, at most one poll more
+        assert rig.doorbell.rings == 8
 
     _sidecar_on_its_doorbell(seg_name, scenario, min_publish_interval_s=0.0)
+
+
+def test_events_close_together_are_polled_for_not_rung_for_each(seg_name):
+    """Events coming faster than the poll: the sidecar keeps polling while they come, taking
+    several a tick, so the workers ring for few of them; when they stop it sleeps again."""
+    import asyncio
+
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        events = 200
+        for request in range(1, events + 1):
+            rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
+            if request % 5 == 0:
+                await asyncio.sleep(0.001)  # five events a poll interval (1 ms)
+        await _until(lambda: rig.publisher.stats.consumed == events and rig.sleeping(), 5)
+        assert rig.doorbell.rings < events / 4  # taken by polls, not one ring each
+        assert len(rig.ticks) < events / 2  # several events a tick
+
+    _sidecar_on_its_doorbell(seg_name, scenario, min_publish_interval_s=0.0)
+
+
+def test_a_tick_a_ring_woke_publishes_at_once(seg_name):
+    """Asleep, the sidecar is woken by a worker's event and publishes it in that tick, the
+    minimum interval (200 ms here) notwithstanding: a wake of its own for the publish would
+    cost as much as the tick."""
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        published = rig.publisher.stats.published
+        rig.writer.complete(1, RequestKey.pack(rig.row.row, 1), 0, 1, 1, failed=False)
+        written = time.monotonic()
+        await _until(lambda: rig.publisher.stats.published > published, 5)
+        assert time.monotonic() - written < 0.1
+        await _until(rig.sleeping, 5)
+
+    _sidecar_on_its_doorbell(seg_name, scenario, min_publish_interval_s=0.2)
+
+
+def test_a_publish_held_back_while_polling_goes_out_without_polling(seg_name):
+    """Polling through a run of close events, publishes keep the minimum interval; the one
+    held back when the run ends goes out when the interval has passed, the sidecar asleep
+    until then rather than polling every millisecond."""
+    import asyncio
+
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        published = rig.publisher.stats.published
+        for request in range(1, 101):
+            rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
+            if request % 5 == 0:
+                await asyncio.sleep(0.001)
+        await _until(lambda: rig.publisher.stats.consumed == 100, 5)
+        # The run's first tick (a ring woke it) publishes; the polls after it within 200 ms
+        # do not: not one publish a tick.
+        assert rig.publisher.stats.published - published <= 2
+        before = len(rig.ticks)
+        await _until(lambda: not rig.publisher._dirty, 5)
+        assert len(rig.ticks) - before <= 3  # the held-back publish's own tick, not ~200 polls
+        await _until(rig.sleeping, 5)
+
+    _sidecar_on_its_doorbell(seg_name, scenario, min_publish_interval_s=0.2)
 
 
 def test_an_engines_kv_events_wake_the_sleeping_sidecar_to_publish_the_row(seg_name):
