@@ -23,9 +23,9 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
 
 After the blocks, one more block of the full path runs under cProfile: what a request costs by
 function (calls a request, a coroutine counted at each resumption; and the share of the
-profiled own time, shown as µs of the unprofiled full path) and by package. The profiler adds a fixed cost to every call, so a
-function called often weighs more in it than it does unprofiled: the shares say where the time
-is, not to the microsecond.
+profiled own time, shown as µs of the unprofiled full path) and by package. The profiler adds
+a fixed cost to every call, so a function called often weighs more in it than it does
+unprofiled: the shares say where the time is, not to the microsecond.
 
 The event ring is drained between blocks, as the sidecar would. Bounded: `--requests` per
 block, `--repeats` blocks per variant; everything it creates (the segment, the metrics

@@ -110,9 +110,10 @@ class ProxyWithAgents(Contender):
                  env: dict[str, str]) -> None:
         super().__init__(name)
         self.engines = engines
-        self.workers = WORKERS
+        # WORKERS, unless a variant names its own count (--variant w2:PROXY_WORKERS=2).
+        self.workers = int(env.get("PROXY_WORKERS", WORKERS))
         self.strategy = strategy
-        self.ports = SupervisorPorts(WORKERS, "cacheroute_bench_affv")
+        self.ports = SupervisorPorts(self.workers, "cacheroute_bench_affv")
         self.env = {**self.ports.supervisor_env(strategy), "PROXY_PREDICTOR_PROFILE": PROFILE,
                     "PROXY_LOG_LEVEL": "warning", **env}
         self.url = self.ports.dp_url
@@ -127,7 +128,7 @@ class ProxyWithAgents(Contender):
     def wait_ready(self) -> None:
         assert self._child is not None, "launch() first"
         child = self._child
-        for url in (self.ports.cp_url, *(self.ports.worker_url(i) for i in range(WORKERS)), self.ports.dp_url):
+        for url in (self.ports.cp_url, *(self.ports.worker_url(i) for i in range(self.workers)), self.ports.dp_url):
             wait_for(lambda url=url: answers_ok(f"{url}/healthz"), START_TIMEOUT_S, f"{self.name} {url}",
                      child.running, child.tail)
         self._agents = [AgentRegistration(self.ports.cp_url, engine, f"vllm-{i}",
@@ -141,7 +142,7 @@ class ProxyWithAgents(Contender):
                      f"{self.name}: the sidecar subscribed to every engine's KV events", child.running, child.tail)
 
     def _every_worker_sees_every_engine(self) -> bool:
-        for i in range(WORKERS):
+        for i in range(self.workers):
             status, loads = http_json("GET", f"{self.ports.worker_url(i)}/debug/instance_loads")
             if status != 200 or sum(1 for row in loads["instances"] if row["is_alive"]) < len(self.engines):
                 return False

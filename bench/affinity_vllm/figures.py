@@ -38,8 +38,9 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     requests), completed per second (answered / first send to last end), and for this proxy's
     kv_aware how often the guard fired, how many choices went where the prompt saved time (and
     the median saving), the median TTFT it predicted for its choices, and how closely each
-    prompt kept to one instance; and this proxy's means of the time before forwarding and of
-    the time outside the worker (the client's TTFT less the worker's)."""
+    prompt kept to one instance; and this proxy's means of the time before forwarding (and of it,
+    choosing the instance) and of the time outside the worker (the client's TTFT less the
+    worker's)."""
     ok = [o for o in outcomes if answered(o)]
     failed = [o.error or "no first token" for o in outcomes if not answered(o)]
     ttft = [o.ttft_ms for o in ok]
@@ -60,6 +61,7 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
         "predicted_ttft_p50_ms": _round(statistics.median(predicted) if predicted else None),
         "prompt_concentration": prompt_concentration(ok),
         "before_forward_mean_ms": _mean([o.before_forward_ms for o in ok]),
+        "select_mean_ms": _mean([o.select_ms for o in ok]),
         "outside_worker_mean_ms": _mean([o.outside_ms for o in ok]),
     }
 

@@ -37,6 +37,7 @@ class Outcome:
     # instance's first chunk at the worker to the client (the client's TTFT less the worker's).
     before_forward_ms: int | None = None
     outside_ms: float | None = None
+    select_ms: int | None = None  # of before_forward_ms: choosing the instance
 
 
 async def _one(session: aiohttp.ClientSession, url: str, request: Planned, request_body: dict[str, Any],
@@ -47,7 +48,7 @@ async def _one(session: aiohttp.ClientSession, url: str, request: Planned, reque
                       streamed.instance, account.guard, account.saved_ms, account.predicted_ttft_ms,
                       streamed.error, request.system, account.before_forward_ms,
                       None if streamed.ttft_ms is None or account.proxy_ttft_ms is None
-                      else streamed.ttft_ms - account.proxy_ttft_ms)
+                      else streamed.ttft_ms - account.proxy_ttft_ms, account.select_ms)
     if outcome.error is None and not streamed.finished:
         outcome.error = "stream ended without [DONE]"
     if streamed.meta is not None:

@@ -68,18 +68,25 @@ class ProxyAccount(NamedTuple):
     """What this proxy said of a request in `cacheroute_meta.trace` (all None for a peer):
     kv_aware's balance guard fired, what the chosen instance's holding saved of the predicted
     TTFT, and that prediction; the milliseconds from the request reaching the worker to its
-    forward, and to the instance's first chunk (whole milliseconds of the worker's clock)."""
+    forward, and to the instance's first chunk, and those the choice of the instance took
+    (whole milliseconds of the worker's clock)."""
     guard: bool | None = None
     saved_ms: float | None = None
     predicted_ttft_ms: float | None = None
     before_forward_ms: int | None = None
     proxy_ttft_ms: int | None = None
+    select_ms: int | None = None
 
 
 def proxy_account(meta: dict[str, Any] | None) -> ProxyAccount:
     trace = (meta or {}).get("trace") or {}
-    received, forwarded = trace.get("proxy_recv_ms"), trace.get("forward_start_ms")
     return ProxyAccount(trace.get("affinity_guard"), trace.get("affinity_saved_ms"),
                          trace.get("route_predicted_ttft_ms"),
-                         None if received is None or forwarded is None else forwarded - received,
-                         trace.get("actual_ttft_ms"))
+                         _between(trace, "proxy_recv_ms", "forward_start_ms"), trace.get("actual_ttft_ms"),
+                         _between(trace, "route_select_start_ms", "route_select_end_ms"))
+
+
+def _between(trace: dict[str, Any], start: str, end: str) -> int | None:
+    """Milliseconds from the trace's `start` to its `end`, None unless both are there."""
+    began, ended = trace.get(start), trace.get(end)
+    return None if began is None or ended is None else ended - began

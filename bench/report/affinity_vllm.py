@@ -29,7 +29,7 @@ def section(data: dict[str, Any], file_name: str = "affinity_vllm.json", title: 
     if data.get("runs"):
         parts.append("Each run, in the order run:\n\n" + table(
             ["load", "#", "contender", "hit rate (per engine)",
-             "TTFT p50 / p99; mean: client / engines; this proxy's mean before forwarding / outside the worker (ms)",
+             "TTFT p50 / p99; mean: client / engines; this proxy's mean before forwarding (of it, choosing) / outside the worker (ms)",
              "req/s", "errors", "share",
              "CPU (ms/request)", "kv_aware: guard fired; choices that saved (median ms); predicted TTFT p50",
              "KV events followed: blocks stored / removed",
@@ -168,6 +168,12 @@ def _pair(first: float | None, second: float | None) -> str:
     return "" if first is None or second is None else f"{num(first)} / {num(second)}"
 
 
+def _with_choice(run: dict[str, Any]) -> str | None:
+    """The mean before forwarding, with the choice's part of it where the run recorded it."""
+    before, choosing = run.get("before_forward_mean_ms"), run.get("select_mean_ms")
+    return None if before is None else num(before) + ("" if choosing is None else f" ({num(choosing)})")
+
+
 def _run_row(run: dict[str, Any]) -> list[str]:
     roles = run.get("cpu_ms_per_request_by_role") or {}
     cpu = num(run.get("cpu_ms_per_request")) + (
@@ -182,7 +188,7 @@ def _run_row(run: dict[str, Any]) -> list[str]:
     return [_share(run["load"]), num(run["order"] + 1), run["contender"], hits,
             "; ".join(filter(None, (f"{num(run.get('ttft_p50_ms'))} / {num(run.get('ttft_p99_ms'))}",
                                     _pair(run.get("ttft_mean_ms"), run.get("engine_ttft_mean_ms")),
-                                    _pair(run.get("before_forward_mean_ms"), run.get("outside_worker_mean_ms"))))),
+                                    _pair(_with_choice(run), run.get("outside_worker_mean_ms"))))),
             num(run.get("completed_per_s")),
             num(run.get("error_count")), " / ".join(num(v) for v in run.get("share") or []), cpu, guard,
             _events(run), ", ".join(f"{call} ×{num(n)}" for call, n in extra.items()) or DASH]

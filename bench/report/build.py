@@ -99,7 +99,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
         ("peers_repeat.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_repeat.json",
-            "This proxy against nginx and an LLM router: the same run repeated")),
+            "This proxy against nginx and an LLM router: a second run")),
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
@@ -146,6 +146,14 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_vllm_best_peer.json",
             "kv_aware against the best peer, the SGLang router, at 40 % and 60 %: the two alone, "
             "interleaved, twice a load"),
+        _real_engines(
+            "affinity_vllm_workers.json",
+            "kv_aware against the SGLang router at 40 %, the sidecar polling once more after each event (the "
+            "tree then): 4 workers (as kv_aware) and 2 (w2)"),
+        _real_engines(
+            "affinity_vllm_sidecar_sleeps.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, the sidecar asleep between "
+            "events far apart: the two alone, interleaved, twice a load"),
         _real_engines(
             "affinity_vllm_tolerance.json",
             "kv_aware's homes on the real engines at 60 %, this tree: moved past 1.5× an "
