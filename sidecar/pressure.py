@@ -2,11 +2,11 @@
 
 Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS) while events come
 often, else when a worker's doorbell ring says one came. Publishes when something changed (at
-most every `min_publish_interval_s`) and at least every `heartbeat_s`, so a worker can tell a
-quiet sidecar (fresh snapshot, nothing pending) from a dead one (the snapshot ages past
-PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the header's sidecar heartbeat. A snapshot
-holds absolute times computed on events, so republishing an unchanged one changes nothing but
-its age.
+once after a ring; while polling, at most every `min_publish_interval_s`) and at least every
+`heartbeat_s`, so a worker can tell a quiet sidecar (fresh snapshot, nothing pending) from a
+dead one (the snapshot ages past PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the
+header's sidecar heartbeat. A snapshot holds absolute times computed on events, so
+republishing an unchanged one changes nothing but its age.
 """
 
 from __future__ import annotations

@@ -212,6 +212,13 @@ def test_a_variant_is_kv_aware_with_its_own_settings_beside_the_default(tmp_path
             contenders.variant(malformed)
 
 
+def test_a_variant_may_run_the_proxy_with_its_own_number_of_workers(tmp_path: Path):
+    two = contenders.build(contenders.variant("w2:PROXY_WORKERS=2"), _engines(), tmp_path, {}, {})
+    assert (two.workers, two.ports.workers, two.env["PROXY_WORKERS"]) == (2, 2, "2")
+    default = contenders.build(contenders.spec("kv_aware"), _engines(), tmp_path, {}, {})
+    assert (default.workers, default.env["PROXY_WORKERS"]) == (contenders.WORKERS, str(contenders.WORKERS))
+
+
 # --- the runs, the figures, the targets --------------------------------------------------------------
 def test_contenders_run_abc_then_cba():
     assert runner.schedule(["A", "B", "C"], 2) == ["A", "B", "C", "C", "B", "A"]
@@ -254,6 +261,18 @@ def test_a_run_summary_counts_errors_and_unfinished_streams_apart_from_the_ttfts
     assert (summary["guard_fired"], summary["guard_decisions"], summary["saved"]) == (1, 5, 2)
     assert summary["saved_ms_p50"] == 0.0 and summary["predicted_ttft_p50_ms"] == 31.0
     assert summary["prompt_concentration"] is None  # no instance named
+
+
+def test_the_proxys_account_of_a_request_names_its_time_before_forwarding_and_choosing():
+    from bench.harness.streamed import proxy_account
+    account = proxy_account({"trace": {"proxy_recv_ms": 100, "route_select_start_ms": 101,
+                                       "route_select_end_ms": 104, "forward_start_ms": 105,
+                                       "actual_ttft_ms": 30}})
+    assert (account.before_forward_ms, account.select_ms, account.proxy_ttft_ms) == (5, 3, 30)
+    assert proxy_account(None).select_ms is None  # a peer says nothing of it
+    outcomes = [Outcome(ttft_ms=40.0, before_forward_ms=5, select_ms=s, outside_ms=10.0) for s in (3, 4)]
+    summary = figures.summarize(outcomes + [Outcome(ttft_ms=40.0)], wall_s=1.0)
+    assert (summary["before_forward_mean_ms"], summary["select_mean_ms"]) == (5.0, 3.5)
 
 
 def test_prompt_concentration_is_the_share_sent_to_each_prompts_usual_instance():
@@ -363,3 +382,14 @@ def test_the_report_has_a_table_a_load_the_targets_and_every_run():
 def test_a_short_run_is_marked_as_a_smoke_run():
     for requests, repeats in ((120, 2), (600, 1)):
         assert "Smoke run" in report.section(_data(requests=requests, repeats=repeats))
+
+
+def test_a_runs_row_shows_the_time_choosing_within_the_time_before_forwarding():
+    from bench.report.affinity_vllm import _run_row
+    run = {"load": 0.4, "order": 0, "contender": "kv_aware", "ttft_p50_ms": 21.1, "ttft_p99_ms": 146.0,
+           "ttft_mean_ms": 30.0, "engine_ttft_mean_ms": 21.9, "before_forward_mean_ms": 1.01,
+           "outside_worker_mean_ms": 1.95}
+    assert "; 1.01 / 1.95" in _run_row(run)[4]  # a run of an older tree: no choice recorded
+    assert "; 1.01 (0.45) / 1.95" in _run_row({**run, "select_mean_ms": 0.45})[4]
+    assert _run_row({**run, "contender": "sglang-router", "before_forward_mean_ms": None,
+                     "outside_worker_mean_ms": None})[4] == "21.1 / 146; 30 / 21.9"
