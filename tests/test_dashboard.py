@@ -431,7 +431,31 @@ def _check_pause_stops_polling(browser: Chromium) -> None:
     before = _data_requests(browser)
     _click(browser, "#btn-refresh")
     wait_until(lambda: _data_requests(browser) == before + 1, 10, message="one refresh")
+    _check_refresh_while_a_fetch_is_out(browser)
     _click(browser, "#btn-pause")
+
+
+def _check_refresh_while_a_fetch_is_out(browser: Chromium) -> None:
+    """Refresh clicked while a fetch is out (held here by the browser's Fetch domain): one more
+    fetch follows it, so what is shown is newer than the click."""
+    browser.page("Fetch.enable", patterns=[{"urlPattern": "*/debug/dashboard*"}])
+    try:
+        _click(browser, "#btn-refresh")
+        first = wait_until(lambda: _held_fetch(browser), 10, message="the refresh held")
+        _click(browser, "#btn-refresh")  # while the first is out
+        browser.page("Fetch.continueRequest", requestId=first)
+        second = wait_until(lambda: _held_fetch(browser, after=first), 10, message="a second fetch")
+        browser.page("Fetch.continueRequest", requestId=second)
+    finally:
+        browser.page("Fetch.disable")
+
+
+def _held_fetch(browser: Chromium, after: str | None = None) -> str | None:
+    """The id of the last data request the Fetch domain holds (other than `after`), if any."""
+    browser.drain_events()
+    held = [e["params"]["requestId"] for e in browser.events if e["method"] == "Fetch.requestPaused"]
+    held = [request for request in held if request != after]
+    return held[-1] if held else None
 
 
 def _order(page: dict[str, Any]) -> list[str]:

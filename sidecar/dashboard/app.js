@@ -31,6 +31,9 @@
   };
   const POOL_COLORS = { alive: "#1d9a6c", stale: "#d49a00", out: "#d94535" };
   let timer = null, busy = false, paused = false, updates = 0, requests = 0, lastDoc = null;
+  // Refresh clicked while a fetch is out: one more right after it, so what is shown is newer
+  // than the click (paused or not).
+  let refreshAfter = false;
 
   class Unauthorized extends Error {}
 
@@ -133,7 +136,12 @@
       }
     } finally {
       busy = false;
-      schedule(Math.max(100, prefs.intervalMs - (performance.now() - started)));
+      if (refreshAfter) {
+        refreshAfter = false;
+        tick();
+      } else {
+        schedule(Math.max(100, prefs.intervalMs - (performance.now() - started)));
+      }
     }
   }
 
@@ -194,7 +202,7 @@
     if (paused) { clearTimeout(timer); timer = null; setConn(document.body.dataset.state, "polling stopped"); }
     else schedule(0);
   });
-  $("btn-refresh").addEventListener("click", () => { if (!busy) tick(); });
+  $("btn-refresh").addEventListener("click", () => { if (busy) refreshAfter = true; else tick(); });
   $("interval").value = String(prefs.intervalMs);
   $("interval").addEventListener("change", (event) => {
     prefs.intervalMs = Number(event.target.value);
