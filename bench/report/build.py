@@ -148,8 +148,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "interleaved, twice a load"),
         _real_engines(
             "affinity_vllm_workers.json",
-            "kv_aware against the SGLang router at 40 %, the sidecar polling once more after each event (the "
-            "tree then): 4 workers (as kv_aware) and 2 (w2)"),
+            "kv_aware against the SGLang router at 40 %, the sidecar polling once more after each "
+            "event (the tree then): 4 workers (as kv_aware) and 2 (w2)"),
         _real_engines(
             "affinity_vllm_sidecar_sleeps.json",
             "kv_aware against the SGLang router at 40 % and 60 %, the sidecar asleep between "
