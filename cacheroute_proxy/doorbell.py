@@ -5,9 +5,10 @@ finds no event, it sets the header's `sidecar_sleeping` word, looks at the rings
 sleeps until its doorbell rings or its next periodic duty (the snapshot heartbeat) is due. A
 worker that publishes an event then loads that word and, when it is set, rings: one datagram to
 the sidecar's socket. Either the sidecar's last look sees the event or the worker sees the word
-(both are sequentially consistent atomics), so an event never waits for the heartbeat. What
-changes inside the sidecar and is published at its next tick (an engine's KV events) rings the
-bell from there (`ring_here`).
+(both are sequentially consistent atomics), so an event that rings never waits for the
+heartbeat (a first token does not ring: shm_schema/events.py). What changes inside the sidecar
+and is published at its next tick (an engine's KV events) rings the bell from there
+(`ring_here`).
 
 The socket is a Unix datagram socket in the abstract namespace, named after the segment: no file
 to clean up, gone with the sidecar, private to the host's network namespace. A ring that cannot
@@ -85,10 +86,13 @@ class Doorbell:
         self._wake()
 
     def _on_ring(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                self._sock.recv(16)
-                self.rings += 1
+        # One datagram a call: the loop calls again while more are queued, and reading until
+        # the queue is empty would cost a failing recv and its exception on every wake.
+        try:
+            self._sock.recv(16)
+        except BlockingIOError:
+            return
+        self.rings += 1
         self.ring_here()
 
     def _wake(self) -> None:

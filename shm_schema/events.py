@@ -9,7 +9,10 @@ is an event dropped, and then it is counted in the row (`events_dropped`, shown 
 /debug/status).
 
 A writer given a `wake` calls it after publishing an event while the header says the sidecar
-sleeps (header.set_sidecar_sleeping): the worker's doorbell ring.
+sleeps (header.set_sidecar_sleeping): the worker's doorbell ring. A FIRST_TOKEN event is quiet:
+it only corrects the prefill end the sidecar's timeline already predicts, and a wake costs the
+sidecar about as much CPU as the tick, so it waits for the next tick (its request's COMPLETE
+rings at the latest, else the snapshot heartbeat).
 
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
@@ -119,9 +122,10 @@ class EventWriter:
         return (not self._spill and self._put(record)) or self._spill_or_drop(record)
 
     def first_token(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int) -> bool:
+        """Quiet: it wakes no sleeping sidecar (see the module's docstring)."""
         record = (_FIRST_TOKEN | (epoch << _EPOCH_SHIFT), request_key,
                   (slot << _SLOT_SHIFT) | generation, t_us, 0, 0, 0, 0)
-        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, False)) or self._spill_or_drop(record)
 
     def complete(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int,
                  failed: bool) -> bool:
@@ -175,7 +179,7 @@ class EventWriter:
         self.flush()
         return True
 
-    def _put(self, record: tuple[int, ...]) -> bool:
+    def _put(self, record: tuple[int, ...], wakes: bool = True) -> bool:
         tail = self._tail
         if tail - self._load(self._head_offset) >= self._capacity:
             return False
@@ -183,7 +187,7 @@ class EventWriter:
         self._tail = tail + 1
         self._store(self._tail_offset, tail + 1)  # publish after the record is written
         self.written += 1
-        if self._wake is not None and self._load(_SLEEPING):
+        if wakes and self._wake is not None and self._load(_SLEEPING):
             self._wake()
         return True
 

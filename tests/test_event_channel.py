@@ -249,6 +249,27 @@ def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_nam
     _sidecar_on_its_doorbell(seg_name, scenario)
 
 
+def test_a_first_token_rings_no_one_and_goes_with_the_next_event_that_does(seg_name):
+    """A first token only corrects the prefill end the timeline predicts: it wakes no sleeping
+    sidecar, which takes it with the next event that rings."""
+    import asyncio
+
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        key = RequestKey.pack(rig.row.row, 1)
+        rig.writer.reserve(1, key, 0, 1, 1, 10_000, 20_000, 8, 64)
+        await _until(lambda: rig.publisher.stats.consumed == 1 and rig.sleeping(), 5)
+        rig.writer.first_token(1, key, 0, 1, 2)
+        await asyncio.sleep(0.2)
+        assert rig.publisher.stats.consumed == 1 and rig.sleeping()  # still asleep
+        assert rig.doorbell.rings == 1
+        rig.writer.complete(1, key, 0, 1, 3, failed=False)
+        await _until(lambda: rig.publisher.stats.consumed == 3, 5)
+        assert rig.doorbell.rings == 2
+
+    _sidecar_on_its_doorbell(seg_name, scenario)
+
+
 def test_a_workers_rings_wait_for_its_current_step_and_are_one_datagram(seg_name):
     """A worker rings once the step that wrote its events is done (it may be sending a request
     on, and the woken sidecar would take its core): rings asked for in one step are one."""
