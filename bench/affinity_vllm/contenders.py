@@ -131,8 +131,10 @@ class ProxyWithAgents(Contender):
         for url in (self.ports.cp_url, *(self.ports.worker_url(i) for i in range(self.workers)), self.ports.dp_url):
             wait_for(lambda url=url: answers_ok(f"{url}/healthz"), START_TIMEOUT_S, f"{self.name} {url}",
                      child.running, child.tail)
+        # The agents report at their defaults, as deployed (a test's faster reports would be
+        # charged to this proxy's CPU).
         self._agents = [AgentRegistration(self.ports.cp_url, engine, f"vllm-{i}",
-                                          self.log_dir / f"agent-{_slug(self.name)}-{i}.log")
+                                          self.log_dir / f"agent-{_slug(self.name)}-{i}.log", reports=())
                         for i, engine in enumerate(self.engines)]
         wait_for(self._every_worker_sees_every_engine, START_TIMEOUT_S,
                  f"{self.name}: both engines registered with every worker", child.running, child.tail)

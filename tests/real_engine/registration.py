@@ -13,18 +13,23 @@ from tests.harness import Process, wait_until
 from tests.real_engine.engines import VllmEngine
 
 
-class AgentRegistration:
-    """One engine's agent, registered on one control plane until stop()."""
+# Heartbeat and resource snapshot every 1 and 2 s: a test sees a change within seconds.
+TEST_REPORTS = ("--heartbeat-interval", "1", "--resource-interval", "2")
 
-    def __init__(self, cp_url: str, engine: VllmEngine, instance_id: str, log_path: Path) -> None:
+
+class AgentRegistration:
+    """One engine's agent, registered on one control plane until stop(). `reports`: the agent's
+    report intervals as flags (TEST_REPORTS; none: its defaults, as deployed)."""
+
+    def __init__(self, cp_url: str, engine: VllmEngine, instance_id: str, log_path: Path,
+                 reports: tuple[str, ...] = TEST_REPORTS) -> None:
         self.engine = engine
         self.instance_id = instance_id
         self.process = Process(["-m", "cacheroute_proxy", "instance-agent",
                                 "--instance-url", f"http://127.0.0.1:{engine.port}",
                                 "--proxy-cp-url", cp_url, "--instance-id", instance_id,
                                 # vLLM does not say its --max-num-seqs: the operator tells the agent.
-                                "--max-num-seqs", str(engine.max_num_seqs),
-                                "--heartbeat-interval", "1", "--resource-interval", "2"],
+                                "--max-num-seqs", str(engine.max_num_seqs), *reports],
                                {}, log_path)
 
     def log(self) -> str:
