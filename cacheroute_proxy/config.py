@@ -281,7 +281,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     event_poll_ms: Annotated[float, Env("PROXY_EVENT_POLL_MS", SHARED_MEMORY,
                                         "how often the sidecar drains the rings", gt=0)] = 5.0
     reaper_interval_s: Annotated[float, Env("PROXY_REAPER_INTERVAL_S", SHARED_MEMORY, (
-        "how often the sidecar checks the worker rows for dead processes"), gt=0)] = 0.25
+        "how often the sidecar checks the worker rows for dead processes; a worker it watches "
+        "(pidfd, from the first check that sees it) is reaped as it exits"), gt=0)] = 1.0
     metrics_dir: Annotated[str, Env("PROXY_METRICS_DIR", SHARED_MEMORY, (
         "the workers' metrics files, summed at each scrape (docs/operations.md §3.3); made if "
         "missing (0700), else the worker exits 2 or the launch 1. Unset: "

@@ -43,6 +43,7 @@ class EventChannelWriter:
         self._live: dict[int, LiveRequest] = {}
         self._epoch = header.sidecar_epoch(seg)
         self.resyncs = 0
+        self._bell.ring()  # a new worker row: the sidecar looks at once (its reaper watches it)
 
     @property
     def writer(self) -> EventWriter:

@@ -13,16 +13,22 @@ import os
 from .bitfields import ProcessIdentity
 
 
-def start_ticks(pid: int) -> int | None:
-    """Kernel start time of `pid` in clock ticks, or None if there is no such process."""
+def _stat_after_comm(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (field 3, the state, first), or
+    None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             raw = stat.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except OSError:  # no such process (or not ours to read)
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields_after_comm = raw[raw.rfind(b")") + 2:].split()
-    return int(fields_after_comm[19])  # field 22 overall
+    return raw[raw.rfind(b")") + 2:].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """Kernel start time of `pid` in clock ticks, or None if there is no such process."""
+    fields = _stat_after_comm(pid)
+    return None if fields is None else int(fields[19])  # field 22 overall
 
 
 def own_identity() -> int:
@@ -35,12 +41,5 @@ def own_identity() -> int:
 def is_alive(identity: int) -> bool:
     """True if the process that `identity` names still runs (a zombie counts as dead)."""
     pid, ticks = ProcessIdentity.unpack(identity)
-    if start_ticks(pid) != ticks:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            raw = stat.read()
-    except OSError:
-        return False
-    state = raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
+    fields = _stat_after_comm(pid)
+    return fields is not None and int(fields[19]) == ticks and fields[0] not in (b"Z", b"X")

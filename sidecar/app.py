@@ -149,7 +149,7 @@ def build_app(state: SidecarState) -> Starlette:
             "workers": state.reaper.workers(),
             "event_channel": state.pressure.describe(),
             "reaper": {"reaped": state.reaper.stats.reaped, "subtracted": state.reaper.stats.subtracted,
-                       "corrections": state.reaper.stats.corrections,
+                       "corrections": state.reaper.stats.corrections, "watched": state.reaper.watched,
                        "last_reaped": state.reaper.stats.last_reaped},
             "scheduler": state.scheduler.status.describe() if state.scheduler else {"enabled": False},
             "static_instances": state.static.describe() if state.static else None,

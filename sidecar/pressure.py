@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from shm_schema import DirectoryReader, Segment, header, read_all
 from shm_schema.bitfields import RequestKey
@@ -64,6 +64,8 @@ class PressurePublisher:
         self.timelines = Timelines(ready_slots, pace_step, self._max_num_seqs)
         self._owners: dict[int, int] = {}  # row -> identity whose reservations we hold
         self._identities: tuple[int, ...] = ()  # every row's owner at the last tick
+        # Called when a row was claimed, released or reused: the reaper watches a new worker.
+        self.on_rows_changed: list[Callable[[], None]] = []
         self._dirty = True
         self._last_publish = 0.0
         self._events_at = time.monotonic()  # the last tick that took events (run)
@@ -87,6 +89,8 @@ class PressurePublisher:
             self._identities = scan.identities
             self._forget_departed_rows({row: identity for row, identity in enumerate(scan.identities)
                                         if identity}, now)
+            for hook in self.on_rows_changed:
+                hook()
         for row in scan.unread:
             self._drain(row)
         self.stats.dropped_by_workers = scan.dropped + header.events_dropped_gone(self._seg)

@@ -5,11 +5,19 @@ a recycled pid cannot keep a dead worker's row alive, and a stopped (SIGSTOP) wo
 mistaken for a dead one: its share stays until it really exits. The dead worker's exact share
 is subtracted; if it died between its two writes (journal names a slot), that slot is
 re-derived from the live rows as soon as a quiescent moment allows.
+
+Each tick (PROXY_REAPER_INTERVAL_S) looks at every row. Between ticks, a worker the reaper
+watches is reaped the moment it exits: its pidfd (Linux 5.3+), opened at the first tick that
+sees its row and checked to name that very process, becomes readable then. Where no pidfd can
+be opened (an older kernel, a sandbox that forbids the call), the ticks alone find the dead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -49,12 +57,35 @@ class WorkerReaper:
         # Called with (row, identity) after a dead row is taken and before its shares go: the
         # event consumer drains what the dead worker still had in its ring.
         self.before_reap: list[Callable[[int], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # set while exits are watched
+        self._watches: dict[int, tuple[int, int]] = {}  # row -> (identity, pidfd) watched
+
+    def watch_exits(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From the next tick on, reap a worker the moment it exits (its pidfd), not at a tick."""
+        self._loop = loop
+
+    def close(self) -> None:
+        """Stop watching: every pidfd closed."""
+        for row in list(self._watches):
+            self._unwatch(row)
+        self._loop = None
+
+    @property
+    def watched(self) -> int:
+        return len(self._watches)
 
     def tick(self) -> None:
-        """One pass: reap dead rows, then reconcile what needs it."""
-        for row in read_rows(self._seg):
+        """One pass: reap dead rows, watch the live ones, then reconcile what needs it."""
+        rows = read_rows(self._seg)
+        for row in rows:
             if not process_identity.is_alive(row.identity):
                 self._reap(row.row, row.identity, row.pid, row.worker_index)
+            elif self._loop is not None and self._watches.get(row.row, (0, 0))[0] != row.identity:
+                self._watch(row.row, row.identity, row.pid)
+        claimed = {row.row: row.identity for row in rows}
+        for row, (identity, _) in list(self._watches.items()):
+            if claimed.get(row) != identity:  # reaped, released, or claimed by another since
+                self._unwatch(row)
         if time.monotonic() >= self._next_audit:
             self._next_audit = time.monotonic() + self._audit_interval_s
             self._pending_reconcile.update((slot, lane) for slot in self._active_slots()
@@ -84,6 +115,39 @@ class WorkerReaper:
                     "" if reaped.pending is None else
                     f"; slot {reaped.pending[0]} lane {reaped.pending[1]} will be reconciled "
                     f"(died mid-update)")
+
+    def _watch(self, row: int, identity: int, pid: int) -> None:
+        self._unwatch(row)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return  # gone already: the next tick reaps it
+        except (OSError, AttributeError) as exc:  # no pidfd here: the ticks alone find the dead
+            log.warning("cannot watch worker exits (%s): dead workers are found at the reaper's "
+                        "ticks (PROXY_REAPER_INTERVAL_S)", exc)
+            self.close()
+            return
+        # The pid may name another process by now (the worker died and its pid was reused
+        # between the tick's look and the open): then this pidfd is not the worker's.
+        if not process_identity.is_alive(identity):
+            os.close(pidfd)
+            return
+        assert self._loop is not None
+        self._loop.add_reader(pidfd, self._exited, row)
+        self._watches[row] = (identity, pidfd)
+
+    def _exited(self, row: int) -> None:
+        """A watched worker exited: the tick that reaps it now."""
+        self._unwatch(row)
+        self.tick()
+
+    def _unwatch(self, row: int) -> None:
+        watch = self._watches.pop(row, None)
+        if watch is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(watch[1])
+            with contextlib.suppress(OSError):
+                os.close(watch[1])
 
     def _reconcile_pending(self) -> None:
         for slot, lane in list(self._pending_reconcile):

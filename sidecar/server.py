@@ -76,6 +76,7 @@ def build_state(settings: Settings, seg: Segment) -> SidecarState:
     pressure = PressurePublisher(seg, epoch, settings.ready_concurrency, settings.pace_step,
                                  heartbeat_s=settings.snapshot_heartbeat_s, affinity=affinity, homes=homes)
     reaper.before_reap.append(pressure.drain_dead_row)
+    pressure.on_rows_changed.append(reaper.tick)
     topology = Topology()
     registry.on_removed.append(topology.forget)  # an instance's links leave with it
     state = SidecarState(settings=settings, seg=seg, registry=registry, reaper=reaper,
@@ -111,6 +112,7 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
         settings = state.settings
         doorbell = open_doorbell(settings.shm_name)
         header.set_sidecar_sleeping(state.seg, False)  # a killed predecessor may have left it set
+        state.reaper.watch_exits(asyncio.get_running_loop())
         loops: list[Awaitable[None]] = [
             _every(min(1.0, settings.instance_ttl_s / 10), state.registry.sweep, "liveness sweep"),
             _every(settings.reaper_interval_s, state.reaper.tick, "worker reaper"),
@@ -137,6 +139,7 @@ def _lifespan(state: SidecarState) -> Callable[[Starlette], contextlib.AbstractA
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            state.reaper.close()
             if doorbell is not None:
                 doorbell.close()
             header.set_sidecar_sleeping(state.seg, False)  # the next sidecar starts polling

@@ -53,6 +53,27 @@ def test_sigkill_worker_with_open_streams(make_cluster):
     assert len(status["workers"]) == 4 and all(w["alive"] for w in status["workers"])
 
 
+def test_a_worker_is_watched_as_it_starts_and_reaped_as_it_exits(make_cluster):
+    """The sidecar watches each worker's exit (its pidfd) from the moment the worker claims its
+    row (the worker rings it then): a SIGKILLed worker is reaped at once -- here before its
+    replacement starts (3 s) and long before the reaper's next look at the rows (a minute) --
+    and the replacement is watched as soon as it starts."""
+    cluster = make_cluster(workers=2, env={"PROXY_REAPER_INTERVAL_S": "60",
+                                           "PROXY_WORKER_RESTART_BACKOFF_S": "3"})
+
+    def reaper() -> dict:
+        return cluster.status()["reaper"]
+
+    wait_until(lambda: reaper()["watched"] == 2, 10, message="both workers watched")
+    pid = cluster.worker_pids()[0]
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: reaper()["reaped"] == 1, 2.5, interval=0.02, message="reaped at once")
+    assert time.monotonic() - killed_at < 2.5 and reaper()["last_reaped"][-1]["pid"] == pid
+    wait_until(lambda: cluster.worker_pids()[0] != pid, 20, message="worker0 restarted")
+    wait_until(lambda: reaper()["watched"] == 2, 10, message="the replacement watched")
+
+
 def test_an_idle_launcher_sleeps_and_a_dying_worker_wakes_it(make_cluster):
     """Idle, the launcher's loop barely wakes (it used to look at its children ten times a
     second); a worker's death (SIGCHLD) wakes it at once, well before its idle nap would end."""
