@@ -103,8 +103,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                         lambda v: not v or host_port(v) is not None))] = ""
     ui_url: Annotated[str, Env("PROXY_UI_URL", PROCESSES, (
         "the dashboard's URL as a browser opens it (a tunnel, a reverse proxy), printed in the "
-        "ready line; its host is accepted as `Host` on the UI listener. Unset: the "
-        "`PROXY_UI_LISTEN` URL, else the control plane's `/dashboard`"),
+        "ready line; its host is accepted as `Host` on the UI listener. Unset: "
+        "`PROXY_UI_LISTEN`'s URL, else the control plane's `/dashboard`"),
         rule=http_url("http://127.0.0.1:8202/", empty=True))] = ""
     log_format: Annotated[str, Env("PROXY_LOG_FORMAT", PROCESSES, (
         "`text`: `time role[pid] level logger: message`; `json`: one object per line "
@@ -144,9 +144,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "balances (docs/architecture.md §4.4)"),
         ge=0, finite=True)] = 16.0
     kv_aware_work_weight: Annotated[float, Env("PROXY_KV_AWARE_WORK_WEIGHT", SELECTION, (
-        "`kv_aware` counts the engine work a choice adds (the prefill of what the instance does "
-        "not hold, the displacement away from a prompt's home) this many times: the request's "
-        "own wait once, the rest the delay it causes those queued behind it"),
+        "`kv_aware` counts the engine work a choice adds (prefill of what the instance lacks, "
+        "displacement away from a prompt's home) this many times: once for the request's own "
+        "wait, the rest for those queued behind it"),
         ge=1, le=20, finite=True)] = 2.0
     kv_aware_prompt_work_weight: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_WORK_WEIGHT", SELECTION, (
         "the same for a plain request whose prompt has a home"), ge=1, le=20, finite=True)] = 6.0
@@ -181,9 +181,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "an engine's `/kv_event_sources`; needs `PROXY_AFFINITY_TOKENIZER`"),
         rule=Rule.raises("instance_id=tcp://host:port,...", kv_event_endpoints))] = ""
     affinity_kv_mb_per_token: Annotated[float, Env("PROXY_AFFINITY_KV_MB_PER_TOKEN", SELECTION, (
-        "MB of KV a token takes, to turn a capacity in GB (`meta.kv_mem_gb`, else "
-        "`PROXY_KV_MEM_PER_INSTANCE_GB`) into tokens for an instance registering no "
-        "`meta.kv_capacity_tokens`; the default is the profiles' `kv.transfer_mb_per_token`"),
+        "MB of KV a token takes: turns a capacity in GB (`meta.kv_mem_gb`, else "
+        "`PROXY_KV_MEM_PER_INSTANCE_GB`) into tokens where no `meta.kv_capacity_tokens` is "
+        "registered; default: the profiles' `kv.transfer_mb_per_token`"),
         gt=0, finite=True)] = 0.096
     retry_attempts: Annotated[int, Env("PROXY_RETRY_ATTEMPTS", SELECTION, (
         "tries on another instance when one fails before anything reached the client"),
@@ -281,8 +281,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     event_poll_ms: Annotated[float, Env("PROXY_EVENT_POLL_MS", SHARED_MEMORY,
                                         "how often the sidecar drains the rings", gt=0)] = 5.0
     reaper_interval_s: Annotated[float, Env("PROXY_REAPER_INTERVAL_S", SHARED_MEMORY, (
-        "how often the sidecar checks the worker rows for dead processes; a worker it watches "
-        "(pidfd, from the first check that sees it) is reaped as it exits"), gt=0)] = 1.0
+        "how often the sidecar looks for dead workers; one it watches (pidfd) is reaped as it "
+        "exits"), gt=0)] = 1.0
     metrics_dir: Annotated[str, Env("PROXY_METRICS_DIR", SHARED_MEMORY, (
         "the workers' metrics files, summed at each scrape (docs/operations.md §3.3); made if "
         "missing (0700), else the worker exits 2 or the launch 1. Unset: "

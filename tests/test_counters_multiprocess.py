@@ -479,3 +479,36 @@ def test_reap_after_a_stale_scan_leaves_the_rows_new_owner_alone(dead_identity):
             assert share_of(seg, newcomer.row, slot, gen) == 3
         finally:
             newcomer.release()
+
+
+def test_without_pidfds_the_reaper_watches_nothing_and_its_ticks_still_reap(dead_identity, monkeypatch,
+                                                                             caplog):
+    """Where no pidfd can be opened (an older kernel, a sandbox), the reaper says so once,
+    watches no worker, and finds the dead at its ticks as before."""
+    import asyncio
+    import errno
+
+    def no_pidfd(pid: int) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    with fresh_segment(instance_capacity=4, worker_capacity=4) as seg:
+        ((slot, gen),) = allocate(seg, 1)
+        alive = WorkerRow.claim(seg, 0)  # this process
+        dead = WorkerRow.claim(seg, 1, identity=dead_identity)
+        assert dead.begin(slot, gen)
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+
+        async def tick_once() -> WorkerReaper:
+            reaper = WorkerReaper(seg)
+            reaper.watch_exits(asyncio.get_running_loop())
+            reaper.tick()
+            reaper.close()
+            return reaper
+
+        try:
+            reaper = asyncio.run(tick_once())
+            assert reaper.watched == 0 and reaper.stats.reaped == 1
+            assert caplog.text.count("cannot watch worker exits") == 1
+            assert count_of(seg, slot) == 0
+        finally:
+            alive.release()

@@ -155,6 +155,14 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, the sidecar asleep between "
             "events far apart: the two alone, interleaved, twice a load"),
         _real_engines(
+            "affinity_vllm_quiet_first_token.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a first token waking no "
+            "sleeping sidecar and the agents reporting at their defaults: twice a load"),
+        _real_engines(
+            "affinity_vllm_four_runs.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, the sidecar watching the "
+            "workers' exits too: four times a load"),
+        _real_engines(
             "affinity_vllm_tolerance.json",
             "kv_aware's homes on the real engines at 60 %, this tree: moved past 1.5× an "
             "instance's share of the work (the default, as kv_aware), 1.25× (t25) and 1.15× (t15)"),
