@@ -155,6 +155,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, the sidecar asleep between "
             "events far apart: the two alone, interleaved, twice a load"),
         _real_engines(
+            "affinity_vllm_every_contender.json",
+            "kv_aware on the real engines, every contender, a first token waking no sleeping "
+            "sidecar, the agents reporting at their defaults, the sidecar watching the workers' exits"),
+        _real_engines(
             "affinity_vllm_quiet_first_token.json",
             "kv_aware against the SGLang router at 40 % and 60 %, a first token waking no "
             "sleeping sidecar and the agents reporting at their defaults: twice a load"),
