@@ -10,9 +10,10 @@ is an event dropped, and then it is counted in the row (`events_dropped`, shown 
 
 A writer given a `wake` calls it after publishing an event while the header says the sidecar
 sleeps (header.set_sidecar_sleeping): the worker's doorbell ring. A FIRST_TOKEN event is quiet:
-it only corrects the prefill end the sidecar's timeline already predicts, and a wake costs the
-sidecar about as much CPU as the tick, so it waits for the next tick (its request's COMPLETE
-rings at the latest, else the snapshot heartbeat).
+the timeline already predicts the prefill's end, which the event only corrects (and the next
+snapshot counts the request as decoding, not pending), while a wake costs the sidecar about as
+much CPU as the tick; so it waits for the next tick (its request's COMPLETE rings at the latest,
+else the snapshot heartbeat).
 
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
@@ -125,7 +126,7 @@ class EventWriter:
         """Quiet: it wakes no sleeping sidecar (see the module's docstring)."""
         record = (_FIRST_TOKEN | (epoch << _EPOCH_SHIFT), request_key,
                   (slot << _SLOT_SHIFT) | generation, t_us, 0, 0, 0, 0)
-        return (not self._spill and self._put(record, False)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, wakes=False)) or self._spill_or_drop(record)
 
     def complete(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int,
                  failed: bool) -> bool:
