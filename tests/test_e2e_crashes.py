@@ -66,10 +66,9 @@ def test_a_worker_is_watched_as_it_starts_and_reaped_as_it_exits(make_cluster):
 
     wait_until(lambda: reaper()["watched"] == 2, 10, message="both workers watched")
     pid = cluster.worker_pids()[0]
-    killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: reaper()["reaped"] == 1, 2.5, interval=0.02, message="reaped at once")
-    assert time.monotonic() - killed_at < 2.5 and reaper()["last_reaped"][-1]["pid"] == pid
+    assert reaper()["last_reaped"][-1]["pid"] == pid
     wait_until(lambda: cluster.worker_pids()[0] != pid, 20, message="worker0 restarted")
     wait_until(lambda: reaper()["watched"] == 2, 10, message="the replacement watched")
 
