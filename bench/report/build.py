@@ -159,6 +159,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware on the real engines, every contender, a first token waking no sleeping "
             "sidecar, the agents reporting at their defaults, the sidecar watching the workers' exits"),
         _real_engines(
+            "affinity_vllm_homes_weights_60.json",
+            "kv_aware's homes and prompt weight on the real engines at 60 %, a first token waking "
+            "no sidecar: the defaults (as kv_aware), homes moved past 1.25× an instance's share "
+            "(t25), prompt work weight 3 (pw3)"),
+        _real_engines(
             "affinity_vllm_quiet_first_token.json",
             "kv_aware against the SGLang router at 40 % and 60 %, a first token waking no "
             "sleeping sidecar and the agents reporting at their defaults: twice a load"),
