@@ -193,6 +193,11 @@ def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_fu
     assert reader.scan().identities[:4] == (rows[0].identity, rows[1].identity, 0, above.identity)
 
 
+# The tests of close events poll 20 ms apart, their steps 5 ms apart: under two polls apart on a
+# busy machine too (polled 1 ms apart, a starved test's steps came far apart: another regime).
+CLOSE_RUN_POLL_S = 0.02
+
+
 def _sidecar_on_its_doorbell(seg_name, scenario, poll_s: float = 0.001, **publisher_settings) -> None:
     """Runs `await scenario(rig)` while a PressurePublisher ticks every `poll_s` on its doorbell
     (heartbeat 30 s away) beside one worker row that rings it. The rig: `writer` and `row` (the
@@ -346,12 +351,12 @@ def test_events_close_together_are_polled_for_not_rung_for_each(seg_name):
         for request in range(1, events + 1):
             rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
             if request % 5 == 0:
-                await asyncio.sleep(0.001)  # five events a poll interval (1 ms)
+                await asyncio.sleep(0.005)  # five events every quarter poll
         await _until(lambda: rig.publisher.stats.consumed == events and rig.sleeping(), 5)
         assert rig.doorbell.rings < events / 4  # taken by polls, not one ring each
         assert len(rig.ticks) < events / 2  # several events a tick
 
-    _sidecar_on_its_doorbell(seg_name, scenario, min_publish_interval_s=0.0)
+    _sidecar_on_its_doorbell(seg_name, scenario, poll_s=CLOSE_RUN_POLL_S, min_publish_interval_s=0.0)
 
 
 def test_a_tick_a_ring_woke_publishes_at_once(seg_name):
@@ -392,9 +397,7 @@ def test_a_publish_held_back_while_polling_goes_out_without_polling(seg_name):
         assert len(rig.ticks) - before <= 3  # the held-back publish's own tick, not ~50 polls
         await _until(rig.sleeping, 5)
 
-    # Polls 20 ms apart: the run's steps, 5 ms apart, stay under two polls apart on a busy
-    # machine too (polled 1 ms apart, a starved test's steps came far apart: another regime).
-    _sidecar_on_its_doorbell(seg_name, scenario, poll_s=0.02, min_publish_interval_s=1.0)
+    _sidecar_on_its_doorbell(seg_name, scenario, poll_s=CLOSE_RUN_POLL_S, min_publish_interval_s=1.0)
 
 
 def test_an_engines_kv_events_wake_the_sleeping_sidecar_to_publish_the_row(seg_name):
