@@ -111,7 +111,8 @@ class _Lead(NamedTuple):
     text that is tokenized). `keys`, `parent`: the full blocks before `cut`, the character (a
     word start) where a prompt's own tokens take over. `spans`: the tokens up to `cut` from the
     overlap window's first (`overlap` in spans) or the first one not hashed, whichever is first.
-    `final`: every prompt that starts with `text` has exactly `keys`."""
+    `final`: every prompt that starts with `text` has exactly `keys`. `blocks`: the full blocks
+    the tokens of `text` fill, `keys`' and those the cut leaves out."""
     text: str
     keys: tuple[int, ...]
     parent: bytes
@@ -119,6 +120,16 @@ class _Lead(NamedTuple):
     overlap: int
     cut: int
     final: bool
+    blocks: int
+
+
+class LeadKeys(NamedTuple):
+    """What a worker routes a chat on before it is sent: the keys of its memoized leading
+    messages' blocks, and how many full blocks those messages fill -- what every request
+    starting with them shares in an engine's cache (keys stop a margin before the end of the
+    text, so a block may be left out of them)."""
+    keys: list[int]
+    prompt_blocks: int
 
 
 class MemoStats(NamedTuple):
@@ -165,7 +176,7 @@ class EnginePrefix:
             return self._text_keys(prompt, False)
         return self._memo_keys(rendered, prompt)
 
-    def lead_keys(self, messages: Sequence[Any]) -> list[int] | None:
+    def lead_keys(self, messages: Sequence[Any]) -> LeadKeys | None:
         """The keys of the blocks this worker memoized for chat `messages`' leading messages,
         with no rendering and no tokenizing: the leading part of what `chat_keys` gives, to route
         on before the request is sent (`chat_keys` then makes them exact, and checks that the
@@ -174,7 +185,7 @@ class EnginePrefix:
             return None
         rendered = _template_messages(messages)
         lead = None if rendered is None else self._memo.get(_leading_hashes(rendered)[-1])
-        return list(lead.keys) if lead is not None and lead.keys else None
+        return LeadKeys(list(lead.keys), lead.blocks) if lead is not None and lead.keys else None
 
     def completion_keys(self, prompt: str) -> list[int]:
         return self._text_keys(prompt, True)
@@ -300,7 +311,8 @@ class EnginePrefix:
         starts with it, and the prompt's keys and digests (_finish); None if no word starts far
         enough before the text's end to splice at."""
         if len(text) > self._limit:  # every prompt's keys are those of the text tokenized
-            return _Lead(text[:self._limit + 1], tuple(keys), b"", Spans(0, [], [], []), 0, 0, True)
+            return _Lead(text[:self._limit + 1], tuple(keys), b"", Spans(0, [], [], []), 0, 0, True,
+                         len(keys))
         known, spans = len(stream.keys), stream.spans
         inside = spans.first + bisect.bisect_left(spans.starts, len(text))  # tokens starting in text
         cut = _word_start(spans, inside - CUT_MARGIN_TOKENS)
@@ -315,7 +327,8 @@ class EnginePrefix:
         parent = digests[blocks - known - 1] if blocks > known else stream.parent
         lead = _Lead(text, tuple(keys[:blocks]), parent,
                      Spans(first, spans.ids[kept], spans.starts[kept], spans.words[kept]),
-                     overlap - first, spans.starts[cut - spans.first], final)
+                     overlap - first, spans.starts[cut - spans.first], final,
+                     min(inside // self.block_size, self.max_blocks))
         # A final lead is never spliced again, so its check is made now, on its own text.
         return None if final and self._splice(lead, text) is None else lead
 

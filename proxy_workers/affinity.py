@@ -118,7 +118,8 @@ class AffinityScorer:
         (KV events): the index takes no worker's account of them, and the leading blocks name
         the prompt and its size as the sidecar weighs its home."""
         if request.prefix_exact or self.index.residency(instance).engine_fed:
-            self.index.forwarded(instance, request.prefix_keys or (), self._settings.affinity_block_tokens)
+            self.index.forwarded(instance, request.prefix_keys or (), self._settings.affinity_block_tokens,
+                                 request.prompt_blocks)
         else:
             asyncio.get_running_loop().call_soon(self._forwarded_exact, instance, request, claim)
 
@@ -149,11 +150,11 @@ class AffinityScorer:
         if request.source != "openai" or raw is None:
             return []
         if request.endpoint is Endpoint.CHAT:
-            keys = engine.lead_keys(raw) if lead else None
-            if keys is None:
+            leading = engine.lead_keys(raw) if lead else None
+            if leading is None:
                 return engine.chat_keys(raw)
-            request.prefix_exact = False
-            return keys
+            request.prefix_exact, request.prompt_blocks = False, leading.prompt_blocks
+            return leading.keys
         # A list prompt (token ids, several prompts) is not one text: no keys.
         return engine.completion_keys(raw) if isinstance(raw, str) else []
 

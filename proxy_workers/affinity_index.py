@@ -135,7 +135,8 @@ class AffinityIndex(Protocol):
 
     def acknowledged(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None: ...
 
-    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None: ...
+    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int,
+                  prompt_blocks: int | None = None) -> None: ...
 
 
 class SharedAffinity:
@@ -178,8 +179,15 @@ class SharedAffinity:
     def acknowledged(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
         self._events.residency(instance.slot, instance.generation, keys, tokens_each, prefix=False)
 
-    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        self._events.residency(instance.slot, instance.generation, keys, tokens_each, prefix=True)
+    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int,
+                  prompt_blocks: int | None = None) -> None:
+        """The request's prompt-prefix blocks went to `instance`; `prompt_blocks`, the prompt's
+        size in blocks where its keys fall short of it (the default: as many as its keys)."""
+        size = len(keys) if prompt_blocks is None else prompt_blocks
+        if self._reader.row(instance.slot, instance.generation).engine_fed:
+            keys = keys[:1]  # the engine reports its blocks: the sidecar needs the prompt's name alone
+        self._events.residency(instance.slot, instance.generation, keys, tokens_each, prefix=True,
+                               prompt_blocks=size)
 
 
 class PerWorkerAffinity(SharedAffinity):
@@ -221,8 +229,9 @@ class PerWorkerAffinity(SharedAffinity):
         super().acknowledged(instance, keys, tokens_each)
         self._remember(instance, keys, tokens_each, prefix=False)
 
-    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int) -> None:
-        super().forwarded(instance, keys, tokens_each)
+    def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int,
+                  prompt_blocks: int | None = None) -> None:
+        super().forwarded(instance, keys, tokens_each, prompt_blocks)
         self._remember(instance, keys, tokens_each, prefix=True)
 
     def _remember(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int,

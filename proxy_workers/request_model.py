@@ -125,6 +125,9 @@ class ProxyRequest(msgspec.Struct):
     # False while prefix_keys are only those of the leading messages the worker memoized (what
     # it routes on), until the exact keys replace them just after the request is sent.
     prefix_exact: bool = True
+    # The full blocks its leading messages fill (engine_prefix.LeadKeys), when it is routed on
+    # them: the prompt's size in an engine's cache, which its leading keys may fall short of.
+    prompt_blocks: int | None = None
 
     def encoded_body(self) -> bytes:
         return self.upstream_body if self.body is None else _encoder.encode(self.body)

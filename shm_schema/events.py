@@ -143,8 +143,8 @@ class EventWriter:
     def prefix(self, epoch: int, slot: int, generation: int, t_us: int, keys: tuple[int, ...],
                tokens_each: int, prompt_blocks: int = 0) -> bool:
         """Up to three prompt-prefix blocks (their chained hashes) were forwarded to the instance;
-        `prompt_blocks`, in the event whose first key is the prompt's first block, is how many
-        the request sent in all (the sidecar weighs the prompt's homes by it), else 0."""
+        `prompt_blocks`, in the event whose first key is the prompt's first block, is the
+        prompt's size in blocks (the sidecar weighs and fits the prompt's homes by it), else 0."""
         return self._residency(_PREFIX, epoch, slot, generation, t_us, keys, tokens_each, prompt_blocks)
 
     def _residency(self, kind: int, epoch: int, slot: int, generation: int, t_us: int,

@@ -7,8 +7,8 @@ without talking, but it balances prompts by count: with a skewed popularity the 
 on one instance can draw most of the requests, and that instance is slower all along (batch
 interference the timeline does not see as queue).
 
-The sidecar sees every request's prompt: the PREFIX event that names it carries how many
-blocks the request sent. It keeps a decayed rate of each prompt's blocks (half-life
+The sidecar sees every request's prompt: the PREFIX event that names it carries the prompt's
+size in blocks. It keeps a decayed rate of each prompt's blocks (half-life
 PROXY_AFFINITY_HOME_HALFLIFE_S) and, once a round, moves a prompt from the instance furthest
 above its share of the work (shares by speed: 1 / its learned pace) to the one furthest below,
 when the first is above by more than PROXY_AFFINITY_HOME_TOLERANCE and the move brings the
@@ -48,6 +48,10 @@ MIN_REQUESTS = 32.0
 # prompt seen once (a one-off conversation) is no home's lasting tenant.
 FOOTPRINT_REQUESTS = 2.0
 FORGET_BELOW = 0.05  # decayed blocks: a prompt unseen for several half-lives
+# A prompt that moved stays this long before it moves for the work again: its move has cost
+# its misses, and the next rounds' rates and paces still carry the disturbance of the move (on
+# the real-engine bench a prompt moved there and back in two rounds, missing twice each way).
+STAY_S = 10.0
 # Speeds closer than this ratio are one class. On the real-engine bench two identical engines,
 # one drawing two thirds of the requests, learned paces up to ~1.3x apart (batching the profile
 # does not model), now and then enough to move a prompt, and each such run lost hits
@@ -88,9 +92,11 @@ class PromptHomes:
         self._decay_per_s = math.log(2) / halflife_s
         self._tolerance = tolerance
         self._rates: dict[int, float] = {}  # prompt key -> decayed blocks
-        self._sizes: dict[int, int] = {}    # prompt key -> fewest blocks a request of it sent
+        self._sizes: dict[int, int] = {}    # prompt key -> fewest blocks a request of it named
         self._requests = 0.0                # decayed requests, every prompt
         self._moved: dict[int, Where] = {}  # prompt key -> its home, where not its rendezvous one
+        self._settles_at: dict[int, float] = {}  # prompt key -> when it may move for the work again
+        self._now = 0.0
         self._decayed_at: float | None = None
         self._next_round = 0.0
         self.stats = {"moves": 0, "published": 0}
@@ -117,6 +123,7 @@ class PromptHomes:
         if now < self._next_round:
             return
         self._next_round = now + ROUND_S
+        self._now = now
         self._decay(now)
         candidates = candidates_now()
         live = {c.where for c in candidates}
@@ -151,6 +158,7 @@ class PromptHomes:
         gone = [key for key, where in self._moved.items() if key not in rates or where not in live]
         for key in gone:
             del self._moved[key]
+        self._settles_at = {key: at for key, at in self._settles_at.items() if at > self._now}
         return bool(gone)
 
     def _split(self, candidates: Sequence[Candidate]) -> _Split:
@@ -194,6 +202,7 @@ class PromptHomes:
             return False  # the table is full: the rest keep their homes
         for key, _ in move:
             self._moved.pop(key, None)
+            self._settles_at[key] = self._now + STAY_S
         self._moved.update(published)
         self.stats["moves"] += 1
         return True
@@ -222,8 +231,9 @@ class PromptHomes:
         under = min(range(count), key=split.ratio)
         if split.ratio(over) <= 1.0 + self._tolerance:
             return None
-        mine = [key for key, n in split.homes.items() if n == over]
-        theirs = [key for key, n in split.homes.items() if n == under]
+        settled = [key for key in split.homes if key not in self._settles_at]
+        mine = [key for key in settled if split.homes[key] == over]
+        theirs = [key for key in settled if split.homes[key] == under]
         best: tuple[float, list[tuple[int, int]]] | None = None
         for key in mine:
             for other in (None, *theirs):

@@ -23,7 +23,7 @@ from proxy_workers.request_model import Endpoint, ProxyRequest, recover
 from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader, AffinityWriter
-from shm_schema.events import EventReader
+from shm_schema.events import EventReader, residency
 from shm_schema.records import AFFINITY_PREFIX
 from sidecar.affinity import AffinityModels
 from tests.harness import wait_until
@@ -181,6 +181,22 @@ def test_the_per_worker_view_keeps_its_own_lru_and_the_shared_view_reads_the_seg
     assert slot.slot == instance.slot
 
 
+def test_blocks_sent_to_an_engine_that_reports_its_own_name_only_the_prompt_to_the_sidecar(segment):
+    """Where the engine publishes its KV events the sidecar takes only the prompt's name and
+    size from a PREFIX event (its homes), so one event carries them, not one per three blocks."""
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    instance = read_all(segment)[0]
+    row = WorkerRow.claim(segment, 0)
+    shared = SharedAffinity(segment, EventChannelWriter(segment, row), 30.0)
+    shared.forwarded(instance, list(range(11, 18)), 128, prompt_blocks=8)
+    guesses = [residency(e) for e in EventReader(segment).drain(row.row)]
+    assert [(g.key_0, g.key_1, g.key_2) for g in guesses] == [(11, 12, 13), (14, 15, 16), (17, 0, 0)]
+    AffinityWriter(segment).publish(instance.slot, instance.generation, [], 0, engine_fed=True)
+    shared.forwarded(instance, list(range(11, 18)), 128, prompt_blocks=8)
+    [named] = EventReader(segment).drain(row.row)
+    assert (residency(named).key_0, named.request_key) == (11, 8)
+
+
 def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None,
             engine: EnginePrefix | None = None) -> AffinityScorer:
     settings = Settings(instance_strategy="kv_aware", affinity_block_tokens=16 if engine else 64)
@@ -305,9 +321,15 @@ class _MemoizedChat:
         self.routed = self.scorer.prefix_of(second)
         assert not second.prefix_exact and 0 < len(self.routed) < len(self.exact)
         assert self.exact[:len(self.routed)] == self.routed
+        # The system prompt's size in an engine's cache: the full blocks two of its chats share.
+        one, two = (whole.chat_tokens(chat(user).parsed_prompt) for user in ("a", "zebra"))
+        assert one is not None and two is not None
+        self.shared_blocks = next(n for n, (x, y) in enumerate(zip(one, two)) if x != y) // 16
         self.forwarded: list[list[int]] = []
+        self.sizes: list[int | None] = []
         self.scorer.index.forwarded = (  # type: ignore[method-assign]
-            lambda instance, keys, tokens: self.forwarded.append(list(keys)))
+            lambda instance, keys, tokens, blocks=None: (self.forwarded.append(list(keys)),
+                                                          self.sizes.append(blocks)))
 
     def pending(self) -> list[int]:
         """The blocks of `exact` the other worker reads as claimed on `a`."""
@@ -340,6 +362,7 @@ def test_a_chat_routes_on_its_memoized_leading_blocks_and_claims_the_rest_once_i
     assert at_send == (chat.routed, [], chat.routed)  # not before the send
     assert chat.second.prefix_exact and chat.second.prefix_keys == chat.exact
     assert chat.forwarded == [chat.exact] and chat.pending() == chat.exact
+    assert chat.sizes == [chat.shared_blocks]  # the prompt's size, not the request's
     claim.settle()  # the instance never took the prompt: every block is withdrawn, both claims'
     assert chat.pending() == []
 
@@ -353,6 +376,9 @@ def test_a_chat_sent_to_an_engine_that_reports_its_blocks_is_not_tokenized_again
     at_send, claim = chat.send()
     assert at_send == (chat.routed, [chat.routed], chat.routed)
     assert not chat.second.prefix_exact and chat.forwarded == [chat.routed]
+    # Its size as the sidecar fits homes in caches: every block the system prompt fills, those
+    # past the memo's cut too, not only the blocks it was routed on.
+    assert chat.sizes == [chat.shared_blocks] and chat.shared_blocks > len(chat.routed)
     claim.settle()
     assert chat.pending() == []
 

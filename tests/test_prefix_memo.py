@@ -118,7 +118,10 @@ def test_memoized_keys_are_exactly_the_whole_prompts_keys(prefixes, config, batc
         lead = memo.lead_keys(messages)  # what a worker routes on before the send
         keys = memo.chat_keys(messages)
         assert keys == whole.chat_keys(messages)
-        assert lead is None or (lead and keys[:len(lead)] == lead), lead
+        assert lead is None or (lead.keys and keys[:len(lead.keys)] == lead.keys), lead
+        # The size it names is all the leading messages fill: their keys' blocks and any the
+        # cut left out, never more than the whole prompt has.
+        assert lead is None or len(lead.keys) <= lead.prompt_blocks <= len(keys), (lead, len(keys))
 
 
 def test_every_path_of_the_memo_on_the_pools(tiny_model) -> None:

@@ -9,7 +9,7 @@ from cacheroute_proxy.affinity_keys import rendezvous_home
 from shm_schema import layout
 from shm_schema.events import Event, EventKind
 from shm_schema.homes import HOME_ENTRIES, HomeReader, HomeWriter
-from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, Candidate, PromptHomes, speed_classes
+from sidecar.prompt_homes import MIN_REQUESTS, ROUND_S, STAY_S, Candidate, PromptHomes, speed_classes
 from tests.shm_helpers import fresh_segment
 
 A, B = Candidate((0, 1), "inst-a", 1.0), Candidate((1, 1), "inst-b", 1.0)
@@ -123,6 +123,22 @@ def test_paces_a_little_apart_count_as_one_speed_so_their_drift_moves_no_prompt(
     # An instance twice as fast is another class: it takes its larger share.
     run(homes, requests, rounds=5, candidates=(A, B._replace(speed=2.0)), start=106.0)
     assert homes.stats["moves"] >= 1
+
+
+def test_a_moved_prompt_stays_a_while_before_the_work_moves_it_again(seg) -> None:
+    # Three prompts homed on a, drawing 16, 12 and 12: the 16 moves to b. Then b reads four
+    # times slower (a pace disturbed by the misses the move caused): the work alone would send
+    # the 16 straight back. It stays STAY_S first.
+    hot, *rest = keys_homed_on(A, 3)
+    requests = {hot: 16, **dict.fromkeys(rest, 12)}
+    homes = homes_over(seg)
+    now = run(homes, requests, rounds=1)
+    assert homes.stats["moves"] == 1 and work_on(seg, requests) == {"inst-a": 24, "inst-b": 16}
+    slow_b = (A, B._replace(speed=0.25))
+    now = run(homes, requests, rounds=int(STAY_S / ROUND_S) - 1, candidates=slow_b, start=now)
+    assert homes.stats["moves"] == 1 and HomeReader(seg).home_of(hot) == B.where
+    run(homes, requests, rounds=2, candidates=slow_b, start=now)
+    assert homes.stats["moves"] == 2 and work_on(seg, requests) == {"inst-a": 40, "inst-b": 0}
 
 
 def test_speeds_are_classed_within_the_band_at_their_geometric_mean() -> None:
