@@ -353,8 +353,11 @@ def test_events_close_together_are_polled_for_not_rung_for_each(seg_name):
             if request % 5 == 0:
                 await asyncio.sleep(0.005)  # five events every quarter poll
         await _until(lambda: rig.publisher.stats.consumed == events and rig.sleeping(), 5)
-        assert rig.doorbell.rings < events / 4  # taken by polls, not one ring each
-        assert len(rig.ticks) < events / 2  # several events a tick
+        # Polled: the first event rings, the polls take the rest (one ring, ~13 ticks here).
+        # Asleep after each tick, the sidecar would be rung by every step of five (40 rings, 41
+        # ticks): the worker's bell rings once a loop step, so a bound must sit below that.
+        assert rig.doorbell.rings <= events / 40
+        assert len(rig.ticks) < events / 8
 
     _sidecar_on_its_doorbell(seg_name, scenario, poll_s=CLOSE_RUN_POLL_S, min_publish_interval_s=0.0)
 
