@@ -9,11 +9,12 @@ is an event dropped, and then it is counted in the row (`events_dropped`, shown 
 /debug/status).
 
 A writer given a `wake` calls it after publishing an event while the header says the sidecar
-sleeps (header.set_sidecar_sleeping): the worker's doorbell ring. A FIRST_TOKEN event is quiet:
-the timeline already predicts the prefill's end, which the event only corrects (and the next
-snapshot counts the request as decoding, not pending), while a wake costs the sidecar about as
-much CPU as the tick; so it waits for the next tick (its request's COMPLETE rings at the latest,
-else the snapshot heartbeat).
+sleeps (header.set_sidecar_sleeping): the worker's doorbell ring. FIRST_TOKEN and COMPLETE are
+quiet, since a wake costs the sidecar about as much CPU as the tick: they wait for the next tick
+(the next ringing event, any worker's, or the snapshot heartbeat). The timeline already
+predicts the prefill's end, which a first token only corrects; and a reader of the snapshot
+sees a completion it does not count yet in the live inflight counters, below what the snapshot
+announces (routing.load_view takes those off the predicted wait).
 
 Events carry the sidecar epoch they were written under; a restarted sidecar (new epoch)
 discards older ones and the workers re-send the state of every request still in flight.
@@ -130,10 +131,11 @@ class EventWriter:
 
     def complete(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int,
                  failed: bool) -> bool:
-        """Finished (`failed` False) or failed/cancelled: the reservation goes away."""
+        """Finished (`failed` False) or failed/cancelled: the reservation goes away. Quiet, as a
+        first token (see the module's docstring)."""
         record = (_COMPLETE | (epoch << _EPOCH_SHIFT), request_key,
                   (slot << _SLOT_SHIFT) | generation, t_us, int(failed), 0, 0, 0)
-        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, wakes=False)) or self._spill_or_drop(record)
 
     def resident(self, epoch: int, slot: int, generation: int, t_us: int, keys: tuple[int, ...],
                  tokens_each: int) -> bool:

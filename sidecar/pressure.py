@@ -115,9 +115,9 @@ class PressurePublisher:
         A wake costs about as much CPU as a tick's work, whether a timer or a ring makes it.
         Events that come closer together than POLL_WHILE_GAP_BELOW polls apart (on average, the
         tick's events counted once) are taken by the next poll with fewer wakes than rings; far
-        apart -- a request's reserve, first token and end on a real engine, tens of
-        milliseconds or more apart -- a poll after each would find nothing, so the sidecar
-        sleeps from the tick that took one until the next rings."""
+        apart -- requests tens of milliseconds or more apart, as on a real engine -- a poll
+        after each would find nothing, so the sidecar sleeps from the tick that took one until
+        the next rings (first tokens and completions ring no one: shm_schema/events.py)."""
         self._doorbell = doorbell
         if doorbell is not None and self.affinity is not None:
             self.affinity.on_change = doorbell.ring_here

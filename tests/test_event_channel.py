@@ -198,6 +198,13 @@ def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_fu
 CLOSE_RUN_POLL_S = 0.02
 
 
+def _reserve(rig, request: int) -> int:
+    """The worker's reserve event for its `request`th request (an event that rings); its key."""
+    key = RequestKey.pack(rig.row.row, request)
+    rig.writer.reserve(1, key, 0, 1, 1, 10_000, 20_000, 8, 64)
+    return key
+
+
 def _sidecar_on_its_doorbell(seg_name, scenario, poll_s: float = 0.001, **publisher_settings) -> None:
     """Runs `await scenario(rig)` while a PressurePublisher ticks every `poll_s` on its doorbell
     (heartbeat 30 s away) beside one worker row that rings it. The rig: `writer` and `row` (the
@@ -247,29 +254,30 @@ def test_an_idle_sidecar_sleeps_until_a_workers_event_rings_its_doorbell(seg_nam
         polls = len(rig.ticks)
         await asyncio.sleep(0.3)
         assert len(rig.ticks) == polls and rig.sleeping()  # asleep: no tick in 300 ms
-        rig.writer.complete(1, RequestKey.pack(rig.row.row, 1), 0, 1, 1, failed=False)
+        _reserve(rig, 1)
         await _until(lambda: rig.publisher.stats.consumed == 1, 5)
         assert rig.doorbell.rings == 1
 
     _sidecar_on_its_doorbell(seg_name, scenario)
 
 
-def test_a_first_token_rings_no_one_and_goes_with_the_next_event_that_does(seg_name):
-    """A first token only corrects the prefill end the timeline predicts: it wakes no sleeping
-    sidecar, which takes it with the next event that rings."""
+def test_a_first_token_and_a_completion_ring_no_one_and_go_with_the_next_event_that_does(seg_name):
+    """A first token only corrects the prefill end the timeline predicts, and a completion the
+    snapshot has not seen shows in the live inflight counters: neither wakes a sleeping sidecar,
+    which takes them with the next event that rings."""
     import asyncio
 
     async def scenario(rig) -> None:
         await _until(rig.sleeping, 5)
-        key = RequestKey.pack(rig.row.row, 1)
-        rig.writer.reserve(1, key, 0, 1, 1, 10_000, 20_000, 8, 64)
+        key = _reserve(rig, 1)
         await _until(lambda: rig.publisher.stats.consumed == 1 and rig.sleeping(), 5)
         rig.writer.first_token(1, key, 0, 1, 2)
+        rig.writer.complete(1, key, 0, 1, 3, failed=False)
         await asyncio.sleep(0.2)
         assert rig.publisher.stats.consumed == 1 and rig.sleeping()  # still asleep
         assert rig.doorbell.rings == 1
-        rig.writer.complete(1, key, 0, 1, 3, failed=False)
-        await _until(lambda: rig.publisher.stats.consumed == 3, 5)
+        _reserve(rig, 2)
+        await _until(lambda: rig.publisher.stats.consumed == 4, 5)
         assert rig.doorbell.rings == 2
 
     _sidecar_on_its_doorbell(seg_name, scenario)
@@ -328,7 +336,7 @@ def test_events_far_apart_wake_the_sidecar_once_each(seg_name):
         ticks_per_event = []
         for request in range(1, 9):
             before = len(rig.ticks)
-            rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
+            _reserve(rig, request)
             await _until(lambda: rig.publisher.stats.consumed == request and rig.sleeping(), 5)
             await asyncio.sleep(0.05)  # a gap between two events: 50 polls' worth
             assert rig.sleeping()  # not polling through the gap
@@ -349,7 +357,7 @@ def test_events_close_together_are_polled_for_not_rung_for_each(seg_name):
         await _until(rig.sleeping, 5)
         events = 200
         for request in range(1, events + 1):
-            rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
+            _reserve(rig, request)
             if request % 5 == 0:
                 await asyncio.sleep(0.005)  # five events every quarter poll
         await _until(lambda: rig.publisher.stats.consumed == events and rig.sleeping(), 5)
@@ -369,7 +377,7 @@ def test_a_tick_a_ring_woke_publishes_at_once(seg_name):
     async def scenario(rig) -> None:
         await _until(rig.sleeping, 5)
         published = rig.publisher.stats.published
-        rig.writer.complete(1, RequestKey.pack(rig.row.row, 1), 0, 1, 1, failed=False)
+        _reserve(rig, 1)
         written = time.monotonic()
         await _until(lambda: rig.publisher.stats.published > published, 5)
         assert time.monotonic() - written < 0.1
@@ -388,7 +396,7 @@ def test_a_publish_held_back_while_polling_goes_out_without_polling(seg_name):
         await _until(rig.sleeping, 5)
         published = rig.publisher.stats.published
         for request in range(1, 101):
-            rig.writer.complete(1, RequestKey.pack(rig.row.row, request), 0, 1, 1, failed=False)
+            _reserve(rig, request)
             if request % 5 == 0:
                 await asyncio.sleep(0.005)
         await _until(lambda: rig.publisher.stats.consumed == 100, 5)

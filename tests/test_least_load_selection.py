@@ -277,6 +277,25 @@ def test_requests_the_snapshot_has_not_seen_are_charged_at_the_marginal_backlog(
     assert router.scorer.table_totals(router.view, snapshot, snapshot.alive) == pytest.approx([expected])
 
 
+@pytest.mark.parametrize("inflight, share", [(2, 1.0), (1, 0.5), (0, 0.0)])
+def test_completions_the_snapshot_has_not_seen_shrink_the_predicted_waits(table, monkeypatch, inflight, share):
+    """Completions reach the sidecar with its next tick: the snapshot announces two requests on
+    `a` (one pending, one decoding) after fewer remain in flight, and the waits kv_aware and the
+    injection choice read shrink in proportion."""
+    name, seg, row = table
+    a = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
+    for _ in range(inflight):
+        row.begin(a.slot, a.generation)
+    now = int(time.time() * 1e6)
+    monkeypatch.setattr(clock, "now_us", lambda: now)
+    SnapshotWriter(seg).publish({a.slot: Pressure(a.generation, 1, 1, now + 200_000, now, now, 500_000)})
+    view = Router(Settings(shm_name=name, instance_strategy="kv_aware"), seg, row).view
+    [instance] = view.directory.snapshot().alive
+    assert view.ready_wait_ms(instance) == pytest.approx(200 * share)
+    [(wait, _)] = view.queue_waits([instance], instance.slot + 1, view.inflight([instance]))
+    assert wait == pytest.approx(200 * share)
+
+
 # --- where a selector steps aside, the component path chooses ----------------------------------------
 @pytest.mark.parametrize("native", SELECTORS)
 @pytest.mark.parametrize("marginal, unseen, served", [

@@ -88,13 +88,16 @@ class LoadView:
 
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
         """Predicted wait before a new request on `instance` could start prefill, from a fresh
-        snapshot; None if the predicted layer is unknown. (Once per request: one record, not
-        every component.)"""
+        snapshot, less the completions it has not seen (as `queue_waits`); None if the predicted
+        layer is unknown. (Once per request: one record, not every component.)"""
         now_us = clock.now_us()
         if self.predicted_source(now_us) != "fresh":
             return None
         record = self.snapshots.pressure(instance.slot, instance.generation)
-        return None if record is None else max(_free_in_ms(record, now_us))
+        if record is None:
+            return None
+        inflight = self.inflight([instance])[0] if self.mode == "shared" else None  # host-wide only
+        return max(_free_in_ms(record, now_us)) * _seen_share(record, inflight)
 
     def queue_waits(self, instances: Sequence[SlotRef], span: int,
                     inflight: Sequence[int | None]) -> list[tuple[float | None, float]]:
@@ -116,10 +119,7 @@ class LoadView:
             if record is None:
                 waits.append((None, 1.0))
                 continue
-            wait = _backlog_ms(record, now_us, count)
-            announced = record.pending_prefill_count + record.active_decode_count
-            if count is not None and count < announced:
-                wait *= count / announced
+            wait = _backlog_ms(record, now_us, count) * _seen_share(record, count)
             waits.append((wait, record.pace_ppm / 1e6 if record.pace_ppm else 1.0))
         return waits
 
@@ -190,6 +190,14 @@ class LoadView:
                 result["next_slot_ready_in_ms"].append(slot_in)
                 result["prefill_free_in_ms"].append(prefill_in)
         return result
+
+
+def _seen_share(record: SnapshotRecord, inflight: int | None) -> float:
+    """The share of the requests the snapshot announces on an instance that are still in flight:
+    below 1 when some ended since (completions reach the sidecar with its next tick), and the
+    predicted wait shrinks in proportion (none in flight: no wait)."""
+    announced = record.pending_prefill_count + record.active_decode_count
+    return inflight / announced if inflight is not None and inflight < announced else 1.0
 
 
 def _backlog_ms(record: SnapshotRecord, now_us: int, inflight: int | None) -> float:
