@@ -75,16 +75,15 @@ class EventChannelWriter:
             self._writer.complete(self._epoch, key, live.slot, live.generation, now_us(), failed)
 
     def residency(self, slot: int, generation: int, keys: Sequence[int], tokens_each: int,
-                  prefix: bool, prompt_blocks: int | None = None) -> None:
+                  prefix: bool, prompt_blocks: int = 0) -> None:
         """Keys whose KV the instance now holds (acknowledged knowledge, or prefix blocks it was
         sent), three to an event. Not re-sent to a new sidecar: it keeps the published index."""
         self._check_epoch()
         write = self._writer.prefix if prefix else self._writer.resident
         t_us = now_us()
-        size = len(keys) if prompt_blocks is None else prompt_blocks
         for start in range(0, len(keys), 3):
             # A prompt's first event names it: it carries the prompt's size in blocks.
-            named = (0 if start else size,) if prefix else ()
+            named = (0 if start else prompt_blocks,) if prefix else ()
             write(self._epoch, slot, generation, t_us, tuple(keys[start:start + 3]), tokens_each, *named)
 
     def tick(self) -> None:
