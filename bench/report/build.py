@@ -172,6 +172,19 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, the sidecar watching the "
             "workers' exits too: four times a load"),
         _real_engines(
+            "affinity_vllm_homes_sized.json",
+            "kv_aware's homes on the real engines at 60 %, a prompt's size counting every block its "
+            "leading messages fill and a moved prompt staying 10 s: moved past 1.5× an instance's "
+            "share of the work (the default, as kv_aware), 1.25× (t25) and 1.1× (t10)"),
+        _real_engines(
+            "affinity_vllm_first_placement.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a prompt held nowhere homed "
+            "where its first request went instead of at its rendezvous home (tried, not kept)"),
+        _real_engines(
+            "affinity_vllm_quiet_completion.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a completion waking no sleeping "
+            "sidecar either: three times a load"),
+        _real_engines(
             "affinity_vllm_tolerance.json",
             "kv_aware's homes on the real engines at 60 %, this tree: moved past 1.5× an "
             "instance's share of the work (the default, as kv_aware), 1.25× (t25) and 1.15× (t15)"),
