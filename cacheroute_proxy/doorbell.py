@@ -6,8 +6,8 @@ sleeps until its doorbell rings or its next periodic duty (the snapshot heartbea
 worker that publishes an event then loads that word and, when it is set, rings: one datagram to
 the sidecar's socket. Either the sidecar's last look sees the event or the worker sees the word
 (both are sequentially consistent atomics), so an event that rings never waits for the
-heartbeat (a first token does not ring: shm_schema/events.py). What changes inside the sidecar
-and is published at its next tick (an engine's KV events) rings the bell from there
+heartbeat (first tokens and completions do not ring: shm_schema/events.py). What changes inside
+the sidecar and is published at its next tick (an engine's KV events) rings the bell from there
 (`ring_here`).
 
 The socket is a Unix datagram socket in the abstract namespace, named after the segment: no file
