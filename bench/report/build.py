@@ -181,9 +181,17 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, a prompt held nowhere homed "
             "where its first request went instead of at its rendezvous home (tried, not kept)"),
         _real_engines(
+            "affinity_vllm_every_contender_quiet.json",
+            "kv_aware on the real engines, every contender, prompt sizes counted whole and a "
+            "completion waking no sleeping sidecar"),
+        _real_engines(
             "affinity_vllm_quiet_completion.json",
             "kv_aware against the SGLang router at 40 % and 60 %, a completion waking no sleeping "
             "sidecar either: three times a load"),
+        _real_engines(
+            "affinity_vllm_quiet_completion_60.json",
+            "kv_aware against the SGLang router at 60 %, a completion waking no sleeping sidecar "
+            "either: three more runs"),
         _real_engines(
             "affinity_vllm_tolerance.json",
             "kv_aware's homes on the real engines at 60 %, this tree: moved past 1.5× an "
