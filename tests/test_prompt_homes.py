@@ -28,7 +28,7 @@ def keys_homed_on(candidate: Candidate, count: int) -> list[int]:
 
 
 def named(key: int, blocks: int = 7) -> Event:
-    """The PREFIX event that names a prompt (its first block) and says how many blocks were sent."""
+    """The PREFIX event that names a prompt (its first block) and its size in blocks."""
     return Event(EventKind.PREFIX, 1, blocks, 0, 1, 0, service_us=key)
 
 
