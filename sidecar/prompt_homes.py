@@ -96,7 +96,6 @@ class PromptHomes:
         self._requests = 0.0                # decayed requests, every prompt
         self._moved: dict[int, Where] = {}  # prompt key -> its home, where not its rendezvous one
         self._settles_at: dict[int, float] = {}  # prompt key -> when it may move for the work again
-        self._now = 0.0
         self._decayed_at: float | None = None
         self._next_round = 0.0
         self.stats = {"moves": 0, "published": 0}
@@ -123,14 +122,13 @@ class PromptHomes:
         if now < self._next_round:
             return
         self._next_round = now + ROUND_S
-        self._now = now
         self._decay(now)
         candidates = candidates_now()
         live = {c.where for c in candidates}
-        changed = self._forget(live)
+        changed = self._forget(live, now)
         if len(candidates) > 1 and self._requests >= MIN_REQUESTS:
             for _ in range(MOVES_A_ROUND):
-                if not self._move_one(candidates):
+                if not self._move_one(candidates, now):
                     break
                 changed = True
         if changed:
@@ -149,7 +147,7 @@ class PromptHomes:
             self._requests *= factor
         self._decayed_at = now
 
-    def _forget(self, live: set[Where]) -> bool:
+    def _forget(self, live: set[Where], now: float) -> bool:
         """Prompts no longer seen, and homes on instances that left; True if a home went."""
         rates = self._rates
         for key in [k for k, rate in rates.items() if rate < FORGET_BELOW]:
@@ -158,7 +156,7 @@ class PromptHomes:
         gone = [key for key, where in self._moved.items() if key not in rates or where not in live]
         for key in gone:
             del self._moved[key]
-        self._settles_at = {key: at for key, at in self._settles_at.items() if at > self._now}
+        self._settles_at = {key: at for key, at in self._settles_at.items() if at > now}
         return bool(gone)
 
     def _split(self, candidates: Sequence[Candidate]) -> _Split:
@@ -187,7 +185,7 @@ class PromptHomes:
         size = self._sizes.get(key, 0)
         return size if self._rates[key] >= FOOTPRINT_REQUESTS * size else 0.0
 
-    def _move_one(self, candidates: Sequence[Candidate]) -> bool:
+    def _move_one(self, candidates: Sequence[Candidate], now: float) -> bool:
         split = self._split(candidates)
         room = [self._room(c) for c in candidates]
         past = [n for n in range(len(candidates)) if split.footprint[n] > room[n]]
@@ -202,7 +200,7 @@ class PromptHomes:
             return False  # the table is full: the rest keep their homes
         for key, _ in move:
             self._moved.pop(key, None)
-            self._settles_at[key] = self._now + STAY_S
+            self._settles_at[key] = now + STAY_S
         self._moved.update(published)
         self.stats["moves"] += 1
         return True

@@ -192,17 +192,22 @@ class LoadView:
         return result
 
 
+def _announced(record: SnapshotRecord) -> int:
+    """The requests the snapshot counts on an instance. Live inflight above it: some were sent
+    since (`_backlog_ms` charges them); below it: some ended since (`_seen_share`)."""
+    return record.pending_prefill_count + record.active_decode_count
+
+
 def _seen_share(record: SnapshotRecord, inflight: int | None) -> float:
     """The share of the requests the snapshot announces on an instance that are still in flight:
     below 1 when some ended since (completions reach the sidecar with its next tick), and the
     predicted wait shrinks in proportion (none in flight: no wait)."""
-    announced = record.pending_prefill_count + record.active_decode_count
+    announced = _announced(record)
     return inflight / announced if inflight is not None and inflight < announced else 1.0
 
 
 def _backlog_ms(record: SnapshotRecord, now_us: int, inflight: int | None) -> float:
-    announced = record.pending_prefill_count + record.active_decode_count
-    unseen = 0 if inflight is None else max(0, inflight - announced)
+    unseen = 0 if inflight is None else max(0, inflight - _announced(record))
     return backlog_ms(max(record.next_slot_free_at_us, record.prefill_free_at_us), now_us, unseen,
                       record.marginal_backlog_us)
 
