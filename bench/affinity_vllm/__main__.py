@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="offered loads, as shares of least_load's measured saturation throughput")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each contender per load (ABC…CBA)")
     parser.add_argument("--contenders", default=",".join(s.name for s in contenders.SPECS),
-                        help="comma-separated, in this order (default: all five)")
+                        help="comma-separated, in this order (default: all of them)")
     parser.add_argument("--saturation-rps", type=float, default=None,
                         help="skip the calibration and take this as least_load's saturation (req/s)")
     parser.add_argument("--calibration-requests", type=int, default=CALIBRATION_REQUESTS)

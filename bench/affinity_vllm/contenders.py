@@ -1,4 +1,4 @@
-"""The five contenders of the real-engine leg, each started over the same two engines and stopped
+"""The contenders of the real-engine leg, each started over the same two engines and stopped
 by pid (bench.harness.contenders.Contender: url, pids for CPU, describe()):
 
 - this proxy (`cacheroute-proxy run`, WORKERS workers) with an instance agent per engine, as
@@ -7,7 +7,11 @@ by pid (bench.harness.contenders.Contender: url, pids for CPU, describe()):
   blocks), and `least_load`;
 - vllm-router (`--policy cache_aware`, its default, and `--policy kv_aware` subscribed to both
   engines' KV events) and the SGLang router (`--policy cache_aware`), each from its own venv
-  under PEERS_DIR (`make peers`), pinned in PEER_REQUIREMENTS.
+  under PEERS_DIR (`make peers`), pinned in PEER_REQUIREMENTS;
+- and, to measure the ceiling, no router (`planned placement`): the client sends each request
+  straight to the engine that a placement made from the whole run's requests gives its system
+  prompt, balanced and fitting each cache, with nothing in between to cost time or CPU. No
+  router can know the future or cost nothing; its TTFT is what routing alone could reach here.
 
 Nothing here is tuned per contender beyond what the benchmark names: the peers run with their
 defaults, at log level warning like the proxy, and this proxy with PROXY_ENV."""
@@ -19,18 +23,20 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from collections import Counter
+from typing import Any, Callable, Mapping, Sequence
 
 from bench.harness.contenders import Contender, proxy_role
 from bench.harness.processes import HOST, START_TIMEOUT_S, StartError, answers_ok, http_json, wait_for
 from bench.harness.cpu import tree_cpu_s_by_role
 from cacheroute_sim.processes import ROOT, ChildProcess, SupervisorPorts, free_port
-from tests.real_engine.engines import TINY_MODEL, VllmEngine
+from tests.real_engine.engines import MAX_NUM_SEQS, TINY_MODEL, VllmEngine
 from tests.real_engine.registration import AgentRegistration
 
 from bench.harness.cli import name_values
 
-from .workload import BLOCK_TOKENS, SERVED_MODEL
+from .engine_side import KV_BLOCKS
+from .workload import BLOCK_TOKENS, SERVED_MODEL, SYSTEM_TOKENS, Planned
 
 WORKERS = 4
 PROFILE = "vllm-cpu-tiny"
@@ -62,10 +68,11 @@ SPECS = (
     Spec("vllm-router cache_aware", "vllm-router", "cache_aware"),
     Spec("vllm-router kv_aware", "vllm-router", "kv_aware"),
     Spec("sglang-router cache_aware", "sglang-router", "cache_aware"),
+    Spec("planned placement", "ceiling", "by the whole run"),
 )
 BASELINE = "least_load"
 OURS = "kv_aware"
-PEERS = tuple(s.name for s in SPECS if s.kind != "proxy")
+PEERS = tuple(s.name for s in SPECS if s.kind in ("vllm-router", "sglang-router"))
 
 
 def variant(text: str) -> Spec:
@@ -92,6 +99,8 @@ def build(which: Spec, engines: Sequence[VllmEngine], log_dir: Path, proxy_env: 
     if which.kind == "proxy":
         env = {**dict(which.env), **proxy_env, **(kv_aware_env if which.strategy == "kv_aware" else {})}
         return ProxyWithAgents(which.name, which.strategy, engines, log_dir, env)
+    if which.kind == "ceiling":
+        return PlannedPlacement(which.name, engines)
     return PeerRouter(which, engines, log_dir)
 
 
@@ -294,3 +303,44 @@ class PeerRouter(Contender):
         return {**super().describe(), "package": self.kind, "version": self.version,
                 "command": " ".join([str(peer_python(self.kind)), *self.argv]),
                 "env": OFFLINE_ENV}
+
+
+# --- the ceiling ---------------------------------------------------------------------------------
+class PlannedPlacement(Contender):
+    """No router: `sender(planned)` sends each request straight to its system prompt's engine in
+    `placement` of the requests about to be sent. Nothing to start, stop or charge CPU to."""
+
+    kind = "ceiling"
+
+    def __init__(self, name: str, engines: Sequence[VllmEngine]) -> None:
+        super().__init__(name)
+        self.engines = engines
+        self.homes: dict[int, int] = {}
+
+    def sender(self, planned: Sequence[Planned]) -> Callable[[Planned], str]:
+        counts = Counter(request.system for request in planned)
+        self.homes = placement(counts, len(self.engines), PROMPTS_AN_ENGINE_HOLDS)
+        return lambda request: self.engines[self.homes[request.system]].url
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "placement": {str(system): engine for system, engine in sorted(self.homes.items())}}
+
+
+# The system prompts an engine's cache keeps whole: its blocks less one a running request holds
+# of its own (a user turn), over a prompt's blocks (64 - 4 = 60 blocks, 8 prompts of 7).
+PROMPTS_AN_ENGINE_HOLDS = (KV_BLOCKS - MAX_NUM_SEQS) // (SYSTEM_TOKENS // BLOCK_TOKENS)
+
+
+def placement(counts: Mapping[int, int], engines: int, room: int) -> dict[int, int]:
+    """Each prompt's engine: the most requested first, each to the engine with the fewest
+    requests so far among those with room for another prompt (longest processing time first,
+    within the caches); if no engine has room, to the one with the fewest requests."""
+    load, held = [0] * engines, [0] * engines
+    homes: dict[int, int] = {}
+    for system, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        fits = [e for e in range(engines) if held[e] < room] or list(range(engines))
+        engine = min(fits, key=lambda e: (load[e], e))
+        homes[system] = engine
+        load[engine] += count
+        held[engine] += 1
+    return homes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -61,21 +61,21 @@ def _session() -> aiohttp.ClientSession:
                                  connector=aiohttp.TCPConnector(limit=0))
 
 
-async def _open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate: float,
-                     max_tokens: int) -> tuple[list[Outcome], float]:
+async def _open_loop(send_to: Callable[[Planned], str], planned: Sequence[Planned], prompts: Sequence[str],
+                     rate: float, max_tokens: int) -> tuple[list[Outcome], float]:
     async with _session() as session:
         begin = time.monotonic()
         outcomes = await arrivals.open_loop(((p.unit_at / rate, p) for p in planned), lambda request: _one(
-            session, url, request, body(request, prompts, max_tokens), begin))
+            session, send_to(request), request, body(request, prompts, max_tokens), begin))
         return outcomes, time.monotonic() - begin
 
 
-def open_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], rate: float,
-                 max_tokens: int) -> tuple[list[Outcome], float]:
-    """Every request at its planned time at `rate` requests/s; the outcomes in plan order and
-    the seconds from the first send to the last end. Bounded: each request ends by
-    REQUEST_TIMEOUT_S."""
-    return asyncio.run(_open_loop(url, planned, prompts, rate, max_tokens))
+def open_loop(send_to: Callable[[Planned], str], planned: Sequence[Planned], prompts: Sequence[str],
+              rate: float, max_tokens: int) -> tuple[list[Outcome], float]:
+    """Every request at its planned time at `rate` requests/s, each to the URL `send_to` gives it;
+    the outcomes in plan order and the seconds from the first send to the last end. Bounded:
+    each request ends by REQUEST_TIMEOUT_S."""
+    return asyncio.run(_open_loop(send_to, planned, prompts, rate, max_tokens))
 
 
 async def _closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], concurrency: int,

@@ -71,7 +71,9 @@ def run(spec: contenders.Spec, setup: Setup, planned: Sequence[Planned], rate: f
         before = engine_side.read_counters(setup.engines)
         router_before = _router_counters(contender)
         cpu_before, roles_before = contender.cpu_seconds(), contender.cpu_seconds_by_role()
-        outcomes, wall_s = load.open_loop(contender.url, planned, setup.prompts, rate, setup.max_tokens)
+        send_to = contender.sender(planned) if isinstance(contender, contenders.PlannedPlacement) \
+            else lambda _: contender.url
+        outcomes, wall_s = load.open_loop(send_to, planned, setup.prompts, rate, setup.max_tokens)
         cpu_s = contender.cpu_seconds() - cpu_before
         roles = {role: s - roles_before.get(role, 0.0) for role, s in contender.cpu_seconds_by_role().items()}
         engine_calls = calls.calls()

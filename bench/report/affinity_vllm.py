@@ -127,6 +127,12 @@ def _contenders(data: dict[str, Any]) -> str:
             env = ", ".join(f"`{k}={v}`" for k, v in (setup.get("env") or {}).items())
             lines.append(f"- **{name}**: this proxy, {num(setup.get('workers'))} workers, an instance agent "
                          f"per engine; {env}")
+        elif setup.get("kind") == "ceiling":
+            homes = ", ".join(f"{system} → {engine}" for system, engine in (setup.get("placement") or {}).items())
+            lines.append(f"- **{name}** (the ceiling, not a router): no process between; the client sends each "
+                         f"request to the engine its system prompt has in a placement made from the run's "
+                         f"whole request list (most requested first, to the engine with fewer requests, 8 "
+                         f"prompts an engine at most): {homes}")
         else:
             lines.append(f"- **{name}**: {setup.get('package')} {setup.get('version')}: `{setup.get('command')}`")
     return "\n".join(lines)

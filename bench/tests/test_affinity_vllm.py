@@ -219,6 +219,31 @@ def test_a_variant_may_run_the_proxy_with_its_own_number_of_workers(tmp_path: Pa
     assert (default.workers, default.env["PROXY_WORKERS"]) == (contenders.WORKERS, str(contenders.WORKERS))
 
 
+def test_the_ceilings_placement_puts_the_most_requested_first_where_fewest_went_within_the_room():
+    counts = {0: 50, 1: 40, 2: 30, 3: 20, 4: 10, 5: 5}
+    homes = contenders.placement(counts, 2, room=3)
+    assert homes == {0: 0, 1: 1, 2: 1, 3: 0, 4: 0, 5: 1}  # 80 / 75 requests, 3 prompts each
+    # Room binds before the requests even out: the third engine-0 prompt fills it.
+    assert contenders.placement({0: 100, 1: 10, 2: 9, 3: 8}, 2, room=2) == {0: 0, 1: 1, 2: 1, 3: 0}
+    # No room anywhere: the engine with the fewest requests.
+    assert contenders.placement({0: 9, 1: 8, 2: 7}, 2, room=1) == {0: 0, 1: 1, 2: 1}
+    assert contenders.PROMPTS_AN_ENGINE_HOLDS == 8  # (64 blocks - 4 running) // 7 blocks a prompt
+
+
+def test_the_ceiling_sends_each_request_straight_to_its_prompts_engine_and_is_no_peer():
+    engines = _engines()
+    ceiling = contenders.build(contenders.spec("planned placement"), engines, Path("/nonexistent"), {}, {})
+    planned = [workload.Planned(float(n), system, f"u{n}") for n, system in enumerate([3, 3, 3, 5, 5, 7])]
+    send_to = ceiling.sender(planned)
+    assert [send_to(p) for p in planned] == [engines[0].url] * 3 + [engines[1].url] * 2 + [engines[1].url]
+    assert ceiling.pids() == [] and ceiling.describe()["placement"] == {"3": 0, "5": 1, "7": 1}
+    assert "planned placement" not in contenders.PEERS
+    results = _results(_run(0.6, "kv_aware", 0.88, 24), _run(0.6, "sglang-router cache_aware", 0.88, 25),
+                       _run(0.6, "planned placement", 0.9, 20))
+    p50 = next(v for v in targets.judge(results) if v.target == "TTFT p50 vs the best peer")
+    assert (p50.reference_name, p50.verdict) == ("sglang-router cache_aware", "PASS")
+
+
 # --- the runs, the figures, the targets --------------------------------------------------------------
 def test_contenders_run_abc_then_cba():
     assert runner.schedule(["A", "B", "C"], 2) == ["A", "B", "C", "C", "B", "A"]
