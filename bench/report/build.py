@@ -181,6 +181,26 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, a prompt held nowhere homed "
             "where its first request went instead of at its rendezvous home (tried, not kept)"),
         _real_engines(
+            "affinity_vllm_ceiling.json",
+            "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
+            "request straight to its prompt's engine in a placement made from the whole run"),
+        _real_engines(
+            "affinity_vllm_sidecar_batch.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, the sidecar a batch task that "
+            "never preempts a worker or an engine when it wakes (kv_aware batch; a prototype, "
+            "tried and not kept: no change)"),
+        _real_engines(
+            "affinity_vllm_newcomer_homes_all.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a prompt new to the host homed "
+            "by the sidecar where the prompts' work is least and a cache has room, from the first "
+            "request on (kv_aware nc; a prototype, tried and not kept: hits as high and the work "
+            "more even, but TTFT p50 higher at both loads)"),
+        _real_engines(
+            "affinity_vllm_newcomer_homes.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a prompt held nowhere homed by "
+            "the sidecar where the prompts' work was least and room was left (kv_aware nc; a "
+            "prototype, tried and not kept: the work evened out, TTFT did not fall)"),
+        _real_engines(
             "affinity_vllm_every_contender_quiet.json",
             "kv_aware on the real engines, every contender, prompt sizes counted whole and a "
             "completion waking no sleeping sidecar"),
