@@ -21,9 +21,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 from bench.harness.contenders import Contender, proxy_role
@@ -323,7 +323,8 @@ class PlannedPlacement(Contender):
         return lambda request: self.engines[self.homes[request.system]].url
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "placement": {str(system): engine for system, engine in sorted(self.homes.items())}}
+        return {**super().describe(), "prompts_an_engine_holds": PROMPTS_AN_ENGINE_HOLDS,
+                "placement": {str(system): engine for system, engine in sorted(self.homes.items())}}
 
 
 # The system prompts an engine's cache keeps whole: its blocks less one a running request holds

@@ -129,10 +129,12 @@ def _contenders(data: dict[str, Any]) -> str:
                          f"per engine; {env}")
         elif setup.get("kind") == "ceiling":
             homes = ", ".join(f"{system} → {engine}" for system, engine in (setup.get("placement") or {}).items())
+            held = setup.get("prompts_an_engine_holds")
+            room = "as many prompts as a cache holds" if held is None else f"{held} prompts an engine"
             lines.append(f"- **{name}** (the ceiling, not a router): no process between; the client sends each "
                          f"request to the engine its system prompt has in a placement made from the run's "
-                         f"whole request list (most requested first, to the engine with fewer requests, 8 "
-                         f"prompts an engine at most): {homes}")
+                         f"whole request list (most requested first, to the engine with fewer requests, "
+                         f"{room} at most): {homes}")
         else:
             lines.append(f"- **{name}**: {setup.get('package')} {setup.get('version')}: `{setup.get('command')}`")
     return "\n".join(lines)

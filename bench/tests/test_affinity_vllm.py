@@ -236,7 +236,9 @@ def test_the_ceiling_sends_each_request_straight_to_its_prompts_engine_and_is_no
     planned = [workload.Planned(float(n), system, f"u{n}") for n, system in enumerate([3, 3, 3, 5, 5, 7])]
     send_to = ceiling.sender(planned)
     assert [send_to(p) for p in planned] == [engines[0].url] * 3 + [engines[1].url] * 2 + [engines[1].url]
-    assert ceiling.pids() == [] and ceiling.describe()["placement"] == {"3": 0, "5": 1, "7": 1}
+    described = ceiling.describe()
+    assert ceiling.pids() == [] and described["placement"] == {"3": 0, "5": 1, "7": 1}
+    assert described["kind"] == "ceiling" and described["prompts_an_engine_holds"] == 8
     assert "planned placement" not in contenders.PEERS
     results = _results(_run(0.6, "kv_aware", 0.88, 24), _run(0.6, "sglang-router cache_aware", 0.88, 25),
                        _run(0.6, "planned placement", 0.9, 20))
