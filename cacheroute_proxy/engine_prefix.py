@@ -132,13 +132,6 @@ class LeadKeys(NamedTuple):
     prompt_blocks: int
 
 
-class Tokenized(NamedTuple):
-    """A text a chat's keys tokenize whole (`EnginePrefix.whole_text`) and its tokens, made
-    beforehand (`EnginePrefix.tokens`)."""
-    text: str
-    spans: Spans
-
-
 class MemoStats(NamedTuple):
     """The leading-messages memo of one EnginePrefix: entries held now, and chat requests (of
     two messages or more) by where their keys came from: the entry of all their leading messages
@@ -173,41 +166,15 @@ class EnginePrefix:
         self._memo_entries = memo_entries
         self._hits = self._partial = self._misses = self._fallbacks = 0
 
-    def chat_keys(self, messages: Sequence[Any], tokenized: Tokenized | None = None) -> list[int]:
-        """The keys of chat `messages`' leading blocks; none when they cannot be rendered.
-        `tokenized`: the tokens of `whole_text(messages)`, made beforehand where the caller chose
-        (a worker: off its event loop); used where the prompt is still tokenized whole."""
+    def chat_keys(self, messages: Sequence[Any]) -> list[int]:
+        """The keys of chat `messages`' leading blocks; none when they cannot be rendered."""
         rendered = _template_messages(messages)
         prompt = None if rendered is None else self._render(rendered, True)
         if prompt is None:
             return []
         if self._memo_entries <= 0 or len(rendered) < 2:
-            return self._text_keys(prompt, False, tokenized)
-        return self._memo_keys(rendered, prompt, tokenized)
-
-    def whole_text(self, messages: Sequence[Any]) -> str | None:
-        """The text `chat_keys(messages)` would tokenize whole now -- no memo serves it (a
-        worker's first chat of a system prompt, a chat of one message) -- for `tokens` to
-        tokenize first; None when the memo serves it or nothing would be tokenized whole."""
-        rendered = _template_messages(messages)
-        prompt = None if rendered is None else self._render(rendered, True)
-        if prompt is None:
-            return None
-        if self._memo_entries > 0 and len(rendered) >= 2:  # as _memo_keys decides
-            hashes = _leading_hashes(rendered)
-            if hashes[-1] in self._memo:
-                lead = self._memo[hashes[-1]]
-                if lead is not None and prompt.startswith(lead.text):
-                    return None  # a hit: the rest, if anything, is tokenized
-            elif any(lead is not None and prompt.startswith(lead.text)
-                     for lead in map(self._memo.get, hashes[:-1])):
-                return None  # a conversation's known start: the rest is tokenized
-        return prompt[:self._limit]
-
-    def tokens(self, text: str) -> Tokenized:
-        """`text`'s tokens as chat_keys takes them. The tokenizer lets go of the GIL while it
-        works, so other threads run meanwhile (a worker calls this in a thread of its own)."""
-        return Tokenized(text, self._encode_spans(text))
+            return self._text_keys(prompt, False)
+        return self._memo_keys(rendered, prompt)
 
     def lead_keys(self, messages: Sequence[Any]) -> LeadKeys | None:
         """The keys of the blocks this worker memoized for chat `messages`' leading messages,
@@ -241,16 +208,14 @@ class EnginePrefix:
     def memo_stats(self) -> MemoStats:
         return MemoStats(len(self._memo), self._hits, self._partial, self._misses, self._fallbacks)
 
-    def _text_keys(self, text: str, add_special_tokens: bool, tokenized: Tokenized | None = None) -> list[int]:
-        cut = text[:self._limit]
-        given = _given(tokenized, cut)
-        tokens = given.ids if given is not None else self._encode(cut, add_special_tokens)
+    def _text_keys(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) <= self._limit:
-            return self.keys(tokens)
+            return self.keys(self._encode(text, add_special_tokens))
+        tokens = self._encode(text[:self._limit], add_special_tokens)
         return self.keys(tokens[:max(0, len(tokens) - CUT_MARGIN_TOKENS)])
 
     # --- the memo of leading messages --------------------------------------------------------------
-    def _memo_keys(self, rendered: list[dict[str, str]], prompt: str, tokenized: Tokenized | None) -> list[int]:
+    def _memo_keys(self, rendered: list[dict[str, str]], prompt: str) -> list[int]:
         hashes = _leading_hashes(rendered)
         if hashes[-1] in self._memo:
             self._memo.move_to_end(hashes[-1])
@@ -263,7 +228,7 @@ class EnginePrefix:
             self._fallbacks += 1
             if lead is not None and prompt.startswith(lead.text):
                 self._memo[hashes[-1]] = None  # its splice check failed: it would again
-            return self._text_keys(prompt, False, tokenized)
+            return self._text_keys(prompt, False)
         # The leading messages are new, but fewer of them (a conversation's earlier history, its
         # system prompt) may be known: the prompt's tokens come from there or from its start.
         found = self._shorter_lead(hashes[:-1], prompt)
@@ -279,8 +244,7 @@ class EnginePrefix:
             self._misses += 1
             if found is not None:
                 self._memo[found[0]], shorter = None, None  # its splice check failed
-            cut = prompt[:self._limit]
-            stream = _Stream((), self._none_digest, _given(tokenized, cut) or self._encode_spans(cut))
+            stream = _Stream((), self._none_digest, self._encode_spans(prompt[:self._limit]))
         keys, digests = self._finish(stream, len(prompt) > self._limit)
         leading = self._render(rendered[:-1], False)
         # The template may render the leading messages otherwise when they end the chat: then
@@ -380,11 +344,6 @@ class EnginePrefix:
             return None
 
 
-def _given(tokenized: Tokenized | None, text: str) -> Spans | None:
-    """The tokens made beforehand, if they are `text`'s."""
-    return tokenized.spans if tokenized is not None and tokenized.text == text else None
-
-
 def _template_messages(messages: Sequence[Any]) -> list[dict[str, str]] | None:
     """Messages as the chat template gets them; None if one is not text (an image part)."""
     rendered = []
@@ -455,9 +414,7 @@ def load(model_dir: str, block_size: int, max_blocks: int, seed: str = DEFAULT_S
         return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_spans(text: str) -> Spans:
-        # encode_batch, not encode: the same tokens at the same cost, but it lets go of the GIL
-        # while it works (tokenizers 0.23), which a thread tokenizing beside an event loop needs.
-        [encoding] = tokenizer.encode_batch([text], add_special_tokens=False)
+        encoding = tokenizer.encode(text, add_special_tokens=False)
         words = encoding.word_ids
         # A token starts a word where its word differs from the one before (two tokens of no
         # word, None, count as one word: a splice point fewer, never a wrong one).

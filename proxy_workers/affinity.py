@@ -16,13 +16,12 @@ routing package imports nothing of a worker.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.engine_prefix import EnginePrefix, LeadKeys
+from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, predictions
 from cacheroute_proxy.routing.load_view import LoadView
 from shm_schema import InstanceSlot, layout
@@ -86,10 +85,6 @@ class Assessment(NamedTuple):
     held_tokens: int     # prompt tokens it holds, confirmed or claimed: what its prefill skips
 
 
-# A prompt tokenized whole at least this long is tokenized in the worker's tokenizer thread: a
-# trip there and back costs ~0.1 ms of CPU, ~500 tokens of the tiny model's tokenizer ~0.5 ms.
-OFF_LOOP_MIN_CHARS = 2048
-
 # (instance id, KDN address, effective knowledge tokens) -> ms a KV transfer would take now
 # (KnowledgePreparer.transfer_ms: the link's queue and its learned pace).
 TransferEstimate = Callable[[str, str, int], float]
@@ -105,35 +100,6 @@ class AffinityScorer:
         # The model's tokenizer (PROXY_AFFINITY_TOKENIZER): prefix keys as the engine names its
         # blocks, so its own KV events say where they are; else the proxy's character blocks.
         self._engine_prefix = engine_prefix
-        self._tokenizer_thread: ThreadPoolExecutor | None = None  # made at the first long prompt
-
-    def tokenizing(self, request: ProxyRequest) -> Awaitable[None] | None:
-        """For a chat whose prompt the memo cannot serve (this worker's first request of a system
-        prompt, a chat of one message) and that is long: its keys, with the prompt tokenized in
-        this worker's tokenizer thread, where the tokenizer lets go of the GIL -- the event loop
-        relays other requests meanwhile instead of standing still for the milliseconds a
-        thousand tokens take under load. None when routing will tokenize nothing long."""
-        engine, raw = self._engine_prefix, request.parsed_prompt
-        if engine is None or request.prefix_keys is not None or request.source != "openai" \
-                or request.endpoint is not Endpoint.CHAT or raw is None:
-            return None
-        leading = engine.lead_keys(raw)
-        if leading is not None:  # routed on the memo's keys, as prefix_of would
-            request.prefix_keys = self._routed_on_lead(request, leading)
-            return None
-        if sum(len(m.content) for m in raw if isinstance(m.content, str)) < OFF_LOOP_MIN_CHARS:
-            return None  # short: prefix_of tokenizes it on the loop, with one render fewer
-        text = engine.whole_text(raw)
-        return None if text is None else self._tokenize_beside(request, text)
-
-    async def _tokenize_beside(self, request: ProxyRequest, text: str) -> None:
-        engine = self._engine_prefix
-        assert engine is not None
-        if self._tokenizer_thread is None:
-            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        tokenized = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, engine.tokens, text)
-        if request.prefix_keys is None:
-            request.prefix_keys = engine.chat_keys(request.parsed_prompt, tokenized)
 
     def prefix_of(self, request: ProxyRequest) -> list[int]:
         """The request's prefix keys, hashed once (a retry reuses them). For a chat whose leading
@@ -185,15 +151,12 @@ class AffinityScorer:
             return []
         if request.endpoint is Endpoint.CHAT:
             leading = engine.lead_keys(raw) if lead else None
-            return engine.chat_keys(raw) if leading is None else self._routed_on_lead(request, leading)
+            if leading is None:
+                return engine.chat_keys(raw)
+            request.prefix_exact, request.prompt_blocks = False, leading.prompt_blocks
+            return leading.keys
         # A list prompt (token ids, several prompts) is not one text: no keys.
         return engine.completion_keys(raw) if isinstance(raw, str) else []
-
-    @staticmethod
-    def _routed_on_lead(request: ProxyRequest, leading: LeadKeys) -> list[int]:
-        """A chat routed on its memoized leading messages' keys: not exact yet, and its size."""
-        request.prefix_exact, request.prompt_blocks = False, leading.prompt_blocks
-        return leading.keys
 
     def assess(self, request: ProxyRequest, candidates: Sequence[InstanceSlot],
                claims: bool = True) -> list[Assessment]:

@@ -122,9 +122,6 @@ class ProxyExchange:
         except HTTPError as exc:  # a header no instance may see: refused before any selection
             out.error(exc)
             return
-        tokenizing = self._router.tokenizing(self._job.request)
-        if tokenizing is not None:
-            await tokenizing
         for attempt in range(1 + self._retries):
             self._attempt = attempt
             trace.route_select_start_ms = now_ms()

@@ -9,7 +9,7 @@ A Lease is the only way inflight changes on the data plane: `Router.acquire` beg
 from __future__ import annotations
 
 import itertools
-from typing import Any, Awaitable
+from typing import Any
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.kv_aware import KvAwarePolicy
@@ -144,11 +144,6 @@ class Router:
         policy = self.policy if isinstance(self.policy, KvAwarePolicy) \
             else KvAwarePolicy(**kv_aware_settings(self._settings))
         return affinity_report(self.affinity, self.view, policy, self._kv_aware, query)
-
-    def tokenizing(self, request: ProxyRequest) -> Awaitable[None] | None:
-        """kv_aware's keys of a long prompt the memo cannot serve, tokenized off the event loop
-        (AffinityScorer.tokenizing); None when choosing will tokenize nothing long."""
-        return self.affinity.tokenizing(request) if self._kv_aware else None  # type: ignore[union-attr]
 
     def has_alternative(self, exclude: Slots) -> bool:
         """Is there an alive instance outside `exclude` to retry on?"""

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -444,48 +442,3 @@ def test_a_prompt_has_one_home_every_worker_names_the_same_and_away_from_it_pays
     assert held[elsewhere].pending_blocks == 4 and held[elsewhere].home_blocks == 0
     assert held[elsewhere].held_tokens == plain.prompt_tokens and held[elsewhere].displace_ms > 0
     assert held[elsewhere].prefill_ms == held[homes[0]].prefill_ms
-
-def test_a_long_prompt_the_memo_cannot_serve_is_tokenized_in_a_thread_while_the_loop_runs(segment, tmp_path):
-    """A worker's first chat of a system prompt is tokenized whole before it can be routed: in
-    the scorer's tokenizer thread, with the event loop free meanwhile (a slow tokenizer stands
-    in for a loaded machine). Its keys are the whole prompt's; the next chat of that system
-    prompt routes on the memo at once, and a short prompt stays on the loop."""
-    model = write_tokenizer_files(tmp_path / "tiny-llama")
-    engine = engine_prefix.load(str(model), 16, 64)
-    whole = engine_prefix.load(str(model), 16, 64, memo_entries=0)
-    scorer = _scorer(segment, engine=engine)
-    tokenize = engine._encode_spans
-    threads: list[str] = []
-
-    def slow(text: str) -> Any:
-        threads.append(threading.current_thread().name)
-        time.sleep(0.3)  # lets go of the GIL, as the tokenizer does
-        return tokenize(text)
-    engine._encode_spans = slow  # type: ignore[method-assign]
-    system = " ".join(WORDS[i % len(WORDS)] for i in range(600))
-
-    def chat(user: str) -> ProxyRequest:
-        return recover(Endpoint.CHAT, json.dumps({"messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
-
-    async def first() -> tuple[ProxyRequest, int]:
-        request, ticks = chat("what is the cache"), 0
-        tokenizing = scorer.tokenizing(request)
-        assert tokenizing is not None
-        task = asyncio.ensure_future(tokenizing)
-        while not task.done():
-            await asyncio.sleep(0.01)
-            ticks += 1
-        await task
-        return request, ticks
-    request, ticks = asyncio.run(first())
-    assert ticks >= 10 and threads == ["tokenizer_0"]  # the loop ran the whole 0.3 s
-    assert request.prefix_exact and request.prefix_keys == whole.chat_keys(request.parsed_prompt)
-    assert scorer.prefix_of(request) is request.prefix_keys
-
-    second = chat("and who wrote it")
-    assert scorer.tokenizing(second) is None and not second.prefix_exact  # the memo's keys
-    assert second.prefix_keys and second.prefix_keys == whole.chat_keys(second.parsed_prompt)[:len(second.prefix_keys)]
-    short = recover(Endpoint.CHAT, json.dumps({"messages": [{"role": "user", "content": "hello"}]}).encode())
-    assert scorer.tokenizing(short) is None and short.prefix_keys is None
-    assert threads == ["tokenizer_0"]

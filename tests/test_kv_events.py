@@ -25,7 +25,6 @@ from cacheroute_proxy.affinity_keys import engine_block_key, rendezvous_home
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.instance_wire import RegisterRequest
 from cacheroute_sim.processes import free_port
-from proxy_workers.affinity import OFF_LOOP_MIN_CHARS
 from proxy_workers.request_model import Message
 from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow
@@ -37,7 +36,6 @@ from sidecar.kv_events import RETRY_S, EngineFeed, KvEventFeeds
 from sidecar.registry import InstanceRegistry
 from tests.harness import get, http, wait_until
 from tests.test_cli import run_cli
-from tests.test_e2e_affinity import ask
 from tests.shm_helpers import fresh_segment
 
 GOLDEN = Path(__file__).parent / "data" / "vllm_block_stored.json"
@@ -400,23 +398,3 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
     finally:
         publisher.close()
         context.term()
-
-
-def test_a_chat_whose_long_system_prompt_no_worker_memoized_routes_on_its_engine_keys(make_cluster, model_dir):
-    """A worker's first chat of a long system prompt is tokenized whole before it is routed, in
-    the worker's tokenizer thread (proxy_workers/affinity.py, `tokenizing`); its keys are the
-    engine's, so the next chat of that system prompt goes where the first went and is priced as
-    holding it there."""
-    cluster = make_cluster(workers=1, strategy="kv_aware", env={
-        "PROXY_AFFINITY_TOKENIZER": str(model_dir), "PROXY_AFFINITY_BLOCK_TOKENS": str(BLOCK)})
-    for _ in range(2):
-        cluster.add_instance("--prefix-caching")
-    system = "the proxy routes each request to the engine that holds its prefix " * 40
-    assert len(system) >= OFF_LOOP_MIN_CHARS
-
-    def chat(user: str) -> dict[str, Any]:
-        return ask(cluster.dp_url, {"model": "sim", "stream": False, "max_tokens": 2, "messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": user}]})["trace"]
-    first = chat("where is the cache")
-    second = chat("and who holds it")
-    assert second["instance_id"] == first["instance_id"] and second["affinity_saved_ms"] > 0, (first, second)

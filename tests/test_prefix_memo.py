@@ -84,20 +84,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prefixes(tiny_model: Path) -> dict[tuple[int, int, int], tuple[EnginePrefix, EnginePrefix, EnginePrefix]]:
-    """Per config: one memoizing EnginePrefix kept across examples (as a worker keeps it), one
-    that tokenizes every whole prompt, and one memoizing as the first but handed the tokens of
-    what it tokenizes whole beforehand (as a worker's tokenizer thread does)."""
+def prefixes(tiny_model: Path) -> dict[tuple[int, int, int], tuple[EnginePrefix, EnginePrefix]]:
+    """Per config: one memoizing EnginePrefix kept across examples (as a worker keeps it) and
+    one that tokenizes every whole prompt."""
     return {config: (engine_prefix.load(str(tiny_model), config[0], config[1], memo_entries=config[2]),
-                     engine_prefix.load(str(tiny_model), config[0], config[1], memo_entries=0),
-                     engine_prefix.load(str(tiny_model), config[0], config[1], memo_entries=config[2]))
+                     engine_prefix.load(str(tiny_model), config[0], config[1], memo_entries=0))
             for config in CONFIGS}
-
-
-def tokenized_first(prefix: EnginePrefix, messages: list[Message]) -> list[int]:
-    """chat_keys with the tokens of `whole_text` made first, as a worker makes them off its loop."""
-    text = prefix.whole_text(messages)
-    return prefix.chat_keys(messages, None if text is None else prefix.tokens(text))
 
 
 def spy(prefix: EnginePrefix) -> list[int]:
@@ -120,14 +112,12 @@ def full_keys(model: Path, messages: list[Message], block: int = 16, blocks: int
           database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(config=st.sampled_from(CONFIGS), batch=st.lists(chats, min_size=1, max_size=4))
 def test_memoized_keys_are_exactly_the_whole_prompts_keys(prefixes, config, batch) -> None:
-    memo, whole, beforehand = prefixes[config]
+    memo, whole = prefixes[config]
     for messages in batch:
         note(repr(messages))
         lead = memo.lead_keys(messages)  # what a worker routes on before the send
         keys = memo.chat_keys(messages)
         assert keys == whole.chat_keys(messages)
-        assert tokenized_first(beforehand, messages) == keys
-        assert beforehand.memo_stats() == memo.memo_stats()  # the same decisions, the same memo
         assert lead is None or (lead.keys and keys[:len(lead.keys)] == lead.keys), lead
         # The size it names is all the leading messages fill: their keys' blocks and any the
         # cut left out, never more than the whole prompt has.
@@ -167,29 +157,6 @@ def test_a_repeated_system_prompt_is_tokenized_once_per_worker(tiny_model) -> No
         # Only from a token boundary a margin before the splice: never the system prompt again.
         assert sum(lengths) < 400 < len(SYSTEMS[0]), lengths
     assert prefix.memo_stats().hits == 4 and prefix.memo_stats().misses == 1
-
-
-def test_the_text_a_miss_tokenizes_whole_can_be_tokenized_first_and_is_not_again(tiny_model) -> None:
-    """whole_text names what chat_keys would tokenize whole -- a worker's first chat of a system
-    prompt, a chat of one message -- and nothing when the memo serves; handed its tokens,
-    chat_keys tokenizes nothing of that size, and its keys are the whole prompt's."""
-    prefix = engine_prefix.load(str(tiny_model), 16, 64)
-    lengths = spy(prefix)
-    system = Message("system", SYSTEMS[0])
-    for chat in ([system, Message("user", "who wrote the answer")], [Message("user", SYSTEMS[1])]):
-        text = prefix.whole_text(chat)
-        assert text is not None and len(text) > len(chat[-1].content or "") and not lengths
-        tokenized = prefix.tokens(text)
-        lengths.clear()
-        assert prefix.chat_keys(chat, tokenized) == full_keys(tiny_model, chat)
-        assert not lengths  # nothing tokenized again
-    assert prefix.memo_stats().misses == 1
-    again = [system, Message("user", "what is the cache")]
-    assert prefix.whole_text(again) is None  # a hit: only the rest is tokenized, on the loop
-    # Tokens of another text are not taken for this prompt's.
-    lengths.clear()
-    other = [Message("user", SYSTEMS[3])]
-    assert prefix.chat_keys(other, tokenized) == full_keys(tiny_model, other) and lengths
 
 
 def test_a_growing_conversation_tokenizes_only_what_its_last_turns_added(tiny_model) -> None:
