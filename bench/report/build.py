@@ -185,6 +185,16 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
             "request straight to its prompt's engine in a placement made from the whole run"),
         _real_engines(
+            "affinity_vllm_warm_memo.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, each worker's memo filled with "
+            "the run's 16 system prompts at its start (kv_aware warm; a prototype: what a memo "
+            "shared by the workers could give at most)"),
+        _real_engines(
+            "affinity_vllm_tokenizer_thread.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a long prompt no memo serves "
+            "tokenized in a thread of the worker's (here kv_aware; tried and not kept) beside "
+            "tokenized on the event loop (kv_aware onloop, as on main): no gain on 2 busy cores"),
+        _real_engines(
             "affinity_vllm_sidecar_batch.json",
             "kv_aware against the SGLang router at 40 % and 60 %, the sidecar a batch task that "
             "never preempts a worker or an engine when it wakes (kv_aware batch; a prototype, "
