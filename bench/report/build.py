@@ -181,6 +181,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, a prompt held nowhere homed "
             "where its first request went instead of at its rendezvous home (tried, not kept)"),
         _real_engines(
+            "affinity_vllm_every_contender_ceiling.json",
+            "kv_aware on the real engines, every contender and the ceiling (planned placement: "
+            "no router), this tree"),
+        _real_engines(
             "affinity_vllm_ceiling.json",
             "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
             "request straight to its prompt's engine in a placement made from the whole run"),
