@@ -28,6 +28,7 @@ from shm_schema import (
     InstanceSlot,
     Segment,
     WorkerRow,
+    inflight_count,
     layout,
 )
 from shm_schema.bitfields import CounterWord
@@ -63,6 +64,7 @@ class LoadView:
         if mode == "per_worker" and own_row is None:
             raise ValueError("the per_worker view needs the worker's own row")
         self.mode = mode
+        self._seg = seg
         self.directory = DirectoryReader(seg)
         self.snapshots = SnapshotReader(seg)
         self._counters = CountersReader(seg)
@@ -96,7 +98,8 @@ class LoadView:
         record = self.snapshots.pressure(instance.slot, instance.generation)
         if record is None:
             return None
-        inflight = self.inflight([instance])[0] if self.mode == "shared" else None  # host-wide only
+        # Host-wide only; one word, not the span `inflight` unpacks for many instances.
+        inflight = inflight_count(self._seg, instance.slot, instance.generation) if self.mode == "shared" else None
         return max(_free_in_ms(record, now_us)) * _seen_share(record, inflight)
 
     def queue_waits(self, instances: Sequence[SlotRef], span: int,
