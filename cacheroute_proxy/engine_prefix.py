@@ -15,7 +15,10 @@ their tokens and block chain are computed once, and only the rest of a prompt is
 a word boundary a margin before the splice, after a check that tokenizing from there gives the
 memo's own tokens (otherwise the whole prompt is tokenized). The keys are always those of the
 whole prompt. A worker routes on the memo's keys alone (`lead_keys`: no rendering, no
-tokenizing) and makes them exact just after the request is sent.
+tokenizing) and makes them exact just after the request is sent. Workers share what they
+memoize: `lead_hash` names leading messages the same in every process (and for one tokenizer
+and block size only), by which a worker publishes their keys for the others (a LEAD of the
+claims ring, shm_schema/claims.py), so a system prompt is tokenized once on the host.
 
 Loaded from a model directory (PROXY_AFFINITY_TOKENIZER: `tokenizer.json`, and the chat
 template in `chat_template.jinja` or `tokenizer_config.json`), with the optional `engine-kv`
@@ -151,7 +154,7 @@ class EnginePrefix:
     def __init__(self, encode: Callable[[str, bool], list[int]], encode_spans: Callable[[str], Spans],
                  template: Any | None, special_tokens: dict[str, str], block_size: int,
                  max_blocks: int, seed: str = DEFAULT_SEED,
-                 memo_entries: int = LEAD_MEMO_ENTRIES) -> None:
+                 memo_entries: int = LEAD_MEMO_ENTRIES, identity: bytes = b"") -> None:
         self._encode = encode
         self._encode_spans = encode_spans  # a chat prompt's (no special tokens added)
         self._template = template
@@ -165,6 +168,8 @@ class EnginePrefix:
         self._memo: OrderedDict[int, _Lead | None] = OrderedDict()
         self._memo_entries = memo_entries
         self._hits = self._partial = self._misses = self._fallbacks = 0
+        # What lead_hash is salted with: the tokenizer (`identity`: its file) and the blocks.
+        self._identity = b"%b\0%d\0%d\0%b" % (identity, block_size, max_blocks, seed.encode())
 
     def chat_keys(self, messages: Sequence[Any]) -> list[int]:
         """The keys of chat `messages`' leading blocks; none when they cannot be rendered."""
@@ -186,6 +191,21 @@ class EnginePrefix:
         rendered = _template_messages(messages)
         lead = None if rendered is None else self._memo.get(_leading_hashes(rendered)[-1])
         return LeadKeys(list(lead.keys), lead.blocks) if lead is not None and lead.keys else None
+
+    def lead_hash(self, messages: Sequence[Any]) -> int | None:
+        """A hash of chat `messages`' leading messages (all but the last), of this tokenizer and
+        of the block size, the same in every process (never 0); None when there are none or one
+        is not text. Only a name: whoever holds keys by it vouches that they are that text's."""
+        rendered = _template_messages(messages) if len(messages) >= 2 else None
+        if rendered is None:
+            return None
+        digest = hashlib.blake2b(self._identity, digest_size=8)
+        for message in rendered[:-1]:
+            for text in (message["role"], message["content"]):
+                data = text.encode("utf-8", "surrogatepass")
+                digest.update(len(data).to_bytes(8, "little"))
+                digest.update(data)
+        return int.from_bytes(digest.digest(), "little") or 1
 
     def completion_keys(self, prompt: str) -> list[int]:
         return self._text_keys(prompt, True)
@@ -421,9 +441,12 @@ def load(model_dir: str, block_size: int, max_blocks: int, seed: str = DEFAULT_S
         return Spans(0, encoding.ids, list(map(itemgetter(0), encoding.offsets)),
                      [True, *map(ne, words[1:], words[:-1])] if words else [])
 
+    stat = tokenizer_file.stat()
     return EnginePrefix(encode, encode_spans, template,
                         {k: v for k, v in special.items() if v is not None},
-                        block_size, max_blocks, seed, memo_entries)
+                        block_size, max_blocks, seed, memo_entries,
+                        identity=b"%b\0%d\0%d" % (str(tokenizer_file.resolve()).encode(), stat.st_size,
+                                                   stat.st_mtime_ns))
 
 
 def from_settings(settings: Any) -> EnginePrefix | None:

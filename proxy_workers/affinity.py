@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
-from cacheroute_proxy.engine_prefix import EnginePrefix
+from cacheroute_proxy.engine_prefix import EnginePrefix, LeadKeys
 from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, predictions
 from cacheroute_proxy.routing.load_view import LoadView
 from shm_schema import InstanceSlot, layout
@@ -150,13 +150,32 @@ class AffinityScorer:
         if request.source != "openai" or raw is None:
             return []
         if request.endpoint is Endpoint.CHAT:
-            leading = engine.lead_keys(raw) if lead else None
+            leading = self._memoized(engine, raw) if lead else None
             if leading is None:
-                return engine.chat_keys(raw)
+                return self._tokenized(engine, raw) if lead else engine.chat_keys(raw)
             request.prefix_exact, request.prompt_blocks = False, leading.prompt_blocks
             return leading.keys
         # A list prompt (token ids, several prompts) is not one text: no keys.
         return engine.completion_keys(raw) if isinstance(raw, str) else []
+
+    def _memoized(self, engine: EnginePrefix, raw: Any) -> LeadKeys | None:
+        """The keys of a chat's leading messages as this worker memoized them, else as another
+        worker shared them; None if neither did."""
+        leading = engine.lead_keys(raw)
+        if leading is not None:
+            return leading
+        name = engine.lead_hash(raw)
+        shared = None if name is None else self.index.lead(name)
+        return None if shared is None else LeadKeys(list(shared.keys), shared.blocks)
+
+    def _tokenized(self, engine: EnginePrefix, raw: Any) -> list[int]:
+        """A chat's keys, its prompt tokenized now, and its leading messages' keys (memoized on
+        the way) shared with the other workers."""
+        keys = engine.chat_keys(raw)
+        leading, name = engine.lead_keys(raw), engine.lead_hash(raw)
+        if leading is not None and name is not None:
+            self.index.share_lead(name, leading.prompt_blocks, leading.keys)
+        return keys
 
     def assess(self, request: ProxyRequest, candidates: Sequence[InstanceSlot],
                claims: bool = True) -> list[Assessment]:
@@ -167,10 +186,10 @@ class AffinityScorer:
         spec = request.knowledge
         kids = spec.knowledge_ids if spec is not None and spec.wanted else []
         kid_keys = [(kid, knowledge_key(kid)) for kid in kids]
-        blocks = self.prefix_of(request) if not kids else []
         now = now_us()
         if claims:
-            self.index.refresh(now)
+            self.index.refresh(now)  # first: what other workers shared spares tokenizing
+        blocks = self.prefix_of(request) if not kids else []
         holdings = [self._holding(instance, kid_keys, blocks, now if claims else 0) for instance in candidates]
         homes = _homes(candidates, holdings, kid_keys) if claims and len(candidates) > 1 else {}
         prompt_home = self._home(blocks[0], candidates) if claims and blocks and len(candidates) > 1 else None

@@ -11,10 +11,11 @@ PROXY_AFFINITY_PENDING_S.
 Two views, by PROXY_AFFINITY_VIEW:
 - `SharedAffinity` (the default) reads the host-wide index the sidecar publishes in the shared
   segment (shm_schema.affinity), every worker's claims (shm_schema.claims) and the prompts'
-  homes the sidecar balanced (shm_schema.homes);
-- `PerWorkerAffinity`, the ablation, knows only what this worker itself sent and claimed, with
-  the same LRU bound (the capacity the sidecar publishes for the instance), like N proxies that
-  each keep their own index.
+  homes the sidecar balanced (shm_schema.homes), and shares the keys of the leading messages
+  (system prompts) each worker tokenized (`lead`, `share_lead`: LEADs of the claims ring);
+- `PerWorkerAffinity`, the ablation, knows only what this worker itself sent, claimed and
+  tokenized, with the same LRU bound (the capacity the sidecar publishes for the instance),
+  like N proxies that each keep their own index.
 Both report what this worker sends (acknowledged knowledge, forwarded prefix blocks) to the
 sidecar as RESIDENT / PREFIX events, so the shared index hears from every worker.
 """
@@ -29,14 +30,15 @@ from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from shm_schema import InstanceSlot, Segment
 from shm_schema.affinity import AFFINITY_ENTRIES, AffinityReader
-from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup
+from shm_schema.claims import ClaimReader, Claimed, ClaimWriter, KeyGroup, Lead, LeadParts
 from shm_schema.homes import HomeReader
-from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM
+from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLAIM, CLAIM_OP_LEAD
 
 from .event_channel import EventChannelWriter
 
 Where = tuple[int, int, int]  # (slot, generation, kind)
 PRUNE_EVERY_US = 1_000_000
+LEADS_KEPT = 256  # other workers' leading messages known here, most recently used first
 
 
 class Residency(NamedTuple):
@@ -138,6 +140,10 @@ class AffinityIndex(Protocol):
     def forwarded(self, instance: InstanceSlot, keys: Sequence[int], tokens_each: int,
                   prompt_blocks: int | None = None) -> None: ...
 
+    def lead(self, lead: int) -> Lead | None: ...
+
+    def share_lead(self, lead: int, blocks: int, keys: Sequence[int]) -> None: ...
+
 
 class SharedAffinity:
     """The host-wide index: read from the segment, fed through the event channel; every
@@ -152,12 +158,34 @@ class SharedAffinity:
         self._claim_writer = ClaimWriter(seg)
         self._claim_reader = ClaimReader(seg)
         self._homes = HomeReader(seg)
+        self._lead_parts = LeadParts()
+        self._leads: OrderedDict[int, Lead] = OrderedDict()
 
     def refresh(self, now: int) -> None:
-        """Take in the claims every worker made since the last selection."""
+        """Take in the claims and leads every worker wrote since the last selection."""
         for record in self._claim_reader.poll(now):
-            self.pending.apply(record)
+            if record.op != CLAIM_OP_LEAD:
+                self.pending.apply(record)
+                continue
+            lead = self._lead_parts.take(record)
+            if lead is not None:
+                self._leads[lead.lead] = lead
+                self._leads.move_to_end(lead.lead)
+                if len(self._leads) > LEADS_KEPT:
+                    self._leads.popitem(last=False)
         self.pending.prune(now)
+
+    def lead(self, lead: int) -> Lead | None:
+        """The keys another worker shared for the leading messages hashed `lead` (as of the last
+        refresh), if it did."""
+        found = self._leads.get(lead)
+        if found is not None:
+            self._leads.move_to_end(lead)
+        return found
+
+    def share_lead(self, lead: int, blocks: int, keys: Sequence[int]) -> None:
+        """Tell every worker the keys of the leading messages this one just tokenized."""
+        self._claim_writer.lead(lead, blocks, keys)
 
     def residency(self, instance: InstanceSlot) -> Residency:
         row = self._reader.row(instance.slot, instance.generation)
@@ -204,6 +232,9 @@ class PerWorkerAffinity(SharedAffinity):
 
     def refresh(self, now: int) -> None:
         self.pending.prune(now)
+
+    def share_lead(self, lead: int, blocks: int, keys: Sequence[int]) -> None:
+        pass  # nothing is shared: lead() finds nothing
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None:
         return None  # nothing host-wide: every prompt has its rendezvous home

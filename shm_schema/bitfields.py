@@ -209,7 +209,7 @@ class AffinityValue:
 
 class ClaimValue:
     """A claim record's value word: op << 48 | AffinityValue (kind << 32 | tokens each). The op
-    is CLAIM_OP_CLAIM or CLAIM_OP_DROP (records)."""
+    is CLAIM_OP_CLAIM, CLAIM_OP_DROP or CLAIM_OP_LEAD (records)."""
 
     OP_SHIFT = 48
     AFFINITY_MASK = _low_bits(OP_SHIFT)

@@ -13,6 +13,10 @@ with one fetch_add on the header's claims cursor and publishes each by storing i
 position + 1) last, after clearing it first, so a reader that copied a record between two equal
 `seq` loads holds a whole one (the affinity row's seqlock, one record at a time). Readers follow
 the cursor; the byte map is layout.py's.
+
+The ring also carries LEADs: the block keys of a chat's leading messages (a system prompt), by a
+hash of their text, from the worker that tokenized them to every other, which then routes such
+a chat without tokenizing it (`LeadParts` puts a LEAD's records back together).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from typing import NamedTuple, Sequence
 
 from . import layout
 from .bitfields import ClaimValue, SlotGeneration
-from .records import CLAIM, CLAIM_KEYS, CLAIM_OP_CLAIM, CLAIM_OP_DROP
+from .records import AFFINITY_PREFIX, CLAIM, CLAIM_KEYS, CLAIM_OP_CLAIM, CLAIM_OP_DROP, CLAIM_OP_LEAD
 from .segment import Segment
 
-__all__ = ["CLAIM_OP_CLAIM", "CLAIM_OP_DROP", "ClaimReader", "ClaimWriter", "Claimed", "KeyGroup"]
+__all__ = ["CLAIM_OP_CLAIM", "CLAIM_OP_DROP", "CLAIM_OP_LEAD", "ClaimReader", "ClaimWriter", "Claimed",
+           "KeyGroup", "Lead", "LeadParts"]
 
 # How long a reserved record may stay unpublished before readers pass over it: a writer is
 # between its fetch_add and its last store for microseconds, unless it was descheduled or killed.
@@ -73,14 +78,24 @@ class ClaimWriter:
         """Withdraw `claim` for the keys of `groups` (all of the claim's, or some)."""
         self._append(CLAIM_OP_DROP, claim, slot, generation, groups, t_us)
 
+    def lead(self, lead: int, blocks: int, keys: Sequence[int], t_us: int | None = None) -> None:
+        """The block keys of the leading messages hashed `lead`, which fill `blocks` full blocks."""
+        parts = -(-len(keys) // CLAIM_KEYS)
+        if not parts:
+            return
+        first = self._seg.fetch_add(layout.H_CLAIMS_CURSOR, parts)
+        value = ClaimValue.pack(CLAIM_OP_LEAD, AFFINITY_PREFIX, blocks)
+        when = time.time_ns() // 1000 if t_us is None else t_us
+        for part in range(parts):
+            self._write(first + part, lead, SlotGeneration.pack(part, parts), value, when,
+                        keys[part * CLAIM_KEYS:(part + 1) * CLAIM_KEYS])
+
     def _append(self, op: int, claim: int | None, slot: int, generation: int,
                 groups: Sequence[KeyGroup], t_us: int | None) -> int:
         count = _records_for(groups)
         if not count:
             return -1
-        seg = self._seg
-        geometry, buf, pack = seg.geometry, seg.buf, CLAIM.struct.pack_into
-        first = seg.fetch_add(layout.H_CLAIMS_CURSOR, count)
+        first = self._seg.fetch_add(layout.H_CLAIMS_CURSOR, count)
         claim_id = first if claim is None else claim
         where = SlotGeneration.pack(slot, generation)
         when = time.time_ns() // 1000 if t_us is None else t_us
@@ -89,14 +104,18 @@ class ClaimWriter:
             value = ClaimValue.pack(op, group.kind, group.tokens_each)
             keys = group.keys
             for start in range(0, len(keys), CLAIM_KEYS):
-                chunk = keys[start:start + CLAIM_KEYS]
-                base = geometry.claim_offset(position)
-                seg.store(base + layout.C_SEQ, 0)  # not whole: readers of the last lap let go
-                pack(buf, base, 0, claim_id, where, value, when,
-                     *chunk, *(0,) * (CLAIM_KEYS - len(chunk)))
-                seg.store(base + layout.C_SEQ, position + 1)
+                self._write(position, claim_id, where, value, when, keys[start:start + CLAIM_KEYS])
                 position += 1
         return claim_id
+
+    def _write(self, position: int, claim: int, where: int, value: int, when: int,
+               keys: Sequence[int]) -> None:
+        seg = self._seg
+        base = seg.geometry.claim_offset(position)
+        seg.store(base + layout.C_SEQ, 0)  # not whole: readers of the last lap let go
+        CLAIM.struct.pack_into(seg.buf, base, 0, claim, where, value, when,
+                               *keys, *(0,) * (CLAIM_KEYS - len(keys)))
+        seg.store(base + layout.C_SEQ, position + 1)
 
 
 class ClaimReader:
@@ -161,3 +180,36 @@ class ClaimReader:
 
 
 _GONE = Claimed(0, 0, 0, 0, 0, 0, 0, ())
+
+
+class Lead(NamedTuple):
+    """A LEAD put back together: the leading messages' hash, the full blocks they fill, and the
+    keys of those blocks a worker routes on."""
+    lead: int
+    blocks: int
+    keys: tuple[int, ...]
+
+
+class LeadParts:
+    """Puts the records of LEADs (ClaimReader's, in ring order) back together. A LEAD with a
+    record missing (lapped, or a hole left by a writer that died) is never given: its parts
+    are consecutive in the ring, so a part out of turn drops what was gathered."""
+
+    def __init__(self) -> None:
+        self._lead = 0
+        self._keys: list[int] = []
+
+    def take(self, record: Claimed) -> Lead | None:
+        """The LEAD `record` completes, if it does."""
+        part, parts = record.slot, record.generation  # what a LEAD packs in slot_generation
+        if part == 0:
+            self._lead, self._keys = record.claim, []
+        elif record.claim != self._lead or len(self._keys) != part * CLAIM_KEYS:
+            self._lead, self._keys = 0, []
+            return None
+        self._keys += record.keys
+        if part + 1 < parts:
+            return None
+        lead, keys = self._lead, tuple(self._keys)
+        self._lead, self._keys = 0, []
+        return Lead(lead, record.tokens_each, keys)

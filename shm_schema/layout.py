@@ -147,9 +147,11 @@ layout version 5)::
                          keeps a record only if seq was its position + 1 before and after it
                          copied the record
     8   claim            the claim's id: the ring position of its first record. A DROP names
-                         the claim it withdraws
-    16  slot_generation  SlotGeneration: the instance the keys will be resident on
-    24  value            ClaimValue: op (CLAIM_OP_CLAIM, CLAIM_OP_DROP), kind, tokens each
+                         the claim it withdraws; a LEAD holds its leading messages' hash
+    16  slot_generation  SlotGeneration: the instance the keys will be resident on (a LEAD:
+                         part << 32 | parts, its records being consecutive)
+    24  value            ClaimValue: op (CLAIM_OP_CLAIM, CLAIM_OP_DROP, CLAIM_OP_LEAD), kind,
+                         tokens each (a LEAD: the full blocks its leading messages fill)
     32  t_us             when it was written (wall clock): a claim lapses after the readers' TTL
     40  key_0            up to three keys (0 = none), as in the affinity index
     48  key_1
@@ -183,7 +185,8 @@ Bit-packed words (bitfields)::
     EventTag        kind | epoch << 8
     SlotGeneration  slot << 32 | generation
     AffinityValue   kind << 32 | tokens (kind: AFFINITY_KNOWLEDGE 1, AFFINITY_PREFIX 2)
-    ClaimValue      op << 48 | AffinityValue (op: CLAIM_OP_CLAIM 1, CLAIM_OP_DROP 2)
+    ClaimValue      op << 48 | AffinityValue (op: CLAIM_OP_CLAIM 1, CLAIM_OP_DROP 2,
+                    CLAIM_OP_LEAD 3)
 
 The generation-tagged words make a stale update harmless: an `end` for a slot that has since
 been reused carries the old generation, and its CAS fails instead of decrementing someone

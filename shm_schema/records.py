@@ -266,11 +266,16 @@ CLAIM_KEYS = 3  # keys one claim record carries
 class ClaimRecord(NamedTuple):
     """One record of the claims ring: a worker's routing decision that keys will be resident on
     an instance (a CLAIM), or the withdrawal of such a decision (a DROP), seen by every worker at
-    once. `seq` is written last: the ring position + 1 while the record is whole, anything else
-    while it is being (re)written."""
+    once; or the block keys of a chat's leading messages that one worker tokenized (a LEAD), so
+    that no other worker tokenizes them again. `seq` is written last: the ring position + 1
+    while the record is whole, anything else while it is being (re)written.
+
+    A LEAD spans consecutive records: `claim` is the leading messages' hash, `slot_generation`
+    packs (part, parts) as SlotGeneration packs (slot, generation), and the value's tokens are
+    how many full blocks the leading messages fill."""
     seq: int
     claim: int            # the claim's id (the ring position of its first record); a DROP names it
-    slot_generation: int  # SlotGeneration: the instance
+    slot_generation: int  # SlotGeneration: the instance (a LEAD: its part and count of parts)
     value: int            # ClaimValue: op, kind (AFFINITY_KNOWLEDGE | AFFINITY_PREFIX), tokens each
     t_us: int             # when the worker wrote it, wall clock
     key_0: int            # up to CLAIM_KEYS keys, 0 = none
@@ -281,6 +286,7 @@ class ClaimRecord(NamedTuple):
 CLAIM = Record(ClaimRecord, size=64)
 CLAIM_OP_CLAIM = 1
 CLAIM_OP_DROP = 2
+CLAIM_OP_LEAD = 3
 
 
 # --- prompt homes (one table for the host; written only by the sidecar) ----------------------------

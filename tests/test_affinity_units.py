@@ -383,6 +383,40 @@ def test_a_chat_sent_to_an_engine_that_reports_its_blocks_is_not_tokenized_again
     assert chat.pending() == []
 
 
+def test_a_system_prompt_one_worker_tokenized_is_routed_by_the_others_without_tokenizing(segment, tmp_path):
+    """The worker that tokenizes a chat's leading messages shares their keys (a LEAD of the
+    claims ring): another worker routes its first chat with that system prompt on them, with
+    nothing tokenized before the send, and no instance counts them as claimed. In the per-worker
+    ablation each worker tokenizes it itself."""
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    [a] = read_all(segment)
+    model = write_tokenizer_files(tmp_path / "tiny-llama")
+    system = " ".join(WORDS[i % len(WORDS)] for i in range(300))
+
+    def chat(user: str) -> ProxyRequest:
+        return recover(Endpoint.CHAT, json.dumps({"messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
+
+    rows = [WorkerRow.claim(segment, i, identity=1000 + i) for i in range(2)]
+    for view, shared in ((SharedAffinity, True), (PerWorkerAffinity, False)):
+        first, second = (_scorer(segment, view, row=row, engine=engine_prefix.load(str(model), 16, 64))
+                         for row in rows)
+        first.assess(chat("what is the cache"), [a])
+        lead = first._engine_prefix.lead_keys(chat("x").parsed_prompt)
+        assert lead is not None and lead.keys
+        tokenized: list[str] = []
+        engine = second._engine_prefix
+        engine._encode_spans = lambda text, spans=engine._encode_spans: tokenized.append(text) or spans(text)
+        request = chat("who routes it")
+        second.assess(request, [a])
+        if shared:
+            assert tokenized == [] and not request.prefix_exact
+            assert (request.prefix_keys, request.prompt_blocks) == (lead.keys, lead.prompt_blocks)
+        else:
+            assert tokenized and request.prefix_exact
+        assert second.index.pending.count((a.slot, a.generation, AFFINITY_PREFIX), now_us()) == 0
+
+
 # --- settings --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, message", [
     ("affinity_view", "everyone", "PROXY_AFFINITY_VIEW"),

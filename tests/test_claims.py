@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from shm_schema import Segment, layout
-from shm_schema.claims import HOLE_WAIT_US, ClaimReader, Claimed, ClaimWriter, KeyGroup
+from shm_schema.claims import HOLE_WAIT_US, ClaimReader, Claimed, ClaimWriter, KeyGroup, Lead, LeadParts
 from shm_schema.bitfields import ClaimValue, SlotGeneration
-from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM, CLAIM_OP_CLAIM, CLAIM_OP_DROP
+from shm_schema.records import (AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM, CLAIM_OP_CLAIM, CLAIM_OP_DROP,
+                                CLAIM_OP_LEAD)
 from tests.shm_helpers import SPAWN, fresh_segment
 
 
@@ -34,6 +35,38 @@ def test_a_claim_and_its_drop_reach_a_reader_in_order_and_only_once(seg) -> None
         Claimed(CLAIM_OP_DROP, claim, 1, 3, AFFINITY_PREFIX, 128, 20, (4,))]
     assert reader.poll() == []
     assert writer.claim(0, 1, []) == -1 and reader.poll() == []  # nothing to claim: no record
+
+
+def leads_in(records: list[Claimed]) -> list[Lead]:
+    parts = LeadParts()
+    return [lead for record in records if record.op == CLAIM_OP_LEAD
+            for lead in [parts.take(record)] if lead is not None]
+
+
+def test_a_lead_spans_records_between_claims_and_is_put_back_together_whole(seg) -> None:
+    writer, reader = ClaimWriter(seg), ClaimReader(seg)
+    writer.claim(1, 3, prefix(1), t_us=10)
+    writer.lead(0xABC, 9, tuple(range(101, 108)), t_us=11)  # 7 keys: 3 records
+    writer.claim(1, 3, prefix(2), t_us=12)
+    writer.lead(0xDEF, 1, (5,), t_us=13)
+    records = reader.poll()
+    assert [r.op for r in records] == [CLAIM_OP_CLAIM, *[CLAIM_OP_LEAD] * 3, CLAIM_OP_CLAIM, CLAIM_OP_LEAD]
+    assert leads_in(records) == [Lead(0xABC, 9, tuple(range(101, 108))), Lead(0xDEF, 1, (5,))]
+    writer.lead(0x123, 4, ())  # no keys: nothing written
+    assert reader.poll() == []
+
+
+def test_a_lead_with_a_record_missing_is_never_given(seg) -> None:
+    """A writer killed inside a LEAD leaves a hole among its parts: the parts around it are
+    passed over, and the next LEAD is whole again."""
+    writer, reader = ClaimWriter(seg), ClaimReader(seg)
+    first = seg.fetch_add(layout.H_CLAIMS_CURSOR, 3)
+    value = ClaimValue.pack(CLAIM_OP_LEAD, AFFINITY_PREFIX, 7)
+    for part in (0, 2):  # part 1 never published
+        writer._write(first + part, 0xABC, SlotGeneration.pack(part, 3), value, 1, (part + 1,) * 3)
+    writer.lead(0xDEF, 7, (1, 2, 3, 4))
+    records = reader.poll(now_us=1_000) + reader.poll(now_us=1_000 + HOLE_WAIT_US + 1)
+    assert leads_in(records) == [Lead(0xDEF, 7, (1, 2, 3, 4))] and reader.holes == 1
 
 
 def test_a_new_reader_starts_a_lap_back_so_a_restarted_worker_sees_the_standing_claims(seg) -> None:

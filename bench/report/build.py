@@ -189,6 +189,17 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
             "request straight to its prompt's engine in a placement made from the whole run"),
         _real_engines(
+            "affinity_vllm_shared_leads.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, each system prompt's keys "
+            "shared by the worker that tokenized it with the others (kv_aware) beside each worker "
+            "tokenizing it itself (kv_aware noshare, the tree before): selection 0.9 -> 0.5 ms "
+            "at 60 %, TTFT p50 within the runs' spread"),
+        _real_engines(
+            "affinity_vllm_short_slice.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, the workers asking the kernel "
+            "for a 0.1 ms scheduler slice (kv_aware slice; a prototype, tried and not kept: a "
+            "woken worker waits no less for a core)"),
+        _real_engines(
             "affinity_vllm_warm_memo.json",
             "kv_aware against the SGLang router at 40 % and 60 %, each worker's memo filled with "
             "the run's 16 system prompts at its start (kv_aware warm; a prototype: what a memo "
