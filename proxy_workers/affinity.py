@@ -27,6 +27,7 @@ from cacheroute_proxy.routing.load_view import LoadView
 from shm_schema import InstanceSlot, layout
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
 
+from . import metrics
 from .affinity_index import AffinityIndex, Claim
 from .request_model import Endpoint, ProxyRequest
 
@@ -150,9 +151,11 @@ class AffinityScorer:
         if request.source != "openai" or raw is None:
             return []
         if request.endpoint is Endpoint.CHAT:
-            leading = self._memoized(engine, raw) if lead else None
+            if not lead:
+                return engine.chat_keys(raw)
+            leading = self._memoized(engine, raw)
             if leading is None:
-                return self._tokenized(engine, raw) if lead else engine.chat_keys(raw)
+                return self._tokenized(engine, raw)
             request.prefix_exact, request.prompt_blocks = False, leading.prompt_blocks
             return leading.keys
         # A list prompt (token ids, several prompts) is not one text: no keys.
@@ -163,14 +166,19 @@ class AffinityScorer:
         worker shared them; None if neither did."""
         leading = engine.lead_keys(raw)
         if leading is not None:
+            metrics.prompt_keys("memo")
             return leading
         name = engine.lead_hash(raw)
         shared = None if name is None else self.index.lead(name)
-        return None if shared is None else LeadKeys(list(shared.keys), shared.blocks)
+        if shared is None:
+            return None
+        metrics.prompt_keys("shared")
+        return LeadKeys(list(shared.keys), shared.blocks)
 
     def _tokenized(self, engine: EnginePrefix, raw: Any) -> list[int]:
         """A chat's keys, its prompt tokenized now, and its leading messages' keys (memoized on
         the way) shared with the other workers."""
+        metrics.prompt_keys("tokenized")
         keys = engine.chat_keys(raw)
         leading, name = engine.lead_keys(raw), engine.lead_hash(raw)
         if leading is not None and name is not None:

@@ -65,6 +65,7 @@ ROUTES = tuple(endpoint.value for endpoint in Endpoint)
 STATUSES_BEFORE_AN_INSTANCE = ("400", "405", "413", "422", "499", "503")
 STATUSES_ON_AN_INSTANCE = ("200", "429", "499", "502", "503", "504")
 REJECTION_REASONS = ("queue_full", "queue_timeout")
+PROMPT_KEY_SOURCES = ("memo", "shared", "tokenized")
 
 
 class Family(NamedTuple):
@@ -103,7 +104,12 @@ EJECTIONS = Family("cacheroute_outlier_ejections_total", "Times a worker left an
 ADMISSION_REJECTIONS = Family("cacheroute_admission_rejections_total", "Requests refused by "
                               "admission: queue_full (429) or queue_timeout (503)",
                               ("instance_id", "reason"), zero=((EVERY_INSTANCE, REJECTION_REASONS),))
-FAMILIES = {f.name: f for f in (REQUESTS, DURATION, TTFT, RETRIES, EJECTIONS, ADMISSION_REJECTIONS)}
+PROMPT_KEYS = Family("cacheroute_prompt_keys_total", "Chats kv_aware routed on engine block keys, "
+                     "by where their keys came from: this worker's memo of the leading messages, "
+                     "another worker's (shared), or the prompt tokenized then", ("source",),
+                     zero=((PROMPT_KEY_SOURCES,),))
+FAMILIES = {f.name: f for f in (REQUESTS, DURATION, TTFT, RETRIES, EJECTIONS, ADMISSION_REJECTIONS,
+                                PROMPT_KEYS)}
 _SUM = len(LATENCY_BUCKETS) + 1  # a latency histogram's sum, after its buckets
 _OVERFLOW_KEY = b'["", "overflow"]'  # where a full file's new series go: never rendered
 _FILE_SUFFIX = ".db"  # a worker's file is worker-<pid>.db; a scrape reads every *.db
@@ -147,6 +153,7 @@ _store = _Store(None)
 _CACHED_SERIES_CAP = 4096
 _request_slots: dict[tuple[str, int, str], tuple[int, int]] = {}
 _ttft_slots: dict[tuple[str, str], int] = {}
+_prompt_key_slots: dict[str, int] = {}
 
 
 def open_store(directory: str | None) -> None:
@@ -159,6 +166,7 @@ def open_store(directory: str | None) -> None:
     _store = _Store(directory)
     _request_slots.clear()
     _ttft_slots.clear()
+    _prompt_key_slots.clear()
 
 
 def observe_request(route: str, status: int, seconds: float, instance_id: str = NO_INSTANCE) -> None:
@@ -187,6 +195,14 @@ def observe_ttft(route: str, instance_id: str, seconds: float) -> None:
     values = _store.values
     values[histogram + bisect_left(LATENCY_BUCKETS, seconds)] += 1.0
     values[histogram + _SUM] += seconds
+
+
+def prompt_keys(source: str) -> None:
+    """One chat routed on keys from `source` (PROMPT_KEY_SOURCES)."""
+    at = _prompt_key_slots.get(source)
+    if at is None:
+        at = _prompt_key_slots[source] = _store.slot(PROMPT_KEYS, source)
+    _store.values[at] += 1.0
 
 
 # Off the common path (only when something failed or was refused): no cache of slots.

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from cacheroute_proxy import engine_prefix
 from cacheroute_proxy.affinity_keys import engine_block_key, rendezvous_home
@@ -398,3 +399,32 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
     finally:
         publisher.close()
         context.term()
+
+
+def test_a_system_prompt_one_worker_tokenized_is_routed_by_another_on_the_keys_it_shared(make_cluster, model_dir):
+    """Real workers share what they tokenize: the chat that reaches worker 0 first is tokenized
+    there, the next with the same system prompt is routed by worker 1 on the keys worker 0
+    shared, and worker 0's next on its own memo (cacheroute_prompt_keys_total by source,
+    summed over the workers on any scrape)."""
+    cluster = make_cluster(workers=2, strategy="kv_aware", env={
+        "PROXY_AFFINITY_TOKENIZER": str(model_dir), "PROXY_AFFINITY_BLOCK_TOKENS": str(BLOCK)})
+    cluster.add_instance()
+    system = "the proxy routes each request to the engine that holds its prefix " * 8
+
+    def chat(worker: int, user: str) -> None:
+        status, text, _ = http("POST", f"{cluster.worker_url(worker)}/v1/chat/completions", {
+            "model": "sim", "max_tokens": 2, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": user}]})
+        assert status == 200, text
+
+    def sources() -> dict[str, float]:
+        status, text, _ = http("GET", f"{cluster.dp_url}/metrics")
+        assert status == 200, text
+        return {s.labels["source"]: s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == "cacheroute_prompt_keys_total"}
+
+    assert sources() == {"memo": 0, "shared": 0, "tokenized": 0}
+    chat(0, "who holds it")
+    chat(1, "where does it go")
+    chat(0, "and then")
+    assert sources() == {"memo": 1, "shared": 1, "tokenized": 1}

@@ -189,6 +189,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
             "request straight to its prompt's engine in a placement made from the whole run"),
         _real_engines(
+            "affinity_vllm_four_runs_60.json",
+            "kv_aware, least_load and the SGLang router at 60 %, four runs each, the system "
+            "prompts' keys shared by the workers, in a slower hour of the machine (every "
+            "contender's TTFT about 1.5× the other files'): kv_aware's runs that spilled a "
+            "prompt evicted 13-68 blocks and were its slowest"),
+        _real_engines(
             "affinity_vllm_shared_leads.json",
             "kv_aware against the SGLang router at 40 % and 60 %, each system prompt's keys "
             "shared by the worker that tokenized it with the others (kv_aware) beside each worker "
