@@ -4,9 +4,9 @@ Two sources, both host-wide:
 - per-instance gauges are read from the shared table at scrape time (inflight, queue lanes,
   liveness, the sidecar's predicted pressure and the snapshot's age) and so is the event
   channel's drop count: a custom collector, no per-request work;
-- request, retry, ejection and admission counters and the latency histograms: each worker adds
-  to float64 words of its own file in the metrics directory (shm_schema.metric_file; the
-  supervisor creates and empties the directory, systemd's RuntimeDirectory= does under
+- request, retry, ejection, admission and prompt-key counters and the latency histograms: each
+  worker adds to float64 words of its own file in the metrics directory (shm_schema.metric_file;
+  the supervisor creates and empties the directory, systemd's RuntimeDirectory= does under
   systemd), and a scrape sums every file there. A dead worker's file stays, so totals never go
   down. Per request that is three in-place additions (0.7 µs in all), where
   prometheus_client's multiprocess values cost 6.5 µs (a lock, a pid check and a struct write

@@ -195,6 +195,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "contender's TTFT about 1.5× the other files'): kv_aware's runs that spilled a "
             "prompt evicted 13-68 blocks and were its slowest"),
         _real_engines(
+            "affinity_vllm_prompt_weight12.json",
+            "kv_aware against the SGLang router at 60 % in the same slower hour, a prompt's work "
+            "counted 12 times (kv_aware pw12) beside the default 6: no fewer spills, no gain"),
+        _real_engines(
             "affinity_vllm_shared_leads.json",
             "kv_aware against the SGLang router at 40 % and 60 %, each system prompt's keys "
             "shared by the worker that tokenized it with the others (kv_aware) beside each worker "
