@@ -192,8 +192,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_vllm_four_runs_60.json",
             "kv_aware, least_load and the SGLang router at 60 %, four runs each, the system "
             "prompts' keys shared by the workers, in a slower hour of the machine (every "
-            "contender's TTFT about 1.5× the other files'): kv_aware's runs that spilled a "
-            "prompt evicted 13-68 blocks and were its slowest"),
+            "contender's TTFT about 1.5× the other files'): three of kv_aware's four runs "
+            "spilled a prompt and evicted 13-68 blocks"),
         _real_engines(
             "affinity_vllm_prompt_weight12.json",
             "kv_aware against the SGLang router at 60 % in the same slower hour, a prompt's work "
