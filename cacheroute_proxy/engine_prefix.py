@@ -166,6 +166,9 @@ class EnginePrefix:
         # The characters tokenized at most: max_blocks full blocks and the margin before the cut.
         self._limit = (max_blocks * block_size + CUT_MARGIN_TOKENS) * CHARS_PER_TOKEN_BOUND
         self._memo: OrderedDict[int, _Lead | None] = OrderedDict()
+        # Leading messages another worker tokenized (`adopt`), by the memo's hash: their keys
+        # serve lead_keys until this worker memoizes them itself.
+        self._adopted: OrderedDict[int, LeadKeys] = OrderedDict()
         self._memo_entries = memo_entries
         self._hits = self._partial = self._misses = self._fallbacks = 0
         # What lead_hash is salted with: the tokenizer (`identity`: its file) and the blocks.
@@ -182,15 +185,38 @@ class EnginePrefix:
         return self._memo_keys(rendered, prompt)
 
     def lead_keys(self, messages: Sequence[Any]) -> LeadKeys | None:
-        """The keys of the blocks this worker memoized for chat `messages`' leading messages,
-        with no rendering and no tokenizing: the leading part of what `chat_keys` gives, to route
-        on before the request is sent (`chat_keys` then makes them exact, and checks that the
-        prompt starts as memoized). None when no memo serves (chat_keys is needed now)."""
+        """The keys of the blocks this worker memoized (or adopted) for chat `messages`' leading
+        messages, with no rendering and no tokenizing: the leading part of what `chat_keys`
+        gives, to route on before the request is sent (`chat_keys` then makes them exact, and
+        checks that the prompt starts as memoized). None when no memo serves (chat_keys is
+        needed now)."""
+        key = self._lead_key(messages)
+        if key is None:
+            return None
+        lead = self._memo.get(key)
+        if lead is not None and lead.keys:
+            return LeadKeys(list(lead.keys), lead.blocks)
+        adopted = self._adopted.get(key)
+        return None if adopted is None else LeadKeys(list(adopted.keys), adopted.prompt_blocks)
+
+    def adopt(self, messages: Sequence[Any], leading: LeadKeys) -> None:
+        """From now on `lead_keys` gives `leading` (another worker's keys of chat `messages`'
+        leading messages), unless this worker memoizes those messages itself."""
+        key = self._lead_key(messages)
+        if key is None:
+            return
+        self._adopted[key] = leading
+        self._adopted.move_to_end(key)
+        while len(self._adopted) > self._memo_entries:
+            self._adopted.popitem(last=False)
+
+    def _lead_key(self, messages: Sequence[Any]) -> int | None:
+        """The memo's key of chat `messages`' leading messages; None with no memo, no leading
+        messages, or one that is not text."""
         if self._memo_entries <= 0 or len(messages) < 2:
             return None
         rendered = _template_messages(messages)
-        lead = None if rendered is None else self._memo.get(_leading_hashes(rendered)[-1])
-        return LeadKeys(list(lead.keys), lead.blocks) if lead is not None and lead.keys else None
+        return None if rendered is None else _leading_hashes(rendered)[-1]
 
     def lead_hash(self, messages: Sequence[Any]) -> int | None:
         """A hash of chat `messages`' leading messages (all but the last), of this tokenizer and

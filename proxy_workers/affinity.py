@@ -163,7 +163,8 @@ class AffinityScorer:
 
     def _memoized(self, engine: EnginePrefix, raw: Any) -> LeadKeys | None:
         """The keys of a chat's leading messages as this worker memoized them, else as another
-        worker shared them; None if neither did."""
+        worker shared them (adopted into this worker's memo for the next such chat); None if
+        neither did."""
         leading = engine.lead_keys(raw)
         if leading is not None:
             metrics.prompt_keys("memo")
@@ -173,7 +174,9 @@ class AffinityScorer:
         if shared is None:
             return None
         metrics.prompt_keys("shared")
-        return LeadKeys(list(shared.keys), shared.blocks)
+        leading = LeadKeys(list(shared.keys), shared.blocks)
+        engine.adopt(raw, leading)
+        return leading
 
     def _tokenized(self, engine: EnginePrefix, raw: Any) -> list[int]:
         """A chat's keys, its prompt tokenized now, and its leading messages' keys (memoized on

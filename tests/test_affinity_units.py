@@ -415,6 +415,11 @@ def test_a_system_prompt_one_worker_tokenized_is_routed_by_the_others_without_to
         else:
             assert tokenized and request.prefix_exact
         assert second.index.pending.count((a.slot, a.generation, AFFINITY_PREFIX), now_us()) == 0
+        # The next such chat finds them in the second worker's own memo (adopted or tokenized).
+        engine.lead_hash = None  # type: ignore[method-assign]  # not asked again
+        again = chat("and the next one")
+        second.assess(again, [a])
+        assert not again.prefix_exact and again.prefix_keys == lead.keys
 
 
 # --- settings --------------------------------------------------------------------------------------

@@ -404,8 +404,8 @@ def test_a_real_sidecar_follows_an_engines_events_and_every_worker_sees_them(mak
 def test_a_system_prompt_one_worker_tokenized_is_routed_by_another_on_the_keys_it_shared(make_cluster, model_dir):
     """Real workers share what they tokenize: the chat that reaches worker 0 first is tokenized
     there, the next with the same system prompt is routed by worker 1 on the keys worker 0
-    shared, and worker 0's next on its own memo (cacheroute_prompt_keys_total by source,
-    summed over the workers on any scrape)."""
+    shared, and each worker's next on its own memo, worker 1's adopted from worker 0
+    (cacheroute_prompt_keys_total by source, summed over the workers on any scrape)."""
     cluster = make_cluster(workers=2, strategy="kv_aware", env={
         "PROXY_AFFINITY_TOKENIZER": str(model_dir), "PROXY_AFFINITY_BLOCK_TOKENS": str(BLOCK)})
     cluster.add_instance()
@@ -427,4 +427,5 @@ def test_a_system_prompt_one_worker_tokenized_is_routed_by_another_on_the_keys_i
     chat(0, "who holds it")
     chat(1, "where does it go")
     chat(0, "and then")
-    assert sources() == {"memo": 1, "shared": 1, "tokenized": 1}
+    chat(1, "and after")
+    assert sources() == {"memo": 2, "shared": 1, "tokenized": 1}
