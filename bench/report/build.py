@@ -189,6 +189,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
             "request straight to its prompt's engine in a placement made from the whole run"),
         _real_engines(
+            "affinity_vllm_every_contender_slow.json",
+            "kv_aware on the real engines, every contender and the ceiling, this tree, in a slower "
+            "hour of the machine (the ceiling's TTFT p50 28.8 ms at 40 % and 33.2 at 60 %, against "
+            "18.1 and 19.8 in the earlier file)"),
+        _real_engines(
             "affinity_vllm_four_runs_60.json",
             "kv_aware, least_load and the SGLang router at 60 %, four runs each, the system "
             "prompts' keys shared by the workers, in a slower hour of the machine (every "
