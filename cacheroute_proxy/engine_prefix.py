@@ -203,12 +203,8 @@ class EnginePrefix:
         """From now on `lead_keys` gives `leading` (another worker's keys of chat `messages`'
         leading messages), unless this worker memoizes those messages itself."""
         key = self._lead_key(messages)
-        if key is None:
-            return
-        self._adopted[key] = leading
-        self._adopted.move_to_end(key)
-        while len(self._adopted) > self._memo_entries:
-            self._adopted.popitem(last=False)
+        if key is not None:
+            _bounded_put(self._adopted, key, leading, self._memo_entries)
 
     def _lead_key(self, messages: Sequence[Any]) -> int | None:
         """The memo's key of chat `messages`' leading messages; None with no memo, no leading
@@ -310,9 +306,7 @@ class EnginePrefix:
         return None
 
     def _remember(self, key: int, lead: _Lead | None) -> None:
-        self._memo[key] = lead
-        while len(self._memo) > self._memo_entries:
-            self._memo.popitem(last=False)
+        _bounded_put(self._memo, key, lead, self._memo_entries)
 
     def _lead_keys(self, lead: _Lead, prompt: str) -> list[int] | None:
         """The keys of a prompt that starts with `lead.text`; None if the splice check fails."""
@@ -388,6 +382,13 @@ class EnginePrefix:
                                          **self._special_tokens)
         except Exception:  # the template refuses these messages (raise_exception): so would vLLM
             return None
+
+
+def _bounded_put(table: OrderedDict[int, Any], key: int, value: Any, bound: int) -> None:
+    """Set `key`, then drop the oldest entries past `bound` (an LRU's insert)."""
+    table[key] = value
+    while len(table) > bound:
+        table.popitem(last=False)
 
 
 def _template_messages(messages: Sequence[Any]) -> list[dict[str, str]] | None:

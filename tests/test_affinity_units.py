@@ -295,6 +295,15 @@ def test_each_worker_sees_another_workers_claim_only_in_the_shared_view(segment)
         assert other.assess(request, [a])[0].pending_kids == seen, view
 
 
+SYSTEM = " ".join(WORDS[i % len(WORDS)] for i in range(300))  # ~300 tokens: several blocks of 16
+
+
+def system_chat(user: str) -> ProxyRequest:
+    """A plain chat: SYSTEM, then `user`."""
+    return recover(Endpoint.CHAT, json.dumps({"messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}).encode())
+
+
 class _MemoizedChat:
     """Two workers' scorers over instance `a`; `second` a chat whose system prompt the first
     worker memoized, routed on its leading blocks (`routed`), `exact` its keys made whole."""
@@ -307,22 +316,16 @@ class _MemoizedChat:
         self.scorer, self.other = (_scorer(segment, row=row, engine=engine_prefix.load(str(model), 16, 64))
                                    for row in rows)
         whole = engine_prefix.load(str(model), 16, 64, memo_entries=0)
-        system = " ".join(WORDS[i % len(WORDS)] for i in range(300))
-
-        def chat(user: str) -> ProxyRequest:
-            return recover(Endpoint.CHAT, json.dumps({"messages": [
-                {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
-
-        first = chat("what is the cache")
+        first = system_chat("what is the cache")
         self.scorer.prefix_of(first)
         assert first.prefix_exact  # a memo miss: tokenized whole, now memoized
-        self.second = second = chat(" ".join(WORDS[::-1] * 3))
+        self.second = second = system_chat(" ".join(WORDS[::-1] * 3))
         self.exact = whole.chat_keys(second.parsed_prompt)
         self.routed = self.scorer.prefix_of(second)
         assert not second.prefix_exact and 0 < len(self.routed) < len(self.exact)
         assert self.exact[:len(self.routed)] == self.routed
         # The system prompt's size in an engine's cache: the full blocks two of its chats share.
-        one, two = (whole.chat_tokens(chat(user).parsed_prompt) for user in ("a", "zebra"))
+        one, two = (whole.chat_tokens(system_chat(user).parsed_prompt) for user in ("a", "zebra"))
         assert one is not None and two is not None
         self.shared_blocks = next(n for n, (x, y) in enumerate(zip(one, two)) if x != y) // 16
         self.forwarded: list[list[int]] = []
@@ -391,23 +394,17 @@ def test_a_system_prompt_one_worker_tokenized_is_routed_by_the_others_without_to
     DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
     [a] = read_all(segment)
     model = write_tokenizer_files(tmp_path / "tiny-llama")
-    system = " ".join(WORDS[i % len(WORDS)] for i in range(300))
-
-    def chat(user: str) -> ProxyRequest:
-        return recover(Endpoint.CHAT, json.dumps({"messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode())
-
     rows = [WorkerRow.claim(segment, i, identity=1000 + i) for i in range(2)]
     for view, shared in ((SharedAffinity, True), (PerWorkerAffinity, False)):
         first, second = (_scorer(segment, view, row=row, engine=engine_prefix.load(str(model), 16, 64))
                          for row in rows)
-        first.assess(chat("what is the cache"), [a])
-        lead = first._engine_prefix.lead_keys(chat("x").parsed_prompt)
+        first.assess(system_chat("what is the cache"), [a])
+        lead = first._engine_prefix.lead_keys(system_chat("x").parsed_prompt)
         assert lead is not None and lead.keys
         tokenized: list[str] = []
         engine = second._engine_prefix
         engine._encode_spans = lambda text, spans=engine._encode_spans: tokenized.append(text) or spans(text)
-        request = chat("who routes it")
+        request = system_chat("who routes it")
         second.assess(request, [a])
         if shared:
             assert tokenized == [] and not request.prefix_exact
@@ -417,7 +414,7 @@ def test_a_system_prompt_one_worker_tokenized_is_routed_by_the_others_without_to
         assert second.index.pending.count((a.slot, a.generation, AFFINITY_PREFIX), now_us()) == 0
         # The next such chat finds them in the second worker's own memo (adopted or tokenized).
         engine.lead_hash = None  # type: ignore[method-assign]  # not asked again
-        again = chat("and the next one")
+        again = system_chat("and the next one")
         second.assess(again, [a])
         assert not again.prefix_exact and again.prefix_keys == lead.keys
 
