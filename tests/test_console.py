@@ -119,6 +119,9 @@ def test_the_console_stays_when_the_proxy_is_down_and_ctrl_d_leaves_with_0(termi
         wait_until(lambda: term.screen().count(f"unreachable at {url}") >= 3, 10, message="a second error")
         wait_until(lambda: term.screen().splitlines()[-1] == "cacheroute>", 10, message="the prompt back")
         term.type(":instan")  # Ctrl-C at the prompt drops the line, as in a shell, and stays
+        # Only once the line is on the screen: a ^C the terminal gets first flushes the unread
+        # text from its input queue, and the operator could not have seen the line.
+        wait_until(lambda: term.screen().splitlines()[-1] == "cacheroute> :instan", 10, message="the typed line")
         term.send("C-c")
         wait_until(lambda: term.screen().splitlines()[-2:] == ["cacheroute> :instan", "cacheroute>"], 10,
                    message="a fresh prompt after Ctrl-C")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import operator
 import struct
+from itertools import repeat
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 from cacheroute_proxy import clock
@@ -322,9 +323,8 @@ class PythonSelector:
         if self._decoding_weight:
             columns.append((self._decoding_weight, decoding))
         if self._backlog_weight:
-            columns.append((self._backlog_weight, [
-                backlog_ms(free, now, count - seen if count > seen else 0, cost)
-                for free, count, seen, cost in zip(free_at, inflight, announced, marginal)]))
+            columns.append((self._backlog_weight,
+                            list(map(backlog_ms, free_at, repeat(now), inflight, announced, marginal))))
         return columns
 
     def _take_records(self) -> None:

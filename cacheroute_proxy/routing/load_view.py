@@ -210,17 +210,18 @@ def _seen_share(record: SnapshotRecord, inflight: int | None) -> float:
 
 
 def _backlog_ms(record: SnapshotRecord, now_us: int, inflight: int | None) -> float:
-    unseen = 0 if inflight is None else max(0, inflight - _announced(record))
-    return backlog_ms(max(record.next_slot_free_at_us, record.prefill_free_at_us), now_us, unseen,
+    return backlog_ms(max(record.next_slot_free_at_us, record.prefill_free_at_us), now_us,
+                      0 if inflight is None else inflight, _announced(record),
                       record.marginal_backlog_us)
 
 
-def backlog_ms(free_at_us: int, now_us: int, unseen: int, marginal_us: int) -> float:
+def backlog_ms(free_at_us: int, now_us: int, inflight: int, announced: int, marginal_us: int) -> float:
     """How long before a new request's prefill could start: until `free_at_us`, the later of the
-    next free slot and the free prefill chain (never negative), plus the `unseen` requests in
-    flight the timeline has not seen yet (selected since the snapshot, by any worker) at the
-    instance's marginal cost each. The one spelling of the backlog: least_load's Python
-    selector calls it too."""
+    next free slot and the free prefill chain (never negative), plus the requests in flight
+    beyond the `announced` ones the timeline has seen (selected since the snapshot, by any
+    worker) at the instance's marginal cost each. The one spelling of the backlog: least_load's
+    Python selector maps it over its columns."""
+    unseen = inflight - announced if inflight > announced else 0
     return ((free_at_us - now_us) / 1000 if free_at_us > now_us else 0.0) + unseen * marginal_us / 1000
 
 
