@@ -58,16 +58,31 @@ def test_kv_aware_a_holder_wins_unless_its_queue_costs_more_than_the_prefill_it_
     kv = KvAwarePolicy()
     # The warm instance saves 30 ms of prefill (10 left against 40) and waits 20 ms: 30 < 40.
     warm, cold = _predicted(20.0, 10.0), _predicted(0.0, 40.0)
-    chosen, guard = kv.select_by_predictions(["warm", "cold"], [2.0, 0.0], [2, 0], [warm, cold])
+    chosen, guard = kv.select_by_predictions(["warm", "cold"], lambda: [2.0, 0.0], [2, 0], [warm, cold])
     assert (chosen, guard.fired) == ("warm", False)
     # Its queue grows past the saving: 35 + 10 > 0 + 40.
-    chosen, _ = kv.select_by_predictions(["warm", "cold"], [2.0, 0.0], [2, 0],
+    chosen, _ = kv.select_by_predictions(["warm", "cold"], lambda: [2.0, 0.0], [2, 0],
                                          [_predicted(35.0, 10.0), cold])
     assert chosen == "cold"
     # A KV transfer counts as prefill does: the holder of the knowledge skips 50 ms of it.
-    chosen, _ = kv.select_by_predictions(["holder", "other"], [1.0, 0.0], [1, 0],
+    chosen, _ = kv.select_by_predictions(["holder", "other"], lambda: [1.0, 0.0], [1, 0],
                                          [_predicted(30.0, 20.0, 0.0), _predicted(0.0, 20.0, 50.0)])
     assert chosen == "holder"
+
+
+def test_kv_aware_asks_for_least_loads_totals_only_where_they_decide():
+    asked: list[int] = []
+
+    def totals() -> list[float | None]:
+        asked.append(1)
+        return [1.0, 0.0]
+    kv = KvAwarePolicy(balance_abs=2)
+    known = [_predicted(0.0, 10.0), _predicted(0.0, 40.0)]
+    assert kv.select_by_predictions(["a", "b"], totals, [1, 0], known)[0] == "a" and asked == []
+    # An unknown prediction: least_load's totals choose, the request's own cost breaks ties.
+    assert kv.select_by_predictions(["a", "b"], totals, [1, 0], [known[0], _predicted(None, 40.0)])[0] == "b"
+    # The guard fires (spread 8 > 2, 9 > 1.5 x 1): least_load's totals choose.
+    assert kv.select_by_predictions(["a", "b"], totals, [9, 1], known)[0] == "b" and len(asked) == 2
 
 
 def test_kv_aware_keeps_a_prompt_at_its_home_unless_the_home_queue_costs_more_than_moving_it():
@@ -77,17 +92,17 @@ def test_kv_aware_keeps_a_prompt_at_its_home_unless_the_home_queue_costs_more_th
     home = _predicted(0.0, 10.0)
     # A duplicate away from home loses at equal queues: 10 < 10 + 30.
     duplicate = _predicted(0.0, 10.0, displace=30.0)
-    assert kv.select_by_predictions(["home", "away"], [0.0, 0.0], [0, 0],
+    assert kv.select_by_predictions(["home", "away"], lambda: [0.0, 0.0], [0, 0],
                                     [home, duplicate])[0] == "home"
     # ...and wins once the home's queue costs more than the displacement: 35 + 10 > 10 + 30.
-    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+    assert kv.select_by_predictions(["home", "away"], lambda: [2.0, 0.0], [2, 0],
                                     [_predicted(35.0, 10.0), duplicate])[0] == "away"
     # Moving the prompt to an instance that holds nothing costs its prefill and the displacement:
     # 50 + 10 < 0 + 40 + 30, so the home keeps it; at 65 ms of queue it moves.
     cold = _predicted(0.0, 40.0, displace=30.0)
-    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+    assert kv.select_by_predictions(["home", "away"], lambda: [2.0, 0.0], [2, 0],
                                     [_predicted(50.0, 10.0), cold])[0] == "home"
-    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+    assert kv.select_by_predictions(["home", "away"], lambda: [2.0, 0.0], [2, 0],
                                     [_predicted(65.0, 10.0), cold])[0] == "away"
     # The trace's TTFT is the time to first token alone.
     assert (cold.total_ms, cold.score_ms()) == (40.0, 70.0)
@@ -100,7 +115,7 @@ def test_kv_aware_weighs_the_work_a_choice_adds_as_the_delay_it_causes_those_beh
     cold = _predicted(0.0, 40.0, displace=30.0)
     assert cold.score_ms(2.0) == 140.0
     for queue, chosen in ((65.0, "home"), (119.0, "home"), (121.0, "away")):
-        assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+        assert kv.select_by_predictions(["home", "away"], lambda: [2.0, 0.0], [2, 0],
                                         [_predicted(queue, 10.0), cold])[0] == chosen
 
 
@@ -110,19 +125,19 @@ def test_kv_aware_weighs_a_homed_prompts_work_by_its_own_weight_and_knowledge_by
     would move (140 < 150); a knowledge request, charged no displacement, still counts twice."""
     kv = KvAwarePolicy(work_weight=2.0, prompt_work_weight=3.0)
     cold = _predicted(0.0, 40.0, displace=30.0)
-    assert kv.select_by_predictions(["home", "away"], [2.0, 0.0], [2, 0],
+    assert kv.select_by_predictions(["home", "away"], lambda: [2.0, 0.0], [2, 0],
                                     [_predicted(130.0, 10.0), cold])[0] == "home"
     assert KvAwarePolicy(work_weight=2.0).select_by_predictions(
-        ["home", "away"], [2.0, 0.0], [2, 0], [_predicted(130.0, 10.0), cold])[0] == "away"
+        ["home", "away"], lambda: [2.0, 0.0], [2, 0], [_predicted(130.0, 10.0), cold])[0] == "away"
     # Knowledge: 41 + 2 x 10 = 61 > 0 + 2 x 30 = 60 moves it; 3 x would keep it (71 < 90).
     holder, other = _predicted(41.0, 10.0), _predicted(0.0, 30.0)
-    assert kv.select_by_predictions(["holder", "other"], [1.0, 0.0], [1, 0], [holder, other])[0] == "other"
+    assert kv.select_by_predictions(["holder", "other"], lambda: [1.0, 0.0], [1, 0], [holder, other])[0] == "other"
 
 
 def test_kv_aware_equal_predictions_rotate():
     kv = KvAwarePolicy()
     same = [_predicted(0.0, 40.0)] * 2
-    chosen = {kv.select_by_predictions(["a", "b"], [0.0, 0.0], [0, 0], same)[0] for _ in range(4)}
+    chosen = {kv.select_by_predictions(["a", "b"], lambda: [0.0, 0.0], [0, 0], same)[0] for _ in range(4)}
     assert chosen == {"a", "b"}
 
 
@@ -131,7 +146,7 @@ def test_kv_aware_without_a_fresh_snapshot_least_load_chooses_and_the_requests_c
     unknown = [_predicted(None, 40.0), _predicted(None, 10.0), _predicted(None, 5.0)]
     # least_load's totals decide first: c is busier, so the tie between a and b goes to b,
     # which holds more of the request.
-    chosen, guard = kv.select_by_predictions(["a", "b", "c"], [1.0, 1.0, 2.0], [1, 1, 2], unknown)
+    chosen, guard = kv.select_by_predictions(["a", "b", "c"], lambda: [1.0, 1.0, 2.0], [1, 1, 2], unknown)
     assert (chosen, guard.fired) == ("b", False)
 
 
@@ -142,7 +157,7 @@ def test_kv_aware_guard_fires_only_past_both_bounds_and_then_least_load_chooses(
     assert not kv.guard([20, 15]).fired  # spread 5 > 4 but 20 <= 22.5
     assert not kv.guard([10, None]).fired  # one known load: nothing to balance
     # The hot instance holds the prompt and is predicted the faster, but the guard fires.
-    chosen, guard = kv.select_by_predictions(["hot", "idle"], [12.0, 5.0], [10, 5],
+    chosen, guard = kv.select_by_predictions(["hot", "idle"], lambda: [12.0, 5.0], [10, 5],
                                              [_predicted(5.0, 1.0), _predicted(0.0, 40.0)])
     assert (chosen, guard.fired) == ("idle", True) and "least_load" in guard.reason
 
@@ -152,12 +167,12 @@ def test_kv_aware_guard_bounds_a_prompt_with_a_home_by_its_own_spread():
     bound; one charged none (knowledge, a prompt without a home) by balance_abs."""
     kv = KvAwarePolicy(balance_abs=4.0, balance_rel=1.5, prompt_balance_abs=16.0)
     homed = [_predicted(5.0, 1.0), _predicted(0.0, 40.0, displace=30.0)]
-    chosen, guard = kv.select_by_predictions(["home", "idle"], [12.0, 5.0], [10, 5], homed)
+    chosen, guard = kv.select_by_predictions(["home", "idle"], lambda: [12.0, 5.0], [10, 5], homed)
     assert (chosen, guard.fired) == ("home", False) and "bound 16" in guard.reason
-    chosen, guard = kv.select_by_predictions(["home", "idle"], [22.0, 5.0], [22, 5], homed)
+    chosen, guard = kv.select_by_predictions(["home", "idle"], lambda: [22.0, 5.0], [22, 5], homed)
     assert (chosen, guard.fired) == ("idle", True)  # spread 17 > 16
     knowledge = [_predicted(5.0, 1.0), _predicted(0.0, 1.0, transfer=40.0)]
-    chosen, guard = kv.select_by_predictions(["holder", "idle"], [12.0, 5.0], [10, 5], knowledge)
+    chosen, guard = kv.select_by_predictions(["holder", "idle"], lambda: [12.0, 5.0], [10, 5], knowledge)
     assert (chosen, guard.fired) == ("idle", True) and "bound 4" in guard.reason
     assert KvAwarePolicy(balance_abs=4.0).prompt_balance_abs == 4.0  # unset: one bound for all
 

@@ -22,12 +22,25 @@ T = TypeVar("T")
 
 
 class Guard(NamedTuple):
-    """Why the balance guard did or did not make kv_aware choose as least_load does."""
+    """Whether the balance guard made kv_aware choose as least_load does, and from what."""
     fired: bool
-    reason: str
     spread: int | None  # most - fewest requests in flight among the candidates
     fewest: int | None
     most: int | None
+    bound: float = math.inf  # the spread it allowed
+    balance_rel: float = 1.5
+
+    @property
+    def reason(self) -> str:
+        """Why, in words (for /debug/instance_loads: a choice never spends time on it)."""
+        if self.spread is None:
+            return "fewer than two candidates with a known inflight"
+        if self.fired:
+            return (f"inflight spread {self.spread} > bound {self.bound:g} and most {self.most} > "
+                    f"balance_rel {self.balance_rel:g} x fewest {self.fewest}: least_load")
+        if self.spread <= self.bound:
+            return f"inflight spread {self.spread} <= bound {self.bound:g}"
+        return f"most inflight {self.most} <= balance_rel {self.balance_rel:g} x fewest {self.fewest}"
 
 
 class Prediction(NamedTuple):
@@ -144,34 +157,28 @@ class KvAwarePolicy(LeastLoadPolicy):
         bound = self.balance_abs if bound is None else bound
         known = [n for n in inflight if n is not None]
         if len(known) < 2:
-            return Guard(False, "fewer than two candidates with a known inflight", None,
-                         min(known, default=None), max(known, default=None))
+            return Guard(False, None, min(known, default=None), max(known, default=None))
         fewest, most = min(known), max(known)
         spread = most - fewest
-        if spread <= bound:
-            return Guard(False, f"inflight spread {spread} <= bound {bound:g}", spread, fewest, most)
-        if most <= self.balance_rel * fewest:
-            return Guard(False, f"most inflight {most} <= balance_rel {self.balance_rel:g} x "
-                         f"fewest {fewest}", spread, fewest, most)
-        return Guard(True, f"inflight spread {spread} > bound {bound:g} and most "
-                     f"{most} > balance_rel {self.balance_rel:g} x fewest {fewest}: least_load",
-                     spread, fewest, most)
+        return Guard(spread > bound and most > self.balance_rel * fewest, spread, fewest, most,
+                     bound, self.balance_rel)
 
-    def scores(self, totals: list[float | None], inflight: Sequence[int | None],
+    def scores(self, totals: Callable[[], list[float | None]], inflight: Sequence[int | None],
                predictions: Sequence[Prediction]) -> tuple[list[Any], Guard]:
         """What to select by (lowest wins, equal ones rotate): the predicted times to first
         token with the cache cost; least_load's totals if the guard fires; least_load's totals
-        with the request's own cost as the tie-break where a prediction is unknown."""
+        with the request's own cost as the tie-break where a prediction is unknown. `totals`
+        gives least_load's, asked for only then: the predictions decide nearly always."""
         bound, weight = self._terms(_homed(predictions))  # one look at the candidates for both
         verdict = self.guard(inflight, bound)
         if verdict.fired:
-            return totals, verdict
+            return totals(), verdict
         predicted = [p.score_ms(weight) for p in predictions]
         if None not in predicted:
             return predicted, verdict
-        return [None if t is None else (t, p.own_ms) for t, p in zip(totals, predictions)], verdict
+        return [None if t is None else (t, p.own_ms) for t, p in zip(totals(), predictions)], verdict
 
-    def select_by_predictions(self, candidates: Sequence[T], totals: list[float | None],
+    def select_by_predictions(self, candidates: Sequence[T], totals: Callable[[], list[float | None]],
                               inflight: Sequence[int | None],
                               predictions: Sequence[Prediction]) -> tuple[T, Guard]:
         scores, verdict = self.scores(totals, inflight, predictions)
@@ -182,10 +189,10 @@ class KvAwarePolicy(LeastLoadPolicy):
         if request is None or self.pricing is None:
             return super().choose(view, snapshot, candidates)
         span = snapshot.slot_span
-        totals = self.table_totals(view, snapshot, candidates)
         costs = self.pricing(request, candidates)
         inflight = view.inflight(candidates, span)
         predicted = predictions(view, candidates, span, inflight, costs)
-        chosen, guard = self.select_by_predictions(candidates, totals, inflight, predicted)
+        chosen, guard = self.select_by_predictions(
+            candidates, lambda: self.table_totals(view, snapshot, candidates), inflight, predicted)
         index = candidates.index(chosen)
         return Choice(chosen, costs[index], predicted[index], guard)
