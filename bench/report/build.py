@@ -210,6 +210,16 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "tokenizing it itself (kv_aware noshare, the tree before): selection 0.9 -> 0.5 ms "
             "at 60 %, TTFT p50 within the runs' spread"),
         _real_engines(
+            "affinity_vllm_every_contender_lazy_totals.json",
+            "kv_aware on the real engines, every contender and the ceiling, least_load's totals "
+            "asked for only where they decide: TTFT p50 0.89× the SGLang router's at 40 % and "
+            "1.08× at 60 %, hit rate 1.01× and 1.01×"),
+        _real_engines(
+            "affinity_vllm_low_load.json",
+            "kv_aware, least_load, the SGLang router and the ceiling at 10 % of saturation (200 "
+            "requests a run): kv_aware's TTFT p50 16.4 and 13.6 ms, the ceiling's 13.2 and 12.9, "
+            "the SGLang router's 15.0 and 16.1 at a hit rate of 0.67 against 0.84"),
+        _real_engines(
             "affinity_vllm_short_slice.json",
             "kv_aware against the SGLang router at 40 % and 60 %, the workers asking the kernel "
             "for a 0.1 ms scheduler slice (kv_aware slice; a prototype, tried and not kept: a "
