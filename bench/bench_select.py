@@ -15,6 +15,14 @@ WorkerRow):
   where no compiler was found), in the same run.
 - least_load, inflight only: the same with every other weight 0 (only inflight is read).
 - round_robin select: the same Router with the default strategy.
+- kv_aware acquire: `Router.acquire` for a chat (a 7-block system prompt and a short user turn,
+  its keys derived anew each call as for a new request) and the lease's release, with
+  `Settings(instance_strategy="kv_aware")`, the host-wide affinity index and the proxy's
+  character blocks (no tokenizer), the guard's bounds past the table's spread (the predictions
+  decide, as in nearly every real choice): the whole choice kv_aware makes (index refresh, holdings,
+  the prompt's home, the predicted time to first token on each candidate, the guard, the claim
+  it writes to the shared ring), beside least_load's acquire on the same table. The prompt's
+  home holds its blocks, as the sidecar's model publishes them.
 - dict least_load (baseline): what one process of the original does, a dict
   instance_id -> inflight and a min over it, ties rotated by a local counter.
 - begin+end pair: `WorkerRow.begin` + `WorkerRow.end` (journal, CAS loop, own-row mirror), and
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import platform
 import random
 import sys
@@ -38,21 +47,34 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import msgspec
+
 from bench.harness.results import Run, write_report
 from bench.harness.stats import median
+from cacheroute_proxy.affinity_keys import rendezvous_home
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.least_load import DEFAULT_WEIGHTS, NATIVE_SELECTION
+from proxy_workers.affinity import AffinityScorer
+from proxy_workers.affinity_index import SharedAffinity
+from proxy_workers.event_channel import EventChannelWriter
+from proxy_workers.knowledge import KnowledgePreparer
+from proxy_workers.predictors import get_predictors
+from proxy_workers.request_model import Endpoint, recover
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow, inflight_count, layout
 from shm_schema.atomic import BACKEND
 from shm_schema.counters import NATIVE_UPDATES
+from shm_schema.events import EventReader
 from shm_schema.snapshot import Pressure, SnapshotWriter
+from sidecar.affinity import AffinityModels
 
 SIZES = (4, 16, 64, 256)
 CAPACITY = 256
 TARGET_SELECT_16_US = 5.0  # docs/benchmarks.md, "Selection path"
 TARGET_BEGIN_END_US = 1.0
 TARGET_SECONDS_PER_LOOP = 0.04
+BLOCK_TOKENS = Settings().affinity_block_tokens
+SYSTEM_PROMPT = " ".join(f"rule {i}: answer from the cached documents only." for i in range(80))
 
 
 def build() -> dict[str, str]:
@@ -105,10 +127,51 @@ class Table:
                                               self.seg, self.row)
             self.round_robin = Router(Settings(instance_strategy="round_robin", **common),
                                       self.seg, self.row)
+            # The guard's bounds past the table's spread of requests in flight (0..31): the
+            # predictions decide, as in nearly every real choice.
+            self.kv_aware = self._kv_aware_router(Settings(
+                instance_strategy="kv_aware", kv_aware_balance_abs=64, kv_aware_prompt_balance_abs=64,
+                **common))
+            self.chat = recover(Endpoint.CHAT, json.dumps({"messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": "which document says so?"}]}).encode())
+            self._hold_the_system_prompt()
             self._check()
         except BaseException:
             self.close()
             raise
+
+    def _kv_aware_router(self, settings: Settings) -> Router:
+        predictors = get_predictors(settings.predictor_profile)
+        index = SharedAffinity(self.seg, EventChannelWriter(self.seg, self.row), settings.affinity_pending_s)
+        scorer = AffinityScorer(settings, index, predictors,
+                                KnowledgePreparer(settings, None, predictors).transfer_ms)
+        return Router(settings, self.seg, self.row, affinity=scorer)
+
+    def _hold_the_system_prompt(self) -> None:
+        """The row of the system prompt's home (its rendezvous one) in the affinity index holds
+        the prompt's blocks, published by the sidecar's model from the PREFIX events a worker
+        writes."""
+        assert self.kv_aware.affinity is not None
+        system = msgspec.structs.replace(self.chat, parsed_prompt=self.chat.parsed_prompt[:1])
+        keys = self.kv_aware.affinity.prefix_of(system)
+        assert len(keys) >= 6, "the system prompt fills its blocks"
+        instance = self.instances[rendezvous_home(keys[0], [i.instance_id for i in self.instances])]
+        EventChannelWriter(self.seg, self.row).residency(instance.slot, instance.generation, keys,
+                                                         BLOCK_TOKENS, prefix=True)
+        models = AffinityModels(self.seg, lambda slot, generation: 1 << 20)
+        for event in EventReader(self.seg).drain(self.row.row):
+            models.apply(event)
+        models.publish()
+
+    def least_load_acquire(self) -> None:
+        """The same chat through least_load's choice and back."""
+        self.least_load.acquire(frozenset(), self.chat).release()
+
+    def kv_aware_acquire(self) -> None:
+        """One chat through kv_aware's choice and back, its keys derived anew (a new request's)."""
+        self.chat.prefix_keys = None
+        self.kv_aware.acquire(frozenset(), self.chat).release()
 
     def _check(self) -> None:
         counts = {i.instance_id: inflight_count(self.seg, i.slot, i.generation) for i in self.instances}
@@ -116,6 +179,11 @@ class Table:
         for _ in range(8):
             assert counts[self.least_load.choose().instance_id] == best
             assert counts[self.least_load_python.choose().instance_id] == best
+        self.chat.prefix_keys = None
+        lease = self.kv_aware.acquire(frozenset(), self.chat)
+        assert lease.choice.affinity is not None and lease.choice.guard is not None \
+            and not lease.choice.guard.fired, "kv_aware chose on its predictions"
+        lease.release()
         picked = {self.round_robin.choose().instance_id for _ in range(len(self.instances))}
         assert len(picked) == len(self.instances)
 
@@ -183,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             cases[("least_load_router_choose_python", n)] = loop_of(table.least_load_python.choose)
             cases[("least_load_inflight_only", n)] = loop_of(table.least_load_inflight.choose)
             cases[("round_robin_router_choose", n)] = loop_of(table.round_robin.choose)
+            cases[("kv_aware_router_acquire", n)] = loop_of(table.kv_aware_acquire)
+            cases[("least_load_router_acquire", n)] = loop_of(table.least_load_acquire)
             cases[("dict_least_load_baseline", n)] = loop_of(dict_least_load(table.counts()))
         inst = tables[16].instances[0]
         row = tables[16].row
@@ -280,7 +350,7 @@ def print_table(report: dict) -> None:
     print("-" * len(header))
     for case in ("least_load_router_choose", "least_load_router_choose_python",
                  "least_load_inflight_only", "round_robin_router_choose",
-                 "dict_least_load_baseline"):
+                 "dict_least_load_baseline", "least_load_router_acquire", "kv_aware_router_acquire"):
         print(f"{case:<36}" + "".join(f"{res[case][str(n)]['median_us']:>10.2f}" for n in report["sizes"]))
     for case in ("begin_end_pair", "begin_end_pair_python", "dict_begin_end_pair_baseline"):
         print(f"{case:<36}{res[case]['any']['median_us']:>10.2f}   (size-independent)")

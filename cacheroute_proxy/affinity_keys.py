@@ -10,9 +10,12 @@ the model's tokenizer: then they are the engine's own block hashes (engine_block
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from typing import Sequence
 
 CHARS_PER_TOKEN = 4  # as the workers' token estimate: the proxy has no tokenizer
+HOMES_KEPT = 4096  # (key, instances) whose rendezvous home a process keeps at hand
 
 
 def _hash(data: bytes) -> int:
@@ -42,9 +45,15 @@ def prefix_keys(text: str, block_tokens: int, max_blocks: int) -> list[int]:
     return keys
 
 
-def rendezvous_home(key: int, instances: list[str]) -> int:
+def rendezvous_home(key: int, instances: Sequence[str]) -> int:
     """The index, among `instances` (ids), of `key`'s home: the highest hash of (key, instance),
     so every worker names the same one and a key's home moves only when its home leaves."""
+    return _rendezvous_home(key, tuple(instances))
+
+
+@functools.lru_cache(maxsize=HOMES_KEPT)
+def _rendezvous_home(key: int, instances: tuple[str, ...]) -> int:
+    # Kept: a prompt's requests ask again among the same instances (a hash per instance each).
     scores = [_hash(key.to_bytes(8, "little") + name.encode()) for name in instances]
     return scores.index(max(scores))
 

@@ -16,6 +16,7 @@ routing package imports nothing of a worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
@@ -30,6 +31,8 @@ from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
 from . import metrics
 from .affinity_index import AffinityIndex, Claim
 from .request_model import Endpoint, ProxyRequest
+
+PROMPT_LENGTHS_KEPT = 4096  # prompt lengths whose prefill a worker keeps at hand
 
 
 def rendered_prompt(request: ProxyRequest) -> str | None:
@@ -98,6 +101,10 @@ class AffinityScorer:
         self.index = index
         self._predictors = predictors
         self._transfer_ms = transfer_ms
+        # A plain prompt's prefill by its length (the profile's curve; each candidate asks for
+        # one or two of a handful of lengths per request, and requests repeat them).
+        self._prompt_ms: Callable[[int], float] = functools.lru_cache(maxsize=PROMPT_LENGTHS_KEPT)(
+            lambda tokens: predictors.text_service_ms(tokens, 0))
         # The model's tokenizer (PROXY_AFFINITY_TOKENIZER): prefix keys as the engine names its
         # blocks, so its own KV events say where they are; else the proxy's character blocks.
         self._engine_prefix = engine_prefix
@@ -273,7 +280,7 @@ class AffinityScorer:
             everything = self._transfer_ms(instance.instance_id, spec.kdn_addr, effective(knowledge))
             return prefill, missing, everything - missing
         saved = self._prompt_saving(request, cached_blocks)
-        return predictors.text_service_ms(prompt, 0) - saved, 0.0, saved
+        return self._prompt_ms(prompt) - saved, 0.0, saved
 
     def _prompt_saving(self, request: ProxyRequest, blocks: int) -> float:
         """The prefill that holding the prompt's first `blocks` blocks saves, at the profile's pace."""
@@ -281,8 +288,7 @@ class AffinityScorer:
         cached = min(prompt, blocks * self._settings.affinity_block_tokens)
         if not cached:
             return 0.0
-        text_service_ms = self._predictors.text_service_ms
-        return text_service_ms(prompt, 0) - text_service_ms(prompt - cached, 0)
+        return self._prompt_ms(prompt) - self._prompt_ms(prompt - cached)
 
     def claim(self, request: ProxyRequest, instance: InstanceSlot,
               assessment: Assessment) -> Claim | None:
