@@ -16,6 +16,7 @@ or has not cleared yet.
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import NamedTuple, Sequence
 
@@ -105,6 +106,7 @@ class AffinityReader:
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
         self._rows: dict[int, AffinityRow] = {}
+        self._entries: dict[int, struct.Struct] = {}  # entry count -> the struct of that many
         self.torn_reads = 0  # reads that overlapped a write too often and kept the old copy
 
     def row(self, slot: int, generation: int) -> AffinityRow:
@@ -121,17 +123,27 @@ class AffinityReader:
     def _decode(self, slot: int, base: int, seq: int, cached: AffinityRow | None) -> AffinityRow:
         seg = self._seg
         entries_at = seg.geometry.affinity_entries_offset(slot)
-        row = seqlock.read(seg, base + layout.A_SEQ, seq, lambda stable: _decoded(
-            _HEADER.unpack_from(seg.buf, base), _ENTRIES.unpack_from(seg.buf, entries_at), stable))
+        def copy(stable: int) -> AffinityRow:
+            # Only the entries the header counts: an engine's row changes at every step it
+            # reports, and unpacking all AFFINITY_ENTRIES slots cost more than the decode.
+            header = _HEADER.unpack_from(seg.buf, base)
+            count = min(header[_HEADER.index.count], AFFINITY_ENTRIES)
+            return _decoded(header, self._entries_of(count).unpack_from(seg.buf, entries_at), count, stable)
+        row = seqlock.read(seg, base + layout.A_SEQ, seq, copy)
         if row is None:
             self.torn_reads += 1
             return cached if cached is not None else _EMPTY
         self._rows[slot] = row
         return row
 
+    def _entries_of(self, count: int) -> struct.Struct:
+        entries = self._entries.get(count)
+        if entries is None:
+            entries = self._entries[count] = AFFINITY_ENTRY.array(count)
+        return entries
 
-def _decoded(header: tuple, words: tuple[int, ...], seq: int) -> AffinityRow:
-    count = min(header[_HEADER.index.count], AFFINITY_ENTRIES)
+
+def _decoded(header: tuple, words: tuple[int, ...], count: int, seq: int) -> AffinityRow:
     knowledge, prefix = [], []
     shift = AffinityValue.KIND_SHIFT
     for i in range(count):
