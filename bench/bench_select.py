@@ -15,8 +15,8 @@ WorkerRow):
   where no compiler was found), in the same run.
 - least_load, inflight only: the same with every other weight 0 (only inflight is read).
 - round_robin select: the same Router with the default strategy.
-- kv_aware acquire: `Router.acquire` for a chat (a 7-block system prompt and a short user turn,
-  its keys derived anew each call as for a new request) and the lease's release, with
+- kv_aware acquire: `Router.acquire` for a chat (a ~960-token system prompt, 14 blocks, and a
+  short user turn, its keys derived anew each call as for a new request) and the lease's release, with
   `Settings(instance_strategy="kv_aware")`, the host-wide affinity index and the proxy's
   character blocks (no tokenizer), the guard's bounds past the table's spread (the predictions
   decide, as in nearly every real choice): the whole choice kv_aware makes (index refresh, holdings,
@@ -155,7 +155,7 @@ class Table:
         assert self.kv_aware.affinity is not None
         system = msgspec.structs.replace(self.chat, parsed_prompt=self.chat.parsed_prompt[:1])
         keys = self.kv_aware.affinity.prefix_of(system)
-        assert len(keys) >= 6, "the system prompt fills its blocks"
+        assert len(keys) >= 14, "the system prompt fills its blocks"
         instance = self.instances[rendezvous_home(keys[0], [i.instance_id for i in self.instances])]
         EventChannelWriter(self.seg, self.row).residency(instance.slot, instance.generation, keys,
                                                          BLOCK_TOKENS, prefix=True)
