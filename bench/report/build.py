@@ -215,6 +215,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware's choice ~13 % cheaper: TTFT p50 0.90× the SGLang router's at 40 % and "
             "0.95× at 60 %, hit rate 1.02× and 1.02×, every target met in this file"),
         _real_engines(
+            "affinity_vllm_three_runs_repeat.json",
+            "the same three contenders and tree, three more runs each in a noisier hour (the SGLang "
+            "router's own p50 20-52 ms at 60 %): kv_aware's TTFT p50 1.02× the SGLang router's at "
+            "40 % and 1.12× at 60 %"),
+        _real_engines(
             "affinity_vllm_every_contender_lazy_totals.json",
             "kv_aware on the real engines, every contender and the ceiling, least_load's totals "
             "asked for only where they decide: TTFT p50 0.89× the SGLang router's at 40 % and "
