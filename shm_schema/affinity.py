@@ -16,7 +16,6 @@ or has not cleared yet.
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import NamedTuple, Sequence
 
@@ -106,7 +105,6 @@ class AffinityReader:
     def __init__(self, seg: Segment) -> None:
         self._seg = seg
         self._rows: dict[int, AffinityRow] = {}
-        self._entries: dict[int, struct.Struct] = {}  # entry count -> the struct of that many
         self.torn_reads = 0  # reads that overlapped a write too often and kept the old copy
 
     def row(self, slot: int, generation: int) -> AffinityRow:
@@ -129,19 +127,13 @@ class AffinityReader:
             # reports, and most choices copy it anew (all AFFINITY_ENTRIES slots: ~20 % more).
             header = _HEADER.unpack_from(seg.buf, base)
             count = min(header[_HEADER.index.count], AFFINITY_ENTRIES)
-            return _decoded(header, self._entries_of(count).unpack_from(seg.buf, entries_at), count, stable)
+            return _decoded(header, AFFINITY_ENTRY.array(count).unpack_from(seg.buf, entries_at), count, stable)
         row = seqlock.read(seg, base + layout.A_SEQ, seq, copy)
         if row is None:
             self.torn_reads += 1
             return cached if cached is not None else _EMPTY
         self._rows[slot] = row
         return row
-
-    def _entries_of(self, count: int) -> struct.Struct:
-        entries = self._entries.get(count)
-        if entries is None:
-            entries = self._entries[count] = AFFINITY_ENTRY.array(count)
-        return entries
 
 
 def _decoded(header: tuple, words: tuple[int, ...], count: int, seq: int) -> AffinityRow:

@@ -51,6 +51,7 @@ class Record(Generic[T]):
         self.format = run_lengths(codes) + _padding(self.size - used)
         self.struct = struct.Struct("@" + self.format)
         self.make = declaration._make  # type: ignore[attr-defined]  # fields tuple -> record
+        self._arrays: dict[int, struct.Struct] = {}
 
     def unpack_from(self, buffer: memoryview | bytes, offset: int = 0) -> T:
         return self.make(self.struct.unpack_from(buffer, offset))
@@ -59,8 +60,12 @@ class Record(Generic[T]):
         self.struct.pack_into(buffer, offset, *record)
 
     def array(self, span: int) -> struct.Struct:
-        """`span` records back to back, unpacked as one flat tuple of `count` fields each."""
-        return struct.Struct("@" + self.format * span)
+        """`span` records back to back, unpacked as one flat tuple of `count` fields each (made
+        once a span: readers ask for the span they need at each read)."""
+        array = self._arrays.get(span)
+        if array is None:
+            array = self._arrays[span] = struct.Struct("@" + self.format * span)
+        return array
 
 
 def run_lengths(codes: list[str]) -> str:

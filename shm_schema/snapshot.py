@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import struct
 import time
 from typing import Callable, Sequence
 
@@ -52,7 +51,6 @@ class SnapshotWriter:
         self._seg = seg
         capacity = seg.geometry.instance_capacity
         self._written = [capacity, capacity]  # per buffer: slots that may hold a record
-        self._structs: dict[int, struct.Struct] = {}
 
     def publish(self, records: dict[int, Pressure]) -> int:
         """Write every slot's record (absent slots are cleared) and make them visible."""
@@ -61,11 +59,8 @@ class SnapshotWriter:
         buffer = (generation + 1) % 2
         span = 1 + max(records, default=-1)
         width = max(span, self._written[buffer])
-        packer = self._structs.get(width)
-        if packer is None:
-            packer = self._structs[width] = SNAPSHOT.array(width)
         get = records.get
-        packer.pack_into(seg.buf, seg.geometry.snapshot_record_offset(buffer, 0),
+        SNAPSHOT.array(width).pack_into(seg.buf, seg.geometry.snapshot_record_offset(buffer, 0),
                          *itertools.chain.from_iterable([get(slot, _EMPTY) for slot in range(width)]))
         self._written[buffer] = span
         seg.store(layout.H_SNAPSHOT_PUBLISHED_US, time.time_ns() // 1000)
@@ -81,7 +76,6 @@ class SnapshotReader:
         self._generation = -1
         self._records: tuple[int, ...] = ()
         self._span = 0
-        self._structs: dict[int, struct.Struct] = {}
         # The generation published now: one atomic load, prebound. The writer stores the
         # publish time before it bumps the generation, so what a caller derived from `records`
         # and `published_us` stays true while this is unchanged (least_load's C selector
@@ -105,11 +99,8 @@ class SnapshotReader:
             return self._records
         if generation == 0:
             return ()
-        unpacker = self._structs.get(span)
-        if unpacker is None:
-            unpacker = self._structs[span] = SNAPSHOT.array(span)
         offset = seg.geometry.snapshot_record_offset(generation % 2, 0)
-        records = unpacker.unpack_from(seg.buf, offset)
+        records = SNAPSHOT.array(span).unpack_from(seg.buf, offset)
         if seg.load(layout.H_SNAPSHOT_GEN) != generation:
             # The writer moved on while we read: keep the previous records, if they cover the
             # span asked for (a caller indexes every slot below it); else nothing is known yet.

@@ -27,8 +27,8 @@ class Guard(NamedTuple):
     spread: int | None  # most - fewest requests in flight among the candidates
     fewest: int | None
     most: int | None
-    bound: float = math.inf  # the spread it allowed
-    balance_rel: float = 1.5
+    bound: float  # the spread it allowed
+    balance_rel: float
 
     @property
     def reason(self) -> str:
@@ -157,7 +157,8 @@ class KvAwarePolicy(LeastLoadPolicy):
         bound = self.balance_abs if bound is None else bound
         known = [n for n in inflight if n is not None]
         if len(known) < 2:
-            return Guard(False, None, min(known, default=None), max(known, default=None))
+            return Guard(False, None, min(known, default=None), max(known, default=None), bound,
+                         self.balance_rel)
         fewest, most = min(known), max(known)
         spread = most - fewest
         return Guard(spread > bound and most > self.balance_rel * fewest, spread, fewest, most,
