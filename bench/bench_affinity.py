@@ -51,7 +51,7 @@ from typing import Any
 import aiohttp
 
 from bench.affinity_ceiling import ceilings
-from bench.harness.cli import name_values
+from bench.harness.cli import name_values, stop_on_sigterm
 from bench.harness.processes import wait_for
 from bench.harness.results import machine_info, run_record, utc_now, write_report
 from bench.harness.stats import percentile
@@ -424,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()  # a timeout or kill unwinds through every `with`: what it started stops
     started_at, machine = utc_now(), machine_info()
     workload = WORKLOADS[args.workload]
     if not 0 < args.load <= 1:

@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from bench.harness.arrivals import open_loop
+from bench.harness.cli import stop_on_sigterm
 from bench.harness.processes import Supervisor, http_json, scratch_dir
 from bench.harness.results import Run, write_report
 from bench.harness.stats import percentile
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()  # a timeout or kill unwinds through every `with`: what it started stops
     provenance = Run("bench.bench_pressure", argv)
     engine_info: dict[str, Any] = {}
     log_dir = scratch_dir("pressure")

@@ -17,8 +17,9 @@ import statistics
 import sys
 from typing import Any
 
-from bench.harness.backends import FakeInstances, InstanceSpec
 from bench.harness.ab import ab_parser, interleaved, trees
+from bench.harness.backends import FakeInstances, InstanceSpec
+from bench.harness.cli import stop_on_sigterm
 from bench.harness.contenders import ProxyContender
 from bench.harness.cpu import charged
 from bench.harness.results import Run, write_report
@@ -47,6 +48,7 @@ def window(contender: ProxyContender, streams: int, seconds: float) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()  # a timeout or kill unwinds through every `with`: what it started stops
     run = Run("bench.gate_wait", argv)
     contenders = trees(args.baseline)
     windows: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}

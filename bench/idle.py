@@ -17,8 +17,9 @@ import sys
 import time
 from typing import Any
 
-from bench.harness.backends import InstanceSpec, SimInstances
 from bench.harness.ab import ab_parser, interleaved, trees
+from bench.harness.backends import InstanceSpec, SimInstances
+from bench.harness.cli import stop_on_sigterm
 from bench.harness.contenders import ProxyContender
 from bench.harness.cpu import charged
 from bench.harness.processes import http_json
@@ -49,6 +50,7 @@ def measure(contender: ProxyContender, seconds: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()  # a timeout or kill unwinds through every `with`: what it started stops
     run = Run("bench.idle", argv)
     contenders = trees(args.baseline)
     windows: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness.cli import name_values
+from bench.harness.cli import name_values, stop_on_sigterm
 from bench.harness.results import (git_commit, machine_info, run_record, uncommitted_changes, utc_now,
                                    write_report)
 from tests.real_engine.engines import TINY_MODEL, stop_engines
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()  # a timeout or kill unwinds through every `with`: what it started stops
     variants = [contenders.variant(text) for text in args.variant]
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     names += [v.name for v in variants if v.name not in names]
