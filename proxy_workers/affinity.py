@@ -33,6 +33,10 @@ from .affinity_index import AffinityIndex, Claim
 from .request_model import Endpoint, ProxyRequest
 
 PROMPT_LENGTHS_KEPT = 4096  # prompt lengths whose prefill a worker keeps at hand
+# A request whose knowledge another request is pulling into its instance waits for that pull
+# (AffinityScorer.pulled_meanwhile): the index is looked at this often, for at least this long.
+CLAIM_POLL_S = 0.002
+CLAIM_WAIT_MIN_S = 0.02
 
 
 def rendered_prompt(request: ProxyRequest) -> str | None:
@@ -89,7 +93,7 @@ class Assessment(NamedTuple):
     held_tokens: int     # prompt tokens it holds, confirmed or claimed: what its prefill skips
 
 
-# (instance id, KDN address, effective knowledge tokens) -> ms a KV transfer would take now
+# (instance id, KDN address, knowledge tokens) -> ms the transfer of their KV would take now
 # (KnowledgePreparer.transfer_ms: the link's queue and its learned pace).
 TransferEstimate = Callable[[str, str, int], float]
 
@@ -130,6 +134,30 @@ class AffinityScorer:
                                  request.prompt_blocks)
         else:
             asyncio.get_running_loop().call_soon(self._forwarded_exact, instance, request, claim)
+
+    async def pulled_meanwhile(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None,
+                               kids: Sequence[str]) -> tuple[str, ...]:
+        """Of `kids` (knowledge that other requests had claimed on `instance`, not confirmed, when
+        it was chosen), those whose KV the index confirms there once their pulls end: waited for
+        while another claim on them stands, at most twice the transfer predicted for them (and
+        CLAIM_WAIT_MIN_S), so the instance does not pull the same KV twice at once."""
+        spec = request.knowledge
+        if not kids or spec is None:
+            return ()
+        keys = {kid: knowledge_key(kid) for kid in kids}
+        where = (instance.slot, instance.generation, AFFINITY_KNOWLEDGE)
+        own = -1 if claim is None else claim.knowledge_claim
+        tokens = spec.knowledge_tokens * len(kids) // max(1, len(spec.knowledge_ids))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLAIM_WAIT_MIN_S + 2 * self._transfer_ms(instance.instance_id, spec.kdn_addr, tokens) / 1000
+        while True:
+            now = now_us()
+            self.index.refresh(now)
+            held = self.index.residency(instance).knowledge
+            if all(key in held or not self.index.pending.held_by_others(where, key, own, now)
+                   for key in keys.values()) or loop.time() >= deadline:
+                return tuple(kid for kid, key in keys.items() if key in held)
+            await asyncio.sleep(CLAIM_POLL_S)
 
     def acknowledged(self, instance: InstanceSlot, request: ProxyRequest, kids: Sequence[str]) -> None:
         """The instance acknowledged (or already held) the KV of these knowledge ids."""
@@ -274,10 +302,9 @@ class AffinityScorer:
             if spec.injection_type != "kvcache" or instance.kv_inject == layout.KV_INJECT_NO:
                 return predictors.text_service_ms(prompt, knowledge), 0.0, 0.0
             prefill = predictors.kvcache_service(prompt, knowledge).total_ms
-            effective = predictors.effective_knowledge_tokens
             missing = self._transfer_ms(instance.instance_id, spec.kdn_addr,
-                                        effective(knowledge * (wanted - held_kids) // wanted))
-            everything = self._transfer_ms(instance.instance_id, spec.kdn_addr, effective(knowledge))
+                                        knowledge * (wanted - held_kids) // wanted)
+            everything = self._transfer_ms(instance.instance_id, spec.kdn_addr, knowledge)
             return prefill, missing, everything - missing
         saved = self._prompt_saving(request, cached_blocks)
         return self._prompt_ms(prompt) - saved, 0.0, saved

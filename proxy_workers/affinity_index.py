@@ -95,6 +95,12 @@ class PendingClaims:
         del held[key]  # type: ignore[union-attr]  # every claim on it lapsed
         return False
 
+    def held_by_others(self, where: Where, key: int, own: int, now: int) -> bool:
+        """A claim other than `own` stands on `key`."""
+        held = self._held.get(where)
+        claims = held.get(key) if held else None
+        return bool(claims) and any(expiry > now for claim, expiry in claims.items() if claim != own)
+
     def confirmed(self, where: Where, key: int) -> None:
         """The index holds `key` now: the claims on it are done (so that an eviction the index
         reports later is not hidden by them)."""
@@ -315,6 +321,11 @@ class Claim:
     @property
     def empty(self) -> bool:
         return not self._knowledge and not self._prefix
+
+    @property
+    def knowledge_claim(self) -> int:
+        """The id of its claim on the request's knowledge (-1: none)."""
+        return self._knowledge_claim
 
     def add_prefix(self, keys: Sequence[int]) -> None:
         """Claim these prefix blocks too (those not claimed already)."""

@@ -48,7 +48,7 @@ def decide(request: ProxyRequest, ready_wait_ms: float, link_wait_ms: float, lin
     if spec is None or lacks_knowledge(spec):
         return Decision("text", NO_KNOWLEDGE, text_service, float("nan"))
     kv = predictors.kvcache_service(prompt, knowledge)
-    pulled = predictors.effective_knowledge_tokens(max(0, knowledge - resident_tokens))
+    pulled = max(0, knowledge - resident_tokens)  # the KV moved: all of it, aligned or not
     kv_transfer = 0.0 if resident_tokens and not pulled else link.transfer_ms(predictors, pulled)
     rtt = link.latency_ms or 0.0  # the text path fetches from the KDN too: one round trip
     text_prepare_wait = (text_net_wait_ms + rtt + KDN_FETCH_FIXED_MS) if spec.kdn_addr else 0.0

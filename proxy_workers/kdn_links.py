@@ -46,10 +46,10 @@ class KdnLink(NamedTuple):
     latency_ms: float | None
     source: str  # MEASURED, STATIC or DEFAULT
 
-    def transfer_ms(self, predictors: Any, effective_tokens: int) -> float:
-        """RTT + the KV of `effective_tokens` over the link's bandwidth."""
+    def transfer_ms(self, predictors: Any, tokens: int) -> float:
+        """RTT + the KV of `tokens` knowledge tokens over the link's bandwidth."""
         assert self.bandwidth_mbps, "link_for returns only links with a bandwidth"
-        return (self.latency_ms or 0.0) + predictors.kv_transfer_ms(effective_tokens, self.bandwidth_mbps)
+        return (self.latency_ms or 0.0) + predictors.kv_transfer_ms(tokens, self.bandwidth_mbps)
 
 
 class MeasuredLinks(NamedTuple):

@@ -97,14 +97,14 @@ class KnowledgePreparer:
             timeline = self._timelines[key] = LinkTimeline(self._settings.pace_step)
         return timeline
 
-    def transfer_ms(self, instance_id: str, kdn_addr: str, effective_tokens: int) -> float:
-        """What a KV transfer of `effective_tokens` to the instance would take if asked now:
-        the wait for this worker's transfers queued on the link, then the transfer at the pace
-        the link has shown; 0 for nothing to transfer."""
-        if not effective_tokens:
+    def transfer_ms(self, instance_id: str, kdn_addr: str, tokens: int) -> float:
+        """What a transfer of the KV of `tokens` knowledge tokens to the instance would take if
+        asked now: the wait for this worker's transfers queued on the link, then the transfer at
+        the pace the link has shown; 0 for nothing to transfer."""
+        if not tokens:
             return 0.0
         link = self.link(instance_id, kdn_addr)
-        estimate = self.kdn_links.link_for(instance_id, kdn_addr).transfer_ms(self._predictors, effective_tokens)
+        estimate = self.kdn_links.link_for(instance_id, kdn_addr).transfer_ms(self._predictors, tokens)
         return link.wait_s(time.time()) * 1000 + link.pace.factor * estimate
 
     async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
@@ -189,8 +189,9 @@ class KnowledgePreparer:
             trace.kvcache_actual_path = "kv_resident"
             return
         pulled = len(result.kv_ready_kids) - len(result.resident_kids)
-        transfer_tokens = predictors.effective_knowledge_tokens(
-            spec.knowledge_tokens * pulled // max(1, len(spec.knowledge_ids)))
+        # The instance pulls the knowledge's whole KV (and holds it all, as the affinity index
+        # counts it); only its aligned part (`effective`) spares prefill.
+        transfer_tokens = spec.knowledge_tokens * pulled // max(1, len(spec.knowledge_ids))
         kdn_link = self.kdn_links.link_for(instance.instance_id, spec.kdn_addr)
         trace.kdn_link_source = kdn_link.source
         transfer_s = kdn_link.transfer_ms(predictors, transfer_tokens) / 1000  # the same estimate as IWS's

@@ -235,10 +235,22 @@ class Pipeline:
         if self._affinity is not None and job.request.prefix_keys:
             self._affinity.forwarding(lease.instance, job.request, lease.claim)
 
+    async def _resident(self, lease: Lease, job: Job) -> tuple[str, ...]:
+        """The knowledge the instance holds as the prepare stage starts: what the index confirmed
+        when it was chosen, and what other requests were pulling into it then, once their pulls
+        have ended (so it is not pulled twice at once)."""
+        spec, claimed = job.request.knowledge, lease.claimed_kids
+        if self._affinity is None or not claimed or spec is None or spec.injection_type != "kvcache":
+            return lease.resident_kids
+        return lease.resident_kids + await self._affinity.pulled_meanwhile(
+            lease.instance, job.request, lease.claim, claimed)
+
     def _acknowledged(self, lease: Lease, job: Job) -> None:
-        """The knowledge whose KV the instance acknowledged, or already held, is resident there."""
+        """The knowledge whose KV the instance acknowledged, or already held, is resident there:
+        also knowledge shorter than one KV chunk, which saves no prefill (no aligned tokens) but
+        whose KV the instance pulled all the same."""
         knowledge = job.knowledge
-        if self._affinity is not None and knowledge.prefix_tokens and knowledge.kv_ack.get("ok"):
+        if self._affinity is not None and knowledge.kv_ack.get("ok"):
             self._affinity.acknowledged(lease.instance, job.request, knowledge.kv_ready_kids)
             if lease.claim is not None:
                 lease.claim.knowledge_acknowledged(knowledge.kv_ready_kids)
@@ -330,7 +342,7 @@ class Pipeline:
             else:
                 job.knowledge = await self._preparer.prepare(request, lease.instance, trace,
                                                              job.spans, job.client_headers,
-                                                             resident=lease.resident_kids)
+                                                             resident=await self._resident(lease, job))
             if job.knowledge.kv_ack and job.knowledge.kv_ready_kids:
                 job.kv_instance = (lease.instance.slot, lease.instance.generation)
             trace.prepare_self_done_ms = now_ms()

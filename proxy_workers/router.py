@@ -56,6 +56,12 @@ class Lease:
         return () if affinity is None else affinity.resident_kids
 
     @property
+    def claimed_kids(self) -> tuple[str, ...]:
+        """Wanted knowledge other requests had claimed on the instance, not confirmed yet."""
+        affinity = self.choice.affinity
+        return () if affinity is None else affinity.pending_kids
+
+    @property
     def base_url(self) -> str:
         return base_url(self.instance.host, self.instance.port)
 

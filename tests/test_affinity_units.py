@@ -295,6 +295,39 @@ def test_each_worker_sees_another_workers_claim_only_in_the_shared_view(segment)
         assert other.assess(request, [a])[0].pending_kids == seen, view
 
 
+def test_a_request_waits_for_another_claims_pull_until_the_index_confirms_it_or_the_claim_goes(segment):
+    """What the prepare stage does with knowledge other requests were pulling into its instance
+    (AffinityScorer.pulled_meanwhile): resident once the index confirms it; pulled itself once
+    that claim is withdrawn, or at once where only its own claim stands."""
+    DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
+    [a] = read_all(segment)
+    request = recover(Endpoint.CHAT, KNOWLEDGE)
+    rows = [WorkerRow.claim(segment, i, identity=2000 + i) for i in range(2)]
+    pulling, waiting = (_scorer(segment, row=row) for row in rows)
+    models = AffinityModels(segment, lambda s, g: 0)
+
+    async def scenario() -> tuple[tuple[str, ...], ...]:
+        first = pulling.claim(request, a, pulling.assess(request, [a])[0])
+        seen = waiting.assess(request, [a])[0]
+        assert seen.pending_kids == ("k1", "k2")
+        mine = waiting.claim(request, a, seen)
+        loop = asyncio.get_running_loop()
+        # The first pull ends: k1 acknowledged (confirmed by the index), k2 failed (withdrawn).
+        loop.call_later(0.05, lambda: (models.report(a.slot, a.generation, [knowledge_key("k1")]),
+                                       models.publish()))
+        first.knowledge_acknowledged(["k1"])
+        loop.call_later(0.1, first.settle)
+        started = loop.time()
+        confirmed = await waiting.pulled_meanwhile(a, request, mine, seen.pending_kids)
+        assert 0.05 <= loop.time() - started < 1.0  # until k2's claim went, not the bound (~2 s)
+        # Only this request's own claim on k2 stands now: nothing to wait for.
+        started = loop.time()
+        alone = await waiting.pulled_meanwhile(a, request, mine, ("k2",))
+        assert loop.time() - started < 0.05
+        return confirmed, alone
+    assert asyncio.run(scenario()) == (("k1",), ())
+
+
 SYSTEM = " ".join(WORDS[i % len(WORDS)] for i in range(300))  # ~300 tokens: several blocks of 16
 
 

@@ -283,13 +283,16 @@ def predicted(cluster, worker: int) -> dict[str, dict[str, Any]]:
     return {iid: row["predicted_ttft_ms"] for iid, row in affinity_rows(cluster, worker, **_prompt_query()).items()}
 
 
-def test_sequential_repeats_of_one_knowledge_id_inject_it_once(make_cluster, tmp_path):
+@pytest.mark.parametrize("tokens", [1000, 100], ids=["chunks", "shorter_than_a_chunk"])
+def test_sequential_repeats_of_one_knowledge_id_inject_it_once(make_cluster, tmp_path, tokens):
+    """Also knowledge shorter than one KV chunk (no aligned tokens: the instance pulls its KV all
+    the same), whose acknowledged inject the index once did not record."""
     kdn = Kdn(tmp_path)
     try:
         cluster = make_cluster(workers=4, env=KV_AWARE)
         cluster.add_instance()
         cluster.add_instance()
-        served = [ask(cluster.dp_url, knowledge_body(kdn, ["k0007"]))["trace"]["instance_id"]
+        served = [ask(cluster.dp_url, knowledge_body(kdn, ["k0007"], tokens))["trace"]["instance_id"]
                   for _ in range(12)]
         assert len(set(served)) == 1, served
         assert kdn.injects() == 1 and sum(i.stats()["kv_injects"] for i in cluster.instances) == 1
@@ -342,6 +345,43 @@ def test_a_routing_decision_is_pending_for_every_worker_at_once_until_the_ack_co
         wait_until(lambda: resident_everywhere(cluster, chosen, ["k0009"]), 10, message="confirmed")
         assert pending_on() == {w: [] for w in range(cluster.workers)}
         assert {a.instance_id, b.instance_id} >= {chosen}
+    finally:
+        kdn.stop()
+
+
+def test_a_request_whose_knowledge_another_is_pulling_there_waits_for_that_pull(make_cluster, tmp_path):
+    """Two requests for one id on two workers: the second goes where the first's pull is in
+    flight (its claim) and waits for it instead of pulling the same KV again."""
+    kdn = Kdn(tmp_path)
+    try:
+        post(f"http://{kdn.addr}/sim/config", {"hang": True, "fault_on": "inject"})
+        cluster = make_cluster(workers=2, env=KV_AWARE)
+        cluster.add_instance()
+        cluster.add_instance()
+        held = lambda: get(f"http://{kdn.addr}/sim/stats")["held"]  # noqa: E731
+
+        async def scenario() -> list[dict[str, Any]]:
+            async with aiohttp.ClientSession() as session:
+                async def ask_via(worker: int) -> dict[str, Any]:
+                    async with session.post(f"{cluster.worker_url(worker)}/v1/chat/completions",
+                                            json=knowledge_body(kdn, ["k0013"])) as response:
+                        return meta_of(await response.read())
+                first = asyncio.ensure_future(ask_via(0))
+                await asyncio.to_thread(wait_until, lambda: held() == 1, 10, message="the first pull held")
+                # Priced by predicted TTFT (a fresh snapshot), not by least_load's inflight alone.
+                await asyncio.to_thread(wait_until, lambda: all(
+                    row["predicted_ttft_ms"]["total"] is not None
+                    for row in affinity_rows(cluster, 1, knowledge="k0013").values()), 10, message="predicted")
+                second = asyncio.ensure_future(ask_via(1))
+                await asyncio.sleep(0.3)  # well inside its wait: twice the ~0.9 s transfer predicted
+                assert held() == 1 and not second.done()
+                post(f"http://{kdn.addr}/sim/release", {})
+                return [await first, await second]
+        first, second = asyncio.run(scenario())
+        assert first["trace"]["instance_id"] == second["trace"]["instance_id"]
+        assert first["trace"]["kvcache_actual_path"] == "kv_injected"
+        assert second["trace"]["kvcache_actual_path"] == "kv_resident"
+        assert kdn.injects() == 1
     finally:
         kdn.stop()
 

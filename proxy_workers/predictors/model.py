@@ -210,17 +210,17 @@ class Predictors:
         prefill = self._prefill_bs1(residual)
         return KvcacheService(redis + prefill, redis, prefill, k_eff, residual)
 
-    def kv_transfer_ms(self, knowledge_tokens_effective: int, bandwidth_mbps: float) -> float:
-        """KDN→Instance transfer time (ms) of the effective knowledge KV over a link of
-        ``bandwidth_mbps`` megabits/s used at ``link_utilisation``:
-        K_eff · transfer_mb_per_token / (bandwidth_mbps / 8 · utilisation) seconds.
-        ValueError for K_eff < 0 or bandwidth ≤ 0."""
-        if knowledge_tokens_effective < 0:
-            raise ValueError("kv_transfer_ms: knowledge_tokens_effective must be >= 0, got "
-                             f"{knowledge_tokens_effective!r}")
+    def kv_transfer_ms(self, knowledge_tokens: int, bandwidth_mbps: float) -> float:
+        """KDN→Instance transfer time (ms) of the KV of ``knowledge_tokens`` (all of it: the
+        instance pulls and holds the whole knowledge's KV, though only its aligned part spares
+        prefill) over a link of ``bandwidth_mbps`` megabits/s used at ``link_utilisation``:
+        K · transfer_mb_per_token / (bandwidth_mbps / 8 · utilisation) seconds.
+        ValueError for K < 0 or bandwidth ≤ 0."""
+        if knowledge_tokens < 0:
+            raise ValueError(f"kv_transfer_ms: knowledge_tokens must be >= 0, got {knowledge_tokens!r}")
         if not bandwidth_mbps > 0:
             raise ValueError(f"kv_transfer_ms: bandwidth_mbps must be > 0, got {bandwidth_mbps!r}")
-        megabytes = knowledge_tokens_effective * self._transfer_mb_per_token
+        megabytes = knowledge_tokens * self._transfer_mb_per_token
         return 1000.0 * megabytes / (bandwidth_mbps * 0.125 * self._utilisation)
 
 
