@@ -155,9 +155,10 @@ bench-peers: $(STAMP)
 # three simulated instances that keep KV (one at half speed) and a simulated KDN, at 60 % of the
 # saturation least_load reaches (calibrated first), in bursts: the targets' workload (64 ids, one
 # a request, Zipf(0.6), each instance holding 0.4 of their KV), then the mixed one (1-3 of 200 ids
-# and shared system prompts) without targets (~10 min each; REQUESTS=300 for a short run).
+# and shared system prompts) without targets. The first runs each contender REPEATS times (3),
+# interleaved, the tables its medians (~30 min; the second ~10; REQUESTS=300 for a short run).
 bench-affinity: $(STAMP)
-	$(PY) -m bench.bench_affinity --out bench/results/affinity.json $(if $(REQUESTS),--requests $(REQUESTS),)
+	$(PY) -m bench.bench_affinity --out bench/results/affinity.json --repeats $(or $(REPEATS),3) $(if $(REQUESTS),--requests $(REQUESTS),)
 	$(PY) -m bench.bench_affinity --out bench/results/affinity_mixed200.json --workload mixed200 $(if $(REQUESTS),--requests $(REQUESTS),)
 
 # BENCHMARKS.md and bench/results/charts/*.png from whatever bench/results/*.json exist.

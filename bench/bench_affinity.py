@@ -54,7 +54,8 @@ from bench.affinity_ceiling import ceilings
 from bench.harness.cli import name_values, stop_on_sigterm
 from bench.harness.processes import wait_for
 from bench.harness.results import machine_info, run_record, utc_now, write_report
-from bench.harness.stats import percentile
+from bench.harness.ab import interleaved
+from bench.harness.stats import median, percentile
 from bench.harness.arrivals import closed_loop, open_loop
 from bench.harness.streamed import proxy_account, stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_pair
@@ -371,6 +372,31 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
     }
 
 
+# A contender's figures that vary from run to run: its row holds their medians.
+MEDIAN_KEYS = ("resident_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "knowledge_ttft_p50_ms", "knowledge_ttft_p99_ms",
+               "prefix_cache_hit_rate", "kdn_bytes", "kdn_injects", "kv_ids_pulled",
+               "kv_ids_believed_resident_but_evicted", "proxy_skipped_ids", "kv_evictions", "guard_fired",
+               "saved_ms_p50", "max_share_over_fair")
+RUN_KEYS = ("resident_hit_rate", "ttft_p50_ms", "ttft_p99_ms")  # also kept run by run
+
+
+def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per contender, in the order of its first run: the median of each of MEDIAN_KEYS and of
+    each instance's share over its runs, requests and errors over all of them, RUN_KEYS run by
+    run (`runs`), the rest as in its first run."""
+    rows = []
+    for name in dict.fromkeys(r["contender"] for r in results):
+        mine = [r for r in results if r["contender"] == name]
+        row = {k: v for k, v in mine[0].items() if k not in ("logs", "run")}
+        row.update({key: median([r.get(key) for r in mine]) for key in MEDIAN_KEYS})
+        row["share"] = {i: median([r["share"][i] for r in mine]) for i in mine[0]["share"]}
+        row["requests"], row["ok"] = sum(r["requests"] for r in mine), sum(r["ok"] for r in mine)
+        row["errors"] = sorted({e for r in mine for e in r["errors"]})[:5]
+        row["runs"] = {key: [r.get(key) for r in mine] for key in RUN_KEYS}
+        rows.append(row)
+    return rows
+
+
 def _stack(contender: Contender, args: argparse.Namespace, workload: Workload) -> Stack:
     return Stack(contender, workload, args.time_scale, args.capacity_tokens,
                  Path(tempfile.mkdtemp(prefix="bench-affinity-")),
@@ -414,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibration-s", type=float, default=CALIBRATION_S)
     parser.add_argument("--time-scale", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each contender, interleaved (each round reverses the one before); "
+                             "the tables show their medians")
     parser.add_argument("--only", default=None, help="run only the contenders whose name contains this")
     parser.add_argument("--replay-only", action="store_true",
                         help="print the offline replay of the workload and stop: no load, no results file")
@@ -429,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = WORKLOADS[args.workload]
     if not 0 < args.load <= 1:
         raise SystemExit("--load must be in (0, 1]")
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     args.capacity_tokens, tokens = capacity_for(workload, args.time_scale)
     replay = plan(workload, args.seed, args.requests, 1.0)
     ceiling = ceilings([p.kids for p in replay if p.kids], tokens, args.capacity_tokens, INSTANCES)
@@ -443,11 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     planned = plan(workload, args.seed, args.requests, mean_rate)
     print(f"saturation {saturation:g} req/s ({json.dumps(calibration)}); offering {mean_rate:.2f} req/s "
           f"on average over {planned[-1].at_s:.0f} s", flush=True)
+    chosen = {c.name: c for c in CONTENDERS if not args.only or args.only in c.name}
     results = []
-    for contender in CONTENDERS:
-        if args.only and args.only not in contender.name:
-            continue
-        result = run_one(contender, args, workload, planned)
+    for round_index, name in interleaved(list(chosen), args.repeats):
+        result = {**run_one(chosen[name], args, workload, planned), "run": round_index}
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "logs"}), flush=True)
     report = {**run_record("bench.bench_affinity", argv, started_at, machine),
@@ -460,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
               "mean_rate_rps": round(mean_rate, 3), "duration_s": round(planned[-1].at_s, 1),
               "capacity_tokens": args.capacity_tokens, "instances": INSTANCES, "slow_factor": SLOW_FACTOR,
               "fair_share": fair_shares(), "replayed_without_load": ceiling,
-              "proxy_env": name_values(args.env), "results": results}
+              "proxy_env": name_values(args.env), "repeats": args.repeats, "results": results,
+              "medians": medians(results)}
     write_report(args.out, report)
     return 0
 

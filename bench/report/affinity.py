@@ -39,7 +39,8 @@ def _scenario(data: dict[str, Any]) -> str:
 
 def section(data: dict[str, Any], source: str = "affinity.json", what: str | None = None) -> str:
     """The run's tables; `what`, if given, says how the run differs from the default one."""
-    rows = {r["contender"]: r for r in data.get("results") or []}
+    rows = {r["contender"]: r for r in data.get("medians") or data.get("results") or []}
+    repeats = data.get("repeats") or 1
     name = (data.get("workload") or {}).get("name")
     title = "## kv_aware on simulated instances: knowledge KV from the KDN"
     if name != TARGETED:
@@ -59,6 +60,13 @@ def section(data: dict[str, Any], source: str = "affinity.json", what: str | Non
                      num(r.get("max_share_over_fair")), guard, num(r.get("saved_ms_p50")),
                      num(r.get("requests", 0) - r.get("ok", 0))])
     parts.append(table(header, body))
+    if repeats > 1:
+        parts.append(f"Each figure is the median of {repeats} runs a contender, interleaved (each round "
+                     f"reverses the one before); run by run:")
+        parts.append(table(["contender", "resident-hit rate", "TTFT p50 (ms)", "TTFT p99 (ms)"],
+                           [[contender, *(" / ".join(fmt(v) for v in r["runs"][key]) for key, fmt in
+                                          (("resident_hit_rate", pct), ("ttft_p50_ms", num), ("ttft_p99_ms", num)))]
+                            for contender, r in rows.items()]))
     fair = data.get("fair_share")
     if fair:
         parts.append("Fair share by speed: " + ", ".join(f"{k} {pct(v)}" for k, v in fair.items()) + ".")
