@@ -135,7 +135,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_aware_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_ABS", SELECTION, (
         "`kv_aware`'s balance guard: it chooses as least_load does when the candidates' requests "
         "in flight spread by more than this ... (docs/architecture.md §4.4)"),
-        ge=0, finite=True)] = 4.0
+        ge=0, finite=True)] = 16.0
     kv_aware_balance_rel: Annotated[float, Env("PROXY_KV_AWARE_BALANCE_REL", SELECTION, (
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5

@@ -102,11 +102,16 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "This proxy against nginx and an LLM router: a second run")),
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
-        ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
+        ("affinity_mixed200.json", lambda d: affinity.section(
+            d, "affinity_mixed200.json", "the balance guard at 4 requests in flight (the default then)")),
         ("affinity_w3.json", lambda d: affinity.section(
             d, "affinity_w3.json", "work weight 3 for knowledge too (not the default: prompts only)")),
+        ("affinity_guard4.json", lambda d: affinity.section(
+            d, "affinity_guard4.json", "the balance guard at 4 requests in flight (the default before: "
+            "more spills, fewer hits and a longer tail than at 16)")),
         ("affinity_guard16.json", lambda d: affinity.section(
-            d, "affinity_guard16.json", "the balance guard at 16 requests in flight (not the default)")),
+            d, "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
+            "the guard-4 run measured (given): beside that run, the one that chose 16")),
         *_series(results_dir),
         _real_engines(
             "affinity_vllm_tol01.json",
