@@ -55,7 +55,7 @@ from bench.harness.cli import name_values, stop_on_sigterm
 from bench.harness.processes import wait_for
 from bench.harness.results import machine_info, run_record, utc_now, write_report
 from bench.harness.ab import interleaved
-from bench.harness.stats import median, percentile
+from bench.harness.stats import percentile
 from bench.harness.arrivals import closed_loop, open_loop
 from bench.harness.streamed import proxy_account, stream_chat
 from cacheroute_sim.processes import ChildProcess, SupervisorPorts, free_port, free_port_pair
@@ -372,31 +372,6 @@ def summarize(contender: Contender, outcomes: list[Outcome], stack: Stack,
     }
 
 
-# A contender's figures that vary from run to run: its row holds their medians.
-MEDIAN_KEYS = ("resident_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "knowledge_ttft_p50_ms", "knowledge_ttft_p99_ms",
-               "prefix_cache_hit_rate", "kdn_bytes", "kdn_injects", "kv_ids_pulled",
-               "kv_ids_believed_resident_but_evicted", "proxy_skipped_ids", "kv_evictions", "guard_fired",
-               "saved_ms_p50", "max_share_over_fair")
-RUN_KEYS = ("resident_hit_rate", "ttft_p50_ms", "ttft_p99_ms")  # also kept run by run
-
-
-def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per contender, in the order of its first run: the median of each of MEDIAN_KEYS and of
-    each instance's share over its runs, requests and errors over all of them, RUN_KEYS run by
-    run (`runs`), the rest as in its first run."""
-    rows = []
-    for name in dict.fromkeys(r["contender"] for r in results):
-        mine = [r for r in results if r["contender"] == name]
-        row = {k: v for k, v in mine[0].items() if k not in ("logs", "run")}
-        row.update({key: median([r.get(key) for r in mine]) for key in MEDIAN_KEYS})
-        row["share"] = {i: median([r["share"][i] for r in mine]) for i in mine[0]["share"]}
-        row["requests"], row["ok"] = sum(r["requests"] for r in mine), sum(r["ok"] for r in mine)
-        row["errors"] = sorted({e for r in mine for e in r["errors"]})[:5]
-        row["runs"] = {key: [r.get(key) for r in mine] for key in RUN_KEYS}
-        rows.append(row)
-    return rows
-
-
 def _stack(contender: Contender, args: argparse.Namespace, workload: Workload) -> Stack:
     return Stack(contender, workload, args.time_scale, args.capacity_tokens,
                  Path(tempfile.mkdtemp(prefix="bench-affinity-")),
@@ -442,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each contender, interleaved (each round reverses the one before); "
-                             "the tables show their medians")
+                             "the report shows their medians")
     parser.add_argument("--only", default=None, help="run only the contenders whose name contains this")
     parser.add_argument("--replay-only", action="store_true",
                         help="print the offline replay of the workload and stop: no load, no results file")
@@ -490,8 +465,7 @@ def main(argv: list[str] | None = None) -> int:
               "mean_rate_rps": round(mean_rate, 3), "duration_s": round(planned[-1].at_s, 1),
               "capacity_tokens": args.capacity_tokens, "instances": INSTANCES, "slow_factor": SLOW_FACTOR,
               "fair_share": fair_shares(), "replayed_without_load": ceiling,
-              "proxy_env": name_values(args.env), "repeats": args.repeats, "results": results,
-              "medians": medians(results)}
+              "proxy_env": name_values(args.env), "repeats": args.repeats, "results": results}
     write_report(args.out, report)
     return 0
 

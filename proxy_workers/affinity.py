@@ -154,7 +154,7 @@ class AffinityScorer:
             now = now_us()
             self.index.refresh(now)
             held = self.index.residency(instance).knowledge
-            if all(key in held or not self.index.pending.held_by_others(where, key, own, now)
+            if all(key in held or not self.index.pending.holds(where, key, now, besides=own)
                    for key in keys.values()) or loop.time() >= deadline:
                 return tuple(kid for kid, key in keys.items() if key in held)
             await asyncio.sleep(CLAIM_POLL_S)

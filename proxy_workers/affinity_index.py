@@ -85,21 +85,16 @@ class PendingClaims:
         else:
             self.remove(where, record.keys, record.claim)
 
-    def holds(self, where: Where, key: int, now: int) -> bool:
+    def holds(self, where: Where, key: int, now: int, besides: int = -1) -> bool:
+        """A claim (other than `besides`) stands on `key`."""
         held = self._held.get(where)
         claims = held.get(key) if held else None
         if not claims:
             return False
-        if max(claims.values()) > now:
-            return True
-        del held[key]  # type: ignore[union-attr]  # every claim on it lapsed
-        return False
-
-    def held_by_others(self, where: Where, key: int, own: int, now: int) -> bool:
-        """A claim other than `own` stands on `key`."""
-        held = self._held.get(where)
-        claims = held.get(key) if held else None
-        return bool(claims) and any(expiry > now for claim, expiry in claims.items() if claim != own)
+        if max(claims.values()) <= now:
+            del held[key]  # type: ignore[union-attr]  # every claim on it lapsed
+            return False
+        return besides not in claims or any(expiry > now for claim, expiry in claims.items() if claim != besides)
 
     def confirmed(self, where: Where, key: int) -> None:
         """The index holds `key` now: the claims on it are done (so that an eviction the index

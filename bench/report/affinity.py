@@ -1,11 +1,12 @@
 """The kv_aware section on simulated instances (bench/results/affinity*.json,
-bench/bench_affinity.py): one row per contender, the offline ceiling, and, for the knowledge64
-workload, the targets checked against the rows."""
+bench/bench_affinity.py): one row per contender (the medians of its runs), the offline ceiling,
+and, for the knowledge64 workload, the targets checked against the rows."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from bench.harness.stats import median
 from bench.report import blocks
 from bench.report.fmt import num, pct, table, verdict
 
@@ -37,9 +38,34 @@ def _scenario(data: dict[str, Any]) -> str:
             f"Every contender starts from empty caches.")
 
 
+# A contender's figures that vary from run to run: its row holds their medians.
+MEDIAN_KEYS = ("resident_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "knowledge_ttft_p50_ms", "knowledge_ttft_p99_ms",
+               "prefix_cache_hit_rate", "kdn_bytes", "kdn_injects", "kv_ids_pulled",
+               "kv_ids_believed_resident_but_evicted", "proxy_skipped_ids", "kv_evictions", "guard_fired",
+               "saved_ms_p50", "max_share_over_fair")
+RUN_KEYS = ("resident_hit_rate", "ttft_p50_ms", "ttft_p99_ms")  # also kept run by run
+
+
+def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per contender, in the order of its first run: the median of each of MEDIAN_KEYS and of
+    each instance's share over its runs, requests and errors over all of them, RUN_KEYS run by
+    run (`runs`), the rest as in its first run."""
+    rows = []
+    for name in dict.fromkeys(r["contender"] for r in results):
+        mine = [r for r in results if r["contender"] == name]
+        row = {k: v for k, v in mine[0].items() if k not in ("logs", "run")}
+        row.update({key: median([r.get(key) for r in mine]) for key in MEDIAN_KEYS})
+        row["share"] = {i: median([r["share"][i] for r in mine]) for i in mine[0].get("share") or {}}
+        row["requests"], row["ok"] = sum(r.get("requests", 0) for r in mine), sum(r.get("ok", 0) for r in mine)
+        row["errors"] = sorted({e for r in mine for e in r.get("errors") or ()})[:5]
+        row["runs"] = {key: [r.get(key) for r in mine] for key in RUN_KEYS}
+        rows.append(row)
+    return rows
+
+
 def section(data: dict[str, Any], source: str = "affinity.json", what: str | None = None) -> str:
     """The run's tables; `what`, if given, says how the run differs from the default one."""
-    rows = {r["contender"]: r for r in data.get("medians") or data.get("results") or []}
+    rows = {r["contender"]: r for r in medians(data.get("results") or [])}
     repeats = data.get("repeats") or 1
     name = (data.get("workload") or {}).get("name")
     title = "## kv_aware on simulated instances: knowledge KV from the KDN"

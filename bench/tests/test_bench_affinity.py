@@ -64,10 +64,10 @@ def test_repeated_runs_are_judged_by_their_medians_and_shown_run_by_run():
             for n, (hit, p50, p99, ok, errors, a) in enumerate([(0.90, 20.0, 1900.0, 1500, [], 200),
                                                                  (0.80, 25.0, 2900.0, 1499, ["boom"], 300),
                                                                  (0.85, 22.0, 1700.0, 1500, [], 250)])]
-    [row] = bench_affinity.medians(runs)
+    [row] = affinity.medians(runs)
     assert (row["resident_hit_rate"], row["ttft_p50_ms"], row["ttft_p99_ms"]) == (0.85, 22.0, 1900.0)
     assert row["share"] == {"inst-0": 250, "inst-1": 1250} and (row["requests"], row["ok"]) == (4500, 4499)
     assert row["errors"] == ["boom"] and row["runs"]["resident_hit_rate"] == [0.90, 0.80, 0.85]
-    text = affinity.section({"results": runs, "medians": [row], "repeats": 3, "requests": 1500,
+    text = affinity.section({"results": runs, "repeats": 3, "requests": 1500,
                              "workload": {"name": "mixed200"}}, "affinity_mixed200.json")
     assert "median of 3 runs" in text and "90% / 80% / 85%" in text and "1,900 / 2,900 / 1,700" in text

@@ -36,6 +36,11 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -66,18 +71,32 @@ def test_sigterm_stops_every_process_the_benchmark_started(tmp_path: Path) -> No
         assert any("proxy_workers" in cmd for cmd in started.values()), "the proxy never served"
         time.sleep(1.0)
         started = _descendants(bench.pid)
+        segment = Path("/dev/shm", _environ(next(pid for pid, cmd in started.items()
+                                                 if "proxy_workers" in cmd))["PROXY_SHM_NAME"].lstrip("/"))
+        assert segment.exists()
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=90) != 0  # stopped, not finished
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _left(started):
             time.sleep(0.2)
         assert _left(started) == {}
+        assert not segment.exists()  # the proxy's supervisor unlinked it on its way out
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
-        for pid in _left(started):  # what a failed run left behind
-            os.kill(pid, signal.SIGKILL)
+        _stop(_left(started))  # what a failed run left behind
+
+
+def _stop(left: dict[int, str]) -> None:
+    """SIGTERM first, so a leftover supervisor still unlinks its segment; SIGKILL what stays."""
+    for pid in left:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _left(left):
+        time.sleep(0.2)
+    for pid in _left(left):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _left(started: dict[int, str]) -> dict[int, str]:
