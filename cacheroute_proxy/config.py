@@ -151,8 +151,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_aware_prompt_work_weight: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_WORK_WEIGHT", SELECTION, (
         "the same for a plain request whose prompt has a home"), ge=1, le=20, finite=True)] = 6.0
     affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
-        "how long a kv_aware choice counts as pending residency on its instance, unless confirmed "
-        "sooner or withdrawn (its request failed)"), gt=0, le=3600, finite=True)] = 30.0
+        "the longest a kv_aware choice counts as pending residency on its instance (docs/"
+        "architecture.md, \"Claims\")"), gt=0, le=3600, finite=True)] = 30.0
     affinity_home_halflife_s: Annotated[float, Env("PROXY_AFFINITY_HOME_HALFLIFE_S", SELECTION, (
         "the half-life of the prompts' request rates by which the sidecar balances their homes "
         "over the instances (docs/architecture.md, \"Homes\")"), gt=0, le=3600, finite=True)] = 20.0

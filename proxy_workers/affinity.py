@@ -37,6 +37,9 @@ PROMPT_LENGTHS_KEPT = 4096  # prompt lengths whose prefill a worker keeps at han
 # (AffinityScorer.pulled_meanwhile): the index is looked at this often, for at least this long.
 CLAIM_POLL_S = 0.002
 CLAIM_WAIT_MIN_S = 0.02
+# An acknowledged claim stands this long for the index to confirm it (the sidecar publishes a
+# residency at its next tick, milliseconds later); then the index alone says what is resident.
+ACKNOWLEDGED_CLAIM_S = 0.5
 
 
 def rendered_prompt(request: ProxyRequest) -> str | None:
@@ -159,12 +162,21 @@ class AffinityScorer:
                 return tuple(kid for kid, key in keys.items() if key in held)
             await asyncio.sleep(CLAIM_POLL_S)
 
-    def acknowledged(self, instance: InstanceSlot, request: ProxyRequest, kids: Sequence[str]) -> None:
-        """The instance acknowledged (or already held) the KV of these knowledge ids."""
+    def prepared(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None,
+                 acknowledged: Sequence[str]) -> None:
+        """The prepare stage ended; the instance acknowledged (or already held) the KV of
+        `acknowledged`, so it is resident there: also knowledge shorter than one KV chunk, which
+        saves no prefill (no aligned tokens) but whose KV the instance pulled all the same. The
+        request's claim on the rest goes now; on these, once the index has had
+        ACKNOWLEDGED_CLAIM_S to publish them."""
         spec = request.knowledge
-        if kids and spec is not None:
-            self.index.acknowledged(instance, [knowledge_key(k) for k in kids],
+        if acknowledged and spec is not None:
+            self.index.acknowledged(instance, [knowledge_key(k) for k in acknowledged],
                                     spec.knowledge_tokens // max(1, len(spec.knowledge_ids)))
+        if claim is not None:
+            claim.knowledge_prepared(acknowledged)
+            if acknowledged:
+                asyncio.get_running_loop().call_later(ACKNOWLEDGED_CLAIM_S, claim.knowledge_to_index)
 
     def _forwarded_exact(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None) -> None:
         request.prefix_keys, request.prefix_exact = self._engine_keys(request), True

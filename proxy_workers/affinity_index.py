@@ -339,9 +339,23 @@ class Claim:
         self._drop_prefix([key for key in self._prefix if key not in exact])
         self.add_prefix(keys)
 
-    def knowledge_acknowledged(self, kids: Sequence[str]) -> None:
-        """The instance acknowledged these ids' inject: the index will confirm them."""
-        self._kept_kids.update(kids)
+    def knowledge_prepared(self, acknowledged: Sequence[str]) -> None:
+        """The prepare stage ended: the instance acknowledged these ids' inject (the index will
+        confirm them); the rest are withdrawn now, not when the request ends, so no request is
+        routed to or waits on a pull that is not coming (an inject refused, or the knowledge
+        sent as text) for the length of this one's answer."""
+        if self._settled:
+            return
+        self._kept_kids.update(acknowledged)
+        self._drop_knowledge()
+
+
+    def knowledge_to_index(self) -> None:
+        """The index has had time to publish what the instance acknowledged: from now on it
+        alone says whether that knowledge is resident there. The instance may have evicted it
+        already, and a claim standing on would draw requests to a pull that is not coming."""
+        self._kept_kids.clear()
+        self._drop_knowledge()
 
     def prompt_taken(self) -> None:
         """The instance accepted the request: its prefill will cache the prompt's blocks."""
@@ -351,12 +365,18 @@ class Claim:
         """At the end of the attempt: withdraw what it did not make resident (once)."""
         if self._settled:
             return
-        dropped = [key for kid, key in self._knowledge.items() if kid not in self._kept_kids]
-        if dropped:
-            self._index.drop(self._instance, self._knowledge_claim, [self._group(AFFINITY_KNOWLEDGE, dropped)])
+        self._drop_knowledge()
         if not self._prefix_kept:
             self._drop_prefix(list(self._prefix))
         self._settled = True
+
+    def _drop_knowledge(self) -> None:
+        """Withdraw the claimed knowledge not acknowledged (once: a withdrawn id leaves the claim)."""
+        dropped = {kid: key for kid, key in self._knowledge.items() if kid not in self._kept_kids}
+        if dropped:
+            self._index.drop(self._instance, self._knowledge_claim,
+                             [self._group(AFFINITY_KNOWLEDGE, dropped.values())])
+            self._knowledge = {kid: key for kid, key in self._knowledge.items() if kid not in dropped}
 
     def _drop_prefix(self, keys: list[int]) -> None:
         by_claim: dict[int, list[int]] = {}

@@ -245,15 +245,11 @@ class Pipeline:
         return lease.resident_kids + await self._affinity.pulled_meanwhile(
             lease.instance, job.request, lease.claim, claimed)
 
-    def _acknowledged(self, lease: Lease, job: Job) -> None:
-        """The knowledge whose KV the instance acknowledged, or already held, is resident there:
-        also knowledge shorter than one KV chunk, which saves no prefill (no aligned tokens) but
-        whose KV the instance pulled all the same."""
+    def _prepared(self, lease: Lease, job: Job) -> None:
         knowledge = job.knowledge
-        if self._affinity is not None and knowledge.kv_ack.get("ok"):
-            self._affinity.acknowledged(lease.instance, job.request, knowledge.kv_ready_kids)
-            if lease.claim is not None:
-                lease.claim.knowledge_acknowledged(knowledge.kv_ready_kids)
+        if self._affinity is not None:
+            self._affinity.prepared(lease.instance, job.request, lease.claim,
+                                    knowledge.kv_ready_kids if knowledge.kv_ack.get("ok") else ())
 
     def first_token(self, job: Job) -> None:
         self._events.first_token(job.key)
@@ -346,7 +342,7 @@ class Pipeline:
             if job.knowledge.kv_ack and job.knowledge.kv_ready_kids:
                 job.kv_instance = (lease.instance.slot, lease.instance.generation)
             trace.prepare_self_done_ms = now_ms()
-            self._acknowledged(lease, job)
+            self._prepared(lease, job)
         finally:
             stages.prepare_slots.release()
             lease.leave(layout.LANE_PREPARE_ACTIVE)

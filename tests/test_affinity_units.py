@@ -248,8 +248,9 @@ def test_a_claim_is_held_at_once_confirmed_by_the_index_and_what_was_not_made_re
     assert (held.pending_kids, elsewhere.pending_kids) == (("k1", "k2"), ())
     assert held.transfer_ms == 0.0 and held.saved_ms == pytest.approx(before[0].transfer_ms)
     assert scorer.assess(request, [a], claims=False)[0].pending_kids == ()  # what the prepare stage sees
-    # The inject of k1 was acknowledged, k2's was not: k2 is withdrawn when the attempt ends.
-    claim.knowledge_acknowledged(["k1"])
+    # The inject of k1 was acknowledged, k2's was not: k2 is withdrawn as the prepare stage ends.
+    claim.knowledge_prepared(["k1"])
+    assert scorer.assess(request, [a])[0].pending_kids == ("k1",)
     claim.settle()
     claim.settle()  # once only
     assert scorer.assess(request, [a])[0].pending_kids == ("k1",)
@@ -265,6 +266,15 @@ def test_a_claim_is_held_at_once_confirmed_by_the_index_and_what_was_not_made_re
         models.report(a.slot, a.generation, [])
         models.publish()
         assert scorer.assess(request, [a])[0][:2] == ((), ())
+    # Acknowledged on b but never confirmed (evicted before the index published it): left to
+    # the index ACKNOWLEDGED_CLAIM_S after the ack, even once the attempt has ended.
+    on_b = scorer.claim(request, b, scorer.assess(request, [b])[0])
+    assert on_b is not None
+    on_b.knowledge_prepared(["k1", "k2"])
+    on_b.settle()
+    assert scorer.assess(request, [b])[0].pending_kids == ("k1", "k2")
+    on_b.knowledge_to_index()
+    assert scorer.assess(request, [b])[0][:2] == ((), ())
 
 
 def test_a_prompt_claim_stands_until_its_ttl_and_only_for_the_instance_it_chose(segment):
@@ -315,8 +325,7 @@ def test_a_request_waits_for_another_claims_pull_until_the_index_confirms_it_or_
         # The first pull ends: k1 acknowledged (confirmed by the index), k2 failed (withdrawn).
         loop.call_later(0.05, lambda: (models.report(a.slot, a.generation, [knowledge_key("k1")]),
                                        models.publish()))
-        first.knowledge_acknowledged(["k1"])
-        loop.call_later(0.1, first.settle)
+        loop.call_later(0.1, first.knowledge_prepared, ["k1"])
         started = loop.time()
         confirmed = await waiting.pulled_meanwhile(a, request, mine, seen.pending_kids)
         assert 0.05 <= loop.time() - started < 1.0  # until k2's claim went, not the bound (~2 s)

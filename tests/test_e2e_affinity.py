@@ -134,6 +134,27 @@ def test_the_model_evicts_the_least_recently_used_past_the_instance_capacity(mak
         kdn.stop()
 
 
+def test_an_acknowledged_claim_the_index_never_confirms_stops_drawing_requests(make_cluster, tmp_path):
+    """The instance acknowledged the inject, but the knowledge does not fit its KV (the model
+    evicts it at once): the claim goes within ACKNOWLEDGED_CLAIM_S, not after
+    PROXY_AFFINITY_PENDING_S, so no request is sent there for KV it no longer holds."""
+    kdn = Kdn(tmp_path)
+    try:
+        # meta.kv_mem_gb 0.48828125 x 1024 / 1 MB a token = 500 tokens: less than the id's 1000.
+        cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
+        inst = cluster.add_instance("--kv-mem-gb", "0.48828125")
+        meta = ask(cluster.worker_url(0), knowledge_body(kdn, ["k0021"]))
+        assert meta["kv_ack"]["ok"] is True and meta["trace"]["kvcache_actual_path"] == "kv_injected"
+
+        def held_or_claimed() -> list[tuple[list[str], list[str]]]:
+            rows = [affinity_rows(cluster, w, knowledge="k0021")[inst.instance_id] for w in range(cluster.workers)]
+            return [(row["resident_knowledge"], row["pending_knowledge"]) for row in rows]
+        wait_until(lambda: held_or_claimed() == [([], [])] * cluster.workers, 5,
+                   message="neither resident nor claimed")
+    finally:
+        kdn.stop()
+
+
 @pytest.mark.slow
 def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
     cluster = make_cluster(workers=2, env=KV_AWARE)
@@ -386,17 +407,31 @@ def test_a_request_whose_knowledge_another_is_pulling_there_waits_for_that_pull(
         kdn.stop()
 
 
-def test_a_failed_inject_withdraws_the_claim(make_cluster, tmp_path):
+def test_a_failed_inject_withdraws_the_claim_as_its_prepare_stage_ends(make_cluster, tmp_path):
+    """Withdrawn while its request still streams, not when the answer ends: no other request is
+    routed to, or waits on, a pull that is not coming."""
     kdn = Kdn(tmp_path)
     try:
         post(f"http://{kdn.addr}/sim/config", {"fail_status": 503, "fault_on": "inject"})
         cluster = make_cluster(workers=2, env=KV_AWARE)
-        cluster.add_instance()
-        cluster.add_instance()
-        meta = ask(cluster.worker_url(0), knowledge_body(kdn, ["k0011"]))
-        assert meta["kv_ack"]["ok"] is False and meta["trace"]["kvcache_actual_path"] == "recompute"
-        for worker in range(cluster.workers):
-            rows = affinity_rows(cluster, worker, knowledge="k0011")
+        for _ in range(2):
+            cluster.add_instance("--stall-after-chunks", "1")
+
+        async def views_while_streaming() -> list[dict[str, dict[str, Any]]]:
+            async with aiohttp.ClientSession() as session:
+                stream = await OpenStream.open(session, f"{cluster.worker_url(0)}/v1/chat/completions",
+                                               knowledge_body(kdn, ["k0011"]))
+                try:
+                    assert stream.response.status == 200 and stream.received
+                    views = await asyncio.to_thread(lambda: [affinity_rows(cluster, w, knowledge="k0011")
+                                                             for w in range(cluster.workers)])
+                    assert not stream.response.content.at_eof()  # the request still holds its lease
+                    return views
+                finally:
+                    stream.close()
+        views = asyncio.run(views_while_streaming())
+        assert get(f"http://{kdn.addr}/sim/stats")["failed"] == 1  # the one inject failed
+        for rows in views:
             assert all(r["pending_knowledge"] == [] and r["resident_knowledge"] == [] for r in rows.values()), rows
     finally:
         kdn.stop()
