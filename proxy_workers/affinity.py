@@ -29,7 +29,7 @@ from shm_schema import InstanceSlot, layout
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
 
 from . import metrics
-from .affinity_index import AffinityIndex, Claim
+from .affinity_index import AffinityIndex, Claim, HandOver, hand_over_later
 from .request_model import Endpoint, ProxyRequest
 
 PROMPT_LENGTHS_KEPT = 4096  # prompt lengths whose prefill a worker keeps at hand
@@ -37,9 +37,6 @@ PROMPT_LENGTHS_KEPT = 4096  # prompt lengths whose prefill a worker keeps at han
 # (AffinityScorer.pulled_meanwhile): the index is looked at this often, for at least this long.
 CLAIM_POLL_S = 0.002
 CLAIM_WAIT_MIN_S = 0.02
-# An acknowledged claim stands this long for the index to confirm it (the sidecar publishes a
-# residency at its next tick, milliseconds later); then the index alone says what is resident.
-ACKNOWLEDGED_CLAIM_S = 0.5
 
 
 def rendered_prompt(request: ProxyRequest) -> str | None:
@@ -103,8 +100,10 @@ TransferEstimate = Callable[[str, str, int], float]
 
 class AffinityScorer:
     def __init__(self, settings: Settings, index: AffinityIndex, predictors: Any,
-                 transfer_ms: TransferEstimate, engine_prefix: EnginePrefix | None = None) -> None:
+                 transfer_ms: TransferEstimate, engine_prefix: EnginePrefix | None = None,
+                 hand_over: HandOver = hand_over_later) -> None:
         self._settings = settings
+        self._hand_over = hand_over  # when a claim leaves what it made resident to the index
         self.index = index
         self._predictors = predictors
         self._transfer_ms = transfer_ms
@@ -167,16 +166,14 @@ class AffinityScorer:
         """The prepare stage ended; the instance acknowledged (or already held) the KV of
         `acknowledged`, so it is resident there: also knowledge shorter than one KV chunk, which
         saves no prefill (no aligned tokens) but whose KV the instance pulled all the same. The
-        request's claim on the rest goes now; on these, once the index has had
-        ACKNOWLEDGED_CLAIM_S to publish them."""
+        request's claim on the rest goes now; on these, once the index has had time to
+        publish them (Claim.knowledge_prepared)."""
         spec = request.knowledge
         if acknowledged and spec is not None:
             self.index.acknowledged(instance, [knowledge_key(k) for k in acknowledged],
                                     spec.knowledge_tokens // max(1, len(spec.knowledge_ids)))
         if claim is not None:
             claim.knowledge_prepared(acknowledged)
-            if acknowledged:
-                asyncio.get_running_loop().call_later(ACKNOWLEDGED_CLAIM_S, claim.knowledge_to_index)
 
     def _forwarded_exact(self, instance: InstanceSlot, request: ProxyRequest, claim: Claim | None) -> None:
         request.prefix_keys, request.prefix_exact = self._engine_keys(request), True
@@ -341,7 +338,8 @@ class AffinityScorer:
             knowledge = {kid: knowledge_key(kid) for kid in spec.knowledge_ids
                          if kid not in assessment.resident_kids}
         tokens_each = spec.knowledge_tokens // max(1, len(spec.knowledge_ids)) if knowledge else 0  # type: ignore[union-attr]
-        claim = Claim(self.index, instance, knowledge, tokens_each, self._settings.affinity_block_tokens)
+        claim = Claim(self.index, instance, knowledge, tokens_each, self._settings.affinity_block_tokens,
+                      self._hand_over)
         if not knowledge:
             held = self.index.residency(instance).prefix
             claim.add_prefix([k for k in self.prefix_of(request) if k not in held])

@@ -22,9 +22,10 @@ sidecar as RESIDENT / PREFIX events, so the shared index hears from every worker
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import OrderedDict
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
@@ -37,6 +38,17 @@ from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX, CLAIM_OP_CLA
 from .event_channel import EventChannelWriter
 
 Where = tuple[int, int, int]  # (slot, generation, kind)
+# What a claim keeps once made resident (an inject acknowledged, a prompt's answer ended) stands
+# this long for the index to confirm it (the sidecar publishes at its next tick, milliseconds
+# later); then the index alone says whether it is resident.
+ACKNOWLEDGED_CLAIM_S = 0.5
+HandOver = Callable[[Callable[[], None]], object]  # runs the callback ACKNOWLEDGED_CLAIM_S from now
+
+
+def hand_over_later(callback: Callable[[], None]) -> None:
+    asyncio.get_running_loop().call_later(ACKNOWLEDGED_CLAIM_S, callback)
+
+
 PRUNE_EVERY_US = 1_000_000
 LEADS_KEPT = 256  # other workers' leading messages known here, most recently used first
 
@@ -289,18 +301,24 @@ def make_index(settings: Settings, seg: Segment, events: EventChannelWriter) -> 
 
 class Claim:
     """A request's routing decision, pending residency on its instance for every worker until the
-    index confirms it. What the attempt does not make resident -- knowledge whose inject was not
-    acknowledged, a prompt the instance did not take -- is withdrawn when its lease ends.
+    index confirms it. What the attempt does not make resident is withdrawn: knowledge whose
+    inject was not acknowledged as the prepare stage ends, a prompt the instance did not take
+    when its lease ends.
 
     A chat routed on its memoized leading blocks alone (ProxyRequest.prefix_exact) claims those
-    at once and the rest when `amend` hears the exact keys, just after the send."""
+    at once and the rest when `amend` hears the exact keys, just after the send.
+
+    What it made resident is left to the index `hand_over` (ACKNOWLEDGED_CLAIM_S) later: the
+    instance may have evicted it before the index confirmed it, and a claim standing on would
+    draw requests to KV that is not there."""
 
     __slots__ = ("_index", "_instance", "_knowledge", "_knowledge_claim", "_tokens_each",
-                 "_block_tokens", "_prefix", "_kept_kids", "_prefix_kept", "_settled")
+                 "_block_tokens", "_prefix", "_kept_kids", "_prefix_kept", "_settled", "_hand_over")
 
     def __init__(self, index: AffinityIndex, instance: InstanceSlot, knowledge: dict[str, int],
-                 tokens_each: int, block_tokens: int) -> None:
+                 tokens_each: int, block_tokens: int, hand_over: HandOver) -> None:
         self._index = index
+        self._hand_over = hand_over
         self._instance = instance
         self._knowledge = knowledge  # kid -> key
         self._tokens_each = tokens_each
@@ -340,22 +358,16 @@ class Claim:
         self.add_prefix(keys)
 
     def knowledge_prepared(self, acknowledged: Sequence[str]) -> None:
-        """The prepare stage ended: the instance acknowledged these ids' inject (the index will
-        confirm them); the rest are withdrawn now, not when the request ends, so no request is
-        routed to or waits on a pull that is not coming (an inject refused, or the knowledge
-        sent as text) for the length of this one's answer."""
+        """The prepare stage ended: the instance acknowledged these ids' inject. The rest are
+        withdrawn now, not when the request ends, so no request is routed to or waits on a
+        pull that is not coming (an inject refused, or the knowledge sent as text) for the
+        length of this one's answer."""
         if self._settled:
             return
         self._kept_kids.update(acknowledged)
         self._drop_knowledge()
-
-
-    def knowledge_to_index(self) -> None:
-        """The index has had time to publish what the instance acknowledged: from now on it
-        alone says whether that knowledge is resident there. The instance may have evicted it
-        already, and a claim standing on would draw requests to a pull that is not coming."""
-        self._kept_kids.clear()
-        self._drop_knowledge()
+        if self._knowledge:
+            self._hand_over(self._knowledge_to_index)
 
     def prompt_taken(self) -> None:
         """The instance accepted the request: its prefill will cache the prompt's blocks."""
@@ -365,13 +377,22 @@ class Claim:
         """At the end of the attempt: withdraw what it did not make resident (once)."""
         if self._settled:
             return
+        self._settled = True
         self._drop_knowledge()
         if not self._prefix_kept:
             self._drop_prefix(list(self._prefix))
-        self._settled = True
+        elif self._prefix:
+            self._hand_over(self._prefix_to_index)
+
+    def _knowledge_to_index(self) -> None:
+        self._kept_kids.clear()
+        self._drop_knowledge()
+
+    def _prefix_to_index(self) -> None:
+        self._drop_prefix(list(self._prefix))
 
     def _drop_knowledge(self) -> None:
-        """Withdraw the claimed knowledge not acknowledged (once: a withdrawn id leaves the claim)."""
+        """Withdraw the claimed knowledge not kept (once: a withdrawn id leaves the claim)."""
         dropped = {kid: key for kid, key in self._knowledge.items() if kid not in self._kept_kids}
         if dropped:
             self._index.drop(self._instance, self._knowledge_claim,

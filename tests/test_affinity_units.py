@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -15,7 +15,7 @@ from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.engine_prefix import EnginePrefix
 from cacheroute_proxy.config import ConfigError, Settings
 from proxy_workers.affinity import AffinityScorer, rendered_prompt
-from proxy_workers.affinity_index import PerWorkerAffinity, SharedAffinity
+from proxy_workers.affinity_index import HandOver, PerWorkerAffinity, SharedAffinity
 from proxy_workers.kdn_links import LinkTable
 from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.predictors import get_predictors
@@ -198,12 +198,14 @@ def test_blocks_sent_to_an_engine_that_reports_its_own_name_only_the_prompt_to_t
 
 
 def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None,
-            engine: EnginePrefix | None = None) -> AffinityScorer:
+            engine: EnginePrefix | None = None, hand_over: HandOver = lambda later: None) -> AffinityScorer:
+    """`hand_over` gets what a claim would run ACKNOWLEDGED_CLAIM_S later (by default nothing runs)."""
     settings = Settings(instance_strategy="kv_aware", affinity_block_tokens=16 if engine else 64)
     events = EventChannelWriter(segment, row or WorkerRow.claim(segment, 0))
     predictors = get_predictors(settings.predictor_profile)
     preparer = KnowledgePreparer(settings, None, predictors)
-    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer.transfer_ms, engine)
+    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer.transfer_ms, engine,
+                          hand_over)
 
 
 KNOWLEDGE = (b'{"Prompt":{"model":"m","user_prompt":"q"},"Service":{"Enable_know_injection":true,'
@@ -239,7 +241,8 @@ def test_a_claim_is_held_at_once_confirmed_by_the_index_and_what_was_not_made_re
     directory.allocate("a", "127.0.0.1", 9001)
     directory.allocate("b", "127.0.0.1", 9002)
     a, b = read_all(segment)
-    scorer = _scorer(segment, view)
+    handed: list[Callable[[], None]] = []
+    scorer = _scorer(segment, view, hand_over=handed.append)
     request = recover(Endpoint.CHAT, KNOWLEDGE)
     before = scorer.assess(request, [a, b])
     claim = scorer.claim(request, a, before[0])
@@ -273,23 +276,34 @@ def test_a_claim_is_held_at_once_confirmed_by_the_index_and_what_was_not_made_re
     on_b.knowledge_prepared(["k1", "k2"])
     on_b.settle()
     assert scorer.assess(request, [b])[0].pending_kids == ("k1", "k2")
-    on_b.knowledge_to_index()
+    assert len(handed) == 2  # one hand-over a claim that kept knowledge
+    handed[-1]()
     assert scorer.assess(request, [b])[0][:2] == ((), ())
 
 
-def test_a_prompt_claim_stands_until_its_ttl_and_only_for_the_instance_it_chose(segment):
+def test_a_prompt_claim_stands_until_left_to_the_index_or_its_ttl_and_only_for_the_instance_it_chose(segment):
     DirectoryWriter(segment).allocate("a", "127.0.0.1", 9001)
     [a] = read_all(segment)
-    scorer = _scorer(segment, pending_s=0.2)
+    handed: list[Callable[[], None]] = []
+    scorer = _scorer(segment, pending_s=0.2, hand_over=handed.append)
     plain = recover(Endpoint.COMPLETIONS, b'{"prompt":"' + b"p" * 1024 + b'"}')
     claim = scorer.claim(plain, a, scorer.assess(plain, [a])[0])
     assert claim is not None
     claim.prompt_taken()
+    assert handed == []  # not while the request lasts
     claim.settle()
     held = scorer.assess(plain, [a])[0]
     assert (held.prefix_blocks, held.pending_blocks) == (4, 4) and held.saved_ms > 0
     gone = a._replace(generation=a.generation + 1)  # the slot's next instance holds nothing
     assert scorer.assess(plain, [gone])[0].prefix_blocks == 0
+    # ACKNOWLEDGED_CLAIM_S after its answer ended, the index says: it holds none of it (evicted).
+    [to_index] = handed
+    to_index()
+    after = scorer.assess(plain, [a])[0]
+    assert (after.prefix_blocks, after.pending_blocks) == (0, 0)
+    # A claim never left to the index (its request still running, or its worker gone) lapses.
+    scorer.claim(plain, a, scorer.assess(plain, [a])[0])
+    assert scorer.assess(plain, [a])[0].pending_blocks == 4
     wait_until(lambda: scorer.assess(plain, [a])[0].prefix_blocks == 0, 5, message="the claim lapses")
 
 

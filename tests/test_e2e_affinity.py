@@ -524,6 +524,21 @@ def test_a_prefix_is_resident_once_sent_not_once_its_answer_ends(make_cluster):
     asyncio.run(scenario())
 
 
+def test_a_taken_prompt_the_index_never_confirms_stops_drawing_requests(make_cluster):
+    """The instance took the prompt, but its blocks do not fit its cache (the model evicts them
+    at once): the claim goes ACKNOWLEDGED_CLAIM_S after the answer, not after
+    PROXY_AFFINITY_PENDING_S."""
+    # meta.kv_mem_gb 0.09765625 x 1024 / 1 MB a token = 100 tokens: less than one 64-token block x 3.
+    cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
+    inst = cluster.add_instance("--kv-mem-gb", "0.09765625")
+    assert served_by(cluster, prefix_body("first")) == inst.instance_id
+
+    def held_or_claimed() -> list[tuple[int, int]]:
+        rows = [affinity_rows(cluster, w, **_prompt_query())[inst.instance_id] for w in range(cluster.workers)]
+        return [(row["resident_prefix_blocks"], row["pending_prefix_blocks"]) for row in rows]
+    wait_until(lambda: held_or_claimed() == [(0, 0)] * cluster.workers, 5, message="neither resident nor claimed")
+
+
 def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_holds(make_cluster):
     """The sidecar learns an instance's pace from predicted against observed first tokens: a
     request whose prompt the instance holds must be predicted as the short prefill it is, or the

@@ -102,6 +102,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "This proxy against nginx and an LLM router: a second run")),
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
+        ("affinity_standing_claims.json", lambda d: affinity.section(
+            d, "affinity_standing_claims.json", "a claim on knowledge standing until its request ended "
+            "and an acknowledged one until confirmed or 30 s (the tree before): 4 workers 6 points "
+            "behind 1")),
         ("affinity_mixed200.json", lambda d: affinity.section(
             d, "affinity_mixed200.json", "the balance guard at 4 requests in flight (the default then)")),
         ("affinity_w3.json", lambda d: affinity.section(
