@@ -6,7 +6,8 @@ events a tick after it happens. A routing decision is known the moment it is mad
 request for the same knowledge or prompt that another worker routes in between must see it:
 so the deciding worker appends a CLAIM to this ring, every worker reads the ring before it
 scores, and the claim stands until the index confirms the keys, the worker withdraws it with a
-DROP (the request failed, the inject was refused) or it lapses (the readers' TTL).
+DROP (the request failed, the inject was refused, or what it made resident is left to the index
+a moment later) or it lapses (the readers' TTL).
 
 One ring for the host, written by every worker without a lock: a writer reserves its records
 with one fetch_add on the header's claims cursor and publishes each by storing its `seq` (ring

@@ -116,6 +116,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
             "the guard-4 run measured (given): beside that run, the one that chose 16")),
+        _real_engines(
+            "affinity_vllm_claims_to_index.json",
+            "kv_aware on the real engines, every contender and the ceiling, on this tree: claims "
+            "left to the index once what they made resident had time to show there"),
         *_series(results_dir),
         _real_engines(
             "affinity_vllm_tol01.json",
@@ -140,7 +144,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "default then) and 6 (w6)"),
         _real_engines(
             "affinity_vllm_no_warmup.json",
-            "kv_aware on the real engines, every contender, this tree's defaults, before the "
+            "kv_aware on the real engines, every contender, the defaults then, before the "
             "warm-up: the first run of each load is its first contender's"),
         _real_engines(
             "affinity_vllm_lead_gate8.json",
@@ -192,14 +196,14 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         _real_engines(
             "affinity_vllm_every_contender_ceiling.json",
             "kv_aware on the real engines, every contender and the ceiling (planned placement: "
-            "no router), this tree"),
+            "no router), the tree then"),
         _real_engines(
             "affinity_vllm_ceiling.json",
             "kv_aware and the SGLang router at 40 % and 60 % beside the ceiling: no router, each "
             "request straight to its prompt's engine in a placement made from the whole run"),
         _real_engines(
             "affinity_vllm_every_contender_slow.json",
-            "kv_aware on the real engines, every contender and the ceiling, this tree, in a slower "
+            "kv_aware on the real engines, every contender and the ceiling, the tree then, in a slower "
             "hour of the machine (the ceiling's TTFT p50 28.8 ms at 40 % and 33.2 at 60 %, against "
             "18.1 and 19.8 in the earlier file)"),
         _real_engines(
@@ -283,7 +287,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "either: three more runs"),
         _real_engines(
             "affinity_vllm_tolerance.json",
-            "kv_aware's homes on the real engines at 60 %, this tree: moved past 1.5× an "
+            "kv_aware's homes on the real engines at 60 %, the tree then: moved past 1.5× an "
             "instance's share of the work (the default, as kv_aware), 1.25× (t25) and 1.15× (t15)"),
         _real_engines(
             "affinity_vllm_ready64.json",
