@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 
 def name_values(items: list[str]) -> dict[str, str]:
@@ -21,9 +22,15 @@ def name_values(items: list[str]) -> dict[str, str]:
 
 
 def stop_on_sigterm() -> None:
-    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: it unwinds through every `with`, so
-    every process the benchmark started is stopped."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    """The first SIGTERM raises KeyboardInterrupt, as Ctrl-C does: it unwinds through every
+    `with`, so every process the benchmark started is stopped. Later ones are ignored: a SIGTERM
+    sent to the benchmark's process group reaches it twice when a `timeout` in that group passes
+    its own on, and a second KeyboardInterrupt would cut the stopping short."""
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 class Progress:

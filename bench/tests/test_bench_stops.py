@@ -1,7 +1,9 @@
 """A benchmark stopped by SIGTERM (a `timeout`, an operator's kill) stops every process it
 started, as Ctrl-C does (bench.harness.cli.stop_on_sigterm, which every benchmark that starts
 processes installs): here bench_affinity's simulated instances, KDN and proxy (whose supervisor
-stops the sidecar and the workers), cut short while its proxy serves."""
+stops the sidecar and the workers), cut short while its proxy serves. Also when a second
+SIGTERM follows while it is stopping them, as when a `timeout` in the benchmark's process group
+passes on the SIGTERM the whole group got."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,7 +60,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigterm_stops_every_process_the_benchmark_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+def test_sigterm_stops_every_process_the_benchmark_started(tmp_path: Path, signals: int) -> None:
     argv = ["-m", "bench.bench_affinity", "--requests", "400", "--saturation-rps", "4", "--only", "kv_aware x1"]
     bench = subprocess.Popen([sys.executable, *argv, "--out", str(tmp_path / "result.json")], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -75,6 +80,9 @@ def test_sigterm_stops_every_process_the_benchmark_started(tmp_path: Path) -> No
                                                  if "proxy_workers" in cmd))["PROXY_SHM_NAME"].lstrip("/"))
         assert segment.exists()
         bench.send_signal(signal.SIGTERM)
+        for _ in range(signals - 1):
+            time.sleep(0.3)  # the benchmark is stopping what it started
+            bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=90) != 0  # stopped, not finished
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _left(started):
