@@ -50,6 +50,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json",)),
+    "affinity_vllm_event_ticks.json": (
+        f"{affinity_vllm.TITLE}, claims standing until confirmed or 30 s (the tree then)",
+        ("affinity_vllm_event_ticks_repeat.json",)),
     "affinity_vllm_sidecar_polled.json": (
         f"{affinity_vllm.TITLE}, the sidecar polling its rings until 100 ms passed without an "
         "event (the tree then)", ("affinity_vllm_sidecar_polled_repeat.json",)),
@@ -106,8 +109,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             d, "affinity_standing_claims.json", "a claim on knowledge standing until its request ended "
             "and an acknowledged one until confirmed or 30 s (the tree before): 4 workers 6 points "
             "behind 1")),
-        ("affinity_mixed200.json", lambda d: affinity.section(
-            d, "affinity_mixed200.json", "the balance guard at 4 requests in flight (the default then)")),
+        ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_w3.json", lambda d: affinity.section(
             d, "affinity_w3.json", "work weight 3 for knowledge too (not the default: prompts only)")),
         ("affinity_guard4.json", lambda d: affinity.section(
@@ -116,10 +118,6 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity_guard16.json", lambda d: affinity.section(
             d, "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
             "the guard-4 run measured (given): beside that run, the one that chose 16")),
-        _real_engines(
-            "affinity_vllm_claims_to_index.json",
-            "kv_aware on the real engines, every contender and the ceiling, on this tree: claims "
-            "left to the index once what they made resident had time to show there"),
         *_series(results_dir),
         _real_engines(
             "affinity_vllm_tol01.json",
