@@ -149,7 +149,7 @@ class AffinityScorer:
         keys = {kid: knowledge_key(kid) for kid in kids}
         where = (instance.slot, instance.generation, AFFINITY_KNOWLEDGE)
         own = -1 if claim is None else claim.knowledge_claim
-        tokens = spec.knowledge_tokens * len(kids) // max(1, len(spec.knowledge_ids))
+        tokens = spec.tokens_of(len(kids))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CLAIM_WAIT_MIN_S + 2 * self._transfer_ms(instance.instance_id, spec.kdn_addr, tokens) / 1000
         while True:
@@ -170,8 +170,7 @@ class AffinityScorer:
         publish them (Claim.knowledge_prepared)."""
         spec = request.knowledge
         if acknowledged and spec is not None:
-            self.index.acknowledged(instance, [knowledge_key(k) for k in acknowledged],
-                                    spec.knowledge_tokens // max(1, len(spec.knowledge_ids)))
+            self.index.acknowledged(instance, [knowledge_key(k) for k in acknowledged], spec.tokens_of(1))
         if claim is not None:
             claim.knowledge_prepared(acknowledged)
 
@@ -311,8 +310,7 @@ class AffinityScorer:
             if spec.injection_type != "kvcache" or instance.kv_inject == layout.KV_INJECT_NO:
                 return predictors.text_service_ms(prompt, knowledge), 0.0, 0.0
             prefill = predictors.kvcache_service(prompt, knowledge).total_ms
-            missing = self._transfer_ms(instance.instance_id, spec.kdn_addr,
-                                        knowledge * (wanted - held_kids) // wanted)
+            missing = self._transfer_ms(instance.instance_id, spec.kdn_addr, spec.tokens_of(wanted - held_kids))
             everything = self._transfer_ms(instance.instance_id, spec.kdn_addr, knowledge)
             return prefill, missing, everything - missing
         saved = self._prompt_saving(request, cached_blocks)
@@ -337,7 +335,7 @@ class AffinityScorer:
                 and instance.kv_inject != layout.KV_INJECT_NO:
             knowledge = {kid: knowledge_key(kid) for kid in spec.knowledge_ids
                          if kid not in assessment.resident_kids}
-        tokens_each = spec.knowledge_tokens // max(1, len(spec.knowledge_ids)) if knowledge else 0  # type: ignore[union-attr]
+        tokens_each = spec.tokens_of(1) if knowledge else 0  # type: ignore[union-attr]
         claim = Claim(self.index, instance, knowledge, tokens_each, self._settings.affinity_block_tokens,
                       self._hand_over)
         if not knowledge:

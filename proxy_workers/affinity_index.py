@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Protocol, Sequence
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
@@ -313,7 +313,7 @@ class Claim:
     draw requests to KV that is not there."""
 
     __slots__ = ("_index", "_instance", "_knowledge", "_knowledge_claim", "_tokens_each",
-                 "_block_tokens", "_prefix", "_kept_kids", "_prefix_kept", "_settled", "_hand_over")
+                 "_block_tokens", "_prefix", "_knowledge_prepared", "_prefix_kept", "_settled", "_hand_over")
 
     def __init__(self, index: AffinityIndex, instance: InstanceSlot, knowledge: dict[str, int],
                  tokens_each: int, block_tokens: int, hand_over: HandOver) -> None:
@@ -325,7 +325,7 @@ class Claim:
         self._block_tokens = block_tokens
         self._knowledge_claim = -1
         self._prefix: dict[int, int] = {}  # prefix key -> the claim id that holds it
-        self._kept_kids: set[str] = set()
+        self._knowledge_prepared = False
         self._prefix_kept = False
         self._settled = False
         if knowledge:
@@ -364,10 +364,10 @@ class Claim:
         length of this one's answer."""
         if self._settled:
             return
-        self._kept_kids.update(acknowledged)
-        self._drop_knowledge()
+        self._knowledge_prepared = True
+        self._drop_knowledge(keep=acknowledged)
         if self._knowledge:
-            self._hand_over(self._knowledge_to_index)
+            self._hand_over(self._drop_knowledge)
 
     def prompt_taken(self) -> None:
         """The instance accepted the request: its prefill will cache the prompt's blocks."""
@@ -378,30 +378,24 @@ class Claim:
         if self._settled:
             return
         self._settled = True
-        self._drop_knowledge()
+        if not self._knowledge_prepared:
+            self._drop_knowledge()
         if not self._prefix_kept:
-            self._drop_prefix(list(self._prefix))
+            self._drop_prefix()
         elif self._prefix:
-            self._hand_over(self._prefix_to_index)
+            self._hand_over(self._drop_prefix)
 
-    def _knowledge_to_index(self) -> None:
-        self._kept_kids.clear()
-        self._drop_knowledge()
-
-    def _prefix_to_index(self) -> None:
-        self._drop_prefix(list(self._prefix))
-
-    def _drop_knowledge(self) -> None:
-        """Withdraw the claimed knowledge not kept (once: a withdrawn id leaves the claim)."""
-        dropped = {kid: key for kid, key in self._knowledge.items() if kid not in self._kept_kids}
+    def _drop_knowledge(self, keep: Collection[str] = ()) -> None:
+        """Withdraw the claimed knowledge but `keep` (a withdrawn id leaves the claim)."""
+        dropped = [key for kid, key in self._knowledge.items() if kid not in keep]
         if dropped:
-            self._index.drop(self._instance, self._knowledge_claim,
-                             [self._group(AFFINITY_KNOWLEDGE, dropped.values())])
-            self._knowledge = {kid: key for kid, key in self._knowledge.items() if kid not in dropped}
+            self._index.drop(self._instance, self._knowledge_claim, [self._group(AFFINITY_KNOWLEDGE, dropped)])
+            self._knowledge = {kid: key for kid, key in self._knowledge.items() if kid in keep}
 
-    def _drop_prefix(self, keys: list[int]) -> None:
+    def _drop_prefix(self, keys: Sequence[int] | None = None) -> None:
+        """Withdraw these prefix blocks (None: every one the claim holds)."""
         by_claim: dict[int, list[int]] = {}
-        for key in keys:
+        for key in list(self._prefix) if keys is None else keys:
             by_claim.setdefault(self._prefix.pop(key), []).append(key)
         for claim, dropped in by_claim.items():
             self._index.drop(self._instance, claim, [self._group(AFFINITY_PREFIX, dropped)])

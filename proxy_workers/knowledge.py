@@ -191,7 +191,7 @@ class KnowledgePreparer:
         pulled = len(result.kv_ready_kids) - len(result.resident_kids)
         # The instance pulls the knowledge's whole KV (and holds it all, as the affinity index
         # counts it); only its aligned part (`effective`) spares prefill.
-        transfer_tokens = spec.knowledge_tokens * pulled // max(1, len(spec.knowledge_ids))
+        transfer_tokens = spec.tokens_of(pulled)
         kdn_link = self.kdn_links.link_for(instance.instance_id, spec.kdn_addr)
         trace.kdn_link_source = kdn_link.source
         transfer_s = kdn_link.transfer_ms(predictors, transfer_tokens) / 1000  # the same estimate as IWS's

@@ -310,7 +310,7 @@ class Pipeline:
             resident = len(lease.resident_kids)
             decision = decide(request, ready_wait, timeline.wait_s(now) * 1000, kdn_link,
                               self._predictors, self._settings, timeline.net_wait_s(now) * 1000,
-                              resident_tokens=spec.knowledge_tokens * resident // len(spec.knowledge_ids))
+                              resident_tokens=spec.tokens_of(resident))
             spec.injection_type = decision.mode
             trace.iws_reason = decision.reason
             trace.kdn_link_source = kdn_link.source

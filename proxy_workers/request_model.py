@@ -101,6 +101,11 @@ class KnowledgeSpec(msgspec.Struct):
     def wanted(self) -> bool:
         return self.enabled and bool(self.knowledge_ids)
 
+    def tokens_of(self, count: int) -> int:
+        """The tokens of `count` of its ids: `Knowledge_length` names only their sum, so the ids
+        share it evenly."""
+        return self.knowledge_tokens * count // max(1, len(self.knowledge_ids))
+
 
 class ProxyRequest(msgspec.Struct):
     """What the worker forwards, whatever shape the client used."""

@@ -1,85 +1,26 @@
-"""kv_aware end to end: the host-wide affinity index every worker
-reads, what clears it, what keeps it, and the strategy's credit within the balance guard.
+"""kv_aware end to end: the host-wide affinity index every worker reads, what clears it, what
+keeps it, and the strategy's credit within the balance guard; the claims that bridge the
+index's lag are tests/test_e2e_claims.py's.
 
-Real clusters (sidecar + workers), simulated instances and a simulated KDN whose every id has
-prebuilt KV (`--kv-ready-ratio 1`), so each kvcache request asks its instance for an inject the
-KDN counts."""
+Real clusters (sidecar + workers), simulated instances and a simulated KDN
+(tests/affinity_cluster.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import signal
 import time
 import urllib.parse
-from typing import Any, AsyncIterator
+from typing import Any
 
-import aiohttp
 import pytest
 
 from cacheroute_proxy.affinity_keys import prefix_keys, rendezvous_home
-from cacheroute_sim.processes import free_port
-from tests.aio import OpenStream, meta_of
-from tests.harness import Process, get, http, post, wait_until
-
-KV_AWARE = {"PROXY_INSTANCE_STRATEGY": "kv_aware"}
-
-
-class Kdn:
-    def __init__(self, tmp_path) -> None:
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.process = Process(["-m", "cacheroute_sim.kdn", "--port", str(self.port), "--time-scale",
-                                "0.05", "--kv-ready-ratio", "1"], {}, tmp_path / "kdn.log")
-        wait_until(lambda: get(f"http://{self.addr}/healthz", timeout=1), 15, message="kdn up")
-
-    def injects(self) -> int:
-        return get(f"http://{self.addr}/sim/stats")["injects"]
-
-    def stop(self) -> None:
-        self.process.stop()
-
-
-def knowledge_body(kdn: Kdn, kids: list[str], tokens_each: int = 1000) -> dict[str, Any]:
-    return {"Request_ID": 1, "Prompt": {"model": "m", "user_prompt": "Who?", "token_length": 3,
-                                        "max_tokens": 2, "stream": True},
-            "Service": {"Enable_know_injection": True, "Injection_type": "kvcache",
-                        "Knowledge_List": kids, "Knowledge_length": tokens_each * len(kids)},
-            "Task": {"KDN_server_addr": kdn.addr}}
-
-
-def ask(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The request's cacheroute_meta, from a stream's last event or a JSON answer's member."""
-    status, text, _ = http("POST", f"{url}/v1/chat/completions", body, timeout=20)
-    assert status == 200, text
-    if body.get("stream", body.get("Prompt", {}).get("stream")):
-        return meta_of(text.encode())
-    return (text if isinstance(text, dict) else json.loads(text))["_cacheroute_meta"]
-
-
-def affinity_rows(cluster, worker: int | None, **query: str) -> dict[str, dict[str, Any]]:
-    base = cluster.cp_url if worker is None else cluster.worker_url(worker)
-    loads = get(f"{base}/debug/instance_loads?{urllib.parse.urlencode(query)}")
-    return {row["instance_id"]: row["affinity"] for row in loads["instances"]}
-
-
-def resident_everywhere(cluster, instance_id: str, kids: list[str]) -> bool:
-    """Every worker's view names exactly `kids` resident on the instance."""
-    query = {"knowledge": ",".join(kids)}
-    return all(affinity_rows(cluster, w, **query)[instance_id]["resident_knowledge"] == kids
-               for w in range(cluster.workers))
-
-
-def knowledge_count(cluster, worker: int, instance_id: str) -> int:
-    return affinity_rows(cluster, worker, knowledge="k0000")[instance_id]["resident_counts"]["knowledge"]
-
-
-def heartbeat(cluster, instance_id: str, **fields: Any) -> tuple[int, Any]:
-    status, body, _ = http("POST", f"{cluster.cp_url}/v1/instance/heartbeat",
-                           {"instance_id": instance_id, **fields})
-    return status, body
+from tests.affinity_cluster import (KV_AWARE, SYSTEM, Kdn, affinity_rows, ask, heartbeat, held_streams, hold,
+                                    knowledge_body, knowledge_count, prefix_body, prompt_query,
+                                    resident_everywhere, served_by)
+from tests.harness import get, http, post, wait_until
 
 
 # --- the index: one per host, seen by every worker ---------------------------------------------------
@@ -134,27 +75,6 @@ def test_the_model_evicts_the_least_recently_used_past_the_instance_capacity(mak
         kdn.stop()
 
 
-def test_an_acknowledged_claim_the_index_never_confirms_stops_drawing_requests(make_cluster, tmp_path):
-    """The instance acknowledged the inject, but the knowledge does not fit its KV (the model
-    evicts it at once): the claim goes within ACKNOWLEDGED_CLAIM_S, not after
-    PROXY_AFFINITY_PENDING_S, so no request is sent there for KV it no longer holds."""
-    kdn = Kdn(tmp_path)
-    try:
-        # meta.kv_mem_gb 0.48828125 x 1024 / 1 MB a token = 500 tokens: less than the id's 1000.
-        cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
-        inst = cluster.add_instance("--kv-mem-gb", "0.48828125")
-        meta = ask(cluster.worker_url(0), knowledge_body(kdn, ["k0021"]))
-        assert meta["kv_ack"]["ok"] is True and meta["trace"]["kvcache_actual_path"] == "kv_injected"
-
-        def held_or_claimed() -> list[tuple[list[str], list[str]]]:
-            rows = [affinity_rows(cluster, w, knowledge="k0021")[inst.instance_id] for w in range(cluster.workers)]
-            return [(row["resident_knowledge"], row["pending_knowledge"]) for row in rows]
-        wait_until(lambda: held_or_claimed() == [([], [])] * cluster.workers, 5,
-                   message="neither resident nor claimed")
-    finally:
-        kdn.stop()
-
-
 @pytest.mark.slow
 def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
     cluster = make_cluster(workers=2, env=KV_AWARE)
@@ -174,12 +94,12 @@ def test_a_reregistered_or_purged_instance_holds_nothing(make_cluster):
     inst.configure(hold_streams=True)
 
     def prompt_blocks(worker: int) -> int:
-        return affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["resident_prefix_blocks"] \
-            + affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["pending_prefix_blocks"]
+        return affinity_rows(cluster, worker, **prompt_query())[inst.instance_id]["resident_prefix_blocks"] \
+            + affinity_rows(cluster, worker, **prompt_query())[inst.instance_id]["pending_prefix_blocks"]
 
     async def routed_while_held() -> None:
-        async with _held_streams(inst) as held:
-            held += await _hold(cluster, 1)
+        async with held_streams(inst) as held:
+            held += await hold(cluster, 1)
             assert all(prompt_blocks(w) == 3 for w in range(2))
     asyncio.run(routed_while_held())
     slot = next(r for r in cluster.loads()["instances"] if r["instance_id"] == inst.instance_id)["slot"]
@@ -257,184 +177,11 @@ def test_a_per_worker_view_sees_only_what_its_worker_sent(make_cluster, tmp_path
 INFLIGHT_ONLY = {**KV_AWARE, "PROXY_LEAST_LOAD_WEIGHTS": '{"inflight": 1, "active_prepare": 0, '
                  '"active_ready": 0, "prepare_queue_depth": 0, "ready_queue_depth": 0, '
                  '"pending_prefill_count": 0, "active_decode_count": 0, "predicted_total_backlog_ms": 0}'}
-SYSTEM = "You answer questions about the shared corpus. " * 20  # ~900 characters: 3 blocks
-
-
-def prefix_body(question: str, stream: bool = True, max_tokens: int = 2) -> dict[str, Any]:
-    return {"model": "sim", "stream": stream, "max_tokens": max_tokens,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
-
-
-def served_by(cluster, body: dict[str, Any]) -> str:
-    return ask(cluster.dp_url, body)["trace"]["instance_id"]
-
-
-async def _hold(cluster, count: int, max_tokens: int = 2) -> list[OpenStream]:
-    session = aiohttp.ClientSession()
-    streams = [await OpenStream.open(session, f"{cluster.dp_url}/v1/chat/completions",
-                                     prefix_body(f"q{i}", max_tokens=max_tokens))
-               for i in range(count)]
-    for stream in streams:
-        stream.session = session  # type: ignore[attr-defined]
-    return streams
-
-
-@contextlib.asynccontextmanager
-async def _held_streams(sim) -> AsyncIterator[list[OpenStream]]:
-    """Streams the caller adds (by _hold) while `sim` holds their answers; at the end the sim
-    lets them go, each is read to its end and every session is closed."""
-    held: list[OpenStream] = []
-    try:
-        yield held
-    finally:
-        sim.release()
-        for stream in held:
-            await stream.finish()
-        for session in {id(s.session): s.session for s in held}.values():  # type: ignore[attr-defined]
-            await session.close()
-
-
-def _prompt_query() -> dict[str, str]:
-    rendered = f"<|system|>{SYSTEM}<|user|>x"
-    return {"prompt": rendered}
 
 
 def predicted(cluster, worker: int) -> dict[str, dict[str, Any]]:
     """Each instance's predicted time to first token, in parts, for the shared prompt."""
-    return {iid: row["predicted_ttft_ms"] for iid, row in affinity_rows(cluster, worker, **_prompt_query()).items()}
-
-
-@pytest.mark.parametrize("tokens", [1000, 100], ids=["chunks", "shorter_than_a_chunk"])
-def test_sequential_repeats_of_one_knowledge_id_inject_it_once(make_cluster, tmp_path, tokens):
-    """Also knowledge shorter than one KV chunk (no aligned tokens: the instance pulls its KV all
-    the same), whose acknowledged inject the index once did not record."""
-    kdn = Kdn(tmp_path)
-    try:
-        cluster = make_cluster(workers=4, env=KV_AWARE)
-        cluster.add_instance()
-        cluster.add_instance()
-        served = [ask(cluster.dp_url, knowledge_body(kdn, ["k0007"], tokens))["trace"]["instance_id"]
-                  for _ in range(12)]
-        assert len(set(served)) == 1, served
-        assert kdn.injects() == 1 and sum(i.stats()["kv_injects"] for i in cluster.instances) == 1
-    finally:
-        kdn.stop()
-
-
-def test_sequential_repeats_of_one_system_prompt_are_prefilled_once(make_cluster):
-    cluster = make_cluster(workers=4, env=KV_AWARE)
-    for _ in range(2):
-        cluster.add_instance("--prefix-caching")
-    served = [served_by(cluster, prefix_body(f"question {i}")) for i in range(12)]
-    assert len(set(served)) == 1, served
-    stats = {i.instance_id: i.stats() for i in cluster.instances}
-    holder = stats[served[0]]
-    # The first request computed the system prompt; the other eleven found it cached.
-    assert holder["prefix_cache_hits"] >= 11 * 128, holder
-    assert sum(s["prefix_cache_queries"] for iid, s in stats.items() if iid != served[0]) == 0
-
-
-def test_a_routing_decision_is_pending_for_every_worker_at_once_until_the_ack_confirms_it(make_cluster, tmp_path):
-    kdn = Kdn(tmp_path)
-    try:
-        # The KDN holds the inject until released: the window between the choice and the ack.
-        post(f"http://{kdn.addr}/sim/config", {"hang": True, "fault_on": "inject"})
-        cluster = make_cluster(workers=4, env=KV_AWARE)
-        a, b = cluster.add_instance(), cluster.add_instance()
-
-        def pending_on() -> dict[str, list[str]]:
-            """Per worker, the instances that hold k0009 pending."""
-            return {w: sorted(iid for iid, row in affinity_rows(cluster, w, knowledge="k0009").items()
-                              if row["pending_knowledge"] == ["k0009"]) for w in range(cluster.workers)}
-
-        async def scenario() -> dict[str, Any]:
-            async with aiohttp.ClientSession() as session:
-                request = asyncio.ensure_future(session.post(f"{cluster.worker_url(0)}/v1/chat/completions",
-                                                             json={**knowledge_body(kdn, ["k0009"])}))
-                await asyncio.to_thread(wait_until, lambda: get(f"http://{kdn.addr}/sim/stats")["held"] == 1,
-                                        10, message="the inject held at the KDN")
-                seen = pending_on()
-                post(f"http://{kdn.addr}/sim/release", {})
-                response = await request
-                text = await response.read()
-                return {"seen": seen, "meta": meta_of(text)}
-        outcome = asyncio.run(scenario())
-        chosen = outcome["meta"]["trace"]["instance_id"]
-        # While the inject was in flight, every worker already saw the decision.
-        assert outcome["seen"] == {w: [chosen] for w in range(cluster.workers)}
-        # Confirmed by the index once the inject was acknowledged: resident, no longer pending.
-        wait_until(lambda: resident_everywhere(cluster, chosen, ["k0009"]), 10, message="confirmed")
-        assert pending_on() == {w: [] for w in range(cluster.workers)}
-        assert {a.instance_id, b.instance_id} >= {chosen}
-    finally:
-        kdn.stop()
-
-
-def test_a_request_whose_knowledge_another_is_pulling_there_waits_for_that_pull(make_cluster, tmp_path):
-    """Two requests for one id on two workers: the second goes where the first's pull is in
-    flight (its claim) and waits for it instead of pulling the same KV again."""
-    kdn = Kdn(tmp_path)
-    try:
-        post(f"http://{kdn.addr}/sim/config", {"hang": True, "fault_on": "inject"})
-        cluster = make_cluster(workers=2, env=KV_AWARE)
-        cluster.add_instance()
-        cluster.add_instance()
-        held = lambda: get(f"http://{kdn.addr}/sim/stats")["held"]  # noqa: E731
-
-        async def scenario() -> list[dict[str, Any]]:
-            async with aiohttp.ClientSession() as session:
-                async def ask_via(worker: int) -> dict[str, Any]:
-                    async with session.post(f"{cluster.worker_url(worker)}/v1/chat/completions",
-                                            json=knowledge_body(kdn, ["k0013"])) as response:
-                        return meta_of(await response.read())
-                first = asyncio.ensure_future(ask_via(0))
-                await asyncio.to_thread(wait_until, lambda: held() == 1, 10, message="the first pull held")
-                # Priced by predicted TTFT (a fresh snapshot), not by least_load's inflight alone.
-                await asyncio.to_thread(wait_until, lambda: all(
-                    row["predicted_ttft_ms"]["total"] is not None
-                    for row in affinity_rows(cluster, 1, knowledge="k0013").values()), 10, message="predicted")
-                second = asyncio.ensure_future(ask_via(1))
-                await asyncio.sleep(0.3)  # well inside its wait: twice the ~0.9 s transfer predicted
-                assert held() == 1 and not second.done()
-                post(f"http://{kdn.addr}/sim/release", {})
-                return [await first, await second]
-        first, second = asyncio.run(scenario())
-        assert first["trace"]["instance_id"] == second["trace"]["instance_id"]
-        assert first["trace"]["kvcache_actual_path"] == "kv_injected"
-        assert second["trace"]["kvcache_actual_path"] == "kv_resident"
-        assert kdn.injects() == 1
-    finally:
-        kdn.stop()
-
-
-def test_a_failed_inject_withdraws_the_claim_as_its_prepare_stage_ends(make_cluster, tmp_path):
-    """Withdrawn while its request still streams, not when the answer ends: no other request is
-    routed to, or waits on, a pull that is not coming."""
-    kdn = Kdn(tmp_path)
-    try:
-        post(f"http://{kdn.addr}/sim/config", {"fail_status": 503, "fault_on": "inject"})
-        cluster = make_cluster(workers=2, env=KV_AWARE)
-        for _ in range(2):
-            cluster.add_instance("--stall-after-chunks", "1")
-
-        async def views_while_streaming() -> list[dict[str, dict[str, Any]]]:
-            async with aiohttp.ClientSession() as session:
-                stream = await OpenStream.open(session, f"{cluster.worker_url(0)}/v1/chat/completions",
-                                               knowledge_body(kdn, ["k0011"]))
-                try:
-                    assert stream.response.status == 200 and stream.received
-                    views = await asyncio.to_thread(lambda: [affinity_rows(cluster, w, knowledge="k0011")
-                                                             for w in range(cluster.workers)])
-                    assert not stream.response.content.at_eof()  # the request still holds its lease
-                    return views
-                finally:
-                    stream.close()
-        views = asyncio.run(views_while_streaming())
-        assert get(f"http://{kdn.addr}/sim/stats")["failed"] == 1  # the one inject failed
-        for rows in views:
-            assert all(r["pending_knowledge"] == [] and r["resident_knowledge"] == [] for r in rows.values()), rows
-    finally:
-        kdn.stop()
+    return {iid: row["predicted_ttft_ms"] for iid, row in affinity_rows(cluster, worker, **prompt_query()).items()}
 
 
 def test_a_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves(make_cluster):
@@ -443,7 +190,7 @@ def test_a_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves(make
     a, b = cluster.add_instance(), cluster.add_instance()
     warm = served_by(cluster, prefix_body("first"))
     cold = b.instance_id if warm == a.instance_id else a.instance_id
-    wait_until(lambda: affinity_rows(cluster, 1, **_prompt_query())[warm]["resident_prefix_blocks"] == 3,
+    wait_until(lambda: affinity_rows(cluster, 1, **prompt_query())[warm]["resident_prefix_blocks"] == 3,
                10, message="the system prompt's blocks resident where it went")
     # Idle: the warm instance wins every time (least_load alone would alternate the tie): it
     # queues nothing and prefills less.
@@ -458,10 +205,10 @@ def test_a_holder_wins_until_its_queue_costs_more_than_the_prefill_it_saves(make
     warm_sim.configure(hold_streams=True)
 
     async def scenario() -> None:
-        async with _held_streams(warm_sim) as held:
+        async with held_streams(warm_sim) as held:
             # A long answer decoding on warm holds its only slot: the next request would queue
             # behind it for longer than the prefill the cache saves.
-            held += await _hold(cluster, 1, max_tokens=2000)
+            held += await hold(cluster, 1, max_tokens=2000)
             assert held[0].response.headers["x-cacheroute-instance"] == warm
             wait_until(lambda: predicted(cluster, 1)[warm]["total"] > predicted(cluster, 1)[cold]["total"], 10,
                        message="the warm instance's queue outweighs its saving")
@@ -480,19 +227,19 @@ def test_the_guard_makes_kv_aware_choose_as_least_load_when_inflight_spreads_too
     a, b = cluster.add_instance(), cluster.add_instance()
     warm = served_by(cluster, prefix_body("first"))
     cold = b.instance_id if warm == a.instance_id else a.instance_id
-    wait_until(lambda: affinity_rows(cluster, 0, **_prompt_query())[warm]["resident_prefix_blocks"] == 3,
+    wait_until(lambda: affinity_rows(cluster, 0, **prompt_query())[warm]["resident_prefix_blocks"] == 3,
                10, message="resident")
-    loads = get(f"{cluster.worker_url(0)}/debug/instance_loads?{urllib.parse.urlencode(_prompt_query())}")
+    loads = get(f"{cluster.worker_url(0)}/debug/instance_loads?{urllib.parse.urlencode(prompt_query())}")
     assert loads["kv_aware"]["guard"]["fired"] is False and "spread 0" in loads["kv_aware"]["guard"]["reason"]
     warm_sim = a if warm == a.instance_id else b
     warm_sim.configure(hold_streams=True)
 
     async def scenario() -> None:
-        async with _held_streams(warm_sim) as held:
-            held += await _hold(cluster, 1)  # goes warm (spread 0: no guard)
+        async with held_streams(warm_sim) as held:
+            held += await hold(cluster, 1)  # goes warm (spread 0: no guard)
             assert held[0].response.headers["x-cacheroute-instance"] == warm
             loads = get(f"{cluster.worker_url(1)}/debug/instance_loads?"
-                        f"{urllib.parse.urlencode(_prompt_query())}")
+                        f"{urllib.parse.urlencode(prompt_query())}")
             guard = loads["kv_aware"]["guard"]
             assert guard["fired"] is True and "least_load" in guard["reason"], guard
             assert guard["balance_abs"] == 0.5  # the prompt's bound, not PROXY_KV_AWARE_BALANCE_ABS
@@ -503,40 +250,6 @@ def test_the_guard_makes_kv_aware_choose_as_least_load_when_inflight_spreads_too
             trace = ask(cluster.dp_url, prefix_body("second", stream=False))["trace"]
             assert (trace["instance_id"], trace["affinity_guard"]) == (cold, True)
     asyncio.run(scenario())
-
-
-def test_a_prefix_is_resident_once_sent_not_once_its_answer_ends(make_cluster):
-    """vLLM keeps a prompt's blocks as soon as its prefill computed them: requests sharing the
-    prefix that arrive while the first one's answer is still streaming must see it resident."""
-    cluster = make_cluster(workers=2, env=KV_AWARE)
-    inst = cluster.add_instance()
-    inst.configure(hold_streams=True)
-
-    def resident_blocks(worker: int) -> int:
-        return affinity_rows(cluster, worker, **_prompt_query())[inst.instance_id]["resident_prefix_blocks"]
-
-    async def scenario() -> None:
-        async with _held_streams(inst) as held:
-            held += await _hold(cluster, 1)  # its first chunk arrived; the rest of the answer is held
-            for worker in range(cluster.workers):
-                wait_until(lambda: resident_blocks(worker) == 3, 10,
-                           message=f"worker {worker} sees the prefix resident while its answer streams")
-    asyncio.run(scenario())
-
-
-def test_a_taken_prompt_the_index_never_confirms_stops_drawing_requests(make_cluster):
-    """The instance took the prompt, but its blocks do not fit its cache (the model evicts them
-    at once): the claim goes ACKNOWLEDGED_CLAIM_S after the answer, not after
-    PROXY_AFFINITY_PENDING_S."""
-    # meta.kv_mem_gb 0.09765625 x 1024 / 1 MB a token = 100 tokens: less than one 64-token block x 3.
-    cluster = make_cluster(workers=2, env={**KV_AWARE, "PROXY_AFFINITY_KV_MB_PER_TOKEN": "1"})
-    inst = cluster.add_instance("--kv-mem-gb", "0.09765625")
-    assert served_by(cluster, prefix_body("first")) == inst.instance_id
-
-    def held_or_claimed() -> list[tuple[int, int]]:
-        rows = [affinity_rows(cluster, w, **_prompt_query())[inst.instance_id] for w in range(cluster.workers)]
-        return [(row["resident_prefix_blocks"], row["pending_prefix_blocks"]) for row in rows]
-    wait_until(lambda: held_or_claimed() == [(0, 0)] * cluster.workers, 5, message="neither resident nor claimed")
 
 
 def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_holds(make_cluster):
