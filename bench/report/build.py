@@ -49,7 +49,7 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
-    "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json",)),
+    "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json")),
     "affinity_vllm_event_ticks.json": (
         f"{affinity_vllm.TITLE}, claims standing until confirmed or 30 s (the tree then)",
         ("affinity_vllm_event_ticks_repeat.json",)),
