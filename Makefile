@@ -167,10 +167,12 @@ bench-report: $(STAMP)
 	$(PY) -m bench.report
 
 # Bounded soak under chaos (flapping instance, a worker SIGKILLed every minute), then the end
-# invariants; stops by itself and stops everything it started (DURATION seconds of load).
+# invariants; stops by itself and stops everything it started (DURATION seconds of load;
+# STRATEGY=kv_aware: that strategy, most plain chats led by shared system prompts).
 DURATION ?= 600
 soak: $(STAMP)
-	$(PY) -m bench.soak --duration $(DURATION) --out bench/results/soak.json
+	$(PY) -m bench.soak --duration $(DURATION) $(if $(STRATEGY),--strategy $(STRATEGY),) \
+		--out bench/results/soak$(if $(STRATEGY),_$(STRATEGY),).json
 
 # Remove a segment left by a crashed run (the launcher removes it on a clean stop). Refused
 # (exit 1, naming the processes) while a sidecar or worker still uses it; FORCE=1 removes it anyway.

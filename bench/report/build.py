@@ -342,6 +342,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("pressure.json", others.pressure_section),
         ("pressure_vllm.json", others.pressure_vllm_section),
         ("soak.json", others.soak_section),
+        ("soak_kv_aware.json", lambda d: others.soak_section(
+            d, "soak_kv_aware.json", "Soak under chaos, kv_aware: most plain chats led by one of "
+            "four shared system prompts")),
         ("idle.json", others.idle_section),
         ("gate_wait.json", others.gate_wait_section),
         ("gate_wait_unqueued.json", lambda d: others.gate_wait_section(

@@ -182,14 +182,14 @@ def pipeline_cost_ab_section(data: dict[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def soak_section(data: dict[str, Any]) -> str:
-    """bench/results/soak.json (bench/soak/): the verdict, the traffic, the chaos and every end
-    invariant."""
+def soak_section(data: dict[str, Any], name: str = "soak.json", title: str = "Soak under chaos") -> str:
+    """bench/results/soak.json or another soak's file (bench/soak/): the verdict, the traffic,
+    the chaos and every end invariant."""
     requests, chaos, rss = data.get("requests") or {}, data.get("chaos") or {}, data.get("worker_rss") or {}
     latency = requests.get("latency") or {}
     failed = ", ".join(data.get("failed_checks") or [])
     categories = ", ".join(f"{k} {num(v)}" for k, v in (requests.get("categories") or {}).items())
-    parts = ["## Soak under chaos", *blocks.header_blocks(data, "soak.json"),
+    parts = [f"## {title}", *blocks.header_blocks(data, name),
              ("**PASSED**" if data.get("passed") else f"**FAILED**: {failed}")
              + f": {num(requests.get('total'))} requests ({num(requests.get('per_second'))}/s); "
              f"outcomes by category: {categories}",

@@ -6,7 +6,8 @@ Run:  python -m bench.soak --duration 600 --out bench/results/soak.json     (mak
 
 What it starts, on 127.0.0.1 only, with free ports and a private segment name, and stops by pid
 (`processes`):
-- `python -m cacheroute_proxy run`: sidecar + 4 workers (least_load);
+- `python -m cacheroute_proxy run`: sidecar + 4 workers (least_load; `--strategy kv_aware`, with
+  most plain chats led by one of a few shared system prompts: make soak STRATEGY=kv_aware);
 - 3 simulated instances (`python -m cacheroute_sim.instance ... --proxy-cp-url <cp> --time-scale 0.2`)
   that register themselves; instance 0 is the *flapper*.
 

@@ -42,6 +42,10 @@ class SoakConfig:
     quiesce_timeout_s: float = 30.0
     request_timeout_s: float = 60.0
     seed: int = 1
+    strategy: str = "least_load"     # the proxy's PROXY_INSTANCE_STRATEGY
+    # kv_aware only: this share of plain chats lead with one of SYSTEM_PROMPTS shared system
+    # prompts, so its claims, homes and shared leading keys are at work through the chaos
+    system_prompt_share: float = 0.7
     log_dir: str | None = None
 
 
@@ -73,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, Path | None]:
     knob("--rss-limit", "rss_growth_limit_pct")
     p.add_argument("--no-rss-check", dest="check_rss", action="store_false")
     knob("--seed", "seed")
+    p.add_argument("--strategy", dest="strategy", default=d.strategy, choices=("least_load", "kv_aware"))
     p.add_argument("--log-dir", dest="log_dir", default=None, help="process logs (default: a new /tmp directory)")
     args = vars(p.parse_args(argv))
     out = args.pop("out")

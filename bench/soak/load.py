@@ -22,6 +22,8 @@ from bench.soak.config import SoakConfig
 
 WORDS = ("cache", "route", "proxy", "shared", "memory", "worker", "instance", "token", "queue",
          "stream", "prefill", "decode", "latency", "timeline", "sidecar", "segment")
+SYSTEM_PROMPTS = 4
+SYSTEM_PROMPT_WORDS = 400  # several blocks of PROXY_AFFINITY_BLOCK_TOKENS' default
 
 
 class LoadGenerator:
@@ -37,8 +39,10 @@ class LoadGenerator:
         tokens = rng.randint(*self.cfg.prompt_tokens)
         text = " ".join(rng.choice(WORDS) for _ in range(tokens))
         if not scheduler:
-            return {"model": "sim", "messages": [{"role": "user", "content": text}],
-                    "stream": stream, "max_tokens": max_tokens}
+            messages = [{"role": "user", "content": text}]
+            if self.cfg.strategy == "kv_aware" and rng.random() < self.cfg.system_prompt_share:
+                messages.insert(0, {"role": "system", "content": _system_prompt(rng.randrange(SYSTEM_PROMPTS))})
+            return {"model": "sim", "messages": messages, "stream": stream, "max_tokens": max_tokens}
         self._request_id += 1
         return scheduler_body(self._request_id, user_prompt=text, token_length=tokens,
                               max_tokens=max_tokens, stream=stream)
@@ -127,3 +131,9 @@ class LoadGenerator:
                 else:
                     rec["outcome"] = "ok_with_meta_error"
                     rec["detail"] = str(meta.get("error"))[:200]
+
+
+def _system_prompt(n: int) -> str:
+    """Shared system prompt `n`: the same words every time it is asked for."""
+    rng = random.Random(f"system prompt {n}")
+    return " ".join(rng.choice(WORDS) for _ in range(SYSTEM_PROMPT_WORDS))

@@ -1,5 +1,5 @@
 """The processes the soak starts, on 127.0.0.1 with free ports and a private segment name:
-`python -m cacheroute_proxy run` (sidecar + workers, least_load, no simulated instances of its
+`python -m cacheroute_proxy run` (sidecar + workers, the soak's strategy, no simulated instances of its
 own: bench/harness/processes.py's Supervisor) and the simulated instances that register with it.
 Starting them (from the main thread, so each dies with the soak), reaching them over HTTP, and
 stopping each by its pid."""
@@ -28,7 +28,7 @@ class SoakProcesses(Supervisor):
     """The supervisor on its ports and segment, and the instances on theirs."""
 
     def __init__(self, cfg: SoakConfig, run_dir: Path) -> None:
-        super().__init__(cfg.workers, "least_load", run_dir / "supervisor.log", name="the soak's proxy",
+        super().__init__(cfg.workers, cfg.strategy, run_dir / "supervisor.log", name="the soak's proxy",
                          shm_prefix="cacheroute_soak", append_log=True, stop_timeout_s=60.0)
         self.cfg = cfg
         self.run_dir = run_dir

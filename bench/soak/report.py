@@ -22,7 +22,7 @@ def build_report(soak: Soak, provenance: Run, outcomes: dict[str, Any], rss: dic
         "passed": all(c["pass"] for c in checks.values()),
         "failed_checks": [name for name, c in checks.items() if not c["pass"]],
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        "setup": {"workers": cfg.workers, "strategy": "least_load",
+        "setup": {"workers": cfg.workers, "strategy": cfg.strategy,
                   "instances": procs.instance_ids, "flapper": chaos.flapper_id,
                   "sim_time_scale": cfg.time_scale, "shm_name": procs.shm_name,
                   "log_dir": str(soak.run_dir)},

@@ -1,5 +1,6 @@
 """A compressed soak (bench/soak/): about a minute of mixed load through the real supervisor
-(4 workers, least_load, 3 simulated instances) with every kind of chaos at least once — the
+(4 workers, least_load and again kv_aware with shared system prompts, 3 simulated instances)
+with every kind of chaos at least once — the
 flapper's 503 knob on twice (10 s each), one stop/restart of the flapper process, one worker
 SIGKILLed — then the end invariants.
 
@@ -84,13 +85,14 @@ def test_classify(rec: dict[str, object], expected: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(360)
-def test_soak_under_chaos_ends_clean(tmp_path) -> None:
+@pytest.mark.parametrize("strategy", ["least_load", "kv_aware"])
+def test_soak_under_chaos_ends_clean(tmp_path, strategy: str) -> None:
     cfg = SoakConfig(
         duration_s=55, warmup_s=10, clients=16, flap_interval_s=10, restart_every=3,
         kill_offset_s=22, kill_jitter_s=0, kill_interval_s=1000, max_kills=1, chaos_quiet_tail_s=5,
-        check_rss=False, quiesce_timeout_s=45, request_timeout_s=60,
+        check_rss=False, quiesce_timeout_s=45, request_timeout_s=60, strategy=strategy,
         log_dir=str(tmp_path / "logs"))
-    report = run_soak(cfg, Run("bench.soak", ["--duration", "55"]))
+    report = run_soak(cfg, Run("bench.soak", ["--duration", "55", "--strategy", strategy]))
     summary = "\n".join(summary_lines(report)) + f"\nlogs: {tmp_path / 'logs'}"
     req, chaos, checks = report["requests"], report["chaos"], report["end_checks"]
 
@@ -122,6 +124,9 @@ def test_soak_under_chaos_ends_clean(tmp_path) -> None:
     assert drained["pending_reservations"] == 0 and drained["decoding"] == 0, (drained, summary)
     assert checks["reaper"]["corrections"] is not None
     assert checks["sidecar_never_restarted"]["pass"], summary
+    if strategy == "kv_aware":  # its claims, homes and shared keys were at work throughout
+        channel = report["final_status"]["event_channel"]
+        assert channel["affinity"]["prefix_blocks"] > 0 and channel["prompt_homes"]["prompts"] > 0, summary
 
     # Everything it started is gone, the segment too.
     stop = checks["clean_stop"]
