@@ -1,8 +1,7 @@
 """A compressed soak (bench/soak/): about a minute of mixed load through the real supervisor
 (4 workers, least_load and again kv_aware with shared system prompts, 3 simulated instances)
-with every kind of chaos at least once — the
-flapper's 503 knob on twice (10 s each), one stop/restart of the flapper process, one worker
-SIGKILLed — then the end invariants.
+with every kind of chaos at least once — the flapper's 503 knob on twice (10 s each), one
+stop/restart of the flapper process, one worker SIGKILLed — then the end invariants.
 
 Acceptable outcomes of a request (`bench.soak.outcomes.classify`), everything else fails the test:
 - `ok`: 200 with a complete body (JSON whose `_cacheroute_meta.error` is null, or a stream that
