@@ -43,14 +43,13 @@ Where = tuple[int, int, int]  # (slot, generation, kind)
 # later); then the index alone says whether it is resident.
 ACKNOWLEDGED_CLAIM_S = 0.5
 HandOver = Callable[[Callable[[], None]], object]  # runs the callback ACKNOWLEDGED_CLAIM_S from now
+PRUNE_EVERY_US = 1_000_000
+LEADS_KEPT = 256  # other workers' leading messages known here, most recently used first
 
 
 def hand_over_later(callback: Callable[[], None]) -> None:
+    """The HandOver of a running worker: the callback on its event loop."""
     asyncio.get_running_loop().call_later(ACKNOWLEDGED_CLAIM_S, callback)
-
-
-PRUNE_EVERY_US = 1_000_000
-LEADS_KEPT = 256  # other workers' leading messages known here, most recently used first
 
 
 class Residency(NamedTuple):

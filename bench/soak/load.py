@@ -33,6 +33,7 @@ class LoadGenerator:
         self.clock = clock
         self.records: list[dict[str, Any]] = []
         self._request_id = 0
+        self._system_prompts = [_system_prompt(n) for n in range(SYSTEM_PROMPTS)]
 
     def body(self, rng: random.Random, stream: bool, scheduler: bool) -> dict[str, Any]:
         max_tokens = rng.randint(*self.cfg.max_tokens)
@@ -41,7 +42,7 @@ class LoadGenerator:
         if not scheduler:
             messages = [{"role": "user", "content": text}]
             if self.cfg.strategy == "kv_aware" and rng.random() < self.cfg.system_prompt_share:
-                messages.insert(0, {"role": "system", "content": _system_prompt(rng.randrange(SYSTEM_PROMPTS))})
+                messages.insert(0, {"role": "system", "content": rng.choice(self._system_prompts)})
             return {"model": "sim", "messages": messages, "stream": stream, "max_tokens": max_tokens}
         self._request_id += 1
         return scheduler_body(self._request_id, user_prompt=text, token_length=tokens,
@@ -134,6 +135,6 @@ class LoadGenerator:
 
 
 def _system_prompt(n: int) -> str:
-    """Shared system prompt `n`: the same words every time it is asked for."""
+    """Shared system prompt `n`: the same words in every run."""
     rng = random.Random(f"system prompt {n}")
     return " ".join(rng.choice(WORDS) for _ in range(SYSTEM_PROMPT_WORDS))
