@@ -140,8 +140,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "... **and** the busiest holds more than this × the idlest's. Lower both to let load win "
         "sooner"), ge=1, finite=True)] = 1.5
     kv_aware_prompt_balance_abs: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_BALANCE_ABS", SELECTION, (
-        "the same bound for a plain request whose prompt has a home, whose work the sidecar "
-        "balances (docs/architecture.md §4.4)"),
+        "the same bound for a plain request whose prompt has a home"),
         ge=0, finite=True)] = 16.0
     kv_aware_work_weight: Annotated[float, Env("PROXY_KV_AWARE_WORK_WEIGHT", SELECTION, (
         "`kv_aware` counts the engine work a choice adds (prefill of what the instance lacks, "
@@ -154,8 +153,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "the longest a kv_aware choice counts as pending residency on its instance (docs/"
         "architecture.md, \"Claims\")"), gt=0, le=3600, finite=True)] = 30.0
     affinity_home_halflife_s: Annotated[float, Env("PROXY_AFFINITY_HOME_HALFLIFE_S", SELECTION, (
-        "the half-life of the prompts' request rates by which the sidecar balances their homes "
-        "over the instances (docs/architecture.md, \"Homes\")"), gt=0, le=3600, finite=True)] = 20.0
+        "the half-life of the prompts' request rates by which the sidecar places their homes "
+        "(docs/architecture.md, \"Homes\")"), gt=0, le=3600, finite=True)] = 20.0
     affinity_home_tolerance: Annotated[float, Env("PROXY_AFFINITY_HOME_TOLERANCE", SELECTION, (
         "the sidecar moves a prompt's home off an instance whose prompts bring it more than "
         "(1 + this) × its share of their work"), ge=0, le=10, finite=True)] = 0.5

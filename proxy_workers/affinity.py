@@ -98,6 +98,15 @@ class Assessment(NamedTuple):
 TransferEstimate = Callable[[str, str, int], float]
 
 
+def _index_of(candidates: Sequence[InstanceSlot], where: tuple[int, int] | None) -> int | None:
+    """The index of the candidate at `where` (slot, generation); None if none is."""
+    if where is not None:
+        for index, instance in enumerate(candidates):
+            if (instance.slot, instance.generation) == where:
+                return index
+    return None
+
+
 class AffinityScorer:
     def __init__(self, settings: Settings, index: AffinityIndex, predictors: Any,
                  transfer_ms: TransferEstimate, engine_prefix: EnginePrefix | None = None,
@@ -246,22 +255,26 @@ class AffinityScorer:
         blocks = self.prefix_of(request) if not kids else []
         holdings = [self._holding(instance, kid_keys, blocks, now if claims else 0) for instance in candidates]
         homes = _homes(candidates, holdings, kid_keys) if claims and len(candidates) > 1 else {}
-        prompt_home = self._home(blocks[0], candidates) if claims and blocks and len(candidates) > 1 else None
+        prompt_home = self._home(blocks[0], candidates, holdings) if claims and blocks and len(candidates) > 1 \
+            else None
         displace = self._prompt_saving(request, len(blocks)) if prompt_home is not None else 0.0
         return [self._assessment(request, instance, holding, homes.get(index, 0),
                                  len(blocks) - holding.cached if index == prompt_home else 0,
                                  0.0 if index == prompt_home else displace, len(kid_keys))
                 for index, (instance, holding) in enumerate(zip(candidates, holdings))]
 
-    def _home(self, prompt_key: int, candidates: Sequence[InstanceSlot]) -> int:
-        """The index of the prompt's home among `candidates`: where the sidecar moved it, if that
-        is one of them, else its rendezvous home."""
-        moved = self.index.home_of(prompt_key)
-        if moved is not None:
-            for index, instance in enumerate(candidates):
-                if (instance.slot, instance.generation) == moved:
-                    return index
-        return rendezvous_home(prompt_key, [c.instance_id for c in candidates])
+    def _home(self, prompt_key: int, candidates: Sequence[InstanceSlot], holdings: Sequence[_Holding]) -> int:
+        """The index of the prompt's home among `candidates`: where the sidecar lists it; else
+        the candidate holding most of its leading blocks (confirmed or claimed: its first
+        requests went there); held nowhere, the sidecar's next home; else its rendezvous home."""
+        listed = _index_of(candidates, self.index.home_of(prompt_key))
+        if listed is not None:
+            return listed
+        holder = max(range(len(candidates)), key=lambda index: holdings[index].cached)
+        if holdings[holder].cached:
+            return holder
+        named = _index_of(candidates, self.index.next_home())
+        return named if named is not None else rendezvous_home(prompt_key, [c.instance_id for c in candidates])
 
     def _holding(self, instance: InstanceSlot, kid_keys: list[tuple[str, int]], blocks: list[int],
                  now: int) -> _Holding:

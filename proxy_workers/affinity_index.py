@@ -143,6 +143,8 @@ class AffinityIndex(Protocol):
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None: ...
 
+    def next_home(self) -> tuple[int, int] | None: ...
+
     def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int: ...
 
     def drop(self, instance: InstanceSlot, claim: int, groups: Sequence[KeyGroup]) -> None: ...
@@ -207,8 +209,12 @@ class SharedAffinity:
         return self._reader.row(instance.slot, instance.generation).capacity_tokens
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None:
-        """(slot, generation) of the home the sidecar moved the prompt to; None: its rendezvous home."""
+        """(slot, generation) of the prompt's home as the sidecar lists it; None if not listed."""
         return self._homes.home_of(prompt_key)
+
+    def next_home(self) -> tuple[int, int] | None:
+        """(slot, generation) of the instance the sidecar names for a prompt held nowhere."""
+        return self._homes.next_home()
 
     def claim(self, instance: InstanceSlot, groups: Sequence[KeyGroup]) -> int:
         return self._claim_writer.claim(instance.slot, instance.generation, groups)
@@ -249,7 +255,10 @@ class PerWorkerAffinity(SharedAffinity):
         pass  # nothing is shared: lead() finds nothing
 
     def home_of(self, prompt_key: int) -> tuple[int, int] | None:
-        return None  # nothing host-wide: every prompt has its rendezvous home
+        return None  # nothing host-wide: a prompt lives where this worker sent it, else by rendezvous
+
+    def next_home(self) -> tuple[int, int] | None:
+        return None
 
     def residency(self, instance: InstanceSlot) -> Residency:
         model = self._models.get((instance.slot, instance.generation))

@@ -1,10 +1,12 @@
-"""The prompt-home table: the instance kv_aware treats as holding each shared prompt, for the
-prompts the sidecar has moved off their rendezvous home to balance the instances' work.
+"""The prompt-home table: the instance kv_aware treats as holding each shared prompt, as the
+sidecar places them to balance the instances' work, and the instance a prompt seen nowhere yet
+goes to (`next_home`).
 
 One table for the host (layout.py's byte map: HomeTableHeader, then HOME_ENTRIES entries),
 written whole by the sidecar under its seqlock word (seqlock.py), read by every worker with
-one atomic load when nothing changed. An entry names its instance by slot and generation, so
-a freed or reused slot's entries name nobody a worker can choose.
+one atomic load when nothing changed; next_home is one word of its own, stored and loaded
+atomically. An entry names its instance by slot and generation, so a freed or reused slot's
+entries name nobody a worker can choose.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ class HomeWriter:
 
         def rewrite(odd: int) -> None:
             _ENTRIES.pack_into(seg.buf, seg.geometry.home_entries_offset(), *words)
-            _HEADER.pack_into(seg.buf, base, _HEADER.make((odd, len(kept), time.time_ns() // 1000)))
+            _HEADER.pack_into(seg.buf, base, _HEADER.make((
+                odd, len(kept), time.time_ns() // 1000, seg.load(base + layout.HT_NEXT_HOME))))
         seqlock.write(seg, base + layout.HT_SEQ, rewrite)
+
+    def set_next_home(self, where: tuple[int, int] | None) -> None:
+        """Name the instance (slot, generation) a prompt held nowhere goes to; None: nobody."""
+        self._seg.store(self._seg.geometry.homes_offset + layout.HT_NEXT_HOME,
+                        0 if where is None else SlotGeneration.pack(*where))
 
     def read(self) -> dict[int, tuple[int, int]]:
         """The table as it stands, for a restarted sidecar (the only writer: no seqlock check)."""
@@ -76,8 +84,13 @@ class HomeReader:
         return self._homes
 
     def home_of(self, key: int) -> tuple[int, int] | None:
-        """(slot, generation) of the prompt's published home; None if it has its rendezvous home."""
+        """(slot, generation) of the prompt's published home; None if the table does not list it."""
         return self.homes().get(key)
+
+    def next_home(self) -> tuple[int, int] | None:
+        """(slot, generation) of the instance a prompt held nowhere goes to; None if none is named."""
+        packed = self._seg.load(self._seg.geometry.homes_offset + layout.HT_NEXT_HOME)
+        return (SlotGeneration.slot(packed), SlotGeneration.generation(packed)) if packed else None
 
 
 def _decoded(count: int, words: tuple[int, ...]) -> dict[int, tuple[int, int]]:

@@ -169,11 +169,16 @@ the host, written only by the sidecar, read by every worker; layout version 6)::
     0   seq              seqlock, as an affinity row's
     8   count            entries in use
     16  published_us     when the table was last written (wall clock)
-    24..63 reserved
+    24  next_home        SlotGeneration of the instance where a prompt that no candidate holds
+                         and the table does not list goes (its first request), 0 = none; one
+                         word, stored on its own (no seqlock) whenever the sidecar's choice
+                         changes. An older segment has 0 here (reserved bytes).
+    32..63 reserved
     64  entries          HOME_ENTRIES x (key: a prompt's first block key, never 0;
                          slot_generation: SlotGeneration of the instance that is its home)
 
-A prompt missing from the table has its rendezvous home among the request's candidates.
+A prompt missing from the table lives where it is held; held nowhere, at next_home; with no
+next_home, at its rendezvous home among the request's candidates.
 
 Bit-packed words (bitfields)::
 
@@ -305,10 +310,11 @@ CLAIM_RING_CAPACITY = 4096
 C_SEQ = CLAIM.offset.seq
 
 # --- prompt homes (sidecar -> workers) ---------------------------------------------------------
-# 1,024 entries of 16 bytes (16 KB): only prompts moved off their rendezvous home are listed,
-# a few per instance for a workload of a few dozen shared system prompts.
+# 1,024 entries of 16 bytes (16 KB): the busiest prompts the sidecar knows; a prompt not listed
+# lives where it is held (a one-off conversation's, a prompt of a workload with more).
 HOME_TABLE_SIZE = HOME_TABLE_HEADER.size + HOME_ENTRIES * HOME_ENTRY.size
 HT_SEQ = HOME_TABLE_HEADER.offset.seq
+HT_NEXT_HOME = HOME_TABLE_HEADER.offset.next_home
 
 
 def _align(offset: int, to: int = 64) -> int:

@@ -295,7 +295,7 @@ CLAIM_OP_LEAD = 3
 
 
 # --- prompt homes (one table for the host; written only by the sidecar) ----------------------------
-HOME_ENTRIES = 1024  # prompts whose home the sidecar has moved off their rendezvous home
+HOME_ENTRIES = 1024  # prompt homes the table lists: the busiest the sidecar knows
 
 
 class HomeTableHeader(NamedTuple):
@@ -303,6 +303,7 @@ class HomeTableHeader(NamedTuple):
     seq: int           # seqlock: odd while the sidecar rewrites the table
     count: int         # entries in use
     published_us: int  # when the sidecar last wrote the table, wall clock
+    next_home: int     # SlotGeneration of the instance a prompt seen nowhere yet goes to; 0: none
 
 
 HOME_TABLE_HEADER = Record(HomeTableHeader, size=64)

@@ -24,6 +24,7 @@ from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryWriter, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader, AffinityWriter
 from shm_schema.events import EventReader, residency
+from shm_schema.homes import HomeWriter
 from shm_schema.records import AFFINITY_PREFIX
 from sidecar.affinity import AffinityModels
 from tests.harness import wait_until
@@ -502,6 +503,9 @@ def test_the_strategy_is_accepted_under_its_aliases():
 
 
 def test_a_prompt_has_one_home_every_worker_names_the_same_and_away_from_it_pays_the_displacement(segment):
+    """Held nowhere and with no next home named (no sidecar here), a prompt's home is its
+    rendezvous one; the sidecar's next home and, once it is held, its holder take that place,
+    and the home the sidecar lists comes before all."""
     directory = DirectoryWriter(segment)
     for port in (9001, 9002, 9003):
         directory.allocate(f"i{port}", "127.0.0.1", port)
@@ -524,13 +528,28 @@ def test_a_prompt_has_one_home_every_worker_names_the_same_and_away_from_it_pays
         assert unpriced[home].home_blocks == 0 and not any(a.displace_ms for a in unpriced)
         homes.append(home)
     assert len(set(homes)) > 1  # prompts spread over the instances
-    # Another instance comes to hold the prompt (here: a claim): the home keeps its credit, and
-    # the holder away from it holds the blocks (its prefill skips them) but pays the displacement.
+    # The sidecar names a next home: a prompt held nowhere is homed there, for every worker.
     plain = prompts[0]
     elsewhere = (homes[0] + 1) % 3
-    one.claim(plain, instances[elsewhere], one.assess(plain, instances)[elsewhere])
+    where = (instances[elsewhere].slot, instances[elsewhere].generation)
+    HomeWriter(segment).set_next_home(where)
+    for scorer in (one, other):
+        assert [a.home_blocks for a in scorer.assess(plain, instances)] == [4 if i == elsewhere else 0 for i in range(3)]
+    # Its first request went to another instance (here: a claim): that holder is its home for
+    # every worker until the sidecar lists one, and it keeps that home once the next home moves.
+    third = (homes[0] + 2) % 3
+    one.claim(plain, instances[third], one.assess(plain, instances)[third])
+    HomeWriter(segment).set_next_home(None)
+    for scorer in (one, other):
+        held = scorer.assess(plain, instances)
+        assert held[third].pending_blocks == 4 and held[third].home_blocks == 0 and held[third].displace_ms == 0.0
+        assert held[third].held_tokens == plain.prompt_tokens
+        assert [a.displace_ms > 0 for a in held] == [i != third for i in range(3)]
+    # The sidecar lists its home: that one, even where another holds the prompt, which pays
+    # the displacement there and holds the blocks (its prefill skips them).
+    HomeWriter(segment).publish({plain.prefix_keys[0]: (instances[homes[0]].slot, instances[homes[0]].generation)})
     held = one.assess(plain, instances)
     assert held[homes[0]].home_blocks == 4 and held[homes[0]].displace_ms == 0.0
-    assert held[elsewhere].pending_blocks == 4 and held[elsewhere].home_blocks == 0
-    assert held[elsewhere].held_tokens == plain.prompt_tokens and held[elsewhere].displace_ms > 0
-    assert held[elsewhere].prefill_ms == held[homes[0]].prefill_ms
+    assert held[third].pending_blocks == 4 and held[third].home_blocks == 0
+    assert held[third].held_tokens == plain.prompt_tokens and held[third].displace_ms > 0
+    assert held[third].prefill_ms == held[homes[0]].prefill_ms

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cacheroute_proxy.affinity_keys import prefix_keys, rendezvous_home
+from cacheroute_proxy.affinity_keys import prefix_keys
 from tests.affinity_cluster import (KV_AWARE, SYSTEM, Kdn, affinity_rows, ask, heartbeat, held_streams, hold,
                                     knowledge_body, knowledge_count, prefix_body, prompt_query,
                                     resident_everywhere, served_by)
@@ -265,72 +265,65 @@ def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_hol
     assert held["predict_service_ms"] < first["predict_service_ms"] - held["affinity_saved_ms"] / 2
 
 
-def _system_prompts_homed_on(instance_id: str, ids: list[str], count: int) -> list[str]:
-    """`count` system prompts whose rendezvous home among `ids` is `instance_id`."""
-    prompts = []
-    for n in range(200):
-        system = f"Corpus {n}. " + SYSTEM
-        first = prefix_keys(f"<|system|>{system}<|user|>", 64, 1)[0]
-        if ids[rendezvous_home(first, ids)] == instance_id:
-            prompts.append(system)
-            if len(prompts) == count:
-                return prompts
-    raise AssertionError("no prompts homed there")
+def _prompt_homes(cluster) -> dict[str, Any]:
+    """The sidecar's prompt homes now (/debug/status)."""
+    return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]
 
 
-def _homes_moved(cluster) -> int:
-    """How many prompts the sidecar homes away from their rendezvous home now."""
-    return get(f"{cluster.cp_url}/debug/status")["event_channel"]["prompt_homes"]["moved"]
+def _chat(system: str, n: int) -> dict[str, Any]:
+    return {"model": "sim", "stream": False, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
 
 
-def test_prompts_whose_home_cache_cannot_hold_them_move_to_an_instance_that_can(make_cluster):
-    """Two equally popular prompts homed on each instance, so by their traffic nothing would
-    move; but `a` registers a KV capacity that holds less than one of them beside a block for
-    each of its 4 slots. The sidecar moves both of a's prompts to `b`, and no more."""
-    cluster = make_cluster(workers=2, env=KV_AWARE)
-    # Every prompt of _system_prompts_homed_on sends as many blocks as this one.
-    blocks = len(prefix_keys(f"<|system|>Corpus 100. {SYSTEM}<|user|>q0", 64, 32))
-    a = cluster.add_instance("--prefix-caching", "--max-concurrency", "4",
-                             "--kv-capacity-tokens", str((4 + blocks - 1) * 64))
-    b = cluster.add_instance("--prefix-caching", "--max-concurrency", "4")
-    ids = [a.instance_id, b.instance_id]
-    first = _system_prompts_homed_on(a.instance_id, ids, 2)
-    prompts = first + _system_prompts_homed_on(b.instance_id, ids, 2)
-    assert {len(prefix_keys(f"<|system|>{p}<|user|>q0", 64, 32)) for p in prompts} == {blocks}
-
-    def body(system: str, n: int) -> dict[str, Any]:
-        return {"model": "sim", "stream": True, "max_tokens": 2,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
-
-    for n in range(40):
-        served_by(cluster, body(prompts[n % 4], n))
-    wait_until(lambda: _homes_moved(cluster) == 2, 10, message="both of a's prompts moved")
-    time.sleep(2.5)  # more rounds move nothing back: a cannot hold a prompt
-    assert _homes_moved(cluster) == 2
-    assert {served_by(cluster, body(system, 100 + n)) for n, system in enumerate(first)} == {b.instance_id}
+def _first_sights(cluster, prompts: list[str]) -> list[str]:
+    """Each prompt's first request, one after the other once the sidecar took the one before
+    (as requests tens of milliseconds apart are): the instance each went to."""
+    went = []
+    for n, system in enumerate(prompts):
+        went.append(served_by(cluster, _chat(system, n)))
+        wait_until(lambda: _prompt_homes(cluster)["prompts"] == n + 1, 10, message="the sidecar took it")
+    return went
 
 
-def test_the_sidecar_moves_a_prompt_home_off_the_instance_its_prompts_overload(make_cluster):
-    """Three equally popular prompts whose rendezvous home is one instance: the sidecar moves one
-    of them (two would overload the other instance) and every worker sends it to its new home."""
+def test_new_prompts_are_homed_by_the_work_and_every_worker_sends_each_to_its_home(make_cluster):
+    """Three prompts, new to the sidecar: each first request goes to the instance it names next,
+    the one furthest below its share of the work, so they split two and one without a move
+    (a hash of each prompt could put all three on one instance); every worker then sends each
+    prompt to its home, the one instance where it pays no displacement."""
     cluster = make_cluster(workers=2, env=KV_AWARE)
     a, b = (cluster.add_instance("--prefix-caching") for _ in range(2))
-    prompts = _system_prompts_homed_on(a.instance_id, [a.instance_id, b.instance_id], 3)
-
-    def body(system: str, n: int) -> dict[str, Any]:
-        return {"model": "sim", "stream": False, "max_tokens": 2,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
-
-    assert {served_by(cluster, body(prompts[n % 3], n)) for n in range(36)} == {a.instance_id}
-    wait_until(lambda: _homes_moved(cluster) == 1, 10, message="one prompt moved")
-    time.sleep(2.5)  # more rounds move nothing more: a second move would overload b
-    assert _homes_moved(cluster) == 1
-    # A prompt's home is where it pays no displacement.
+    wait_until(lambda: _prompt_homes(cluster)["next_home"] is not None, 10, message="a next home named")
+    prompts = [f"Corpus {n}. " + SYSTEM for n in range(3)]
+    went = _first_sights(cluster, prompts)
+    assert went[1] != went[0] and sorted(map(went.count, {a.instance_id, b.instance_id})) == [1, 2], went
+    for n in range(3, 36):
+        assert served_by(cluster, _chat(prompts[n % 3], n)) == went[n % 3]
+    wait_until(lambda: _prompt_homes(cluster)["listed"] == 3, 10, message="the homes listed")
+    assert _prompt_homes(cluster)["moves"] == 0
     homes = {system: {w: [iid for iid, row in affinity_rows(
         cluster, w, prompt=f"<|system|>{system}<|user|>x").items() if row["displace_ms"] == 0]
         for w in range(cluster.workers)} for system in prompts}
-    at_b = [system for system, seen in homes.items() if seen == {0: [b.instance_id], 1: [b.instance_id]}]
-    assert len(at_b) == 1, homes
-    assert all(seen == {0: [a.instance_id], 1: [a.instance_id]} for system, seen in homes.items()
-               if system not in at_b), homes
-    assert {served_by(cluster, body(at_b[0], 100 + n)) for n in range(4)} == {b.instance_id}
+    assert homes == {system: {0: [home], 1: [home]} for system, home in zip(prompts, went)}, homes
+
+
+def test_prompts_live_where_the_cache_can_hold_them(make_cluster):
+    """`a` registers a KV capacity of one block beside a block for each of its 4 slots: room for
+    no prompt. A prompt the sidecar homed there before it knew any prompt's size moves to `b`;
+    every other is homed on `b` from its first request, and all stay there."""
+    cluster = make_cluster(workers=2, env=KV_AWARE)
+    a = cluster.add_instance("--prefix-caching", "--max-concurrency", "4",
+                             "--kv-capacity-tokens", str((4 + 1) * 64))
+    b = cluster.add_instance("--prefix-caching", "--max-concurrency", "4")
+    wait_until(lambda: _prompt_homes(cluster)["next_home"] is not None, 10, message="a next home named")
+    prompts = [f"Corpus {100 + n}. " + SYSTEM for n in range(4)]
+    assert min(len(prefix_keys(f"<|system|>{p}", 64, 32)) for p in prompts) >= 2
+    went = _first_sights(cluster, prompts)
+    assert went.count(a.instance_id) <= 1, went  # once a prompt's size is known, a has no room
+    for n in range(4, 40):
+        served_by(cluster, _chat(prompts[n % 4], n))
+    wait_until(lambda: {served_by(cluster, _chat(system, 100 + n)) for n, system in enumerate(prompts)}
+               == {b.instance_id}, 10, message="every prompt served by b")
+    moves = _prompt_homes(cluster)["moves"]
+    time.sleep(2.5)  # more rounds move nothing back: a cannot hold a prompt
+    assert _prompt_homes(cluster)["moves"] == moves
+    assert {served_by(cluster, _chat(system, 200 + n)) for n, system in enumerate(prompts)} == {b.instance_id}

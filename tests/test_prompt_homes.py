@@ -27,9 +27,13 @@ def keys_homed_on(candidate: Candidate, count: int) -> list[int]:
     return keys[:count]
 
 
-def named(key: int, blocks: int = 7) -> Event:
-    """The PREFIX event that names a prompt (its first block) and its size in blocks."""
-    return Event(EventKind.PREFIX, 1, blocks, 0, 1, 0, service_us=key)
+def named(key: int, blocks: int = 7, where: tuple[int, int] | None = None) -> Event:
+    """The PREFIX event that names a prompt (its first block) and its size in blocks, of a
+    request sent to `where`: by default the candidate the key was picked for (keys_homed_on)."""
+    if where is None:
+        names = [A.instance_id, B.instance_id]
+        where = (A, B)[rendezvous_home(key, names)].where
+    return Event(EventKind.PREFIX, 1, blocks, where[0], where[1], 0, service_us=key)
 
 
 def homes_over(seg, tolerance: float = 0.1, halflife_s: float = 20) -> PromptHomes:
@@ -69,6 +73,13 @@ def test_the_table_round_trips_and_a_reader_decodes_it_again_only_when_it_change
     assert reader.homes() is copy  # the seqlock word did not move: nothing decoded
     writer.publish({key: (0, 1) for key in range(1, HOME_ENTRIES + 10)})
     assert len(reader.homes()) == HOME_ENTRIES
+    # The next home is a word of its own: a rewrite of the table keeps it.
+    assert reader.next_home() is None  # never named (an older segment's reserved word)
+    writer.set_next_home((3, 9))
+    writer.publish({5: (1, 7)})
+    assert reader.next_home() == (3, 9) and reader.homes() == {5: (1, 7)}
+    writer.set_next_home(None)
+    assert reader.next_home() is None
 
 
 def test_a_reader_keeps_its_copy_while_a_writer_left_the_table_half_written(seg) -> None:
@@ -80,6 +91,72 @@ def test_a_reader_keeps_its_copy_while_a_writer_left_the_table_half_written(seg)
     assert reader.home_of(5) == (1, 7) and reader.torn_reads == 1
     writer.publish({5: (2, 3)})  # the next sidecar rewrites it whole
     assert reader.home_of(5) == (2, 3)
+
+
+def test_each_new_prompt_is_homed_where_its_first_request_went_the_next_home_named_by_the_work(seg) -> None:
+    homes, reader = homes_over(seg), HomeReader(seg)
+    homes.tick(100.0, lambda: [A])
+    assert reader.next_home() is None  # one candidate: nothing to choose
+    homes.tick(100.1, lambda: [A, B])  # b came: named at once, not a round later
+    assert reader.next_home() == A.where  # no work anywhere yet: the first candidate
+    hot, warm, cool = keys_homed_on(B, 3)  # their rendezvous home is b: it plays no part
+    for _ in range(6):
+        homes.observe(named(hot, where=A.where))
+    assert reader.next_home() == B.where  # 42 blocks on a, none on b
+    for _ in range(3):
+        homes.observe(named(warm, where=B.where))
+    assert reader.next_home() == B.where  # 21 < 42
+    for _ in range(4):
+        homes.observe(named(cool, where=B.where))
+    assert reader.next_home() == A.where  # 49 > 42
+    homes.tick(102.0, lambda: [A, B])
+    assert reader.homes() == {hot: A.where, warm: B.where, cool: B.where}
+    assert homes.stats["moves"] == 0 and homes.describe()["next_home"] == A.instance_id
+
+
+def test_the_next_home_has_room_for_one_more_prompt_and_follows_the_speeds(seg) -> None:
+    homes, reader = homes_over(seg), HomeReader(seg)
+    homes.tick(100.0, lambda: [A_KV, B_KV])
+    for key in range(1, 9):  # eight cold prompts fill a's room (8 x 7 of its 60 blocks)
+        homes.observe(named(key, where=A.where))
+    for _ in range(4):  # one hot prompt on b
+        homes.observe(named(9, where=B.where))
+    assert reader.next_home() == B.where  # a does less work, but holds no ninth prompt
+    fast_b = B._replace(speed=3.0)  # due three times a's share
+    again = homes_over(seg)
+    again.tick(200.0, lambda: [A, fast_b])
+    again.observe(named(10, where=A.where))
+    for _ in range(2):
+        again.observe(named(11, where=B.where))
+    assert reader.next_home() == B.where  # twice a's work, within three times its share
+
+
+def test_a_new_prompt_sent_where_it_does_not_fit_is_homed_at_the_next_home_and_listed_at_once(seg) -> None:
+    homes, reader = homes_over(seg), HomeReader(seg)
+    homes.tick(100.0, lambda: [A_KV, B_KV])
+    for key in range(1, 9):  # a holds eight prompts: its room is full
+        homes.observe(named(key, where=A.where))
+    assert reader.next_home() == B.where
+    # Two new prompts' first requests both go to a: one spilled, one sent while a was still
+    # the next home (before the sidecar took the prompt before it).
+    homes.observe(named(9, where=A.where))
+    homes.observe(named(10, where=A.where))
+    homes.tick(100.5, lambda: [A_KV, B_KV])  # not a round: the homes are listed all the same
+    assert reader.home_of(9) == reader.home_of(10) == B.where
+    assert len(reader.homes()) == 10 and homes.stats["moves"] == 0
+
+
+def test_a_prompt_the_table_does_not_list_yet_lives_where_its_requests_go(seg) -> None:
+    homes, reader = homes_over(seg), HomeReader(seg)
+    homes.tick(100.0, lambda: [A, B])
+    key = keys_homed_on(A, 1)[0]
+    homes.observe(named(key, where=A.where))
+    homes.observe(named(key, where=B.where))  # a worker found it held on b (its holder) only
+    homes.tick(101.0, lambda: [A, B])
+    assert reader.homes() == {key: B.where}
+    homes.observe(named(key, where=A.where))  # a spill, once listed, does not move its home
+    homes.tick(102.0, lambda: [A, B])
+    assert reader.homes() == {key: B.where}
 
 
 def test_prompts_move_off_the_overloaded_instance_until_the_work_is_within_the_tolerance(seg) -> None:
@@ -151,11 +228,11 @@ def test_homes_on_an_instance_that_left_and_of_prompts_no_longer_seen_are_droppe
     requests = dict.fromkeys(keys_homed_on(A, 2), 30)
     homes = homes_over(seg, halflife_s=1)
     now = run(homes, requests, rounds=1)
-    assert len(HomeReader(seg).homes()) == 1
+    assert sorted(HomeReader(seg).homes().values()) == [A.where, B.where]  # one moved to b
     homes.tick(now, lambda: [A])  # b left
-    assert HomeReader(seg).homes() == {}
-    now = run(homes, requests, rounds=1, start=now + ROUND_S)
-    assert len(HomeReader(seg).homes()) == 1
+    assert list(HomeReader(seg).homes().values()) == [A.where]
+    now = run(homes, requests, rounds=1, start=now + ROUND_S)  # its next request names it again
+    assert len(HomeReader(seg).homes()) == 2
     homes.tick(now + 20, lambda: [A, B])  # silent for 20 half-lives: forgotten
     assert HomeReader(seg).homes() == {} and homes.describe()["prompts"] == 0
 
@@ -196,6 +273,17 @@ def test_a_move_for_the_work_never_overflows_a_cache_two_homes_swap_instead(seg)
     assert work_on(seg, requests, (A_KV, B_KV)) == {"inst-a": 32, "inst-b": 32}
 
 
+def test_a_move_for_the_work_counts_the_prompts_that_have_not_come_back_yet(seg) -> None:
+    # b's room holds its eight prompts, each seen once so far (their second requests may come
+    # any time); a's four draw nearly all the work. Moving one to b (the closest split) would
+    # make nine there: prompts swap instead.
+    hot, cold = keys_homed_on(A, 4), keys_homed_on(B, 8)
+    homes = homes_over(seg, tolerance=0.3)  # one move brings a within it
+    run(homes, {**dict.fromkeys(hot, 10), **dict.fromkeys(cold, 1)}, rounds=1, candidates=(A_KV, B_KV))
+    assert homes.stats["moves"] == 1
+    assert homed_prompts(seg, hot + cold) == {"inst-a": 4, "inst-b": 8}
+
+
 def test_a_prompt_seen_once_takes_no_room(seg) -> None:
     # Eight prompts that came back fill a's room; forty one-off prompts homed there as well do
     # not make it overflow, so nothing moves for room.
@@ -212,7 +300,7 @@ def test_a_restarted_sidecar_keeps_the_published_homes(seg) -> None:
     run(homes_over(seg), requests, rounds=1)
     published = HomeReader(seg).homes()
     again = homes_over(seg)
-    assert again.adopt() == 1
+    assert again.adopt() == 2
     again.tick(200.0, lambda: [A, B])  # a round before any request: the homes stay
     assert HomeReader(seg).homes() == published
     run(again, requests, rounds=3, start=201.0)
