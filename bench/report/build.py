@@ -50,6 +50,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json")),
+    "affinity_vllm_rendezvous.json": (
+        f"{affinity_vllm.TITLE}, each new prompt homed by its rendezvous hash (the tree before)",
+        ("affinity_vllm_rendezvous_repeat.json", "affinity_vllm_rendezvous_repeat2.json")),
     "affinity_vllm_event_ticks.json": (
         f"{affinity_vllm.TITLE}, claims standing until confirmed or 30 s (the tree then)",
         ("affinity_vllm_event_ticks_repeat.json",)),
