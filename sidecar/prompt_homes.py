@@ -20,9 +20,10 @@ a prompt moves from the instance furthest above its share to the one furthest be
 first is above by more than PROXY_AFFINITY_HOME_TOLERANCE and the move brings the two closer;
 then again, up to MOVES_A_ROUND moves. Learned paces within SPEED_BAND of each other count as
 one speed (speed_classes): identical engines' paces drift apart under uneven load, and a move on
-that drift only costs misses. The busiest HOME_ENTRIES homes are published once a round; a
-prompt the table does not list lives where its requests go, and one whose rate decays away is
-forgotten.
+that drift only costs misses. The busiest HOME_ENTRIES homes are published once a round, and
+at once when a new prompt's first request went where it does not fit (its home is then the next
+home); a prompt the table does not list lives where its requests go, and one whose rate decays
+away is forgotten.
 
 Homes also respect each instance's KV cache: the prompts homed on an instance that came back
 (FOOTPRINT_REQUESTS) must fit its room (its KV capacity in blocks, less a block for each request
