@@ -77,9 +77,9 @@ def heartbeat(cluster, instance_id: str, **fields: Any) -> tuple[int, Any]:
 SYSTEM = "You answer questions about the shared corpus. " * 20  # ~900 characters: 3 blocks
 
 
-def prefix_body(question: str, stream: bool = True, max_tokens: int = 2) -> dict[str, Any]:
+def prefix_body(question: str, stream: bool = True, max_tokens: int = 2, system: str = SYSTEM) -> dict[str, Any]:
     return {"model": "sim", "stream": stream, "max_tokens": max_tokens,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
 
 
 def served_by(cluster, body: dict[str, Any]) -> str:
@@ -111,6 +111,6 @@ async def held_streams(sim) -> AsyncIterator[list[OpenStream]]:
             await session.close()
 
 
-def prompt_query() -> dict[str, str]:
-    rendered = f"<|system|>{SYSTEM}<|user|>x"
+def prompt_query(system: str = SYSTEM) -> dict[str, str]:
+    rendered = f"<|system|>{system}<|user|>x"
     return {"prompt": rendered}

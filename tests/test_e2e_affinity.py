@@ -271,8 +271,7 @@ def _prompt_homes(cluster) -> dict[str, Any]:
 
 
 def _chat(system: str, n: int) -> dict[str, Any]:
-    return {"model": "sim", "stream": False, "max_tokens": 2,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}"}]}
+    return prefix_body(f"q{n}", stream=False, system=system)
 
 
 def _first_sights(cluster, prompts: list[str]) -> list[str]:
@@ -301,7 +300,7 @@ def test_new_prompts_are_homed_by_the_work_and_every_worker_sends_each_to_its_ho
     wait_until(lambda: _prompt_homes(cluster)["listed"] == 3, 10, message="the homes listed")
     assert _prompt_homes(cluster)["moves"] == 0
     homes = {system: {w: [iid for iid, row in affinity_rows(
-        cluster, w, prompt=f"<|system|>{system}<|user|>x").items() if row["displace_ms"] == 0]
+        cluster, w, **prompt_query(system)).items() if row["displace_ms"] == 0]
         for w in range(cluster.workers)} for system in prompts}
     assert homes == {system: {0: [home], 1: [home]} for system, home in zip(prompts, went)}, homes
 

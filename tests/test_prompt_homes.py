@@ -21,18 +21,20 @@ def seg():
         yield segment
 
 
+def picked_for(key: int) -> Candidate:
+    """The candidate a test key stands for: its rendezvous one of a and b."""
+    return (A, B)[rendezvous_home(key, [A.instance_id, B.instance_id])]
+
+
 def keys_homed_on(candidate: Candidate, count: int) -> list[int]:
-    names = [A.instance_id, B.instance_id]
-    keys = [k for k in range(1, 10_000) if names[rendezvous_home(k, names)] == candidate.instance_id]
+    keys = [k for k in range(1, 10_000) if picked_for(k).instance_id == candidate.instance_id]
     return keys[:count]
 
 
 def named(key: int, blocks: int = 7, where: tuple[int, int] | None = None) -> Event:
     """The PREFIX event that names a prompt (its first block) and its size in blocks, of a
     request sent to `where`: by default the candidate the key was picked for (keys_homed_on)."""
-    if where is None:
-        names = [A.instance_id, B.instance_id]
-        where = (A, B)[rendezvous_home(key, names)].where
+    where = picked_for(key).where if where is None else where
     return Event(EventKind.PREFIX, 1, blocks, where[0], where[1], 0, service_us=key)
 
 
