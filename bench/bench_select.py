@@ -25,6 +25,12 @@ WorkerRow):
   home holds its blocks, as the sidecar's model publishes them.
 - dict least_load (baseline): what one process of the original does, a dict
   instance_id -> inflight and a min over it, ties rotated by a local counter.
+- least_load formula floor (Python): the least a selection in plain Python can cost, its
+  arithmetic alone: least_load's eight weighted terms written out in one expression per
+  candidate, over columns already read (no reads of the table, no tie-break, no router). The
+  Python selector feeds the same sums through least_load_totals, which takes any set of
+  weighted components and skips unknown values, so it costs more; this row shows how much of
+  its time no plain-Python form of the formula can save.
 - begin+end pair: `WorkerRow.begin` + `WorkerRow.end` (journal, CAS loop, own-row mirror), and
   the dict baseline `d[k] += 1` / floored decrement.
 
@@ -212,6 +218,22 @@ def dict_least_load(loads: dict[str, int]) -> Callable[[], str]:
     return select
 
 
+def formula_floor(n: int, rng: random.Random) -> Callable[[], list[float]]:
+    """least_load's sum over `n` candidates in its fastest plain-Python form: a fixed
+    expression of the eight default weights, over columns as a selection would have read them
+    (five counter lanes, the pending and decoding counts, the backlog in ms)."""
+    weights = tuple(weight for weight in DEFAULT_WEIGHTS.values() if weight)
+    assert len(weights) == 8, "the expression below writes out eight terms"
+    counts = [[rng.randrange(32) for _ in range(n)] for _ in range(7)]
+    backlog = [rng.random() * 1000 for _ in range(n)]
+    w1, w2, w3, w4, w5, w6, w7, w8 = weights
+
+    def totals() -> list[float]:
+        return [w1 * a + w2 * b + w3 * c + w4 * d + w5 * e + w6 * f + w7 * g + w8 * h
+                for a, b, c, d, e, f, g, h in zip(*counts, backlog)]
+    return totals
+
+
 def loop_of(call: Callable[[], object]) -> Callable[[int], None]:
     def run(n: int) -> None:
         for _ in range(n):
@@ -254,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             cases[("kv_aware_router_acquire", n)] = loop_of(table.kv_aware_acquire)
             cases[("least_load_router_acquire", n)] = loop_of(table.least_load_acquire)
             cases[("dict_least_load_baseline", n)] = loop_of(dict_least_load(table.counts()))
+            cases[("least_load_formula_floor_python", n)] = loop_of(formula_floor(n, random.Random(n)))
         inst = tables[16].instances[0]
         row = tables[16].row
         slot, gen = inst.slot, inst.generation
@@ -350,7 +373,8 @@ def print_table(report: dict) -> None:
     print("-" * len(header))
     for case in ("least_load_router_choose", "least_load_router_choose_python",
                  "least_load_inflight_only", "round_robin_router_choose",
-                 "dict_least_load_baseline", "least_load_router_acquire", "kv_aware_router_acquire"):
+                 "least_load_formula_floor_python", "dict_least_load_baseline",
+                 "least_load_router_acquire", "kv_aware_router_acquire"):
         print(f"{case:<36}" + "".join(f"{res[case][str(n)]['median_us']:>10.2f}" for n in report["sizes"]))
     for case in ("begin_end_pair", "begin_end_pair_python", "dict_begin_end_pair_baseline"):
         print(f"{case:<36}{res[case]['any']['median_us']:>10.2f}   (size-independent)")
