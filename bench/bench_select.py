@@ -151,7 +151,7 @@ class Table:
         predictors = get_predictors(settings.predictor_profile)
         index = SharedAffinity(self.seg, EventChannelWriter(self.seg, self.row), settings.affinity_pending_s)
         scorer = AffinityScorer(settings, index, predictors,
-                                KnowledgePreparer(settings, None, predictors).transfer_ms)
+                                KnowledgePreparer(settings, None, predictors))
         return Router(settings, self.seg, self.row, affinity=scorer)
 
     def _hold_the_system_prompt(self) -> None:

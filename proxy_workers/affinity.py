@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvous_home
 from cacheroute_proxy.clock import now_us
@@ -59,6 +59,9 @@ class _Holding(NamedTuple):
     claimed: tuple[str, ...]
     cached: int
     pending_blocks: int
+    # KV pulls other requests wait on there (its knowledge claimed by any worker and not resident
+    # yet): the KDN's link to the instance carries one at a time, so a new pull queues behind them.
+    pulls_ahead: int = 0
 
 
 def _homes(candidates: Sequence[InstanceSlot], holdings: Sequence[_Holding],
@@ -93,9 +96,15 @@ class Assessment(NamedTuple):
     held_tokens: int     # prompt tokens it holds, confirmed or claimed: what its prefill skips
 
 
-# (instance id, KDN address, knowledge tokens) -> ms the transfer of their KV would take now
-# (KnowledgePreparer.transfer_ms: the link's queue and its learned pace).
-TransferEstimate = Callable[[str, str, int], float]
+class LinkEstimates(Protocol):
+    """What KV transfers from the KDN to an instance take now (KnowledgePreparer: each link's
+    queue and its learned pace), in ms."""
+
+    def transfer_ms(self, instance_id: str, kdn_addr: str, tokens: int) -> float: ...
+
+    def link_wait_ms(self, instance_id: str, kdn_addr: str, queued_tokens: int = 0) -> float: ...
+
+    def pull_ms(self, instance_id: str, kdn_addr: str, tokens: int) -> float: ...
 
 
 def _index_of(candidates: Sequence[InstanceSlot], where: tuple[int, int] | None) -> int | None:
@@ -109,13 +118,13 @@ def _index_of(candidates: Sequence[InstanceSlot], where: tuple[int, int] | None)
 
 class AffinityScorer:
     def __init__(self, settings: Settings, index: AffinityIndex, predictors: Any,
-                 transfer_ms: TransferEstimate, engine_prefix: EnginePrefix | None = None,
+                 links: LinkEstimates, engine_prefix: EnginePrefix | None = None,
                  hand_over: HandOver = hand_over_later) -> None:
         self._settings = settings
         self._hand_over = hand_over  # when a claim leaves what it made resident to the index
         self.index = index
         self._predictors = predictors
-        self._transfer_ms = transfer_ms
+        self._links = links
         # A plain prompt's prefill by its length (the profile's curve; each candidate asks for
         # one or two of a handful of lengths per request, and requests repeat them).
         self._prompt_ms: Callable[[int], float] = functools.lru_cache(maxsize=PROMPT_LENGTHS_KEPT)(
@@ -160,7 +169,7 @@ class AffinityScorer:
         own = -1 if claim is None else claim.knowledge_claim
         tokens = spec.tokens_of(len(kids))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLAIM_WAIT_MIN_S + 2 * self._transfer_ms(instance.instance_id, spec.kdn_addr, tokens) / 1000
+        deadline = loop.time() + CLAIM_WAIT_MIN_S + 2 * self._links.transfer_ms(instance.instance_id, spec.kdn_addr, tokens) / 1000
         while True:
             now = now_us()
             self.index.refresh(now)
@@ -282,6 +291,7 @@ class AffinityScorer:
         pending = self.index.pending
         resident: list[str] = []
         claimed: list[str] = []
+        pulls_ahead = 0
         if kid_keys:
             where = (instance.slot, instance.generation, AFFINITY_KNOWLEDGE)
             for kid, key in kid_keys:
@@ -290,6 +300,8 @@ class AffinityScorer:
                     pending.confirmed(where, key)
                 elif now and pending.holds(where, key, now):
                     claimed.append(kid)
+            if now:  # the pulls of the request's own ids (claimed) it rides, not queues behind
+                pulls_ahead = pending.count(where, now, held.knowledge) - len(claimed)
         cached = pending_blocks = 0
         if blocks:
             where = (instance.slot, instance.generation, AFFINITY_PREFIX)
@@ -301,20 +313,24 @@ class AffinityScorer:
                 else:
                     break
                 cached += 1
-        return _Holding(tuple(resident), tuple(claimed), cached, pending_blocks)
+        return _Holding(tuple(resident), tuple(claimed), cached, pending_blocks, pulls_ahead)
 
     def _assessment(self, request: ProxyRequest, instance: InstanceSlot, holding: _Holding,
                     home_kids: int, home_blocks: int, displace_ms: float, wanted: int) -> Assessment:
         held_kids, cached = len(holding.resident) + len(holding.claimed) + home_kids, holding.cached + home_blocks
-        prefill, transfer, saved = self._costs(request, instance, held_kids, wanted, cached)
+        prefill, transfer, saved = self._costs(request, instance, held_kids, wanted, cached,
+                                               wanted - len(holding.resident) - len(holding.claimed),
+                                               holding.pulls_ahead)
         held_tokens = min(request.prompt_tokens, holding.cached * self._settings.affinity_block_tokens)
         return Assessment(holding.resident, holding.claimed, cached, holding.pending_blocks, home_kids,
                           home_blocks, prefill, transfer, saved, displace_ms, held_tokens)
 
     def _costs(self, request: ProxyRequest, instance: InstanceSlot, held_kids: int, wanted: int,
-               cached_blocks: int) -> tuple[float, float, float]:
+               cached_blocks: int, pulls: int = 0, pulls_ahead: int = 0) -> tuple[float, float, float]:
         """(prefill of what is not held, transfer of the knowledge not held, what the held part
-        saves), in ms at the profile's pace."""
+        saves), in ms at the profile's pace. `pulls`: the ids the instance would pull (its home
+        ids too: their credit spares a pull's time, not its place in the link's queue);
+        `pulls_ahead`: KV pulls already headed there, each taken to be one of these ids."""
         predictors = self._predictors
         spec = request.knowledge
         prompt = request.prompt_tokens
@@ -323,8 +339,10 @@ class AffinityScorer:
             if spec.injection_type != "kvcache" or instance.kv_inject == layout.KV_INJECT_NO:
                 return predictors.text_service_ms(prompt, knowledge), 0.0, 0.0
             prefill = predictors.kvcache_service(prompt, knowledge).total_ms
-            missing = self._transfer_ms(instance.instance_id, spec.kdn_addr, spec.tokens_of(wanted - held_kids))
-            everything = self._transfer_ms(instance.instance_id, spec.kdn_addr, knowledge)
+            links, iid, kdn = self._links, instance.instance_id, spec.kdn_addr
+            wait = links.link_wait_ms(iid, kdn, spec.tokens_of(pulls_ahead))
+            missing = (wait if pulls else 0.0) + links.pull_ms(iid, kdn, spec.tokens_of(wanted - held_kids))
+            everything = wait + links.pull_ms(iid, kdn, knowledge)
             return prefill, missing, everything - missing
         saved = self._prompt_saving(request, cached_blocks)
         return self._prompt_ms(prompt) - saved, 0.0, saved
@@ -368,8 +386,10 @@ class AffinityScorer:
                 "home": {"knowledge": assessment.home_kids, "prefix_blocks": assessment.home_blocks},
                 "resident_counts": {"knowledge": len(held.knowledge), "prefix_blocks": len(held.prefix)},
                 "pending_counts": {
-                    "knowledge": pending.count((instance.slot, instance.generation, AFFINITY_KNOWLEDGE), now),
-                    "prefix_blocks": pending.count((instance.slot, instance.generation, AFFINITY_PREFIX), now)},
+                    "knowledge": pending.count((instance.slot, instance.generation, AFFINITY_KNOWLEDGE), now,
+                                               held.knowledge),
+                    "prefix_blocks": pending.count((instance.slot, instance.generation, AFFINITY_PREFIX), now,
+                                                   held.prefix)},
                 "capacity_tokens": self.index.capacity_tokens(instance) or None,
                 "saved_ms": round(assessment.saved_ms, 1),
                 "displace_ms": round(assessment.displace_ms, 1),

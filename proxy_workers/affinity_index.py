@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict
-from typing import Any, Callable, Collection, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Collection, Container, NamedTuple, Protocol, Sequence
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
@@ -114,9 +114,11 @@ class PendingClaims:
         if held:
             held.pop(key, None)
 
-    def count(self, where: Where, now: int) -> int:
+    def count(self, where: Where, now: int, resident: Container[int] = ()) -> int:
+        """The keys a claim stands on, but those the index holds already (`resident`)."""
         held = self._held.get(where)
-        return sum(1 for claims in held.values() if max(claims.values()) > now) if held else 0
+        return sum(1 for key, claims in held.items() if key not in resident and max(claims.values()) > now) \
+            if held else 0
 
     def prune(self, now: int) -> None:
         """Forget lapsed claims (at most once a second)."""

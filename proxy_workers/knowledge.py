@@ -101,11 +101,23 @@ class KnowledgePreparer:
         """What a transfer of the KV of `tokens` knowledge tokens to the instance would take if
         asked now: the wait for this worker's transfers queued on the link, then the transfer at
         the pace the link has shown; 0 for nothing to transfer."""
+        return self.link_wait_ms(instance_id, kdn_addr) + self.pull_ms(instance_id, kdn_addr, tokens) \
+            if tokens else 0.0
+
+    def link_wait_ms(self, instance_id: str, kdn_addr: str, queued_tokens: int = 0) -> float:
+        """How long a transfer asked now would wait for the link: the longer of this worker's
+        own queue, as its timeline predicts it, and the host's, `queued_tokens` of KV the
+        requests of every worker routed there are still pulling (kv_aware's claims)."""
+        own = self.link(instance_id, kdn_addr).wait_s(time.time()) * 1000
+        return max(own, self.pull_ms(instance_id, kdn_addr, queued_tokens)) if queued_tokens else own
+
+    def pull_ms(self, instance_id: str, kdn_addr: str, tokens: int) -> float:
+        """The transfer of the KV of `tokens` knowledge tokens over the link, once on the wire,
+        at the pace the link has shown; 0 for nothing to transfer."""
         if not tokens:
             return 0.0
-        link = self.link(instance_id, kdn_addr)
         estimate = self.kdn_links.link_for(instance_id, kdn_addr).transfer_ms(self._predictors, tokens)
-        return link.wait_s(time.time()) * 1000 + link.pace.factor * estimate
+        return self.link(instance_id, kdn_addr).pace.factor * estimate
 
     async def prepare(self, request: ProxyRequest, instance: InstanceSlot, trace: Trace,
                       spans: Any = None, client_headers: Sequence[Header] = (),

@@ -174,7 +174,7 @@ def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
     affinity = make_index(settings, seg, events)
     upstream = Upstream(settings, replace_trace_context=tracing is not None)
     preparer = KnowledgePreparer(settings, upstream, predictors, links)
-    router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer.transfer_ms,
+    router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer,
                                                        engine_prefix.from_settings(settings)))
     pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, router.affinity,
                         open_bells(seg, row.row))

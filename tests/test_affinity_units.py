@@ -21,7 +21,7 @@ from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint, ProxyRequest, recover
 from proxy_workers.event_channel import EventChannelWriter
-from shm_schema import DirectoryWriter, WorkerRow, read_all
+from shm_schema import DirectoryWriter, InstanceSlot, WorkerRow, read_all
 from shm_schema.affinity import AffinityReader, AffinityWriter
 from shm_schema.events import EventReader, residency
 from shm_schema.homes import HomeWriter
@@ -205,7 +205,7 @@ def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRo
     events = EventChannelWriter(segment, row or WorkerRow.claim(segment, 0))
     predictors = get_predictors(settings.predictor_profile)
     preparer = KnowledgePreparer(settings, None, predictors)
-    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer.transfer_ms, engine,
+    return AffinityScorer(settings, view(segment, events, pending_s), predictors, preparer, engine,
                           hand_over)
 
 
@@ -234,6 +234,43 @@ def test_the_assessment_prices_what_is_not_held_resident_knowledge_skips_its_tra
     [cold] = scorer.assess(plain, [instance])
     assert (cold.prefix_blocks, cold.saved_ms, cold.transfer_ms) == (0, 0.0, 0.0)
     assert cold.prefill_ms == pytest.approx(predictors.text_service_ms(plain.prompt_tokens, 0))
+
+
+OTHER_KNOWLEDGE = KNOWLEDGE.replace(b'"k1","k2"', b'"k3","k4"')
+
+
+@pytest.mark.parametrize("view", [SharedAffinity, PerWorkerAffinity])
+def test_pulls_another_worker_sent_to_an_instance_are_a_wait_on_its_link(segment, view):
+    """The KDN's link to an instance carries one pull at a time: a new pull there waits for
+    the ones every worker's requests already routed there (their knowledge claimed, not
+    resident yet), each priced as one of the new request's ids -- at the new ids' home too,
+    whose credit spares the pull's time, not its place in the queue. Only the shared view sees
+    another worker's pulls; a pull the index confirms has ended."""
+    directory = DirectoryWriter(segment)
+    directory.allocate("a", "127.0.0.1", 9001)
+    directory.allocate("b", "127.0.0.1", 9002)
+    a, b = read_all(segment)
+    other = _scorer(segment, view, row=WorkerRow.claim(segment, 1))
+    pulling = recover(Endpoint.CHAT, KNOWLEDGE)
+    assert other.claim(pulling, a, other.assess(pulling, [a, b])[0]) is not None  # k1 and k2 on their way to a
+    scorer = _scorer(segment, view)
+    request = recover(Endpoint.CHAT, OTHER_KNOWLEDGE)
+    link = LinkTable.from_settings(Settings()).link_for(a.instance_id, "kdn:1")
+    predictors = get_predictors(Settings().predictor_profile)
+
+    def priced(instance: InstanceSlot, ids_ahead: int) -> float:
+        """The new request's transfer there: its queue, then k3 and k4 unless it is their home."""
+        assessment = scorer.assess(request, [a, b])[[a, b].index(instance)]
+        queue = link.transfer_ms(predictors, 1024 * ids_ahead) if ids_ahead and view is SharedAffinity else 0.0
+        return assessment.transfer_ms - queue - (0.0 if assessment.home_kids else link.transfer_ms(predictors, 2048))
+
+    assert priced(a, 2) == pytest.approx(0.0, abs=1e-6)
+    assert priced(b, 0) == pytest.approx(0.0, abs=1e-6)
+    assert sum(x.home_kids for x in scorer.assess(request, [a, b])) == 2  # one of them is their home
+    models = AffinityModels(segment, lambda s, g: 0)
+    models.report(a.slot, a.generation, [knowledge_key("k1")])  # k1's pull ended
+    models.publish()
+    assert priced(a, 1) == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("view", [SharedAffinity, PerWorkerAffinity])
