@@ -108,9 +108,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "This proxy against nginx and an LLM router: a second run")),
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
+        ("affinity_own_link_queue.json", lambda d: affinity.section(
+            d, "affinity_own_link_queue.json", "each worker pricing a KV pull behind its own transfers "
+            "on the link only, not the pulls other workers sent there (the tree before)")),
         ("affinity_standing_claims.json", lambda d: affinity.section(
             d, "affinity_standing_claims.json", "a claim on knowledge standing until its request ended "
-            "and an acknowledged one until confirmed or 30 s (the tree before): 4 workers 6 points "
+            "and an acknowledged one until confirmed or 30 s (an earlier tree): 4 workers 6 points "
             "behind 1")),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_w3.json", lambda d: affinity.section(
