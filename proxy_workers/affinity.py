@@ -61,7 +61,7 @@ class _Holding(NamedTuple):
     pending_blocks: int
     # KV pulls other requests wait on there (its knowledge claimed by any worker and not resident
     # yet): the KDN's link to the instance carries one at a time, so a new pull queues behind them.
-    pulls_ahead: int = 0
+    pulls_ahead: int
 
 
 def _homes(candidates: Sequence[InstanceSlot], holdings: Sequence[_Holding],
@@ -326,7 +326,7 @@ class AffinityScorer:
                           home_blocks, prefill, transfer, saved, displace_ms, held_tokens)
 
     def _costs(self, request: ProxyRequest, instance: InstanceSlot, held_kids: int, wanted: int,
-               cached_blocks: int, pulls: int = 0, pulls_ahead: int = 0) -> tuple[float, float, float]:
+               cached_blocks: int, pulls: int, pulls_ahead: int) -> tuple[float, float, float]:
         """(prefill of what is not held, transfer of the knowledge not held, what the held part
         saves), in ms at the profile's pace. `pulls`: the ids the instance would pull (its home
         ids too: their credit spares a pull's time, not its place in the link's queue);
