@@ -49,7 +49,8 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
-    "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json")),
+    "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json",
+                                                 "affinity_vllm_repeat3.json")),
     "affinity_vllm_rendezvous.json": (
         f"{affinity_vllm.TITLE}, each new prompt homed by its rendezvous hash (the tree before)",
         ("affinity_vllm_rendezvous_repeat.json", "affinity_vllm_rendezvous_repeat2.json")),
