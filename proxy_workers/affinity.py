@@ -294,14 +294,16 @@ class AffinityScorer:
         pulls_ahead = 0
         if kid_keys:
             where = (instance.slot, instance.generation, AFFINITY_KNOWLEDGE)
+            riding: set[int] = set()  # the pulls of the request's own ids: it rides them, not queues behind
             for kid, key in kid_keys:
                 if key in held.knowledge:
                     resident.append(kid)
                     pending.confirmed(where, key)
                 elif now and pending.holds(where, key, now):
                     claimed.append(kid)
-            if now:  # the pulls of the request's own ids (claimed) it rides, not queues behind
-                pulls_ahead = pending.count(where, now, held.knowledge) - len(claimed)
+                    riding.add(key)
+            if now:
+                pulls_ahead = pending.count(where, now, held.knowledge) - len(riding)
         cached = pending_blocks = 0
         if blocks:
             where = (instance.slot, instance.generation, AFFINITY_PREFIX)

@@ -267,6 +267,11 @@ def test_pulls_another_worker_sent_to_an_instance_are_a_wait_on_its_link(segment
     assert priced(a, 2) == pytest.approx(0.0, abs=1e-6)
     assert priced(b, 0) == pytest.approx(0.0, abs=1e-6)
     assert sum(x.home_kids for x in scorer.assess(request, [a, b])) == 2  # one of them is their home
+    # A request naming k1 twice (and as K1) rides k1's pull where it sees it: nothing of it queues.
+    riding = recover(Endpoint.CHAT, KNOWLEDGE.replace(b'"k1","k2"', b'"k1","k1","K1"'))
+    on_a = scorer.assess(riding, [a, b])[0]
+    if view is SharedAffinity:
+        assert (on_a.pending_kids, on_a.transfer_ms) == (("k1", "k1", "K1"), 0.0)
     models = AffinityModels(segment, lambda s, g: 0)
     models.report(a.slot, a.generation, [knowledge_key("k1")])  # k1's pull ended
     models.publish()
