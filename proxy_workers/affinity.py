@@ -319,20 +319,19 @@ class AffinityScorer:
 
     def _assessment(self, request: ProxyRequest, instance: InstanceSlot, holding: _Holding,
                     home_kids: int, home_blocks: int, displace_ms: float, wanted: int) -> Assessment:
-        held_kids, cached = len(holding.resident) + len(holding.claimed) + home_kids, holding.cached + home_blocks
-        prefill, transfer, saved = self._costs(request, instance, held_kids, wanted, cached,
-                                               wanted - len(holding.resident) - len(holding.claimed),
-                                               holding.pulls_ahead)
+        cached = holding.cached + home_blocks
+        prefill, transfer, saved = self._costs(request, instance, holding, home_kids, wanted, cached)
         held_tokens = min(request.prompt_tokens, holding.cached * self._settings.affinity_block_tokens)
         return Assessment(holding.resident, holding.claimed, cached, holding.pending_blocks, home_kids,
                           home_blocks, prefill, transfer, saved, displace_ms, held_tokens)
 
-    def _costs(self, request: ProxyRequest, instance: InstanceSlot, held_kids: int, wanted: int,
-               cached_blocks: int, pulls: int, pulls_ahead: int) -> tuple[float, float, float]:
+    def _costs(self, request: ProxyRequest, instance: InstanceSlot, holding: _Holding, home_kids: int,
+               wanted: int, cached_blocks: int) -> tuple[float, float, float]:
         """(prefill of what is not held, transfer of the knowledge not held, what the held part
-        saves), in ms at the profile's pace. `pulls`: the ids the instance would pull (its home
-        ids too: their credit spares a pull's time, not its place in the link's queue);
-        `pulls_ahead`: KV pulls already headed there, each taken to be one of these ids."""
+        saves), in ms at the profile's pace. Of the `wanted` ids, the instance would pull those
+        neither resident nor claimed there, its `home_kids` too: their credit spares a pull's
+        time, not its place in the link's queue, behind the pulls already headed there (each
+        taken to be one of these ids)."""
         predictors = self._predictors
         spec = request.knowledge
         prompt = request.prompt_tokens
@@ -342,8 +341,9 @@ class AffinityScorer:
                 return predictors.text_service_ms(prompt, knowledge), 0.0, 0.0
             prefill = predictors.kvcache_service(prompt, knowledge).total_ms
             links, iid, kdn = self._links, instance.instance_id, spec.kdn_addr
-            wait = links.link_wait_ms(iid, kdn, spec.tokens_of(pulls_ahead))
-            missing = (wait if pulls else 0.0) + links.pull_ms(iid, kdn, spec.tokens_of(wanted - held_kids))
+            pulls = wanted - len(holding.resident) - len(holding.claimed)
+            wait = links.link_wait_ms(iid, kdn, spec.tokens_of(holding.pulls_ahead))
+            missing = (wait if pulls else 0.0) + links.pull_ms(iid, kdn, spec.tokens_of(pulls - home_kids))
             everything = wait + links.pull_ms(iid, kdn, knowledge)
             return prefill, missing, everything - missing
         saved = self._prompt_saving(request, cached_blocks)

@@ -168,6 +168,11 @@ class SlotGeneration:
     def generation(word: int) -> int:
         return word & SlotGeneration.GENERATION_MASK
 
+    @staticmethod
+    def unpack(word: int) -> tuple[int, int]:
+        """(slot, generation)."""
+        return word >> SlotGeneration.SLOT_SHIFT, word & SlotGeneration.GENERATION_MASK
+
 
 class OptionalFloatWord:
     """A float stored as its IEEE-754 double bits; NaN means unknown (None)."""

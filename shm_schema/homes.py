@@ -90,12 +90,11 @@ class HomeReader:
     def next_home(self) -> tuple[int, int] | None:
         """(slot, generation) of the instance a prompt held nowhere goes to; None if none is named."""
         packed = self._seg.load(self._seg.geometry.homes_offset + layout.HT_NEXT_HOME)
-        return (SlotGeneration.slot(packed), SlotGeneration.generation(packed)) if packed else None
+        return SlotGeneration.unpack(packed) if packed else None
 
 
 def _decoded(count: int, words: tuple[int, ...]) -> dict[int, tuple[int, int]]:
     homes = {}
     for i in range(min(count, HOME_ENTRIES)):
-        packed = words[2 * i + 1]
-        homes[words[2 * i]] = (SlotGeneration.slot(packed), SlotGeneration.generation(packed))
+        homes[words[2 * i]] = SlotGeneration.unpack(words[2 * i + 1])
     return homes
