@@ -236,9 +236,6 @@ class ProxyExchange:
         try:
             while not await self._upstream.relay(response, relay):
                 await cycle.writable()  # the client is slow: the instance waits with it
-            tail = relay.flush()
-            if tail:
-                cycle.write(tail)
         except UpstreamFailure as exc:
             error = exc.reason
             if job.spans is not None:
@@ -246,8 +243,13 @@ class ProxyExchange:
         self._account(lease, error is None)
         trace.forward_end_ms = now_ms()
         # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
-        final = (meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT if error is None
-                 else cut_meta_event(trace, error, job.knowledge))
+        # What the relay held goes first, in the same write: the events before the instance's
+        # [DONE] (also when the stream failed after it), or a line the end cut short (not after
+        # a failure, where the cut meta event must not merge into it).
+        if error is None:
+            final = relay.flush() + meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT
+        else:
+            final = (relay.flush() if relay.saw_done else b"") + cut_meta_event(trace, error, job.knowledge)
         lease.release()  # before the end of the stream leaves, as for a whole answer
         cycle.end(final)
 

@@ -2,7 +2,8 @@
 `data: [DONE]`, which is withheld so the proxy's `cacheroute_meta` event can come first.
 
 Nothing parses the stream: a chunk is passed on as it came, without being split or copied,
-unless its tail holds the marker or may be the start of its line.
+unless its tail holds the marker or may be the start of its line. What precedes the marker in
+its chunk is held too, so the stream's last events, the meta and `[DONE]` leave in one write.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ class DoneStripper:
 
     Only a chunk's tail is looked at: `data: [DONE]` ends a stream, so a chunk that does not
     end with it passes as it came, and one that ends in the middle of a line holds back just
-    that line, if it could be the start of the marker's. (A `[DONE]` line anywhere but at the
-    end of the stream is relayed like any other.)"""
+    that line, if it could be the start of the marker's. A chunk that ends with the marker is
+    held whole but for the marker's line, for `flush` to hand over with the end. (A `[DONE]`
+    line anywhere but at the end of the stream is relayed like any other.)"""
 
     __slots__ = ("_held", "saw_done")
 
@@ -39,7 +41,8 @@ class DoneStripper:
             start = chunk.rfind(b"\n", 0, at) + 1
             if chunk[start:].strip() in _DONE_LINES:
                 self.saw_done = True
-                return chunk[:start]
+                self._held = chunk[:start]  # leaves with the end (flush), in the same write
+                return b""
             return chunk
         if chunk[-1:] == b"\n":
             return chunk
@@ -51,7 +54,8 @@ class DoneStripper:
         return chunk
 
     def flush(self) -> bytes:
-        """What is held after the upstream ended (a line cut short, unchanged)."""
+        """What is held after the upstream ended: the events before the marker, or a line cut
+        short (unchanged)."""
         rest, self._held = self._held, b""
         return rest
 

@@ -71,7 +71,14 @@ def test_a_chunk_that_does_not_end_the_stream_is_passed_as_is(chunk):
 @pytest.mark.parametrize("tail", [b"data: [DONE]\n\n", b"data:[DONE]\r\n\r\n", b"data: [DONE]"])
 def test_the_marker_is_found_at_the_tail_in_any_spelling(tail):
     stripper = DoneStripper()
-    assert stripper.feed(b"data: {}\n\n" + tail) == b"data: {}\n\n" and stripper.saw_done
+    assert stripper.feed(b"data: {}\n\n" + tail) == b"" and stripper.saw_done
+    assert stripper.flush() == b"data: {}\n\n"  # the events before it leave with the end
+
+
+def test_events_held_with_a_marker_that_was_not_the_end_go_before_what_follows():
+    stripper = DoneStripper()
+    assert stripper.feed(b"data: {}\n\ndata: [DONE]\n\n") == b""
+    assert stripper.feed(b"data: {\"late\":1}\n\n") == b"data: {}\n\ndata: {\"late\":1}\n\n"
 
 
 def test_a_held_line_that_never_became_the_marker_is_flushed_unchanged():

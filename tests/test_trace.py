@@ -395,3 +395,22 @@ def test_a_scheduler_request_keeps_the_full_pipeline(segment):
     plane, pipeline, _, _ = _plane(segment, injection_strategy="iws")
     status, _ = asyncio.run(_serve(plane, _scheduler_body(stream=False)))
     assert status == 200 and pipeline.plain_path == 0
+
+
+def test_a_streams_last_events_its_meta_and_done_leave_in_one_write(segment):
+    plane, _, upstream, _ = _plane(segment)
+    first, last = (b'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n' % word for word in (b"a", b"z"))
+
+    async def answered(host: str, port: int, path: str, body: bytes, headers: bytes) -> _Response:
+        return _Response([first, last + b"data: [DONE]\n\n"])  # the last event and the end in one read
+    upstream.open = answered  # type: ignore[method-assign]
+
+    async def served() -> _Cycle:
+        cycle = _Cycle(_plain_body(stream=True))
+        await plane.serve(Endpoint.CHAT, cycle)  # type: ignore[arg-type]
+        return cycle
+    cycle = asyncio.run(served())
+    assert cycle.status == 200 and cycle.sent[0] == first
+    end = cycle.sent[-1]  # Cycle.end: one write with the stream's terminator
+    assert end.startswith(last + b"event: cacheroute_meta\ndata: ") and end.endswith(b"\n\ndata: [DONE]\n\n")
+    assert b"".join(cycle.sent).count(b"[DONE]") == 1
