@@ -21,6 +21,12 @@ and the fastest of the repeats, a part's cost being the difference of the fastes
   read the body, open the next upstream, read its answer, send it whole: what any proxy on this
   client and server pays.
 
+Then each variant again one request at a time on evicted caches (`--cold-requests`, in a
+shuffled order each round): before each, a 64 MiB buffer is written through, so the request
+finds neither its code nor its data in any cache, as when requests come tens of milliseconds
+apart on a machine the engines share. Thread CPU per request, median; a part's cold cost is
+the full path's median minus the variant's.
+
 After the blocks, one more block of the full path runs under cProfile: what a request costs by
 function (calls a request, a coroutine counted at each resumption; and the share of the
 profiled own time, shown as µs of the unprofiled full path) and by package. The profiler adds
@@ -42,6 +48,7 @@ import gc
 import json
 import os
 import pstats
+import random
 import shutil
 import sys
 import tempfile
@@ -69,6 +76,8 @@ HEADERS = [(b"host", b"127.0.0.1:8001"), (b"user-agent", b"wrk"), (b"content-typ
            (b"content-length", str(len(BODY)).encode())]
 CONCURRENCY = 32
 PROFILE_TOP = 25  # functions listed in the by-function profile
+EVICTION_BYTES = 64 << 20  # written through before each cold request: more than any cache here
+CACHE_LINE = 64
 _ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
@@ -230,9 +239,12 @@ def _without_meta(exchange: Any) -> Iterator[None]:
         yield
 
 
-async def measure(requests: int, repeats: int) -> tuple[dict[str, list[float]], pstats.Stats]:
+async def measure(requests: int, repeats: int,
+                  cold_requests: int = 0) -> tuple[dict[str, list[float]], dict[str, list[float]], pstats.Stats]:
+    """Per variant: CPU µs per request of each warm block, each cold request's; and the profile."""
     async with canned_worker() as worker:
         runs = variants(worker)
+        cold = await measure_cold(worker, runs, cold_requests)
         samples: dict[str, list[float]] = {name: [] for name in runs}
         batches = max(1, requests // CONCURRENCY)
         for handler, _ in runs.values():  # warm every path (pools, plans, caches)
@@ -254,7 +266,42 @@ async def measure(requests: int, repeats: int) -> tuple[dict[str, list[float]], 
             await asyncio.gather(*(worker.full(a_cycle()) for _ in range(CONCURRENCY)))
             worker.drain_events()
         profiler.disable()
-        return samples, pstats.Stats(profiler)
+        return samples, cold, pstats.Stats(profiler)
+
+
+async def measure_cold(worker: Worker, runs: dict[str, tuple[Callable[[Any], Awaitable[None]],
+                                                             Callable[[], Any]]],
+                       rounds: int) -> dict[str, list[float]]:
+    """Each variant's thread CPU µs for one request on evicted caches, `rounds` times, the
+    variants in a shuffled (seeded) order each round."""
+    samples: dict[str, list[float]] = {name: [] for name in runs} if rounds else {}
+    evicted = bytearray(EVICTION_BYTES)
+    lines = b"\x01" * (EVICTION_BYTES // CACHE_LINE)
+    order = list(runs.items())
+    shuffle = random.Random(7).shuffle
+    for done in range(rounds):
+        shuffle(order)
+        for name, (handler, context) in order:
+            with context():
+                cycle = a_cycle()
+                evicted[::CACHE_LINE] = lines  # one byte a cache line, through the whole buffer
+                started = time.thread_time_ns()
+                await handler(cycle)
+                samples[name].append((time.thread_time_ns() - started) / 1000)
+        if done % 16 == 15:
+            worker.drain_events()
+    worker.drain_events()
+    return samples
+
+
+def cold_results(samples: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
+    """Each variant's median cold µs, and the full path's median less it (None for full)."""
+    if not samples:
+        return {}
+    medians = {name: median(values, 1) for name, values in samples.items()}
+    return {name: {"median_us": value,
+                   "part_us": None if name == "full" else round(medians["full"] - value, 1)}
+            for name, value in medians.items()}
 
 
 def by_function(stats: pstats.Stats, requests: int, full_us: float) -> dict[str, Any]:
@@ -308,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2048, help="requests per block")
     parser.add_argument("--repeats", type=int, default=9, help="blocks per variant")
+    parser.add_argument("--cold-requests", type=int, default=300,
+                        help="requests of each variant on evicted caches (0: none)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     provenance = Run("bench.pipeline_cost", argv)
@@ -315,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     from proxy_workers import metrics
     metrics.open_store(metrics_dir)  # as a worker does: its own file, real writes
     try:
-        samples, profile = uvloop.run(measure(args.requests, args.repeats))
+        samples, cold_samples, profile = uvloop.run(measure(args.requests, args.repeats, args.cold_requests))
     finally:
         metrics.open_store(None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -329,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         part = "" if r["part_us"] is None else f"   full - this (fastest) = {r['part_us']:6.1f}"
         print(f"{name:<26}{r['median_us']:8.1f} (min {r['min_us']:6.1f}){part}")
+    cold = cold_results(cold_samples)
+    if cold:
+        print(f"# cold: CPU us of one request on evicted caches, median of {args.cold_requests}")
+        for name, r in cold.items():
+            part = "" if r["part_us"] is None else f"   full - this = {r['part_us']:6.1f}"
+            print(f"{name:<26}{r['median_us']:8.1f}{part}")
     profiled = by_function(profile, max(1, args.requests // CONCURRENCY) * CONCURRENCY,
                            results["full"]["median_us"])
     print("# the full path by package (share of the profiled own time, as us of the median)")
@@ -338,13 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         report = {**provenance.record(),
                   "requests_per_block": args.requests, "repeats": args.repeats,
                   "concurrency": CONCURRENCY, "results": results, "profile": profiled,
+                  "cold_requests": args.cold_requests, "cold": cold,
                   "method": ("CPU time (time.process_time) per request of each variant, blocks "
                              "interleaved in one process; a part is the fastest full block minus "
                              "the fastest block without it. Profile: one more block of the full "
                              "path under cProfile; a function's (or package's) share of the "
                              "profiled own time, shown as that share of the full path's median; "
                              "the profiler's cost a call makes often-called functions weigh more; a "
-                             "coroutine's calls count its resumptions")}
+                             "coroutine's calls count its resumptions. Cold: each variant one "
+                             "request at a time after a 64 MiB buffer was written through (a byte "
+                             "a cache line), thread CPU (time.thread_time_ns), median; a part is "
+                             "the full median minus the variant's")}
         write_report(args.out, report)
     return 0
 

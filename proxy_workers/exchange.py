@@ -231,7 +231,7 @@ class ProxyExchange:
         headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
         headers.append(_instance_header(lease))
         out.start(200, headers)  # at once, as the instance sent its own: a client may time its wait
-        relay = StreamRelay(cycle.write, lambda: self._first_token(job))
+        relay = StreamRelay(cycle.body_writer(), lambda: self._first_token(job))
         error: str | None = None
         try:
             while not await self._upstream.relay(response, relay):

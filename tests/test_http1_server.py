@@ -36,7 +36,8 @@ class App:
     body back (413 past LIMIT, by the worker's read_body; /echo-large past LARGE_LIMIT); /whole
     one write through send_whole; /hang waits until the client leaves (run_until_disconnect),
     and records it; /hang-large reads its body first, as the worker's routes do; /big-direct
-    BIG_CHUNKS chunks by `write`; /boom-direct raises.
+    BIG_CHUNKS chunks by `write`, /big-writer by `body_writer()` (-sized: with their length, so
+    unframed); /boom-direct raises.
 
     And an ASGI app behind them (as Starlette is in the worker): /stream?n n chunks, /big
     BIG_CHUNKS chunks, /boom raises."""
@@ -49,6 +50,8 @@ class App:
         self.waiting: list[int] = []  # /hang-large: the size of each body read before waiting
         self.routes = {("POST", b"/echo"): self.echo, ("POST", b"/whole"): self.whole,
                        ("POST", b"/hang"): self.hang, ("POST", b"/big-direct"): self.big,
+                       ("POST", b"/big-writer"): functools.partial(self.big, by_writer=True),
+                       ("POST", b"/big-writer-sized"): functools.partial(self.big, by_writer=True, sized=True),
                        ("POST", b"/boom-direct"): self.boom, ("POST", b"/late"): self.late,
                        ("POST", b"/echo-large"): functools.partial(self.echo, limit=LARGE_LIMIT),
                        ("POST", b"/hang-large"): self.hang_large}
@@ -105,10 +108,12 @@ class App:
         if await run_until_disconnect(work(), cycle) is None:
             self.gone.append("late")
 
-    async def big(self, cycle: Cycle) -> None:
-        cycle.start(200, [(b"content-type", b"application/octet-stream")])
+    async def big(self, cycle: Cycle, by_writer: bool = False, sized: bool = False) -> None:
+        length = [(b"content-length", b"%d" % (BIG_CHUNKS * len(BIG_CHUNK)))] if sized else []
+        cycle.start(200, [(b"content-type", b"application/octet-stream"), *length])
+        write = cycle.body_writer() if by_writer else cycle.write
         for _ in range(BIG_CHUNKS):
-            if cycle.write(BIG_CHUNK):
+            if write(BIG_CHUNK):
                 await cycle.writable()
             self.sent += 1
         cycle.end()
@@ -273,6 +278,18 @@ def test_http_1_0_closes_after_its_answer_and_streams_are_chunked(srv: Running) 
     assert status == 200 and headers["connection"] == "close" and body == b"data: 0\n\ndata: 1\n\n"
     assert closed(sock)
     assert srv.app.progress == [(True, False), (True, True)]
+
+
+@pytest.mark.parametrize("path", ["/big-writer", "/big-writer-sized"])
+def test_a_body_writer_frames_as_write_does(srv: Running, path: str) -> None:
+    sock, buf = connect(srv.port), bytearray()
+    sock.sendall(post(path, b""))
+    status, headers, body = read_response(sock, buf)
+    sized = path.endswith("-sized")  # the app gave the length: the parts go unframed
+    assert status == 200 and ("transfer-encoding" in headers) is not sized
+    assert body == BIG_CHUNK * BIG_CHUNKS
+    sock.sendall(post("/echo", b"next"))  # the connection is whole for the next request
+    assert read_response(sock, buf)[2] == b"next"
 
 
 def test_a_body_over_the_limit_is_413_declared_or_chunked(srv: Running) -> None:
@@ -504,7 +521,7 @@ def test_expect_100_continue_is_answered_before_the_body(srv: Running) -> None:
     assert read_response(sock, buf)[2] == b"later"
 
 
-@pytest.mark.parametrize("path", ["/big", "/big-direct"])
+@pytest.mark.parametrize("path", ["/big", "/big-direct", "/big-writer"])
 def test_a_client_that_does_not_read_holds_back_the_sender(srv: Running, path: str) -> None:
     sock, buf = connect(srv.port), bytearray()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)

@@ -267,6 +267,9 @@ class _Cycle:
         self.sent.append(body)
         return False
 
+    def body_writer(self) -> Callable[[bytes], bool]:
+        return self.write
+
     def end(self, body: bytes = b"") -> None:
         self.sent.append(body)
         self.complete = True

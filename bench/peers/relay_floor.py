@@ -55,7 +55,7 @@ class Relay:
             cycle.send_whole(response.status, headers, answer)
             return
         cycle.start(response.status, headers)
-        while not await self.upstream.relay(response, cycle.write):
+        while not await self.upstream.relay(response, cycle.body_writer()):
             await cycle.writable()
         response.release()
         cycle.end()

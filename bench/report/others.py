@@ -46,6 +46,14 @@ def pipeline_cost_section(data: dict[str, Any]) -> str:
         parts.append(f"{num(data.get('repeats'))} interleaved blocks of {num(data.get('requests_per_block'))} "
                      f"requests, {num(data.get('concurrency'))} at a time:\n\n" +
                      table(["variant", "fastest block (µs)", "median (µs)", "full − this, fastest (µs)"], rows))
+    cold = data.get("cold") or {}
+    if cold:
+        cold_rows = [[name, num(r.get("median_us")), "–" if r.get("part_us") is None else num(r["part_us"])]
+                     for name, r in cold.items()]
+        parts.append(f"The same, one request at a time on evicted caches ({num(data.get('cold_requests'))} "
+                     "each, median): what a request costs when requests come tens of milliseconds "
+                     "apart on a machine the engines share:\n\n" +
+                     table(["variant", "cold (µs)", "full − this (µs)"], cold_rows))
     parts += _profile_tables(data.get("profile") or {})
     parts.append(blocks.method(data))
     return "\n\n".join(p for p in parts if p)

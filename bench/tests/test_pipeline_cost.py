@@ -12,8 +12,12 @@ from bench import pipeline_cost
 def test_a_short_run_measures_every_variant_and_removes_what_it_made(tmp_path: Path) -> None:
     before = set(os.listdir("/dev/shm"))
     out = tmp_path / "cost.json"
-    assert pipeline_cost.main(["--requests", "64", "--repeats", "1", "--out", str(out)]) == 0
+    assert pipeline_cost.main(["--requests", "64", "--repeats", "1", "--cold-requests", "2",
+                               "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
+    cold = json.loads(out.read_text())["cold"]
+    assert set(cold) == set(results) and all(r["median_us"] > 0 for r in cold.values())
+    assert cold["full"]["part_us"] is None and cold["relay floor"]["part_us"] is not None
     assert set(results) == {"full", "without metrics", "without events", "without meta",
                             "without predictions", "without disconnect watch", "without admission",
                             "relay floor"}
@@ -23,6 +27,7 @@ def test_a_short_run_measures_every_variant_and_removes_what_it_made(tmp_path: P
     from bench.report.others import pipeline_cost_section
     text = pipeline_cost_section(json.loads(out.read_text()))
     assert "| relay floor |" in text and "1 interleaved blocks of 64 requests" in text
+    assert "on evicted caches (2 each, median)" in text
     assert "| `proxy_workers` |" in text and "(serve)` |" in text
 
 

@@ -200,17 +200,21 @@ class UpstreamResponse:
 
     def _hand_over(self) -> None:
         """What the last read brought, to the relay's sink in one call."""
-        sink = self._sink
-        if sink is None or not self._chunks:
-            return
+        if self._sink is not None and self._chunks:
+            self._hand_on(self._take())
+
+    def _hand_on(self, data: bytes) -> None:
+        """`data` to the relay's sink; a full consumer stops the reading until `relay` is called
+        again, a failing one ends the relay with its error. (A relayed stream's read comes here
+        straight from `data_received`: a call a token, often on a cold cache.)"""
         self._waiting_since = self._conn.loop.time()  # the idle bound counts from the last piece
         try:
-            full = sink(self._take())
-        except Exception as exc:  # the consumer failed: the relay ends with its error
+            full = self._sink(data)  # type: ignore[misc]
+        except Exception as exc:
             self._sink, self._error = None, exc
             self._wake()
             return
-        if full:  # the consumer is full: stop reading until `relay` is called again
+        if full:
             self._sink = None
             self._stop_reading()
             self._wake()
@@ -348,8 +352,14 @@ class Http1Connection(asyncio.Protocol):
             response._fail(ConnectionClosed(f"unparsable answer: {exc}"))
             self.close()
             return
-        if self._body:
-            response._feed(self._body)
+        body = self._body
+        if body:
+            if response._sink is not None and not response._chunks:  # a relayed stream's read
+                data = body[0] if len(body) == 1 else b"".join(body)
+                body.clear()
+                response._hand_on(data)
+                return
+            response._feed(body)
         response._hand_over()
 
     def eof_received(self) -> bool:
