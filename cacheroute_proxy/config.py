@@ -24,6 +24,7 @@ from .value_rules import (check_kdn_links, host_port, http_url, is_loopback, kv_
                           read_token_file)
 
 LOAD_VIEWS = ("shared", "per_worker")
+SIDECAR_WAKES = ("reservation", "heartbeat")
 AFFINITY_VIEWS = ("shared", "per_worker")
 LOG_FORMATS = ("text", "json")
 RELEASE_POLICIES = ("ordered", "text_bypass")
@@ -128,6 +129,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     snapshot_stale_ms: Annotated[float, Env("PROXY_SNAPSHOT_STALE_MS", SELECTION, (
         "an older pressure snapshot of the sidecar's is `stale` and not used for scoring"),
         gt=0)] = 2000.0
+    sidecar_wake: Annotated[str, Env("PROXY_SIDECAR_WAKE", SELECTION, (
+        "what else than its heartbeat, engine KV events and acknowledged knowledge wakes a "
+        "sleeping sidecar: `reservation`, a request's events; `heartbeat`, nothing "
+        "(docs/architecture.md §2)"),
+        choices=SIDECAR_WAKES, what="sidecar wake")] = "reservation"
     pace_step: Annotated[float, Env("PROXY_PACE_STEP", SELECTION, (
         "how fast an instance's pace (and a KDN link's), observed / predicted time, is learned "
         "(0 = trust the profile, 1 = the last request decides)"),

@@ -34,10 +34,13 @@ class EventChannelWriter:
     """Writes this worker's events for the sidecar: a key per request, its reserve, first token
     and completion, the KV an instance now holds; and re-announces the live ones to a new sidecar."""
 
-    def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536) -> None:
+    def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536,
+                 ring_requests: bool = True) -> None:
         self._seg = seg
         self._bell = Bell(seg.name)
-        self._writer = EventWriter(seg, row.row, spill_limit, wake=self._bell.ring)
+        # ring_requests=False (PROXY_SIDECAR_WAKE=heartbeat): a request's events wake no sidecar.
+        self._writer = EventWriter(seg, row.row, spill_limit, wake=self._bell.ring,
+                                   ring_requests=ring_requests)
         # Consecutive keys of this row, from sequence 1: one C call per request.
         self._next_key = itertools.count(RequestKey.pack(row.row, 1)).__next__
         self._live: dict[int, LiveRequest] = {}

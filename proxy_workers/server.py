@@ -168,7 +168,7 @@ class WorkerParts(NamedTuple):
 def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
              tracing: Any = None) -> WorkerParts:
     """A worker's request path over its claimed row: router, upstream client, pipeline."""
-    events = EventChannelWriter(seg, row)
+    events = EventChannelWriter(seg, row, ring_requests=settings.sidecar_wake == "reservation")
     predictors = get_predictors(settings.predictor_profile)
     links = LinkTable.from_settings(settings)
     affinity = make_index(settings, seg, events)

@@ -10,7 +10,8 @@ is an event dropped, and then it is counted in the row (`events_dropped`, shown 
 
 A writer given a `wake` calls it after publishing an event while the header says the sidecar
 sleeps (header.set_sidecar_sleeping): the worker's doorbell ring. FIRST_TOKEN and COMPLETE are
-quiet, since a wake costs the sidecar about as much CPU as the tick: they wait for the next tick
+quiet (and RESERVE and PREFIX too for a writer made with `ring_requests=False`), since a wake
+costs the sidecar about as much CPU as the tick: they wait for the next tick
 (the next ringing event, any worker's, or the snapshot heartbeat). The timeline already
 predicts the prefill's end, which a first token only corrects; and a reader of the snapshot
 sees a completion it does not count yet in the live inflight counters, below what the snapshot
@@ -84,7 +85,7 @@ class EventWriter:
     """
 
     def __init__(self, seg: Segment, row: int, spill_limit: int = 65536,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None, ring_requests: bool = True) -> None:
         geometry = seg.geometry
         self._buf = seg.buf
         self._load = seg.atomic.load_u64
@@ -96,6 +97,7 @@ class EventWriter:
         self._dropped_offset = base + layout.R_EVENTS_DROPPED
         # Rung after an event is published while the sidecar sleeps (header.set_sidecar_sleeping).
         self._wake = wake
+        self._ring_requests = ring_requests  # False: a request's RESERVE and PREFIX ring no one
         self._ring_base = geometry.ring_offset(row)
         self._capacity = geometry.ring_capacity
         self._tail = self._load(self._tail_offset)
@@ -114,7 +116,7 @@ class EventWriter:
         """Released to ready: the request takes its place on the instance's timeline."""
         record = (_RESERVE | (epoch << _EPOCH_SHIFT), request_key, (slot << _SLOT_SHIFT) | generation,
                   t_us, service_us, decode_us, decode_tokens, prompt_tokens)
-        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, self._ring_requests)) or self._spill_or_drop(record)
 
     def resync(self, epoch: int, request_key: int, slot: int, generation: int, reserved_at_us: int,
                service_us: int, decode_us: int, decode_tokens: int, prompt_tokens: int) -> bool:
@@ -147,16 +149,18 @@ class EventWriter:
         """Up to three prompt-prefix blocks (their chained hashes) were forwarded to the instance;
         `prompt_blocks`, in the event whose first key is the prompt's first block, is the
         prompt's size in blocks (the sidecar weighs and fits the prompt's homes by it), else 0."""
-        return self._residency(_PREFIX, epoch, slot, generation, t_us, keys, tokens_each, prompt_blocks)
+        return self._residency(_PREFIX, epoch, slot, generation, t_us, keys, tokens_each, prompt_blocks,
+                               wakes=self._ring_requests)
 
     def _residency(self, kind: int, epoch: int, slot: int, generation: int, t_us: int,
-                   keys: tuple[int, ...], tokens_each: int, prompt_blocks: int = 0) -> bool:
+                   keys: tuple[int, ...], tokens_each: int, prompt_blocks: int = 0,
+                   wakes: bool = True) -> bool:
         if not 1 <= len(keys) <= 3:
             raise ValueError(f"a residency event carries 1 to 3 keys, not {len(keys)}")
         padded = (*keys, 0, 0)[:3]
         record = (kind | (epoch << _EPOCH_SHIFT), prompt_blocks, (slot << _SLOT_SHIFT) | generation,
                   t_us, *padded, tokens_each)
-        return (not self._spill and self._put(record)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, wakes)) or self._spill_or_drop(record)
 
     # --- the ring and the spill ---------------------------------------------------------------
     def flush(self) -> int:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shm_schema import Segment, WorkerRow, layout, read_rows
+from shm_schema import Segment, WorkerRow, header, layout, read_rows
 from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventKind, EventReader, EventWriter
 from proxy_workers.event_channel import EventChannelWriter
@@ -205,10 +205,12 @@ def _reserve(rig, request: int) -> int:
     return key
 
 
-def _sidecar_on_its_doorbell(seg_name, scenario, poll_s: float = 0.001, **publisher_settings) -> None:
+def _sidecar_on_its_doorbell(seg_name, scenario, poll_s: float = 0.001, ring_requests: bool = True,
+                            **publisher_settings) -> None:
     """Runs `await scenario(rig)` while a PressurePublisher ticks every `poll_s` on its doorbell
-    (heartbeat 30 s away) beside one worker row that rings it. The rig: `writer` and `row` (the
-    worker's), `publisher`, `ticks` (one entry a tick), `doorbell`, `sleeping()`."""
+    (heartbeat 30 s away) beside one worker row that rings it (its request events too unless
+    `ring_requests` is False). The rig: `writer` and `row` (the worker's), `publisher`, `ticks`
+    (one entry a tick), `doorbell`, `sleeping()`."""
     import asyncio
     from types import SimpleNamespace
 
@@ -229,7 +231,8 @@ def _sidecar_on_its_doorbell(seg_name, scenario, poll_s: float = 0.001, **publis
         task = asyncio.create_task(publisher.run(poll_s, doorbell))
         try:
             await scenario(SimpleNamespace(
-                writer=EventWriter(seg, row.row, wake=bell.ring), row=row, publisher=publisher,
+                writer=EventWriter(seg, row.row, wake=bell.ring, ring_requests=ring_requests),
+                row=row, publisher=publisher,
                 ticks=ticks, doorbell=doorbell,
                 sleeping=lambda: seg.load(layout.H_SIDECAR_SLEEPING) == 1))
         finally:
@@ -281,6 +284,25 @@ def test_a_first_token_and_a_completion_ring_no_one_and_go_with_the_next_event_t
         assert rig.doorbell.rings == 2
 
     _sidecar_on_its_doorbell(seg_name, scenario)
+
+
+def test_woken_by_heartbeat_a_requests_events_ring_no_one_and_acknowledged_knowledge_does(seg_name):
+    """PROXY_SIDECAR_WAKE=heartbeat: a request's reserve and prompt (PREFIX) events wait in the
+    ring like completions; an acknowledged knowledge id (RESIDENT) still wakes the sidecar,
+    which then takes everything waiting."""
+    import asyncio
+
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        _reserve(rig, 1)
+        rig.writer.prefix(1, 0, 1, 5, (11, 12), 128, 2)
+        await asyncio.sleep(0.2)
+        assert rig.publisher.stats.consumed == 0 and rig.sleeping() and rig.doorbell.rings == 0
+        rig.writer.resident(1, 0, 1, 6, (13,), 1000)
+        await _until(lambda: rig.publisher.stats.consumed == 3, 5)
+        assert rig.doorbell.rings == 1
+
+    _sidecar_on_its_doorbell(seg_name, scenario, ring_requests=False)
 
 
 def test_a_workers_rings_wait_for_its_current_step_and_are_one_datagram(seg_name):
@@ -440,3 +462,45 @@ async def _until(predicate, timeout_s: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("wake, datagrams", [("reservation", 1), ("heartbeat", 0)])
+def test_a_workers_request_events_ring_as_its_settings_say(seg_name, wake, datagrams):
+    """The worker as assembled (proxy_workers/server.py): with PROXY_SIDECAR_WAKE=heartbeat its
+    reserve rings no sleeping sidecar."""
+    import asyncio
+    import socket
+
+    from cacheroute_proxy.config import Settings
+    from cacheroute_proxy.doorbell import address
+    from proxy_workers.server import assemble
+
+    name, seg = seg_name
+    sidecar = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sidecar.bind(address(name))
+    sidecar.setblocking(False)
+    row = WorkerRow.claim(seg, 0)
+
+    def received() -> int:
+        count = 0
+        while True:
+            try:
+                sidecar.recv(16)
+            except BlockingIOError:
+                return count
+            count += 1
+
+    async def scenario() -> int:
+        events = assemble(Settings(sidecar_wake=wake), seg, row, 0).events
+        await asyncio.sleep(0)
+        received()  # the new row's own ring
+        header.set_sidecar_sleeping(seg, True)
+        events.reserve(events.new_key(), 0, 1, 10.0, 20.0, 8, 64)
+        await asyncio.sleep(0)
+        return received()
+
+    try:
+        assert asyncio.run(scenario()) == datagrams
+    finally:
+        row.release()
+        sidecar.close()
