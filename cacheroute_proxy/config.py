@@ -130,8 +130,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "an older pressure snapshot of the sidecar's is `stale` and not used for scoring"),
         gt=0)] = 2000.0
     sidecar_wake: Annotated[str, Env("PROXY_SIDECAR_WAKE", SELECTION, (
-        "what else than its heartbeat, engine KV events and acknowledged knowledge wakes a "
-        "sleeping sidecar: `reservation`, a request's events; `heartbeat`, nothing "
+        "what, besides its heartbeat, engine KV events and acknowledged knowledge, wakes a "
+        "sleeping sidecar: `reservation`, a request's events too; `heartbeat`, nothing more "
         "(docs/architecture.md §2)"),
         choices=SIDECAR_WAKES, what="sidecar wake")] = "reservation"
     pace_step: Annotated[float, Env("PROXY_PACE_STEP", SELECTION, (

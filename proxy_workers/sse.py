@@ -19,7 +19,7 @@ _LOOK_BACK = 48  # bytes from a chunk's end searched for the marker: its line, l
 
 
 class DoneStripper:
-    """Feeds upstream chunks, returns what to send now; remembers whether [DONE] was seen.
+    """Feeds upstream chunks, returns what to send now; `saw_done`: the last one ended with [DONE].
 
     Only a chunk's tail is looked at: `data: [DONE]` ends a stream, so a chunk that does not
     end with it passes as it came, and one that ends in the middle of a line holds back just
@@ -34,6 +34,7 @@ class DoneStripper:
         self.saw_done = False
 
     def feed(self, chunk: bytes) -> bytes:
+        self.saw_done = False  # a piece after the marker: it did not end the stream
         if self._held:
             chunk, self._held = self._held + chunk, b""
         at = chunk.find(_MARKER, -_LOOK_BACK)

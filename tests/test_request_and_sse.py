@@ -79,6 +79,7 @@ def test_events_held_with_a_marker_that_was_not_the_end_go_before_what_follows()
     stripper = DoneStripper()
     assert stripper.feed(b"data: {}\n\ndata: [DONE]\n\n") == b""
     assert stripper.feed(b"data: {\"late\":1}\n\n") == b"data: {}\n\ndata: {\"late\":1}\n\n"
+    assert not stripper.saw_done
 
 
 def test_a_held_line_that_never_became_the_marker_is_flushed_unchanged():

@@ -104,9 +104,14 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        ("peers_before_stream_path.json", lambda d: peers.section(
+            d, charts_dir, link_base, "peers_before_stream_path.json",
+            "This proxy against nginx and an LLM router: the tree before (a stream's token through "
+            "two Python frames more, its end in two writes), on an Intel Xeon host")),
         ("peers_repeat.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_repeat.json",
-            "This proxy against nginx and an LLM router: a second run")),
+            "This proxy against nginx and an LLM router: the tree before, a second run on the "
+            "Intel Xeon host")),
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
         ("affinity_own_link_queue.json", lambda d: affinity.section(
@@ -257,6 +262,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, each worker's memo filled with "
             "the run's 16 system prompts at its start (kv_aware warm; a prototype: what a memo "
             "shared by the workers could give at most)"),
+        _real_engines(
+            "affinity_vllm_stream_path.json",
+            "kv_aware against the SGLang router at 40 % and 60 %, a stream's token through two "
+            "Python frames fewer and its end in one write, beside the sidecar woken by its "
+            "heartbeat alone (kv_aware quiet: PROXY_SIDECAR_WAKE=heartbeat, not the default): "
+            "one run on a busy machine, the planned placement alone 1.5× apart between its two runs"),
         _real_engines(
             "affinity_vllm_tokenizer_thread.json",
             "kv_aware against the SGLang router at 40 % and 60 %, a long prompt no memo serves "

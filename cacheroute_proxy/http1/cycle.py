@@ -224,18 +224,13 @@ class Cycle:
         transport = getattr(conn, "transport", None)
         if not self.started or self.complete or self.head_only or self.disconnected or transport is None:
             return self.write
-        if not self.chunked:
-            def write_part(body: bytes) -> bool:
-                if body and not transport.is_closing():
-                    transport.write(body)
-                return conn.write_paused
-            return write_part
+        chunked = self.chunked
 
-        def write_chunk(body: bytes) -> bool:
+        def write_part(body: bytes) -> bool:
             if body and not transport.is_closing():
-                transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+                transport.write(b"%x\r\n%b\r\n" % (len(body), body) if chunked else body)
             return conn.write_paused
-        return write_chunk
+        return write_part
 
     def end(self, body: bytes = b"") -> None:
         """The last part of the body: the response is complete."""
