@@ -4,6 +4,7 @@ counted, and a restarted sidecar getting the live requests re-announced."""
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import time
 
 import pytest
@@ -309,23 +310,14 @@ def test_a_workers_rings_wait_for_its_current_step_and_are_one_datagram(seg_name
     """A worker rings once the step that wrote its events is done (it may be sending a request
     on, and the woken sidecar would take its core): rings asked for in one step are one."""
     import asyncio
-    import socket
 
-    from cacheroute_proxy.doorbell import Bell, address
+    from cacheroute_proxy.doorbell import Bell
 
     name, _ = seg_name
-    sidecar = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sidecar.bind(address(name))
-    sidecar.setblocking(False)
+    sidecar = _doorbell_socket(name)
 
     def datagrams() -> int:
-        count = 0
-        while True:
-            try:
-                sidecar.recv(16)
-            except BlockingIOError:
-                return count
-            count += 1
+        return _datagrams(sidecar)
 
     async def scenario() -> None:
         bell = Bell(name)
@@ -469,38 +461,46 @@ def test_a_workers_request_events_ring_as_its_settings_say(seg_name, wake, datag
     """The worker as assembled (proxy_workers/server.py): with PROXY_SIDECAR_WAKE=heartbeat its
     reserve rings no sleeping sidecar."""
     import asyncio
-    import socket
 
     from cacheroute_proxy.config import Settings
-    from cacheroute_proxy.doorbell import address
     from proxy_workers.server import assemble
 
     name, seg = seg_name
-    sidecar = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sidecar.bind(address(name))
-    sidecar.setblocking(False)
+    sidecar = _doorbell_socket(name)
     row = WorkerRow.claim(seg, 0)
-
-    def received() -> int:
-        count = 0
-        while True:
-            try:
-                sidecar.recv(16)
-            except BlockingIOError:
-                return count
-            count += 1
 
     async def scenario() -> int:
         events = assemble(Settings(sidecar_wake=wake), seg, row, 0).events
         await asyncio.sleep(0)
-        received()  # the new row's own ring
+        _datagrams(sidecar)  # the new row's own ring
         header.set_sidecar_sleeping(seg, True)
         events.reserve(events.new_key(), 0, 1, 10.0, 20.0, 8, 64)
         await asyncio.sleep(0)
-        return received()
+        return _datagrams(sidecar)
 
     try:
         assert asyncio.run(scenario()) == datagrams
     finally:
         row.release()
         sidecar.close()
+
+
+def _doorbell_socket(seg_name: str) -> socket.socket:
+    """What a sidecar's doorbell listens on (cacheroute_proxy/doorbell.py), non-blocking."""
+    from cacheroute_proxy.doorbell import address
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address(seg_name))
+    sock.setblocking(False)
+    return sock
+
+
+def _datagrams(sock: socket.socket) -> int:
+    """The rings waiting on `sock`, taken."""
+    count = 0
+    while True:
+        try:
+            sock.recv(16)
+        except BlockingIOError:
+            return count
+        count += 1

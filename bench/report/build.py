@@ -49,10 +49,14 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
-    "affinity_vllm.json": (affinity_vllm.TITLE, ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json",
-                                                 "affinity_vllm_repeat3.json")),
+    "affinity_vllm_stream_path_all.json": (
+        f"{affinity_vllm.TITLE}: this tree (a stream's token through two Python frames fewer, its "
+        "end in one write)", ("affinity_vllm_stream_path_all_repeat.json",)),
+    "affinity_vllm.json": (
+        f"{affinity_vllm.TITLE}, the tree before (a stream's token through two more Python frames)",
+        ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json", "affinity_vllm_repeat3.json")),
     "affinity_vllm_rendezvous.json": (
-        f"{affinity_vllm.TITLE}, each new prompt homed by its rendezvous hash (the tree before)",
+        f"{affinity_vllm.TITLE}, each new prompt homed by its rendezvous hash (an earlier tree)",
         ("affinity_vllm_rendezvous_repeat.json", "affinity_vllm_rendezvous_repeat2.json")),
     "affinity_vllm_event_ticks.json": (
         f"{affinity_vllm.TITLE}, claims standing until confirmed or 30 s (the tree then)",
