@@ -109,7 +109,7 @@ class KnowledgePreparer:
         own queue, as its timeline predicts it, and the host's, `queued_tokens` of KV the
         requests of every worker routed there are still pulling (kv_aware's claims)."""
         own = self.link(instance_id, kdn_addr).wait_s(time.time()) * 1000
-        return max(own, self.pull_ms(instance_id, kdn_addr, queued_tokens)) if queued_tokens else own
+        return max(own, self.pull_ms(instance_id, kdn_addr, queued_tokens))
 
     def pull_ms(self, instance_id: str, kdn_addr: str, tokens: int) -> float:
         """The transfer of the KV of `tokens` knowledge tokens over the link, once on the wire,
