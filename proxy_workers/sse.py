@@ -64,7 +64,8 @@ class DoneStripper:
 class StreamRelay(DoneStripper):
     """The sink of an instance's stream (UpstreamResponse.relay): each piece to the client as
     it arrives (`write` says True when the client is full), but for the final `[DONE]`, with
-    `on_first` called at the first piece."""
+    `on_first` called at the first piece, once that piece is on its way: the client's first
+    token waits for no bookkeeping."""
 
     __slots__ = ("_write", "_on_first")
 
@@ -80,11 +81,12 @@ class StreamRelay(DoneStripper):
         if self._on_first is None and not self._held and chunk[-1:] == b"\n" \
                 and chunk.find(_MARKER, -_LOOK_BACK) < 0:
             return self._write(chunk)
+        data = self.feed(chunk)
+        full = self._write(data) if data else False
         if self._on_first is not None:
             on_first, self._on_first = self._on_first, None
             on_first()
-        data = self.feed(chunk)
-        return self._write(data) if data else False
+        return full
 
 
 def meta_event(trace: Trace, error: str | None, knowledge: Knowledge | None = None) -> bytes:

@@ -97,6 +97,14 @@ def test_the_stream_relay_writes_what_passes_and_calls_back_at_the_first_piece()
     assert written == [b"data: {}\n\n"] * 2
 
 
+def test_the_first_piece_is_written_before_the_first_token_bookkeeping_runs():
+    order: list[str] = []
+    relay = StreamRelay(lambda data: order.append("write") or False, lambda: order.append("first"))
+    relay(b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n')
+    relay(b"data: {}\n\n")
+    assert order == ["write", "first", "write"]
+
+
 def test_meta_event_shape():
     event = meta_event(Trace(proxy_recv_ms=1), None)
     assert event.startswith(b"event: cacheroute_meta\ndata: {\"trace\":") and event.endswith(b"\n\n")

@@ -6,7 +6,7 @@
         [--requests 600] [--loads 0.4,0.6] [--repeats 2] [--contenders NAME,...]
         [--saturation-rps R] [--max-tokens 32] [--seed 1]
         [--proxy-env PROXY_X=v ...] [--kv-aware-env PROXY_X=v ...]
-        [--variant NAME:PROXY_X=v,PROXY_Y=w ...]
+        [--variant NAME:PROXY_X=v,PROXY_Y=w ...] [--outcomes DIR]
 
 Needs .venv-vllm and the tiny model (`make install-vllm`) and the peers' venvs (`make peers`);
 `make bench-affinity-vllm` makes all three first. Everything it starts is stopped by pid (the
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:NAME=VALUE,...",
                         help="also run kv_aware with these settings, as contender 'kv_aware NAME' "
                              "(repeatable; weighed beside the default, not judged by the targets)")
+    parser.add_argument("--outcomes", type=Path, default=None, metavar="DIR",
+                        help="also write each run's requests (planned send, system prompt, instance, "
+                             "TTFT, kv_aware's account) into DIR, a JSON-lines file a run")
     return parser
 
 
@@ -71,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload.system_prompts(tokenizer, args.seed)
     planned = workload.plan(tokenizer, args.seed, max(args.requests, args.calibration_requests))
     log_dir = Path(tempfile.mkdtemp(prefix="bench_affinity_vllm_"))
+    if args.outcomes is not None:
+        args.outcomes.mkdir(parents=True, exist_ok=True)
     print(f"{len(names)} contenders × {args.repeats} runs × {len(loads)} loads of {args.requests} requests; "
           f"logs in {log_dir}", flush=True)
     engines = engine_side.start(log_dir)
     try:
         setup = runner.Setup(engines, prompts, args.max_tokens, log_dir,
                              {**dict(contenders.PROXY_ENV), **name_values(args.proxy_env)},
-                             name_values(args.kv_aware_env), variants)
+                             name_values(args.kv_aware_env), variants, args.outcomes)
         engine = engine_side.describe(engines)
         if args.saturation_rps is None:
             calibration = runner.calibrate(setup, planned[:args.calibration_requests], args.calibration_concurrency)

@@ -6,8 +6,11 @@ flight, the next sent as one ends); each request's TTFT, end, and for this proxy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import aiohttp
@@ -90,3 +93,12 @@ def closed_loop(url: str, planned: Sequence[Planned], prompts: Sequence[str], co
                    max_tokens: int) -> list[Outcome]:
     """`concurrency` requests in flight until `planned` is used up; outcomes in the order they ended."""
     return asyncio.run(_closed_loop(url, planned, prompts, concurrency, max_tokens))
+
+
+def write_outcomes(path: Path, planned: Sequence[Planned], outcomes: Sequence[Outcome], rate: float) -> None:
+    """One JSON line a request, in plan order: its planned send (s after the first), system
+    prompt, and outcome (TTFT, instance, kv_aware's account of its choice): what a run's tail
+    is made of, e.g. which burst put which requests where."""
+    with path.open("w") as out:
+        for request, outcome in zip(planned, outcomes, strict=True):
+            out.write(json.dumps({"at_s": round(request.unit_at / rate, 4), **dataclasses.asdict(outcome)}) + "\n")

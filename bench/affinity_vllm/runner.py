@@ -26,6 +26,7 @@ class Setup:
     proxy_env: dict[str, str]
     kv_aware_env: dict[str, str]
     variants: Sequence[contenders.Spec] = ()  # --variant: kv_aware with other settings
+    outcomes_dir: Path | None = None  # --outcomes: each run's requests, a file a run
 
 
 WARM_UP_REQUESTS = 150
@@ -60,9 +61,11 @@ def calibrate(setup: Setup, planned: Sequence[Planned], concurrency: int) -> dic
             **engine_side.engine_account(before, after)}
 
 
-def run(spec: contenders.Spec, setup: Setup, planned: Sequence[Planned], rate: float) -> dict[str, Any]:
+def run(spec: contenders.Spec, setup: Setup, planned: Sequence[Planned], rate: float,
+        outcomes_to: Path | None = None) -> dict[str, Any]:
     """One run: a fresh contender, both prefix caches reset, the planned requests at `rate`;
-    the engines' counters, the contender's CPU and counters, the calls the engines got."""
+    the engines' counters, the contender's CPU and counters, the calls the engines got (and
+    each request's outcome into `outcomes_to`)."""
     with _contender(spec, setup) as contender:
         for engine in setup.engines:
             engine_side.reset_prefix_cache(engine)
@@ -74,6 +77,8 @@ def run(spec: contenders.Spec, setup: Setup, planned: Sequence[Planned], rate: f
         send_to = contender.sender(planned) if isinstance(contender, contenders.PlannedPlacement) \
             else lambda _: contender.url
         outcomes, wall_s = load.open_loop(send_to, planned, setup.prompts, rate, setup.max_tokens)
+        if outcomes_to is not None:
+            load.write_outcomes(outcomes_to, planned, outcomes, rate)
         cpu_s = contender.cpu_seconds() - cpu_before
         roles = {role: s - roles_before.get(role, 0.0) for role, s in contender.cpu_seconds_by_role().items()}
         engine_calls = calls.calls()
@@ -147,6 +152,12 @@ def _warm_up(name: str, setup: Setup, planned: Sequence[Planned], rate: float) -
         print(f"  warm-up did not start: {str(error)[:500]}", flush=True)
 
 
+def _outcomes_file(setup: Setup, share: float, order: int, name: str) -> Path | None:
+    if setup.outcomes_dir is None:
+        return None
+    return setup.outcomes_dir / f"load{share:g}_run{order + 1:02d}_{name.replace(' ', '_')}.jsonl"
+
+
 def run_all(names: Sequence[str], setup: Setup, planned: Sequence[Planned], loads: Sequence[float],
             repeats: int, saturation_rps: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every load, ABC…CBA: the runs, and the contenders that would not start (with why; the
@@ -159,7 +170,7 @@ def run_all(names: Sequence[str], setup: Setup, planned: Sequence[Planned], load
             spec = contenders.spec(name, setup.variants)
             print(f"load {share:g} ({rate:.2f}/s), run {order + 1}: {name}", flush=True)
             try:
-                record = run(spec, setup, planned, rate)
+                record = run(spec, setup, planned, rate, _outcomes_file(setup, share, order, name))
             except StartError as error:
                 failed.append({"load": share, "contender": name, "order": order, "error": str(error)[-3000:]})
                 print(f"  did not start: {str(error)[:500]}", flush=True)

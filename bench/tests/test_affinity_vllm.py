@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.affinity_vllm import __main__ as cli
-from bench.affinity_vllm import contenders, engine_side, figures, runner, targets, workload
+from bench.affinity_vllm import contenders, engine_side, figures, load, runner, targets, workload
 from bench.affinity_vllm.load import Outcome
 from bench.harness.cli import name_values
 from bench.harness.results import run_record
@@ -274,6 +274,20 @@ def test_saturation_is_measured_between_the_start_and_the_drain_of_the_closed_lo
     assert figures.saturation_rps(outcomes, 2) == pytest.approx(5 / (3.0 - 0.2))
     with pytest.raises(ValueError, match="need more than 4"):
         figures.saturation_rps(_ended(1, 2, 3, 4), 2)
+
+
+def test_a_runs_outcomes_are_written_a_line_a_request_in_plan_order(tmp_path: Path):
+    import json
+    planned = [workload.Planned(2.0, 3, "a"), workload.Planned(5.0, 1, "b")]
+    outcomes = [Outcome(ttft_ms=12.5, instance="vllm-0", system=3, predicted_ttft_ms=11.0),
+                Outcome(error="status 503: busy", system=1)]
+    load.write_outcomes(tmp_path / "run.jsonl", planned, outcomes, rate=4.0)
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [(r["at_s"], r["system"], r["instance"], r["ttft_ms"]) for r in lines] == \
+        [(0.5, 3, "vllm-0", 12.5), (1.25, 1, None, None)]
+    assert lines[0]["predicted_ttft_ms"] == 11.0 and lines[1]["error"] == "status 503: busy"
+    with pytest.raises(ValueError):  # an outcome for every planned request
+        load.write_outcomes(tmp_path / "short.jsonl", planned, outcomes[:1], rate=4.0)
 
 
 def test_a_run_summary_counts_errors_and_unfinished_streams_apart_from_the_ttfts():
