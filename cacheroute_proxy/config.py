@@ -155,6 +155,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         ge=1, le=20, finite=True)] = 2.0
     kv_aware_prompt_work_weight: Annotated[float, Env("PROXY_KV_AWARE_PROMPT_WORK_WEIGHT", SELECTION, (
         "the same for a plain request whose prompt has a home"), ge=1, le=20, finite=True)] = 6.0
+    kv_aware_slot_guard: Annotated[bool, Env("PROXY_KV_AWARE_SLOT_GUARD", SELECTION, (
+        "`kv_aware` chooses as least_load also when its choice's engine has no free slot "
+        "(max_num_seqs) and another's has (docs/architecture.md §4.4)"))] = False
     affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
         "the longest a kv_aware choice counts as pending residency on its instance (docs/"
         "architecture.md, \"Claims\")"), gt=0, le=3600, finite=True)] = 30.0

@@ -23,7 +23,7 @@ from cacheroute_proxy.affinity_keys import knowledge_key, prefix_keys, rendezvou
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.engine_prefix import EnginePrefix, LeadKeys
-from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, predictions
+from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, engines_full, predictions
 from cacheroute_proxy.routing.load_view import LoadView
 from shm_schema import InstanceSlot, layout
 from shm_schema.records import AFFINITY_KNOWLEDGE, AFFINITY_PREFIX
@@ -424,7 +424,10 @@ def affinity_report(scorer: AffinityScorer, view: LoadView, policy: KvAwarePolic
                       "request": {"knowledge": request.knowledge.knowledge_ids if request.knowledge else [],
                                   "prefix_blocks": len(scorer.prefix_of(request))},
                       "guard": {"fired": guard.fired, "reason": guard.reason, "spread": guard.spread,
-                                "balance_abs": bound, "balance_rel": policy.balance_rel}}
+                                "balance_abs": bound, "balance_rel": policy.balance_rel,
+                                "slot_guard": policy.slot_guard,
+                                "slots_taken": [i.instance_id for i, full in zip(instances, engines_full(
+                                    instances, inflight)) if full and i.alive]}}
     return report
 
 

@@ -95,11 +95,12 @@ class Lease:
         return self._row.end(self.instance.slot, self.instance.generation)
 
 
-def kv_aware_settings(settings: Settings) -> dict[str, float]:
+def kv_aware_settings(settings: Settings) -> dict[str, float | bool]:
     return {"balance_abs": settings.kv_aware_balance_abs, "balance_rel": settings.kv_aware_balance_rel,
             "prompt_balance_abs": settings.kv_aware_prompt_balance_abs,
             "work_weight": settings.kv_aware_work_weight,
-            "prompt_work_weight": settings.kv_aware_prompt_work_weight}
+            "prompt_work_weight": settings.kv_aware_prompt_work_weight,
+            "slot_guard": settings.kv_aware_slot_guard}
 
 
 class Router:

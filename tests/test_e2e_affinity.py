@@ -252,6 +252,41 @@ def test_the_guard_makes_kv_aware_choose_as_least_load_when_inflight_spreads_too
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("slot_guard", [True, False])
+def test_the_slot_guard_sends_a_request_off_its_home_whose_engine_slots_are_all_taken(make_cluster, slot_guard):
+    """Engines of one sequence slot each: while a stream holds the home's, the prediction still
+    favours the home (it holds the prompt, and the held answer's predicted decode is short),
+    but the request would wait there for that stream to end: with the slot guard it goes where
+    a slot is free, as least_load chooses; without it, home."""
+    env = {**KV_AWARE, "PROXY_KV_AWARE_SLOT_GUARD": "1" if slot_guard else "0"}
+    cluster = make_cluster(workers=2, env=env)
+    a, b = cluster.add_instance("--max-concurrency", "1"), cluster.add_instance("--max-concurrency", "1")
+    warm = served_by(cluster, prefix_body("first"))
+    cold = b.instance_id if warm == a.instance_id else a.instance_id
+    wait_until(lambda: affinity_rows(cluster, 0, **prompt_query())[warm]["resident_prefix_blocks"] == 3,
+               10, message="resident")
+    warm_sim = a if warm == a.instance_id else b
+    warm_sim.configure(hold_streams=True)
+
+    async def scenario() -> dict[str, Any]:
+        async with held_streams(warm_sim) as held:
+            held += await hold(cluster, 1)
+            assert held[0].response.headers["x-cacheroute-instance"] == warm
+            loads = get(f"{cluster.worker_url(1)}/debug/instance_loads?{urllib.parse.urlencode(prompt_query())}")
+            rows = {r["instance_id"]: r["affinity"] for r in loads["instances"]}
+            assert rows[warm]["predicted_ttft_ms"]["total"] < rows[cold]["predicted_ttft_ms"]["total"]
+            assert loads["kv_aware"]["guard"]["slots_taken"] == [warm]
+            second = asyncio.create_task(asyncio.to_thread(ask, cluster.dp_url, prefix_body("second", stream=False)))
+            if slot_guard:
+                return (await second)["trace"]
+            # Home: it waits there for the held stream, which ends as the sim lets it go.
+            await asyncio.to_thread(wait_until, lambda: cluster.inflight()[warm] == 2, 10,
+                                    message="the second request waits at home")
+        return (await second)["trace"]
+    trace = asyncio.run(scenario())
+    assert (trace["instance_id"], trace["affinity_guard"]) == ((cold, True) if slot_guard else (warm, False))
+
+
 def test_the_service_a_request_reserves_skips_the_prompt_blocks_its_instance_holds(make_cluster):
     """The sidecar learns an instance's pace from predicted against observed first tokens: a
     request whose prompt the instance holds must be predicted as the short prefill it is, or the

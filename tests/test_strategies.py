@@ -10,12 +10,12 @@ import pytest
 
 from cacheroute_proxy.config import ConfigError, Settings
 from cacheroute_proxy.routing.load_view import LoadView
-from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction
+from cacheroute_proxy.routing.kv_aware import KvAwarePolicy, Prediction, engines_full
 from cacheroute_proxy.routing.least_load import DEFAULT_WEIGHTS, LeastLoadPolicy, resolve_weights
 from cacheroute_proxy.routing.registry import build_policy
 from cacheroute_proxy.routing.round_robin import RoundRobinPolicy
 from proxy_workers.router import Router
-from shm_schema import DirectoryWriter, WorkerRow
+from shm_schema import DirectoryWriter, InstanceSlot, WorkerRow
 from tests.shm_helpers import fresh_segment
 
 CANDIDATES = ["a", "b", "c", "d"]
@@ -148,6 +148,14 @@ def test_kv_aware_without_a_fresh_snapshot_least_load_chooses_and_the_requests_c
     # which holds more of the request.
     chosen, guard = kv.select_by_predictions(["a", "b", "c"], lambda: [1.0, 1.0, 2.0], [1, 1, 2], unknown)
     assert (chosen, guard.fired) == ("b", False)
+
+
+def test_an_engine_is_full_at_its_slots_and_unknown_without_them_or_its_inflight():
+    def engine(slots: int) -> InstanceSlot:
+        return InstanceSlot(0, 1, "i", "127.0.0.1", 1, True, 0, 0, None, max_num_seqs=slots)
+    engines = [engine(4), engine(4), engine(0), engine(4)]
+    assert engines_full(engines, [4, 3, 9, None]) == [True, False, None, None]
+    assert engines_full(engines, [5, 0, 0, 0]) == [True, False, None, False]
 
 
 def test_kv_aware_guard_fires_only_past_both_bounds_and_then_least_load_chooses():

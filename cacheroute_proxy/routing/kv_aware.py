@@ -29,10 +29,15 @@ class Guard(NamedTuple):
     most: int | None
     bound: float  # the spread it allowed
     balance_rel: float
+    # Fired because the choice's engine had every sequence slot taken and another candidate
+    # one free (the slot guard), not for the spread.
+    slots: bool = False
 
     @property
     def reason(self) -> str:
         """Why, in words (for /debug/instance_loads: a choice never spends time on it)."""
+        if self.slots:
+            return "every engine slot of kv_aware's choice taken, one free elsewhere: least_load"
         if self.spread is None:
             return "fewer than two candidates with a known inflight"
         if self.fired:
@@ -100,6 +105,19 @@ def _homed(costs: Sequence[Costs]) -> bool:
     return any(c.displace_ms for c in costs)
 
 
+def engines_full(candidates: Sequence[InstanceSlot], inflight: Sequence[int | None]) -> list[bool | None]:
+    """Per candidate: its engine runs as many requests as it has sequence slots (its registered
+    max_num_seqs); None where either is unknown."""
+    return [None if count is None or not instance.max_num_seqs else count >= instance.max_num_seqs
+            for instance, count in zip(candidates, inflight)]
+
+
+def _slots_taken(chosen: int, candidates: Sequence[InstanceSlot], inflight: Sequence[int | None]) -> bool:
+    """The slot guard's test: candidate `chosen`'s engine is full and another's has a slot free."""
+    full = engines_full(candidates, inflight)
+    return full[chosen] is True and False in full
+
+
 class KvAwarePolicy(LeastLoadPolicy):
     """The candidate with the lowest predicted time to first token: queue wait, plus the prefill
     of the prompt tokens not already resident at the instance's measured pace, plus the KV
@@ -118,6 +136,11 @@ class KvAwarePolicy(LeastLoadPolicy):
     again elsewhere and evicts one of that instance's own; and its work counts
     `prompt_work_weight` times.
 
+    With `slot_guard`, kv_aware also chooses as least_load does when its choice's engine has
+    as many requests in flight as sequence slots (its registered max_num_seqs) and another
+    candidate has one free: the request would wait there for a running one to end, a whole
+    decode, which the prediction underrates in a burst.
+
     Without a pricing (a bare router in a unit test), or for a selection without a request,
     kv_aware is least_load. Built bare, the guard never fires and the work counts once; the
     worker passes its settings (proxy_workers/router.py)."""
@@ -128,9 +151,10 @@ class KvAwarePolicy(LeastLoadPolicy):
                  tie_cursor: Cursor | None = None, *, balance_abs: float = math.inf,
                  balance_rel: float = 1.5, prompt_balance_abs: float | None = None,
                  work_weight: float = 1.0, prompt_work_weight: float | None = None,
-                 pricing: Pricing | None = None,
+                 pricing: Pricing | None = None, slot_guard: bool = False,
                  native: bool = True) -> None:
         super().__init__(weights, cursor, tie_cursor, native=native)
+        self.slot_guard = slot_guard
         self.balance_abs = balance_abs
         self.prompt_balance_abs = balance_abs if prompt_balance_abs is None else prompt_balance_abs
         self.balance_rel = balance_rel
@@ -193,7 +217,11 @@ class KvAwarePolicy(LeastLoadPolicy):
         costs = self.pricing(request, candidates)
         inflight = view.inflight(candidates, span)
         predicted = predictions(view, candidates, span, inflight, costs)
-        chosen, guard = self.select_by_predictions(
-            candidates, lambda: self.table_totals(view, snapshot, candidates), inflight, predicted)
+        def totals() -> list[float | None]:
+            return self.table_totals(view, snapshot, candidates)
+        chosen, guard = self.select_by_predictions(candidates, totals, inflight, predicted)
         index = candidates.index(chosen)
+        if self.slot_guard and not guard.fired and _slots_taken(index, candidates, inflight):
+            chosen, guard = self.select_by_totals(candidates, totals()), guard._replace(fired=True, slots=True)
+            index = candidates.index(chosen)
         return Choice(chosen, costs[index], predicted[index], guard)

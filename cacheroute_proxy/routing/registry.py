@@ -20,13 +20,13 @@ ALIASES: dict[str, str] = {
 
 def build_policy(name: str, *, weights: Mapping[str, float] | None = None,
                  cursor: Cursor | None = None, tie_cursor: Cursor | None = None,
-                 kv_aware: Mapping[str, float] | None = None, pricing: Pricing | None = None,
+                 kv_aware: Mapping[str, float | bool] | None = None, pricing: Pricing | None = None,
                  native: bool = True) -> Policy:
     """The policy `name` (or an alias) stands for; any other name is a ValueError at start.
     `weights`: least_load's (and kv_aware's) overrides; `kv_aware`: KvAwarePolicy's settings
-    (balance_abs, balance_rel, prompt_balance_abs, work_weight, prompt_work_weight); `pricing`:
-    the worker's, for kv_aware; `native`: False keeps least_load's C selector out even where the
-    install built it (benchmarks compare)."""
+    (balance_abs, balance_rel, prompt_balance_abs, work_weight, prompt_work_weight,
+    slot_guard); `pricing`: the worker's, for kv_aware; `native`: False keeps least_load's C
+    selector out even where the install built it (benchmarks compare)."""
     canonical = ALIASES.get(name.strip().lower())
     if canonical == "round_robin":
         return RoundRobinPolicy(cursor)
