@@ -49,9 +49,14 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
+    "affinity_vllm_slot_guard.json": (
+        "kv_aware against least_load and the SGLang router at 40 % and 60 %: this tree, beside "
+        "the slot guard (kv_aware slots: PROXY_KV_AWARE_SLOT_GUARD=1, not the default)",
+        ("affinity_vllm_slot_guard_repeat.json",)),
     "affinity_vllm_stream_path_all.json": (
-        f"{affinity_vllm.TITLE}: this tree (a stream's token through two Python frames fewer, its "
-        "end in one write)", ("affinity_vllm_stream_path_all_repeat.json",)),
+        f"{affinity_vllm.TITLE}, the tree before (a stream's first token written after its "
+        "bookkeeping; its later tokens through two Python frames fewer than before that, its end "
+        "in one write)", ("affinity_vllm_stream_path_all_repeat.json",)),
     "affinity_vllm.json": (
         f"{affinity_vllm.TITLE}, the tree before (a stream's token through two more Python frames)",
         ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json", "affinity_vllm_repeat3.json")),
@@ -108,13 +113,17 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        ("peers_busy_host.json", lambda d: peers.section(
+            d, charts_dir, link_base, "peers_busy_host.json",
+            "This proxy against nginx and an LLM router: the tree before (a stream's first token "
+            "written after its bookkeeping), the AMD EPYC host under heavy CPU pressure")),
         ("peers_before_stream_path.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_before_stream_path.json",
-            "This proxy against nginx and an LLM router: the tree before (a stream's token through "
+            "This proxy against nginx and an LLM router: an earlier tree (a stream's token through "
             "two Python frames more, its end in two writes), on an Intel Xeon host")),
         ("peers_repeat.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_repeat.json",
-            "This proxy against nginx and an LLM router: the tree before, a second run on the "
+            "This proxy against nginx and an LLM router: an earlier tree, a second run on the "
             "Intel Xeon host")),
         ("peers_task_clock.json", settled.task_clock_section),
         ("affinity.json", affinity.section),
@@ -266,6 +275,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "kv_aware against the SGLang router at 40 % and 60 %, each worker's memo filled with "
             "the run's 16 system prompts at its start (kv_aware warm; a prototype: what a memo "
             "shared by the workers could give at most)"),
+        _real_engines(
+            "affinity_vllm_stream_path_40.json",
+            "kv_aware against least_load and the SGLang router at 40 %, the tree before (a "
+            "stream's first token written after its bookkeeping), a quieter machine: twice each"),
         _real_engines(
             "affinity_vllm_stream_path.json",
             "kv_aware against the SGLang router at 40 % and 60 %, a stream's token through two "
