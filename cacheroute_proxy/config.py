@@ -158,9 +158,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     kv_aware_slot_guard: Annotated[bool, Env("PROXY_KV_AWARE_SLOT_GUARD", SELECTION, (
         "`kv_aware` chooses as least_load also when its choice's engine has no free slot "
         "(max_num_seqs) and another's has (docs/architecture.md §4.4)"))] = False
-    kv_aware_displace_copies: Annotated[bool, Env("PROXY_KV_AWARE_DISPLACE_COPIES", SELECTION, (
-        "false: `kv_aware` charges a candidate away from a prompt's home the displacement of "
-        "only the blocks it lacks"))] = True
     affinity_pending_s: Annotated[float, Env("PROXY_AFFINITY_PENDING_S", SELECTION, (
         "the longest a kv_aware choice counts as pending residency on its instance (docs/"
         "architecture.md, \"Claims\")"), gt=0, le=3600, finite=True)] = 30.0

@@ -269,17 +269,8 @@ class AffinityScorer:
         displace = self._prompt_saving(request, len(blocks)) if prompt_home is not None else 0.0
         return [self._assessment(request, instance, holding, homes.get(index, 0),
                                  len(blocks) - holding.cached if index == prompt_home else 0,
-                                 0.0 if index == prompt_home else self._displaced(request, displace, holding),
-                                 len(kid_keys))
+                                 0.0 if index == prompt_home else displace, len(kid_keys))
                 for index, (instance, holding) in enumerate(zip(candidates, holdings))]
-
-    def _displaced(self, request: ProxyRequest, displace_ms: float, holding: _Holding) -> float:
-        """What a prompt away from its home displaces on a candidate: all its blocks' saving,
-        or (PROXY_KV_AWARE_DISPLACE_COPIES off) the saving of those the candidate lacks -- the
-        blocks it holds already push out nothing more."""
-        if self._settings.kv_aware_displace_copies or not holding.cached:
-            return displace_ms
-        return max(0.0, displace_ms - self._prompt_saving(request, holding.cached))
 
     def _home(self, prompt_key: int, candidates: Sequence[InstanceSlot], holdings: Sequence[_Holding]) -> int:
         """The index of the prompt's home among `candidates`: where the sidecar lists it; else

@@ -199,11 +199,9 @@ def test_blocks_sent_to_an_engine_that_reports_its_own_name_only_the_prompt_to_t
 
 
 def _scorer(segment, view=SharedAffinity, pending_s: float = 30.0, row: WorkerRow | None = None,
-            engine: EnginePrefix | None = None, hand_over: HandOver = lambda later: None,
-            **settings_given: Any) -> AffinityScorer:
+            engine: EnginePrefix | None = None, hand_over: HandOver = lambda later: None) -> AffinityScorer:
     """`hand_over` gets what a claim would run ACKNOWLEDGED_CLAIM_S later (by default nothing runs)."""
-    settings = Settings(instance_strategy="kv_aware", affinity_block_tokens=16 if engine else 64,
-                        **settings_given)
+    settings = Settings(instance_strategy="kv_aware", affinity_block_tokens=16 if engine else 64)
     events = EventChannelWriter(segment, row or WorkerRow.claim(segment, 0))
     predictors = get_predictors(settings.predictor_profile)
     preparer = KnowledgePreparer(settings, None, predictors)
@@ -597,8 +595,3 @@ def test_a_prompt_has_one_home_every_worker_names_the_same_and_away_from_it_pays
     assert held[third].pending_blocks == 4 and held[third].home_blocks == 0
     assert held[third].held_tokens == plain.prompt_tokens and held[third].displace_ms > 0
     assert held[third].prefill_ms == held[homes[0]].prefill_ms
-    # PROXY_KV_AWARE_DISPLACE_COPIES off: a copy's blocks displace nothing more there; the
-    # instance holding none pays for all of them.
-    copies = _scorer(segment, row=rows[1], kv_aware_displace_copies=False).assess(plain, instances)
-    bare = next(i for i in range(3) if i not in (third, homes[0]))
-    assert copies[third].displace_ms == 0.0 and copies[bare].displace_ms == held[bare].displace_ms > 0
