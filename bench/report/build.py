@@ -51,8 +51,10 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 SERIES = {
     "affinity_vllm_slot_guard.json": (
         "kv_aware against least_load and the SGLang router at 40 % and 60 %: this tree, beside "
-        "the slot guard (kv_aware slots: PROXY_KV_AWARE_SLOT_GUARD=1, not the default)",
-        ("affinity_vllm_slot_guard_repeat.json",)),
+        "the slot guard (kv_aware slots: PROXY_KV_AWARE_SLOT_GUARD=1, not the default); the "
+        "third run also beside kv_aware copies (the slot guard, and a holder of a copy charged "
+        "no displacement for it: a prototype, taken out)",
+        ("affinity_vllm_slot_guard_repeat.json", "affinity_vllm_copies.json")),
     "affinity_vllm_stream_path_all.json": (
         f"{affinity_vllm.TITLE}, the tree before (a stream's first token written after its "
         "bookkeeping; its later tokens through two Python frames fewer than before that, its end "
