@@ -115,10 +115,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
-        ("peers_busy_host.json", lambda d: peers.section(
-            d, charts_dir, link_base, "peers_busy_host.json",
+        ("peers_before_first_write.json", lambda d: peers.section(
+            d, charts_dir, link_base, "peers_before_first_write.json",
             "This proxy against nginx and an LLM router: the tree before (a stream's first token "
-            "written after its bookkeeping), the AMD EPYC host under heavy CPU pressure")),
+            "written after its bookkeeping), on the same AMD EPYC host")),
         ("peers_before_stream_path.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_before_stream_path.json",
             "This proxy against nginx and an LLM router: an earlier tree (a stream's token through "
