@@ -32,12 +32,16 @@ class Setup:
 WARM_UP_REQUESTS = 150
 
 
-def schedule(names: Sequence[str], repeats: int) -> list[str]:
+def schedule(names: Sequence[str], repeats: int, start: int = 0) -> list[str]:
     """ABC…CBA: the contenders in order, then reversed, and so on, so a drift of the machine's
-    load over the runs falls on every contender alike."""
+    load over the runs falls on every contender alike; from the contender at `start` (the load's
+    index), so the first and last runs of a load, after its warm-up and at the end of the run,
+    are not always the same contender's."""
+    first = start % len(names) if names else 0
+    rotated = list(names[first:]) + list(names[:first])
     order: list[str] = []
     for r in range(repeats):
-        order += list(names if r % 2 == 0 else reversed(names))
+        order += rotated if r % 2 == 0 else rotated[::-1]
     return order
 
 
@@ -144,7 +148,7 @@ def _warm_up(name: str, setup: Setup, planned: Sequence[Planned], rate: float) -
     """Before a load's runs, WARM_UP_REQUESTS at its rate through its first contender, not
     recorded. Without it the first run of a load was the slowest: over the 34 loads of the
     earlier result files, its TTFT p50 was 1.10x (median) that of the last run, the same
-    contender; and ABC…CBA puts the same contender first every time."""
+    contender; and ABC…CBA puts one contender first in a load."""
     print(f"  warm-up: {WARM_UP_REQUESTS} requests through {name}, not recorded", flush=True)
     try:
         run(contenders.spec(name, setup.variants), setup, planned[:WARM_UP_REQUESTS], rate)
@@ -160,13 +164,14 @@ def _outcomes_file(setup: Setup, share: float, order: int, name: str) -> Path | 
 
 def run_all(names: Sequence[str], setup: Setup, planned: Sequence[Planned], loads: Sequence[float],
             repeats: int, saturation_rps: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every load, ABC…CBA: the runs, and the contenders that would not start (with why; the
-    benchmark goes on without that run)."""
+    """Every load, ABC…CBA (the second load BC…A A…CB, and so on): the runs, and the
+    contenders that would not start (with why; the benchmark goes on without that run)."""
     runs, failed = [], []
-    for share in loads:
+    for index, share in enumerate(loads):
         rate = share * saturation_rps
-        _warm_up(names[0], setup, planned, rate)
-        for order, name in enumerate(schedule(names, repeats)):
+        runs_of_load = schedule(names, repeats, index)
+        _warm_up(runs_of_load[0], setup, planned, rate)
+        for order, name in enumerate(runs_of_load):
             spec = contenders.spec(name, setup.variants)
             print(f"load {share:g} ({rate:.2f}/s), run {order + 1}: {name}", flush=True)
             try:

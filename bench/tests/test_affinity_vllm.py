@@ -250,6 +250,9 @@ def test_the_ceiling_sends_each_request_straight_to_its_prompts_engine_and_is_no
 def test_contenders_run_abc_then_cba():
     assert runner.schedule(["A", "B", "C"], 2) == ["A", "B", "C", "C", "B", "A"]
     assert runner.schedule(["A", "B"], 3) == ["A", "B", "B", "A", "A", "B"]
+    # Each load from the next contender on: the edges of a load's runs go round.
+    assert runner.schedule(["A", "B", "C"], 2, start=1) == ["B", "C", "A", "A", "C", "B"]
+    assert runner.schedule(["A", "B", "C"], 2, start=3) == runner.schedule(["A", "B", "C"], 2)
 
 
 def test_a_peers_own_counters_are_read_as_deltas_of_its_total_series():
