@@ -45,6 +45,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
     return name, lambda d: affinity_vllm.section(d, name, title)
 
 
+# What the tree before this one did otherwise, as its sections' titles name it.
+BEFORE_FIRST_WRITE = "the tree before (a stream's first token written after its bookkeeping"
+
 # Runs of the judged real-engine scenario, a series per tree: its first file (and that file's
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
@@ -56,9 +59,8 @@ SERIES = {
         "no displacement for it: a prototype, taken out)",
         ("affinity_vllm_slot_guard_repeat.json", "affinity_vllm_copies.json")),
     "affinity_vllm_stream_path_all.json": (
-        f"{affinity_vllm.TITLE}, the tree before (a stream's first token written after its "
-        "bookkeeping; its later tokens through two Python frames fewer than before that, its end "
-        "in one write)", ("affinity_vllm_stream_path_all_repeat.json",)),
+        f"{affinity_vllm.TITLE}, {BEFORE_FIRST_WRITE}; its later tokens through two Python "
+        "frames fewer than before that, its end in one write)", ("affinity_vllm_stream_path_all_repeat.json",)),
     "affinity_vllm.json": (
         f"{affinity_vllm.TITLE}, the tree before (a stream's token through two more Python frames)",
         ("affinity_vllm_repeat.json", "affinity_vllm_repeat2.json", "affinity_vllm_repeat3.json")),
@@ -117,8 +119,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
         ("peers_before_first_write.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_before_first_write.json",
-            "This proxy against nginx and an LLM router: the tree before (a stream's first token "
-            "written after its bookkeeping), on the same AMD EPYC host")),
+            f"This proxy against nginx and an LLM router: {BEFORE_FIRST_WRITE}), on the same "
+            "AMD EPYC host")),
         ("peers_before_stream_path.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_before_stream_path.json",
             "This proxy against nginx and an LLM router: an earlier tree (a stream's token through "
@@ -279,8 +281,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "shared by the workers could give at most)"),
         _real_engines(
             "affinity_vllm_stream_path_40.json",
-            "kv_aware against least_load and the SGLang router at 40 %, the tree before (a "
-            "stream's first token written after its bookkeeping), a quieter machine: twice each"),
+            f"kv_aware against least_load and the SGLang router at 40 %, {BEFORE_FIRST_WRITE}), "
+            "a quieter machine: twice each"),
         _real_engines(
             "affinity_vllm_stream_path.json",
             "kv_aware against the SGLang router at 40 % and 60 %, a stream's token through two "
