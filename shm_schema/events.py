@@ -211,7 +211,7 @@ class EventHandlers(NamedTuple):
     (t_us / 1e6), durations in seconds. `other` receives RESIDENT and PREFIX as `Event`s."""
     reserve: Callable[[int, int, int, float, float, float], None]  # slot, gen, key, t, service, decode
     first_token: Callable[[int, float], None]                       # key, t
-    complete: Callable[[int, float], None]                          # key, t
+    complete: Callable[[int, float, bool], None]                    # key, t, failed
     other: Callable[[Event], None]
 
 
@@ -316,7 +316,7 @@ class EventReader:
             if kind == _FIRST_TOKEN:
                 first_token(key, t_us / 1e6)
             elif kind == _COMPLETE:
-                complete(key, t_us / 1e6)
+                complete(key, t_us / 1e6, p0 != 0)
             elif kind == _RESERVE or kind == _RESYNC:
                 reserve(where >> slot_shift, where & generation_mask, key, t_us / 1e6,
                         p0 / 1e6, p1 / 1e6)

@@ -257,10 +257,12 @@ class PressurePublisher:
                     "sleeping": header.sidecar_sleeping(self._seg), "rings": self._doorbell.rings}}
 
     def _describe_timelines(self) -> dict[str, dict[str, Any]]:
-        """Per instance id: the slots its timeline models and its learned pace."""
+        """Per instance id: the slots its timeline models and its learned paces."""
         names = {(i.slot, i.generation): i.instance_id for i in self._directory.snapshot().instances}
         return {names[where]: {"slots": timeline.ready_slots,
                                "pace": round(timeline.pace.factor, 3),
                                "pace_observations": timeline.pace.observations,
+                               "decode_pace": round(timeline.decode_factor, 3),
+                               "decode_pace_observations": timeline.decode_pace.observations,
                                "marginal_backlog_ms": round(timeline.marginal_backlog_s() * 1000, 1)}
                 for where, timeline in self.timelines.by_instance().items() if where in names}

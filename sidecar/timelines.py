@@ -11,9 +11,12 @@ order (the original's rules, with their defects fixed):
 - complete (or failed, or cancelled): the reservation goes away; if it never saw its first
   token the others are re-anchored too.
 
-Two things the workers cannot know are learned here, per instance: how many sequences it
-really runs at once (its registered max_num_seqs, when below READY_CONCURRENCY) and its pace
-(cacheroute_proxy/pace.py), the factor by which it is slower or faster than the predictor profile.
+Three things the workers cannot know are learned here, per instance: how many sequences it
+really runs at once (its registered max_num_seqs, when below READY_CONCURRENCY), its pace
+(cacheroute_proxy/pace.py), the factor by which its prefills are slower or faster than the
+predictor profile, and its decode pace, the same for its decodes (first token -> completion):
+decode holds the slots a burst waits for, and batched decode runs slower than the profile's
+prefill pace says.
 
 All times are wall-clock seconds; snapshots publish them as absolute microseconds.
 """
@@ -42,14 +45,15 @@ class Reservation:
     """One request's place on its instance's timeline. Its predicted first token is read
     through the timeline, which brings a deferred re-anchoring up to date first."""
 
-    __slots__ = ("key", "service_s", "decode_s", "reserved_at", "_predicted_first_token",
-                 "first_token_at", "late", "_timeline")
+    __slots__ = ("key", "service_s", "decode_s", "profile_decode_s", "reserved_at",
+                 "_predicted_first_token", "first_token_at", "late", "_timeline")
 
     def __init__(self, key: int, service_s: float, decode_s: float, reserved_at: float,
-                 timeline: "InstanceTimeline | None" = None) -> None:
+                 timeline: "InstanceTimeline | None" = None, profile_decode_s: float = 0.0) -> None:
         self.key = key
         self.service_s = service_s
         self.decode_s = decode_s
+        self.profile_decode_s = profile_decode_s  # the workers' prediction, before any pace
         self.reserved_at = reserved_at
         self._predicted_first_token = 0.0
         self.first_token_at: float | None = None
@@ -109,10 +113,18 @@ class InstanceTimeline:
     _stale_at: float | None = None  # the anchor of the owed re-anchoring, if one is owed
     _anchors: int = 0               # anchors so far: a reservation made after the last one
     _ghost_ends: list[float] = field(default_factory=list)  # slots of decodes since completed
+    # Learned at the pace's step from completed decodes; until the first, decodes take the pace.
+    decode_pace: Pace = field(init=False)
 
     def __post_init__(self) -> None:
         if not self._slot_free:
             self._slot_free = [0.0] * self.ready_slots
+        self.decode_pace = Pace(self.pace.step)
+
+    @property
+    def decode_factor(self) -> float:
+        decode_pace = self.decode_pace
+        return decode_pace.factor if decode_pace.observations else self.pace.factor
 
     @property
     def slot_free(self) -> list[float]:
@@ -139,8 +151,8 @@ class InstanceTimeline:
             self._ghost_ends.clear()
 
     def reserve(self, key: int, t: float, service_s: float, decode_s: float) -> Reservation:
-        factor = self.pace.factor
-        res = Reservation(key, service_s * factor, decode_s * factor, t, self)
+        res = Reservation(key, service_s * self.pace.factor, decode_s * self.decode_factor, t, self,
+                          decode_s)
         # The moving averages of the marginal backlog (the first reservation seeds them).
         if not self.recent_service_s and not self.recent_decode_s:
             self.recent_service_s, self.recent_decode_s = res.service_s, res.decode_s
@@ -217,14 +229,27 @@ class InstanceTimeline:
                 return cursor
         return cursor
 
-    def complete(self, key: int, t: float) -> None:
-        if key in self.decoding:
-            del self.decoding[key]
+    def complete(self, key: int, t: float, failed: bool = False) -> None:
+        """The request ended: finished, or `failed` (an error or a cancel, which says nothing of
+        how long the engine's decode takes)."""
+        res = self.decoding.pop(key, None)
+        if res is not None:
+            if not failed:
+                self._observe_decode(res, t)
             end = self._decode_ends.pop(key)
             if self._stale_at is not None:
                 self._ghost_ends.append(end)  # its slot is part of the owed state
         elif self.pending.pop(key, None) is not None:
             self._owe(t)
+
+    def _observe_decode(self, res: Reservation, t: float) -> None:
+        """Learn the decode pace from a decode that ran to its end. The first one starts from the
+        pace decodes took until then, so predictions do not jump back to the profile's."""
+        assert res.first_token_at is not None
+        decode_pace = self.decode_pace
+        if not decode_pace.observations:
+            decode_pace.factor = self.pace.factor
+        decode_pace.observe(res.profile_decode_s * decode_pace.factor, t - res.first_token_at)
 
     def drop(self, keys: set[int], t: float) -> None:
         for key in keys:
@@ -337,10 +362,10 @@ class Timelines:
         if timeline is not None:
             timeline.first_token(key, t)
 
-    def complete(self, key: int, t: float) -> None:
+    def complete(self, key: int, t: float, failed: bool = False) -> None:
         timeline = self._where.pop(key, None)
         if timeline is not None:
-            timeline.complete(key, t)
+            timeline.complete(key, t, failed)
 
     def drop_keys(self, predicate: Callable[[int], bool], t: float) -> int:
         doomed = [k for k in self._where if predicate(k)]

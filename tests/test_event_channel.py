@@ -11,7 +11,7 @@ import pytest
 
 from shm_schema import Segment, WorkerRow, header, layout, read_rows
 from shm_schema.bitfields import RequestKey
-from shm_schema.events import EventKind, EventReader, EventWriter
+from shm_schema.events import EventHandlers, EventKind, EventReader, EventWriter
 from proxy_workers.event_channel import EventChannelWriter
 from tests.harness import private_segment_name
 
@@ -99,6 +99,24 @@ def test_full_ring_spills_in_order_and_counts_drops(seg_name):
     assert first == list(range(1024))
     assert writer.flush() == 0  # the spill moves in once the ring has room, oldest first
     assert [e.request_key for e in reader.drain(row.row)] == list(range(1024, 1034))
+
+
+def test_consume_hands_each_kind_its_fields_and_a_completion_whether_it_failed(seg_name):
+    _, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    writer = EventWriter(seg, row.row)
+    writer.reserve(1, 7, 2, 3, 1_000_000, 40_000, 500_000, 0, 0)
+    writer.first_token(1, 7, 2, 3, 1_050_000)
+    writer.complete(1, 7, 2, 3, 1_600_000, failed=False)
+    writer.complete(1, 8, 2, 3, 1_700_000, failed=True)
+    writer.complete(2, 9, 2, 3, 1_800_000, failed=False)  # another epoch's: not handed on
+    seen: list[tuple] = []
+    handlers = EventHandlers(lambda *a: seen.append(("reserve", *a)),
+                             lambda *a: seen.append(("first_token", *a)),
+                             lambda *a: seen.append(("complete", *a)), seen.append)
+    assert EventReader(seg).consume(row.row, 1, handlers) == (5, 1)
+    assert seen == [("reserve", 2, 3, 7, 1.0, 0.04, 0.5), ("first_token", 7, 1.05),
+                    ("complete", 7, 1.6, False), ("complete", 8, 1.7, True)]
 
 
 def test_new_sidecar_epoch_discards_spill_and_resyncs_live_requests(seg_name):

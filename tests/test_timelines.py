@@ -218,6 +218,48 @@ def test_the_pace_is_learned_only_from_first_tokens_that_were_not_predicted_to_q
     assert pace.observations == 2
 
 
+def _decode_for(tl: Timelines, where: tuple[int, int], key: int, now: float, decode_s: float,
+                took_s: float, failed: bool = False) -> float:
+    """One request alone on its instance whose prefill takes the prediction (at its pace) and
+    whose decode takes `took_s` (predicted `decode_s`); returns when it ended."""
+    tl.reserve(*where, key, now, 0.1, decode_s)
+    first = tl.timeline(*where).pending[key].predicted_first_token
+    tl.first_token(key, first)
+    tl.complete(key, first + took_s, failed)
+    return first + took_s
+
+
+def test_the_decode_pace_is_learned_from_completed_decodes_and_holds_the_slots_longer():
+    tl = Timelines(ready_slots=2, pace_step=0.2)
+    now = 1000.0
+    for key in range(40):  # prefills as predicted, decodes twice as long
+        now = _decode_for(tl, (0, 1), key, now, decode_s=0.5, took_s=1.0)
+    timeline = tl.timeline(0, 1)
+    assert timeline.pace.factor == pytest.approx(1.0)
+    assert timeline.decode_pace.factor == pytest.approx(2.0, rel=0.02)
+    assert timeline.decode_pace.observations == 40
+    # Two decodes hold both slots for the learned time: a third request waits for them.
+    for key in (100, 101, 102):
+        tl.reserve(0, 1, key, 2000.0, 0.1, 0.5)
+    third = timeline.pending[102]
+    assert third.predicted_first_token == pytest.approx(2000.1 + 1.0 + 0.1, abs=0.01)
+
+
+def test_the_decode_pace_starts_from_the_pace_and_learns_nothing_from_failures():
+    tl = Timelines(ready_slots=4, pace_step=0.2)
+    _serve_one_at_a_time(tl, (0, 1), true_factor=3.0, requests=40)  # the pace: 3
+    timeline = tl.timeline(0, 1)
+    assert timeline.decode_pace.observations == 0 and timeline.decode_factor == pytest.approx(3.0, rel=0.02)
+    now = 5000.0
+    for key in range(100, 110):  # cancelled early: a decode cut short says nothing of its pace
+        now = _decode_for(tl, (0, 1), key, now, decode_s=0.5, took_s=0.01, failed=True)
+    assert timeline.decode_pace.observations == 0
+    # The first decode that ran to its end moves the decode pace from the pace's 3, not from 1.
+    _decode_for(tl, (0, 1), 200, now, decode_s=0.5, took_s=1.5 * 0.5 * timeline.pace.factor)
+    assert timeline.decode_pace.observations == 1
+    assert timeline.decode_factor == pytest.approx(timeline.pace.factor * 1.5 ** 0.2, rel=1e-6)
+
+
 def test_one_observation_moves_the_pace_a_bounded_step_and_noise_is_ignored():
     pace = Pace(step=0.2)
     pace.observe(predicted_s=0.1, observed_s=1000.0)   # a wild sample: ratio clamped to 10
@@ -273,7 +315,7 @@ def _observed(t: InstanceTimeline) -> tuple:
     """Everything a reader of a timeline can see (reading it brings a deferral up to date)."""
     return (t.pressure(3), sorted(r.predicted_first_token for r in t.pending.values()),
             sorted(r.predicted_end for r in t.decoding.values()), t.slot_free[0], t.prefill_free,
-            t.pace.factor, t.pace.observations)
+            t.pace.factor, t.pace.observations, t.decode_pace.factor, t.decode_pace.observations)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -310,8 +352,9 @@ def test_deferred_reanchoring_gives_what_reanchoring_on_every_event_gives(seed, 
             deferred.first_token(target, at)
         elif choice < 0.97:
             target = live.pop(rng.randrange(len(live)))
-            eager.complete(target, at)
-            deferred.complete(target, at)
+            failed = rng.random() < 0.2
+            eager.complete(target, at, failed)
+            deferred.complete(target, at, failed)
         else:
             doomed = {k for k in live if rng.random() < 0.3}
             live = [k for k in live if k not in doomed]
