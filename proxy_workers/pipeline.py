@@ -27,7 +27,7 @@ import msgspec
 
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
-from shm_schema import Admission, layout
+from shm_schema import Admission, InstanceSlot, layout
 
 from . import metrics
 from .admission import POLL_S, POLL_S_WITH_BELLS, AdmissionQueue
@@ -77,13 +77,15 @@ class Job(msgspec.Struct):
 class Pipeline:
     def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
                  predictors: Any, pressure_of: Any, affinity: AffinityScorer | None = None,
-                 bells: AdmissionBells | None = None) -> None:
+                 bells: AdmissionBells | None = None,
+                 batch_of: Callable[[InstanceSlot], int] = lambda instance: 1) -> None:
         self._settings = settings
         self._affinity = affinity  # told what each instance now holds
         self._events = events
         self._preparer = preparer
         self._predictors = predictors
         self._pressure_of = pressure_of  # (InstanceSlot) -> predicted ready wait ms, or None
+        self._batch_of = batch_of  # (InstanceSlot) -> the batch a request sent there decodes in
         self._stages: dict[tuple[int, int], InstanceStages] = {}
         self.plain_path = 0  # requests that took the lean path (_admit_plain)
         # Other workers' releases wake this worker's waiters by its bell, or are polled for.
@@ -360,7 +362,10 @@ class Pipeline:
         else:  # less the prompt's leading blocks the instance holds (kv_aware knows them)
             held = 0 if lease.choice.affinity is None else lease.choice.affinity.held_tokens
             service = predictors.text_service_ms(request.prompt_tokens - held, 0)
-        decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, 1)
+        # In the batch it joins: decode slows with the batch (the profile's tpot by batch size),
+        # and the slots a burst waits for are held that long.
+        decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens,
+                                      self._batch_of(lease.instance))
         ready_wait = self._pressure_of(lease.instance)
         trace.predict_service_ms = round(service, 1)
         trace.predict_decode_ms = round(decode, 1)

@@ -352,6 +352,22 @@ def test_per_worker_view_sees_only_its_own_share(table):
         LoadView(seg, "per_worker")
 
 
+def test_a_requests_decode_batch_is_the_host_wide_inflight_up_to_the_engines_slots(table):
+    seg, writer, insts, (one, two) = table
+    engine = writer.allocate("engine", "127.0.0.1", 9200, max_num_seqs=4)
+    for row, count in ((one, 3), (two, 3)):  # six in flight on it from two workers
+        for _ in range(count):
+            assert row.begin(engine.slot, engine.generation)
+    assert one.begin(insts[0].slot, insts[0].generation)
+    for _ in range(2):
+        assert two.begin(insts[0].slot, insts[0].generation)
+    shared = LoadView(seg, "shared")
+    assert shared.decode_batch(engine) == 4           # its 4 slots, however many wait
+    assert shared.decode_batch(insts[0]) == 3          # no known limit: every one in flight
+    assert shared.decode_batch(insts[2]) == 1          # none yet: the request alone
+    assert LoadView(seg, "per_worker", one).decode_batch(insts[0]) == 1
+
+
 def test_reused_slot_reads_as_unknown_in_the_shared_view(table):
     seg, writer, insts, (one, _) = table
     assert one.begin(insts[1].slot, insts[1].generation)

@@ -27,7 +27,7 @@ from proxy_workers.router import Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
 from proxy_workers.trace import Knowledge, Trace, encode_meta
 from proxy_workers.event_channel import EventChannelWriter
-from shm_schema import DirectoryWriter, WorkerRow
+from shm_schema import DirectoryReader, DirectoryWriter, WorkerRow
 from tests.aio import meta_of
 from tests.shm_helpers import fresh_segment
 
@@ -346,7 +346,7 @@ def _plane(segment, **overrides: Any) -> tuple[DataPlane, Pipeline, _Upstream, W
     predictors = get_predictors(settings.predictor_profile)
     pipeline = Pipeline(settings, EventChannelWriter(segment, row),
                         KnowledgePreparer(settings, upstream, predictors), predictors,
-                        pressure_of=lambda instance: 40.0)
+                        pressure_of=lambda instance: 40.0, batch_of=router.view.decode_batch)
     return DataPlane(WorkerContext(settings, 0, router, upstream, pipeline)), pipeline, upstream, row
 
 
@@ -392,6 +392,33 @@ def test_a_plain_request_takes_the_lean_path_and_reports_what_the_pipeline_would
     assert _trace_shape(lean) == _trace_shape(full) and lean["error"] is None
     assert lean["trace"]["ready_release_seq"] == 1 and lean["trace"]["ready_worker_idx"] == 0
     assert lean_events == full_events
+
+
+def test_a_requests_decode_is_predicted_for_the_batch_it_joins(segment):
+    """Two requests of another worker's in flight on each instance: the sidecar is told the
+    decode of a batch of three (both attempts), not of one alone."""
+    plane, pipeline, _, _ = _plane(segment)
+    other = WorkerRow.claim(segment, 1)
+    for instance in DirectoryReader(segment).snapshot().alive:
+        for _ in range(2):
+            assert other.begin(instance.slot, instance.generation)
+    real = pipeline._predictors
+    asked: list[tuple[int, int, int]] = []
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def decode_ms(self, context: int, tokens: int, bs: int) -> float:
+            asked.append((context, tokens, bs))
+            return real.decode_ms(context, tokens, bs)
+
+    pipeline._predictors = Recording()
+    status, body = asyncio.run(_serve(plane, _plain_body(stream=False)))
+    assert status == 200 and [bs for _, _, bs in asked] == [3, 3]
+    context, tokens, _ = asked[-1]
+    predicted = json.loads(body)["_cacheroute_meta"]["trace"]["predict_decode_ms"]
+    assert predicted == round(real.decode_ms(context, tokens, 3), 1) != round(real.decode_ms(context, tokens, 1), 1)
 
 
 def test_a_scheduler_request_keeps_the_full_pipeline(segment):

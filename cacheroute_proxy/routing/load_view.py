@@ -102,6 +102,16 @@ class LoadView:
         inflight = inflight_count(self._seg, instance.slot, instance.generation) if self.mode == "shared" else None
         return max(_free_in_ms(record, now_us)) * _seen_share(record, inflight)
 
+    def decode_batch(self, instance: InstanceSlot) -> int:
+        """How many sequences a request sent to `instance` now decodes beside (itself
+        included), for its predicted decode: the requests in flight there host-wide, at most its
+        registered max_num_seqs. 1 in the per-worker view, which knows no host-wide count."""
+        if self.mode != "shared":
+            return 1
+        count = inflight_count(self._seg, instance.slot, instance.generation) or 1
+        limit = instance.max_num_seqs
+        return count if not limit or count < limit else limit
+
     def queue_waits(self, instances: Sequence[SlotRef], span: int,
                     inflight: Sequence[int | None]) -> list[tuple[float | None, float]]:
         """Per instance, for kv_aware: (the predicted wait in ms before a new request's prefill
