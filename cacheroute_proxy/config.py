@@ -75,10 +75,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "after SIGTERM a worker lets requests finish this long, then cuts the rest cleanly "
         "(docs/operations.md §4); the supervisor SIGKILLs after this + 10 s"),
         gt=0)] = 30.0
-    sched_slice_us: Annotated[int, Env("PROXY_SCHED_SLICE_US", PROCESSES, (
-        "workers and the sidecar ask the kernel for this time slice, so they run as soon as "
-        "a request or token wakes them on cores busy with engines (Linux 6.12+; "
-        "docs/operations.md §1); 0 = the kernel's"), ge=0, le=100_000)] = 0
     keepalive_timeout_s: Annotated[float, Env("PROXY_KEEPALIVE_TIMEOUT_S", PROCESSES, (
         "a worker closes a keep-alive connection idle this long; clients and load balancers in "
         "front must use a shorter idle timeout"), gt=0)] = 5.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cacheroute_proxy import logs, sched_slice
+from cacheroute_proxy import logs
 from cacheroute_proxy.config import ConfigError, Settings
 
 from .server import run
@@ -26,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: configuration error: {exc}", file=sys.stderr)
         return 2
     logs.configure(f"worker{index}", settings.log_level, settings.log_format)
-    sched_slice.apply(settings.sched_slice_us)
     return run(settings, index)
 
 
