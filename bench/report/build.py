@@ -52,11 +52,23 @@ BEFORE_FIRST_WRITE = "the tree before (a stream's first token written after its 
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
-    "affinity_vllm_slot_guard.json": (
+    "affinity_vllm_batch_decode.json": (
         "kv_aware against least_load and the SGLang router at 40 % and 60 %: this tree, beside "
-        "the slot guard (kv_aware slots: PROXY_KV_AWARE_SLOT_GUARD=1, not the default); the "
-        "third run also beside kv_aware copies (the slot guard, and a holder of a copy charged "
-        "no displacement for it: a prototype, taken out)",
+        "prompt work weight 3 (kv_aware w3: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=3, not the "
+        "default); in single runs also beside 2 workers (kv_aware 2w), a 100 µs and a 300 µs "
+        "time slice from the kernel (kv_aware s100, s300: a prototype, taken out) and the "
+        "planned placement",
+        ("affinity_vllm_sched_slice.json", "affinity_vllm_batch_decode_repeat.json")),
+    "affinity_vllm_decode_pace.json": (
+        "kv_aware against least_load and the SGLang router at 40 % and 60 %: the tree before (a "
+        "request's decode predicted alone, not in the batch it joins), beside prompt work weight "
+        "3 (kv_aware w3)", ("affinity_vllm_decode_pace_repeat.json",)),
+    "affinity_vllm_slot_guard.json": (
+        "kv_aware against least_load and the SGLang router at 40 % and 60 %: an earlier tree "
+        "(decodes predicted alone and at the prefills' pace), beside the slot guard (kv_aware "
+        "slots: PROXY_KV_AWARE_SLOT_GUARD=1, not the default); the third run also beside "
+        "kv_aware copies (the slot guard, and a holder of a copy charged no displacement for "
+        "it: a prototype, taken out)",
         ("affinity_vllm_slot_guard_repeat.json", "affinity_vllm_copies.json")),
     "affinity_vllm_stream_path_all.json": (
         f"{affinity_vllm.TITLE}, {BEFORE_FIRST_WRITE}; its later tokens through two Python "
