@@ -145,11 +145,17 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("affinity.json", affinity.section),
         ("affinity_own_link_queue.json", lambda d: affinity.section(
             d, "affinity_own_link_queue.json", "each worker pricing a KV pull behind its own transfers "
-            "on the link only, not the pulls other workers sent there (the tree before)")),
+            "on the link only, not the pulls other workers sent there (an earlier tree)")),
         ("affinity_standing_claims.json", lambda d: affinity.section(
             d, "affinity_standing_claims.json", "a claim on knowledge standing until its request ended "
             "and an acknowledged one until confirmed or 30 s (an earlier tree): 4 workers 6 points "
             "behind 1")),
+        ("affinity_decode_alone.json", lambda d: affinity.section(
+            d, "affinity_decode_alone.json", "the tree before (a request's decode predicted alone "
+            "and at its prefills' pace)")),
+        ("affinity_decode_alone_same_hour.json", lambda d: affinity.section(
+            d, "affinity_decode_alone_same_hour.json", "the tree before again, in the hour this "
+            "tree's run was made")),
         ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
         ("affinity_w3.json", lambda d: affinity.section(
             d, "affinity_w3.json", "work weight 3 for knowledge too (not the default: prompts only)")),
