@@ -40,6 +40,11 @@ def charts_available() -> bool:
     return True
 
 
+def _simulated(name: str, title: str | None = None) -> tuple[str, Callable[[dict[str, Any]], str]]:
+    """A section of one more simulated kv_aware run (bench/bench_affinity), under its title."""
+    return name, lambda d: affinity.section(d, name, title)
+
+
 def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
     """A section of one more real-engine kv_aware run (bench/affinity_vllm), under its title."""
     return name, lambda d: affinity_vllm.section(d, name, title)
@@ -142,29 +147,29 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "This proxy against nginx and an LLM router: an earlier tree, a second run on the "
             "Intel Xeon host")),
         ("peers_task_clock.json", settled.task_clock_section),
-        ("affinity.json", affinity.section),
-        ("affinity_own_link_queue.json", lambda d: affinity.section(
-            d, "affinity_own_link_queue.json", "each worker pricing a KV pull behind its own transfers "
-            "on the link only, not the pulls other workers sent there (an earlier tree)")),
-        ("affinity_standing_claims.json", lambda d: affinity.section(
-            d, "affinity_standing_claims.json", "a claim on knowledge standing until its request ended "
+        _simulated("affinity.json"),
+        _simulated(
+            "affinity_own_link_queue.json", "each worker pricing a KV pull behind its own transfers "
+            "on the link only, not the pulls other workers sent there (an earlier tree)"),
+        _simulated(
+            "affinity_standing_claims.json", "a claim on knowledge standing until its request ended "
             "and an acknowledged one until confirmed or 30 s (an earlier tree): 4 workers 6 points "
-            "behind 1")),
-        ("affinity_decode_alone.json", lambda d: affinity.section(
-            d, "affinity_decode_alone.json", "the tree before (a request's decode predicted alone "
-            "and at its prefills' pace)")),
-        ("affinity_decode_alone_same_hour.json", lambda d: affinity.section(
-            d, "affinity_decode_alone_same_hour.json", "the tree before again, in the hour this "
-            "tree's run was made")),
-        ("affinity_mixed200.json", lambda d: affinity.section(d, "affinity_mixed200.json")),
-        ("affinity_w3.json", lambda d: affinity.section(
-            d, "affinity_w3.json", "work weight 3 for knowledge too (not the default: prompts only)")),
-        ("affinity_guard4.json", lambda d: affinity.section(
-            d, "affinity_guard4.json", "the balance guard at 4 requests in flight (the default before: "
-            "more spills, fewer hits and a longer tail than at 16)")),
-        ("affinity_guard16.json", lambda d: affinity.section(
-            d, "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
-            "the guard-4 run measured (given): beside that run, the one that chose 16")),
+            "behind 1"),
+        _simulated(
+            "affinity_decode_alone.json", "the tree before (a request's decode predicted alone "
+            "and at its prefills' pace)"),
+        _simulated(
+            "affinity_decode_alone_same_hour.json", "the tree before again, in the hour this "
+            "tree's run was made"),
+        _simulated("affinity_mixed200.json"),
+        _simulated(
+            "affinity_w3.json", "work weight 3 for knowledge too (not the default: prompts only)"),
+        _simulated(
+            "affinity_guard4.json", "the balance guard at 4 requests in flight (the default before: "
+            "more spills, fewer hits and a longer tail than at 16)"),
+        _simulated(
+            "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
+            "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
         _real_engines(
             "affinity_vllm_tol01.json",
