@@ -243,12 +243,12 @@ class InstanceTimeline:
             self._owe(t)
 
     def _observe_decode(self, res: Reservation, t: float) -> None:
-        """Learn the decode pace from a decode that ran to its end. The first one starts from the
-        pace decodes took until then, so predictions do not jump back to the profile's."""
+        """Learn the decode pace from a decode that ran to its end, starting from the factor
+        decodes took until now (`decode_factor`: before the first, the pace's), so predictions
+        do not jump back to the profile's."""
         assert res.first_token_at is not None
         decode_pace = self.decode_pace
-        if not decode_pace.observations:
-            decode_pace.factor = self.pace.factor
+        decode_pace.factor = self.decode_factor
         decode_pace.observe(res.profile_decode_s * decode_pace.factor, t - res.first_token_at)
 
     def drop(self, keys: set[int], t: float) -> None:

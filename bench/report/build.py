@@ -50,27 +50,28 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
     return name, lambda d: affinity_vllm.section(d, name, title)
 
 
-# What the tree before this one did otherwise, as its sections' titles name it.
+# What earlier trees did otherwise, as their sections' titles name it.
 BEFORE_FIRST_WRITE = "the tree before (a stream's first token written after its bookkeeping"
+DECODES_ALONE = "decodes predicted alone and at the prefills' pace"
+# The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
+THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
 
 # Runs of the judged real-engine scenario, a series per tree: its first file (and that file's
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm_batch_decode.json": (
-        "kv_aware against least_load and the SGLang router at 40 % and 60 %: this tree, beside "
+        f"{THREE_AT_TWO_LOADS}: this tree, beside "
         "prompt work weight 3 (kv_aware w3: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=3, not the "
         "default); in single runs also beside 2 workers (kv_aware 2w), a 100 µs and a 300 µs "
         "time slice from the kernel (kv_aware s100, s300: a prototype, taken out) and the "
         "planned placement",
         ("affinity_vllm_sched_slice.json", "affinity_vllm_batch_decode_repeat.json")),
     "affinity_vllm_decode_pace.json": (
-        "kv_aware against least_load and the SGLang router at 40 % and 60 %: the tree before (a "
-        "request's decode predicted alone, not in the batch it joins), beside prompt work weight "
-        "3 (kv_aware w3)", ("affinity_vllm_decode_pace_repeat.json",)),
+        f"{THREE_AT_TWO_LOADS}: the tree before (a request's decode predicted alone, not in the "
+        "batch it joins), beside prompt work weight 3 (kv_aware w3)", ("affinity_vllm_decode_pace_repeat.json",)),
     "affinity_vllm_slot_guard.json": (
-        "kv_aware against least_load and the SGLang router at 40 % and 60 %: an earlier tree "
-        "(decodes predicted alone and at the prefills' pace), beside the slot guard (kv_aware "
+        f"{THREE_AT_TWO_LOADS}: an earlier tree ({DECODES_ALONE}), beside the slot guard (kv_aware "
         "slots: PROXY_KV_AWARE_SLOT_GUARD=1, not the default); the third run also beside "
         "kv_aware copies (the slot guard, and a holder of a copy charged no displacement for "
         "it: a prototype, taken out)",
@@ -156,8 +157,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "and an acknowledged one until confirmed or 30 s (an earlier tree): 4 workers 6 points "
             "behind 1"),
         _simulated(
-            "affinity_decode_alone.json", "the tree before (a request's decode predicted alone "
-            "and at its prefills' pace)"),
+            "affinity_decode_alone.json", f"the tree before ({DECODES_ALONE})"),
         _simulated(
             "affinity_decode_alone_same_hour.json", "the tree before again, in the hour this "
             "tree's run was made"),
