@@ -33,7 +33,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TINY_MODEL = ROOT / ".cache" / "tiny-llama"
 CACHE = ROOT / ".cache"
 SERVED_MODEL = "tiny"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
 MAX_NUM_SEQS = 4
 # One engine alone answers /health ~70 s after it starts on 2 cores (most of it torch.compile's
 # warm-up, ~40 s, shorter once .cache/vllm holds the compiled graph); two starting together
@@ -63,7 +63,7 @@ def engine_env(cpu: int | None) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "torchinductor"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: plenty for 4 sequences of 1024 tokens
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: plenty for 4 sequences of 2048 tokens
         "VLLM_CPU_OMP_THREADS_BIND": "nobind" if cpu is None else str(cpu),
         "PYTHONUNBUFFERED": "1",
     }

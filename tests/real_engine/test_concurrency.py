@@ -8,13 +8,14 @@ import asyncio
 import http.client
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.harness import Cluster, wait_until
-from tests.real_engine.engines import MAX_NUM_SEQS, SERVED_MODEL, VllmEngine
+from tests.real_engine.engines import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL, VllmEngine
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(600)]
 
@@ -92,21 +93,30 @@ def test_a_client_leaving_mid_stream_aborts_the_request_in_vllm(
     # stopped running without finishing, and before its tokens were generated.
     finished_before = engine.metric("vllm:request_success_total")
     tokens_before = engine.metric("vllm:generation_tokens_total")
-    # 900 tokens take the tiny model ~4 s on 2 cores, longer than the bound on the abort below.
+    # As long as the engine allows: ~3 s of decoding for the tiny model on 2 cores. vLLM's API
+    # server sometimes stalls for 1-2 s on a loaded host while its engine core goes on
+    # decoding, so a shorter request can finish before its first tokens reach the client.
+    max_tokens = MAX_MODEL_LEN - 64
     body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "go on"}],
-            "max_tokens": 900, "stream": True, "ignore_eos": True}
+            "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     conn = http.client.HTTPConnection("127.0.0.1", cluster.dp_port, timeout=30)
+    began = time.monotonic()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
     data_lines = 0
-    while data_lines < 3:  # the stream is flowing
+    while data_lines < 3:  # the stream is flowing: the engine is running it
         data_lines += response.fp.readline().startswith(b"data: {")
-    assert engine.metric("vllm:num_requests_running") == 1
-    conn.close()  # the client goes away mid-stream
+    flowing = time.monotonic()
+    conn.close()  # the client goes away mid-stream, at once (no scrape first: see above)
 
     wait_until(lambda: engine.metric("vllm:num_requests_running") == 0, 2,
                message=f"vLLM stopped generating\n{engine.tail()}")
-    assert engine.metric("vllm:request_success_total") == finished_before, "it finished instead"
-    assert engine.metric("vllm:generation_tokens_total") - tokens_before < 450
+    assert engine.metric("vllm:request_success_total") == finished_before, (
+        f"it finished instead (its first tokens reached the client {flowing - began:.2f} s "
+        f"after it was sent)")
+    generated = engine.metric("vllm:generation_tokens_total") - tokens_before
+    assert generated < max_tokens / 2, (
+        f"{generated:.0f} of {max_tokens} tokens generated; the stream flowed "
+        f"{flowing - began:.2f} s after the request was sent")
     wait_until(lambda: not busy_lanes(cluster), 10, message="every lane back to 0 on every worker")
