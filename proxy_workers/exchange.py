@@ -19,6 +19,7 @@ callback from the server's Cycle that cancels the request's own task.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, Coroutine, TypeVar
 
@@ -181,10 +182,13 @@ class ProxyExchange:
             headers += b"%s: %d\r\n%s: %s\r\n" % (
                 KV_PREFIX_TOKENS, job.knowledge.prefix_tokens, KV_KNOWLEDGE_IDS,
                 ",".join(job.knowledge.kv_ready_kids).encode("latin-1", "replace"))
+        # A local, not kept on the job: the job holding a callable that holds the job would
+        # be a reference cycle a request, left to the cyclic GC and its pauses.
+        sent = functools.partial(self._pipeline.book_sent, lease, job) if job.book_when_sent else None
         try:
             instance = lease.instance
             response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
-                                                 request.encoded_body(), headers)
+                                                 request.encoded_body(), headers, sent)
         except HTTPError as exc:
             self._failed(lease)
             if exc.code == "upstream_unavailable" and self._can_retry():

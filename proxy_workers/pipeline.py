@@ -70,6 +70,10 @@ class Job(msgspec.Struct):
     # the instance that serves pull it (KnowledgePreparer.reinject).
     kv_instance: tuple[int, int] | None = None
     predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
+    # The lean path books the request with the sidecar once it has left for the instance
+    # (`Pipeline.book_sent`, which the exchange hands to Upstream.open): its predictions are
+    # off the way to the instance. True until then: an attempt that never left has no booking.
+    book_when_sent: bool = False
     spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
     client_headers: Any = ()  # the client's, as ASGI gave them: the KDN's traceparent without spans
 
@@ -125,6 +129,7 @@ class Pipeline:
         admitted at once (`_admit_plain`), else the full pipeline (`run_admitted`). Made here
         and awaited by the caller, so neither path has a frame more than the other."""
         stages = self._stages_for(lease)
+        job.book_when_sent = False
         if job.request.knowledge is None and self._admit_plain(lease, stages, job):
             return self._forward_admitted(lease, stages, job, forward)
         return self.run_admitted(lease, stages, job, forward)
@@ -199,8 +204,8 @@ class Pipeline:
         trace.prepare_seq = stages.order.pass_through(trace)
         job.prepared = True
         job.key = self._events.new_key()
-        self._reserve(lease, job)
-        trace.ready_dequeue_ms = now_ms()
+        trace.ready_enqueue_ms = trace.ready_dequeue_ms = now_ms()
+        job.book_when_sent = True
         _take_ready_place(stages, trace)
         return True
 
@@ -226,7 +231,8 @@ class Pipeline:
         bells = self.bells
         if bells is not None and bells.others_wait(lease.instance, len(stages.admission)):
             bells.ring_others(lease.instance.slot)
-        self._events.complete(job.key, failed)
+        if not job.book_when_sent:  # else it never left, and the sidecar never heard of it
+            self._events.complete(job.key, failed)
 
     def _forwarding(self, lease: Lease, job: Job) -> None:
         """The instance is about to hold the request's prompt prefix (vLLM's prefix cache keeps
@@ -350,9 +356,19 @@ class Pipeline:
             lease.leave(layout.LANE_PREPARE_ACTIVE)
 
     def _reserve(self, lease: Lease, job: Job) -> None:
-        """Tell the sidecar the request is released to ready, with its predicted service."""
+        """The request is released to ready: stamped, and booked with the sidecar."""
+        job.trace.ready_enqueue_ms = now_ms()
+        self._book(lease, job)
+
+    def book_sent(self, lease: Lease, job: Job) -> None:
+        """The lean path's booking, once the request has left (Job.book_when_sent)."""
+        job.book_when_sent = False
+        self._book(lease, job)
+
+    def _book(self, lease: Lease, job: Job) -> None:
+        """Tell the sidecar the request is released to ready, with its predicted service (and
+        the trace, what was predicted)."""
         request, trace, knowledge = job.request, job.trace, job.knowledge
-        trace.ready_enqueue_ms = now_ms()
         predictors = self._predictors
         knowledge_tokens = request.knowledge.knowledge_tokens if request.knowledge else 0
         if knowledge.prefix_tokens:  # the instance holds the knowledge's KV: pull + residual prefill

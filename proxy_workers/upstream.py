@@ -80,11 +80,12 @@ class Upstream:
         for `open`: computed once per request, whatever the attempts."""
         return forwarded_block(client_headers, self._dropped)
 
-    async def open(self, host: str, port: int, path: str, body: bytes,
-                   headers: bytes = b"") -> UpstreamResponse:
+    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
+                   sent: Callable[[], None] | None = None) -> UpstreamResponse:
         """POST and wait for the response head; HTTPError 502/504 if that does not happen.
         `headers`: complete `name: value\r\n` lines (`forwarded`, and the request's own),
-        written between the Host line and the proxy's own headers.
+        written between the Host line and the proxy's own headers; `sent`: called once the
+        request is written, before its answer is awaited (not when no connection was had).
 
         The first-byte bound is the connection's own lazy timer (Http1Connection.request: no
         asyncio.timeout, no timer per request); only a new connection's connect has its own."""
@@ -94,7 +95,7 @@ class Upstream:
         try:
             return await self._pool.send(host, port, request, settings.upstream_first_byte_timeout_s,
                                          min(settings.upstream_connect_timeout_s,
-                                             settings.upstream_first_byte_timeout_s))
+                                             settings.upstream_first_byte_timeout_s), sent)
         except ConnectFailed as exc:
             raise HTTPError(502, "upstream_unavailable",
                             f"cannot connect to {base_url(host, port)}{path}: {exc}") from None

@@ -403,6 +403,35 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
 
 
+def test_sent_is_called_once_the_request_is_written_and_not_for_one_never_sent():
+    """Upstream.open's `sent` (the lean path books a request with it): once a request, also when
+    the keep-alive race sends it again; never when there was no connection to write it on."""
+    answered: list[int] = []
+    sent: list[int] = []
+
+    async def answer_once_per_connection(reader, writer):
+        if id(writer) in answered:
+            writer.close()
+            return
+        answered.append(id(writer))
+        writer.write(OK_JSON)
+
+    async def main():
+        upstream = Upstream(settings())
+        async with Server(answer_once_per_connection) as server:
+            for request in range(2):  # the second on a kept-alive connection the instance closes
+                response = await upstream.open("127.0.0.1", server.port, "/x", b"{}",
+                                               sent=lambda: sent.append(request))
+                await upstream.read_all(response)
+                response.release()
+            free, requests = server.port, len(server.requests)
+        with pytest.raises(HTTPError):  # refused: nothing written
+            await Upstream(settings()).open("127.0.0.1", free, "/x", b"{}", sent=lambda: sent.append(-1))
+        return requests
+
+    assert run(main()) == 3 and sent == [0, 1]  # 3 written: the second request twice
+
+
 def test_a_transfer_coding_other_than_chunked_is_delimited_by_the_close():
     answer = answer_then_close(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: identity\r\n\r\n{\"whole\": 1}")
 

@@ -427,7 +427,7 @@ class Http1Pool:
         self.resent = 0  # requests sent again after the keep-alive race (`send`)
 
     async def send(self, host: str, port: int, request: bytes, head_timeout_s: float,
-                   connect_timeout_s: float) -> UpstreamResponse:
+                   connect_timeout_s: float, sent: Callable[[], None] | None = None) -> UpstreamResponse:
         """Send `request` (complete bytes) on an idle connection, else a new one, and return
         the response once its head has arrived (within `head_timeout_s` of its first sending).
 
@@ -435,12 +435,17 @@ class Http1Pool:
         on it. A reused connection closed or reset before any byte of the answer was closed
         unread, so the request goes once more, on a new connection. A request whose answer had
         started, or that fails on a new connection, is never sent again.
+        `sent`, if given, is called once, when the request is first written: work that need
+        not delay it is done while the peer answers.
         Raises ConnectFailed, HeadTimeout, or OSError (closed or reset before the head)."""
         conn = await self.acquire(host, port, connect_timeout_s)
         head_due = conn.loop.time() + head_timeout_s
         while True:
             response = conn.request(request, head_due)
             try:
+                if sent is not None:
+                    sent, then = None, sent
+                    then()
                 await response.started()
                 return response
             except OSError:
