@@ -51,7 +51,9 @@ def _real_engines(name: str, title: str) -> tuple[str, Callable[[dict[str, Any]]
 
 
 # What earlier trees did otherwise, as their sections' titles name it.
-BEFORE_FIRST_WRITE = "the tree before (a stream's first token written after its bookkeeping"
+BEFORE_FIRST_WRITE = "an earlier tree (a stream's first token written after its bookkeeping"
+# What the trees before this one did on the lean path.
+BOOKED_BEFORE_SENT = "a plain request booked with the sidecar before it was sent"
 DECODES_ALONE = "decodes predicted alone and at the prefills' pace"
 # The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
 THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
@@ -60,8 +62,12 @@ THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % 
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
+    "affinity_vllm_booked_when_sent.json": (
+        f"{THREE_AT_TWO_LOADS}: this tree; the third run also beside kv_aware booked-before-send "
+        f"(the tree before's way: {BOOKED_BEFORE_SENT}, by a toggle made for that run, not kept)",
+        ("affinity_vllm_booked_when_sent_repeat.json", "affinity_vllm_booking_ab.json")),
     "affinity_vllm_batch_decode.json": (
-        f"{THREE_AT_TWO_LOADS}: this tree, beside "
+        f"{THREE_AT_TWO_LOADS}: the tree before ({BOOKED_BEFORE_SENT}), beside "
         "prompt work weight 3 (kv_aware w3: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=3, not the "
         "default); in single runs also beside 2 workers (kv_aware 2w), a 100 µs and a 300 µs "
         "time slice from the kernel (kv_aware s100, s300: a prototype, taken out) and the "
@@ -135,6 +141,10 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        ("peers_before_booking_after_send.json", lambda d: peers.section(
+            d, charts_dir, link_base, "peers_before_booking_after_send.json",
+            f"This proxy against nginx and an LLM router: the tree before ({BOOKED_BEFORE_SENT}; "
+            f"{DECODES_ALONE}), on the same AMD EPYC host")),
         ("peers_before_first_write.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_before_first_write.json",
             f"This proxy against nginx and an LLM router: {BEFORE_FIRST_WRITE}), on the same "
