@@ -182,6 +182,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
         _real_engines(
+            "affinity_vllm_two_workers.json",
+            f"{THREE_AT_TWO_LOADS}, this tree: 4 workers (as kv_aware) and 2 (kv_aware 2w)"),
+        _real_engines(
             "affinity_vllm_tol01.json",
             "kv_aware's homes on the real engines: moved past 1.5× an instance's share of the work "
             "(the default, as kv_aware) and past 1.1× (tol01)"),
