@@ -31,6 +31,7 @@ from cacheroute_proxy.http import HTTPError
 from . import metrics
 from .headers import KV_KNOWLEDGE_IDS, KV_PREFIX_TOKENS, Header, relayed, replaced, with_defaults
 from .pipeline import Job, Pipeline
+from .refusals import InstanceLeft
 from .request_model import ProxyRequest
 from cacheroute_proxy.http1 import Cycle
 from .router import Lease, Router
@@ -164,7 +165,12 @@ class ProxyExchange:
         """True if the attempt failed before sending anything and another should be made."""
         try:
             return await self._pipeline.run(lease, self._job, lambda: self._forward(lease, out))
-        except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
+        except InstanceLeft as exc:  # it left while the request waited: nothing reached it
+            if self._can_retry():
+                return True
+            out.error(exc, lease)
+            return False
+        except HTTPError as exc:  # refused before anything was sent: queue full, timeout
             out.error(exc, lease)
             return False
 

@@ -36,7 +36,7 @@ from .affinity import AffinityScorer
 from .event_channel import EventChannelWriter
 from .iws import NO_KNOWLEDGE, decide, lacks_knowledge
 from .knowledge import KnowledgePreparer
-from .refusals import no_instance, queue_full, queue_timeout
+from .refusals import instance_left, queue_full, queue_timeout
 from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
@@ -409,7 +409,7 @@ class Pipeline:
             finally:
                 lease.leave(layout.LANE_READY_WAITING)
         if result is Admission.STALE:
-            raise no_instance("selected instance is no longer registered")
+            raise instance_left()
         job.trace.ready_dequeue_ms = now_ms()
         _take_ready_place(stages, job.trace)
 

@@ -31,6 +31,16 @@ def no_instance(detail: str) -> HTTPError:
     return HTTPError(503, "no_instance", detail, retry_after("no_instance"))
 
 
+class InstanceLeft(HTTPError):
+    """The chosen instance left the table (unregistered, or re-registered as a new generation)
+    before anything was sent to it: another instance may take the request."""
+
+
+def instance_left() -> InstanceLeft:
+    return InstanceLeft(503, "no_instance", "selected instance is no longer registered",
+                        retry_after("no_instance"))
+
+
 def queue_full(detail: str) -> HTTPError:
     return HTTPError(429, "queue_full", detail, retry_after("queue_full"))
 

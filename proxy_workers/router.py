@@ -159,16 +159,19 @@ class Router:
     def acquire(self, exclude: Slots = frozenset(), request: ProxyRequest | None = None) -> Lease:
         """Choose an instance outside `exclude` (for `request`: kv_aware weighs what each holds
         of it), begin a request on it (503 if there is none, or if it left the table between
-        the choice and the begin) and, for kv_aware, claim what the request brings there."""
-        choice = self._choose(exclude, request)
-        instance = choice.instance
-        if choice.affinity is None and self.affinity is not None and _wants_knowledge(request):
-            # Other policies: only what the prepare stage needs (which wanted ids the chosen
-            # instance holds); a plain request's prompt is hashed by kv_aware alone.
-            choice = choice._replace(affinity=self.affinity.assess(request, (instance,), claims=False)[0])  # type: ignore[arg-type]
-        age = self.view.snapshot_age_ms() if self._least_load else None
-        if not self.row.begin(instance.slot, instance.generation):
-            raise no_instance("selected instance is no longer registered")
+        the choice and the begin, and no other is left) and, for kv_aware, claim what the
+        request brings there."""
+        while True:
+            choice = self._choose(exclude, request)  # no_instance once none is left
+            instance = choice.instance
+            if choice.affinity is None and self.affinity is not None and _wants_knowledge(request):
+                # Other policies: only what the prepare stage needs (which wanted ids the chosen
+                # instance holds); a plain request's prompt is hashed by kv_aware alone.
+                choice = choice._replace(affinity=self.affinity.assess(request, (instance,), claims=False)[0])  # type: ignore[arg-type]
+            age = self.view.snapshot_age_ms() if self._least_load else None
+            if self.row.begin(instance.slot, instance.generation):
+                break
+            exclude = exclude | {(instance.slot, instance.generation)}  # it left meanwhile
         claim = None
         if self._kv_aware and choice.affinity is not None and request is not None:
             claim = self.affinity.claim(request, instance, choice.affinity)  # type: ignore[union-attr]

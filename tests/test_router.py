@@ -8,6 +8,7 @@ import pytest
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.routing.policy import Choice
+from proxy_workers.refusals import NO_ALIVE_INSTANCE
 from proxy_workers.router import Router
 from shm_schema import DirectoryWriter, Segment, WorkerRow
 from tests.harness import private_segment_name
@@ -43,12 +44,29 @@ def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(ta
     router = _router(name, seg)
     chosen = router.choose()
     writer.free(slot.slot)  # the sidecar purges it right after the selection
-    router._choose = lambda exclude, request: Choice(chosen)  # type: ignore[method-assign]
+    real_choose = router._choose
+    router._choose = lambda exclude, request: (  # type: ignore[method-assign]
+        real_choose(exclude, request) if exclude else Choice(chosen))
     with pytest.raises(HTTPError) as info:
         router.acquire()
-    assert info.value.detail == "selected instance is no longer registered"
+    assert info.value.detail == NO_ALIVE_INSTANCE  # chosen again without it: none is left
     assert info.value.headers == {"Retry-After": "1"}
     assert router.row.own_words(8) == (0,) * 8
+
+
+def test_an_instance_vanishing_between_select_and_begin_leaves_the_request_to_another(table):
+    name, seg = table
+    writer = DirectoryWriter(seg)
+    gone = writer.allocate("a", "127.0.0.1", 9001)
+    writer.allocate("b", "127.0.0.1", 9002)
+    router = _router(name, seg)
+    chosen = next(i for i in router.view.directory.snapshot().alive if i.instance_id == "a")
+    writer.free(gone.slot)
+    real_choose = router._choose
+    router._choose = lambda exclude, request: (  # type: ignore[method-assign]
+        real_choose(exclude, request) if exclude else Choice(chosen))
+    lease = router.acquire()
+    assert lease.instance.instance_id == "b" and lease.release()
 
 
 def test_lease_release_is_idempotent_and_least_load_sees_it(table):

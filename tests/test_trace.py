@@ -473,3 +473,24 @@ def test_a_streams_last_events_its_meta_and_done_leave_in_one_write(segment):
     end = cycle.sent[-1]  # Cycle.end: one write with the stream's terminator
     assert end.startswith(last + b"event: cacheroute_meta\ndata: ") and end.endswith(b"\n\ndata: [DONE]\n\n")
     assert b"".join(cycle.sent).count(b"[DONE]") == 1
+
+
+def test_an_instance_that_left_while_the_request_waited_leaves_it_to_another(segment, monkeypatch):
+    """Unregistered between its choice and its admission, nothing sent to it: the request is
+    retried on the other instance (a 503 before), within PROXY_RETRY_ATTEMPTS."""
+    from shm_schema import Admission
+
+    plane, pipeline, upstream, _ = _plane(segment)
+    upstream.opened.append(0)  # no refused connection here: the instance leaving is the failure
+    pipeline._admit_plain = lambda *args: False  # type: ignore[method-assign]
+    admitted = Lease.try_admit
+    asked: list[str] = []
+
+    def try_admit(lease: Lease, lane: int, limit: int) -> Admission:
+        asked.append(lease.instance.instance_id)
+        return Admission.STALE if lease.instance.instance_id == asked[0] else admitted(lease, lane, limit)
+
+    monkeypatch.setattr(Lease, "try_admit", try_admit)
+    status, body = asyncio.run(_serve(plane, _plain_body(stream=False)))
+    trace = json.loads(body)["_cacheroute_meta"]["trace"]
+    assert status == 200 and trace["retries"] == 1 and len(set(asked)) == 2
