@@ -165,12 +165,9 @@ class ProxyExchange:
         """True if the attempt failed before sending anything and another should be made."""
         try:
             return await self._pipeline.run(lease, self._job, lambda: self._forward(lease, out))
-        except InstanceLeft as exc:  # it left while the request waited: nothing reached it
-            if self._can_retry():
+        except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
+            if isinstance(exc, InstanceLeft) and self._can_retry():  # nothing reached it
                 return True
-            out.error(exc, lease)
-            return False
-        except HTTPError as exc:  # refused before anything was sent: queue full, timeout
             out.error(exc, lease)
             return False
 
