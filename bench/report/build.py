@@ -65,7 +65,8 @@ SERIES = {
     "affinity_vllm_booked_when_sent.json": (
         f"{THREE_AT_TWO_LOADS}: this tree; the third run also beside kv_aware booked-before-send "
         f"(the tree before's way: {BOOKED_BEFORE_SENT}, by a toggle made for that run, not kept)",
-        ("affinity_vllm_booked_when_sent_repeat.json", "affinity_vllm_booking_ab.json")),
+        ("affinity_vllm_booked_when_sent_repeat.json", "affinity_vllm_booking_ab.json",
+         "affinity_vllm_booked_when_sent_fourth.json")),
     "affinity_vllm_batch_decode.json": (
         f"{THREE_AT_TWO_LOADS}: the tree before ({BOOKED_BEFORE_SENT}), beside "
         "prompt work weight 3 (kv_aware w3: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=3, not the "
@@ -181,6 +182,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
             "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
+        _real_engines(
+            "affinity_vllm_sglang_60.json",
+            "kv_aware against the SGLang router at 60 %, this tree: the two alone, twice each"),
         _real_engines(
             "affinity_vllm_two_workers.json",
             f"{THREE_AT_TWO_LOADS}, this tree: 4 workers (as kv_aware) and 2 (kv_aware 2w)"),
