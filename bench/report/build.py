@@ -183,6 +183,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
         _real_engines(
+            "affinity_vllm_two_tokens.json",
+            "kv_aware, least_load and the SGLang router at 40 %, this tree, 2 tokens a request "
+            "instead of 32, at the offered rate of the fourth run above (given): what a request "
+            "costs with next to nothing to stream; the difference from that run's is the cost of "
+            "30 streamed tokens"),
+        _real_engines(
             "affinity_vllm_sglang_60.json",
             "kv_aware against the SGLang router at 60 %, this tree: the two alone, twice each"),
         _real_engines(
