@@ -145,7 +145,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("peers_loaded_host.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_loaded_host.json",
             "This proxy against nginx and an LLM router: this tree, an earlier run on a loaded host "
-            "(CPU pressure over a third of the time)")),
+            "(CPU pressure about a third of the time)")),
         ("peers_before_booking_after_send.json", lambda d: peers.section(
             d, charts_dir, link_base, "peers_before_booking_after_send.json",
             f"This proxy against nginx and an LLM router: the tree before ({BOOKED_BEFORE_SENT}; "
