@@ -139,29 +139,23 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     """The Markdown text and the names of the files it used; also writes the charts
     (none when charts_dir is None)."""
     link_base = _relative(charts_dir, out.parent) if charts_dir is not None else ""
+
+    def earlier_peers(name: str, what: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
+        """Another run of bench.peers (an earlier tree, another host), titled by what it was."""
+        return name, lambda d: peers.section(d, charts_dir, link_base, name, f"{peers.TITLE}: {what}")
+
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
-        ("peers_loaded_host.json", lambda d: peers.section(
-            d, charts_dir, link_base, "peers_loaded_host.json",
-            "This proxy against nginx and an LLM router: this tree, an earlier run on a loaded host "
-            "(CPU pressure about a third of the time)")),
-        ("peers_before_booking_after_send.json", lambda d: peers.section(
-            d, charts_dir, link_base, "peers_before_booking_after_send.json",
-            f"This proxy against nginx and an LLM router: the tree before ({BOOKED_BEFORE_SENT}; "
-            f"{DECODES_ALONE}), on the same AMD EPYC host")),
-        ("peers_before_first_write.json", lambda d: peers.section(
-            d, charts_dir, link_base, "peers_before_first_write.json",
-            f"This proxy against nginx and an LLM router: {BEFORE_FIRST_WRITE}), on the same "
-            "AMD EPYC host")),
-        ("peers_before_stream_path.json", lambda d: peers.section(
-            d, charts_dir, link_base, "peers_before_stream_path.json",
-            "This proxy against nginx and an LLM router: an earlier tree (a stream's token through "
-            "two Python frames more, its end in two writes), on an Intel Xeon host")),
-        ("peers_repeat.json", lambda d: peers.section(
-            d, charts_dir, link_base, "peers_repeat.json",
-            "This proxy against nginx and an LLM router: an earlier tree, a second run on the "
-            "Intel Xeon host")),
+        earlier_peers("peers_loaded_host.json",
+                      "this tree, an earlier run on a loaded host (CPU pressure about a third of the time)"),
+        earlier_peers("peers_before_booking_after_send.json",
+                      f"the tree before ({BOOKED_BEFORE_SENT}; {DECODES_ALONE}), on the same AMD EPYC host"),
+        earlier_peers("peers_before_first_write.json", f"{BEFORE_FIRST_WRITE}), on the same AMD EPYC host"),
+        earlier_peers("peers_before_stream_path.json",
+                      "an earlier tree (a stream's token through two Python frames more, its end in two "
+                      "writes), on an Intel Xeon host"),
+        earlier_peers("peers_repeat.json", "an earlier tree, a second run on the Intel Xeon host"),
         ("peers_task_clock.json", settled.task_clock_section),
         _simulated("affinity.json"),
         _simulated(

@@ -19,10 +19,11 @@ BACKEND_TITLES = {"sim": "the project's simulated instances (cacheroute_sim)",
 SAMPLE_WORDS = ("sample", "latenc", "ttft", "percentile")
 MIN_SAMPLES = 3
 MAX_DEPTH = 3
+TITLE = "This proxy against nginx and an LLM router"
 
 
 def section(data: dict[str, Any], charts_dir: Path | None, link_base: str, file_name: str = FILE,
-            title: str = "This proxy against nginx and an LLM router") -> str:
+            title: str = TITLE) -> str:
     """charts_dir None: no charts (matplotlib is missing). Another run of the same harness
     (`file_name`) gets its own title and charts."""
     parts = [f"## {title}", *blocks.header_blocks(data, file_name)]
