@@ -64,9 +64,11 @@ THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % 
 SERIES = {
     "affinity_vllm_booked_when_sent.json": (
         f"{THREE_AT_TWO_LOADS}: this tree; the third run also beside kv_aware booked-before-send "
-        f"(the tree before's way: {BOOKED_BEFORE_SENT}, by a toggle made for that run, not kept)",
+        f"(the tree before's way: {BOOKED_BEFORE_SENT}, by a toggle made for that run, not kept), "
+        "the fifth beside prompt work weight 20 (kv_aware pw20: "
+        "PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=20, not the default)",
         ("affinity_vllm_booked_when_sent_repeat.json", "affinity_vllm_booking_ab.json",
-         "affinity_vllm_booked_when_sent_fourth.json")),
+         "affinity_vllm_booked_when_sent_fourth.json", "affinity_vllm_booked_when_sent_fifth.json")),
     "affinity_vllm_batch_decode.json": (
         f"{THREE_AT_TWO_LOADS}: the tree before ({BOOKED_BEFORE_SENT}), beside "
         "prompt work weight 3 (kv_aware w3: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=3, not the "
@@ -110,7 +112,7 @@ SERIES = {
         ("affinity_vllm_gate8_repeat.json", "affinity_vllm_gate8_repeat2.json",
          "affinity_vllm_gate8_repeat3.json")),
 }
-AGAIN = ("repeated", "a third time", "a fourth time")
+AGAIN = ("repeated", "a third time", "a fourth time", "a fifth time")
 
 
 def _series(results_dir: Path) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
@@ -186,6 +188,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "instead of 32, at the offered rate of the fourth run above (given): what a request "
             "costs with next to nothing to stream; the difference from that run's is the cost of "
             "30 streamed tokens"),
+        _real_engines(
+            "affinity_vllm_pw20_60.json",
+            "kv_aware against the SGLang router at 60 %, this tree, beside prompt work weight 20 "
+            "(kv_aware pw20: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=20, not the default): three runs "
+            "each; a prompt kept home until its queue is 20× its prefill longer, nearly as the "
+            "SGLang router keeps it"),
         _real_engines(
             "affinity_vllm_sglang_60.json",
             "kv_aware against the SGLang router at 60 %, this tree: the two alone, twice each"),
