@@ -201,6 +201,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_vllm_two_workers.json",
             f"{THREE_AT_TWO_LOADS}, this tree: 4 workers (as kv_aware) and 2 (kv_aware 2w)"),
         _real_engines(
+            "affinity_vllm_two_workers_60.json",
+            "kv_aware, least_load and the SGLang router at 60 %, this tree, 4 workers (as kv_aware) "
+            "and 2 (kv_aware 2w), at the fifth run's calibration (given), in a quieter hour: every "
+            "60 % target met in this file, and 2 workers no better than 4"),
+        _real_engines(
             "affinity_vllm_tol01.json",
             "kv_aware's homes on the real engines: moved past 1.5× an instance's share of the work "
             "(the default, as kv_aware) and past 1.1× (tol01)"),
