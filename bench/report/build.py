@@ -192,8 +192,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_vllm_pw20_60.json",
             "kv_aware against the SGLang router at 60 %, this tree, beside prompt work weight 20 "
             "(kv_aware pw20: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=20, not the default): three runs "
-            "each; a prompt kept home until its queue is 20× its prefill longer, nearly as the "
-            "SGLang router keeps it"),
+            "each; a prompt kept home until its home's queue is 20× its prefill and "
+            "displacement longer than elsewhere, nearly as the SGLang router keeps it"),
         _real_engines(
             "affinity_vllm_sglang_60.json",
             "kv_aware against the SGLang router at 60 %, this tree: the two alone, twice each"),
