@@ -7,7 +7,11 @@ when it will take requests again.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from cacheroute_proxy.http import HTTPError
+
+E = TypeVar("E", bound=HTTPError)
 
 # Seconds a client should wait, by the refusal's `error` code.
 RETRY_AFTER_S = {
@@ -26,9 +30,9 @@ def retry_after(code: str) -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S[code])}
 
 
-def no_instance(detail: str) -> HTTPError:
+def no_instance(detail: str, kind: type[E] = HTTPError) -> E:  # type: ignore[assignment]
     """503 `no_instance`: nothing alive to send the request to, or nothing left after retries."""
-    return HTTPError(503, "no_instance", detail, retry_after("no_instance"))
+    return kind(503, "no_instance", detail, retry_after("no_instance"))
 
 
 class InstanceLeft(HTTPError):
@@ -37,8 +41,7 @@ class InstanceLeft(HTTPError):
 
 
 def instance_left() -> InstanceLeft:
-    return InstanceLeft(503, "no_instance", "selected instance is no longer registered",
-                        retry_after("no_instance"))
+    return no_instance("selected instance is no longer registered", InstanceLeft)
 
 
 def queue_full(detail: str) -> HTTPError:

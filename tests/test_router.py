@@ -10,7 +10,7 @@ from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.routing.policy import Choice
 from proxy_workers.refusals import NO_ALIVE_INSTANCE
 from proxy_workers.router import Router
-from shm_schema import DirectoryWriter, Segment, WorkerRow
+from shm_schema import DirectoryWriter, InstanceSlot, Segment, WorkerRow
 from tests.harness import private_segment_name
 
 
@@ -29,6 +29,14 @@ def _router(name: str, seg: Segment, strategy: str = "least_load") -> Router:
     return Router(Settings(shm_name=name, instance_strategy=strategy), seg, WorkerRow.claim(seg, 0))
 
 
+def _first_choice_is(router: Router, chosen: InstanceSlot) -> None:
+    """The router's first choice is `chosen` (as if made just before it left the table); a
+    choice that excludes an instance is the router's own."""
+    real_choose = router._choose
+    router._choose = lambda exclude, request: (  # type: ignore[method-assign]
+        real_choose(exclude, request) if exclude else Choice(chosen))
+
+
 def test_no_alive_instance_is_503(table):
     name, seg = table
     with pytest.raises(HTTPError) as info:
@@ -44,9 +52,7 @@ def test_instance_vanishing_between_select_and_begin_is_503_and_leaks_nothing(ta
     router = _router(name, seg)
     chosen = router.choose()
     writer.free(slot.slot)  # the sidecar purges it right after the selection
-    real_choose = router._choose
-    router._choose = lambda exclude, request: (  # type: ignore[method-assign]
-        real_choose(exclude, request) if exclude else Choice(chosen))
+    _first_choice_is(router, chosen)
     with pytest.raises(HTTPError) as info:
         router.acquire()
     assert info.value.detail == NO_ALIVE_INSTANCE  # chosen again without it: none is left
@@ -62,9 +68,7 @@ def test_an_instance_vanishing_between_select_and_begin_leaves_the_request_to_an
     router = _router(name, seg)
     chosen = next(i for i in router.view.directory.snapshot().alive if i.instance_id == "a")
     writer.free(gone.slot)
-    real_choose = router._choose
-    router._choose = lambda exclude, request: (  # type: ignore[method-assign]
-        real_choose(exclude, request) if exclude else Choice(chosen))
+    _first_choice_is(router, chosen)
     lease = router.acquire()
     assert lease.instance.instance_id == "b" and lease.release()
 
