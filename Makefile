@@ -15,7 +15,7 @@ from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
 # setup.py builds the C parts (shm_schema/_lanes.c, cacheroute_proxy/routing/_least_load.c) into
 # the checkout: an edit rebuilds them.
-$(STAMP): pyproject.toml setup.py shm_schema/_lanes.c cacheroute_proxy/routing/_least_load.c
+$(STAMP): pyproject.toml setup.py shm_schema/_lanes.c cacheroute_proxy/routing/_least_load.c cacheroute_proxy/http1/_chunk_pass.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'

@@ -35,7 +35,7 @@ from .refusals import InstanceLeft
 from .request_model import ProxyRequest
 from cacheroute_proxy.http1 import Cycle
 from .router import Lease, Router
-from .sse import DONE_EVENT, StreamRelay, cut_meta_event, meta_event
+from .sse import DONE_EVENT, PASS_TAIL, StreamRelay, cut_meta_event, meta_event
 from .trace import Trace, encode_meta
 from cacheroute_proxy.http1.client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
@@ -238,10 +238,11 @@ class ProxyExchange:
         headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
         headers.append(_instance_header(lease))
         out.start(200, headers)  # at once, as the instance sent its own: a client may time its wait
-        relay = StreamRelay(cycle.body_writer(), lambda: self._first_token(job))
+        relay = StreamRelay(cycle.body_writer(), lambda: self._first_token(job),
+                            cycle.chunk_passer(*PASS_TAIL))
         error: str | None = None
         try:
-            while not await self._upstream.relay(response, relay):
+            while not await self._upstream.relay(response, relay, relay.passer):
                 await cycle.writable()  # the client is slow: the instance waits with it
         except UpstreamFailure as exc:
             error = exc.reason

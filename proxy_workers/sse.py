@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from cacheroute_proxy.http1.chunk_pass import ChunkPasser
+
 from .trace import Knowledge, Trace, encode_meta
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -61,18 +63,28 @@ class DoneStripper:
         return rest
 
 
+# What a ChunkPass looks for in a read's last chunk before it passes the read on as it came:
+# the data that `StreamRelay.__call__` passes on unchanged (Cycle.chunk_passer).
+PASS_TAIL = (_MARKER, _LOOK_BACK)
+
+
 class StreamRelay(DoneStripper):
     """The sink of an instance's stream (UpstreamResponse.relay): each piece to the client as
     it arrives (`write` says True when the client is full), but for the final `[DONE]`, with
     `on_first` called at the first piece, once that piece is on its way: the client's first
-    token waits for no bookkeeping."""
+    token waits for no bookkeeping.
 
-    __slots__ = ("_write", "_on_first")
+    `passer` (Cycle.chunk_passer, or None) passes reads to the client before they get here,
+    while it is `ready`: from the first piece on, as long as nothing is held."""
 
-    def __init__(self, write: Callable[[bytes], bool], on_first: Callable[[], None]) -> None:
+    __slots__ = ("_write", "_on_first", "passer")
+
+    def __init__(self, write: Callable[[bytes], bool], on_first: Callable[[], None],
+                 passer: ChunkPasser | None = None) -> None:
         super().__init__()
         self._write = write
         self._on_first: Callable[[], None] | None = on_first
+        self.passer = passer
 
     def __call__(self, chunk: bytes) -> bool:
         # `feed`'s pass-through case, inlined for the common piece (not the first, nothing held,
@@ -86,6 +98,8 @@ class StreamRelay(DoneStripper):
         if self._on_first is not None:
             on_first, self._on_first = self._on_first, None
             on_first()
+        if self.passer is not None:
+            self.passer.ready = not self._held
         return full
 
 

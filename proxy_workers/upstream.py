@@ -20,6 +20,7 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 
 from .headers import Header, forwarded_block, request_dropped
+from cacheroute_proxy.http1.chunk_pass import ChunkPasser
 from cacheroute_proxy.http1.client import (KEEPALIVE_S, ConnectFailed, HeadTimeout, Http1Pool, IdleTimeout,
                                            UpstreamResponse, header_lines, request_line)
 
@@ -115,13 +116,14 @@ class Upstream:
             line = self._lines[(path, host, port)] = request_line(path, host, port)
         return line
 
-    async def relay(self, response: UpstreamResponse, sink: Callable[[bytes], bool]) -> bool:
-        """`response.relay(sink)`: the body handed on as it arrives, True at the end, False when
-        the sink said it is full; UpstreamFailure on a stall past the idle bound, a reset or a
-        truncation."""
+    async def relay(self, response: UpstreamResponse, sink: Callable[[bytes], bool],
+                    passer: ChunkPasser | None = None) -> bool:
+        """`response.relay(sink, passer)`: the body handed on as it arrives, True at the end,
+        False when the consumer is full; UpstreamFailure on a stall past the idle bound, a
+        reset or a truncation."""
         response.limit_idle(self._settings.upstream_idle_timeout_s)
         try:
-            return await response.relay(sink)
+            return await response.relay(sink, passer)
         except (IdleTimeout, OSError) as exc:
             raise self._failure(exc) from None
 

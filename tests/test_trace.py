@@ -225,7 +225,7 @@ class _Upstream:
                               b"data: [DONE]\n\n"])
         return _Response([b'{"object":"chat.completion","choices":[]}'])
 
-    async def relay(self, response: _Response, sink: Callable[[bytes], bool]) -> bool:
+    async def relay(self, response: _Response, sink: Callable[[bytes], bool], passer: Any = None) -> bool:
         for chunk in response.chunks:
             sink(chunk)
         return True
@@ -273,6 +273,9 @@ class _Cycle:
 
     def body_writer(self) -> Callable[[bytes], bool]:
         return self.write
+
+    def chunk_passer(self, marker: bytes, look_back: int) -> None:
+        return None  # as for a body that is not chunked: every read is written as it is
 
     def end(self, body: bytes = b"") -> None:
         self.sent.append(body)

@@ -19,6 +19,8 @@ from typing import Callable
 
 import httptools
 
+from .chunk_pass import ChunkPasser
+
 # Idle connections are closed after 4 s, before the 5 s keep-alive of uvicorn (so of vLLM, and
 # of a Scheduler served by it) closes them under a request being sent.
 KEEPALIVE_S = 4.0
@@ -51,7 +53,7 @@ class UpstreamResponse:
 
     __slots__ = ("status", "content_type", "headers", "keep_alive", "_conn", "_head", "_chunks", "_size",
                  "_eof", "_error", "_waiter", "_paused", "_idle_s", "_idle_timer",
-                 "_waiting_since", "_sink")
+                 "_waiting_since", "_sink", "_passer")
 
     def __init__(self, conn: Http1Connection, head: asyncio.Future[None]) -> None:
         self.status = 0
@@ -70,6 +72,7 @@ class UpstreamResponse:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
         self._sink: Callable[[bytes], bool] | None = None  # set while `relay` runs
+        self._passer: ChunkPasser | None = None  # each read goes through it first (`relay`)
 
     # --- the consumer ----------------------------------------------------------------------
     async def started(self) -> None:
@@ -97,13 +100,17 @@ class UpstreamResponse:
                 self._waiter = None
         return self._take()
 
-    async def relay(self, sink: Callable[[bytes], bool]) -> bool:
+    async def relay(self, sink: Callable[[bytes], bool], passer: ChunkPasser | None = None) -> bool:
         """Hand the body to `sink` as it arrives, from the connection's own callback: no task
         wakes up for a piece of it, and what one read of the socket brought goes in one call.
 
         `sink` returns True when its consumer is full: the connection stops reading and `relay`
         returns False; call it again once the consumer takes more. True at the end of the body;
-        the body's error (IdleTimeout, the connection's) or the sink's otherwise."""
+        the body's error (IdleTimeout, the connection's) or the sink's otherwise.
+
+        `passer` (chunk_pass.py), the consumer's, takes over from the first relay of a chunked
+        body whose head came alone in its read (so it sees every byte of the body): a read it
+        passes to the client as it came does not reach `sink`."""
         while self._chunks:  # what arrived while nothing was handed on
             if sink(self._take()):
                 self._stop_reading()
@@ -116,13 +123,18 @@ class UpstreamResponse:
         if self._eof:
             return True
         loop = self._conn.loop
+        if passer is not None and self._passer is None and self._conn.body_starts_next:
+            self._passer = passer
         self._sink = sink
+        if self._passer is not None:
+            self._passer.relaying = True
         self._waiter = loop.create_future()
         self._waiting_since = loop.time()
         try:
             await self._waiter
         finally:
-            self._waiter = self._sink = None
+            self._waiter = None
+            self._stop_relay()
         if self._error is not None:
             raise self._error
         return self.at_eof()
@@ -211,13 +223,25 @@ class UpstreamResponse:
         try:
             full = self._sink(data)  # type: ignore[misc]
         except Exception as exc:
-            self._sink, self._error = None, exc
-            self._wake()
+            self._sink_failed(exc)
             return
         if full:
-            self._sink = None
-            self._stop_reading()
-            self._wake()
+            self._consumer_full()
+
+    def _consumer_full(self) -> None:
+        self._stop_relay()
+        self._stop_reading()
+        self._wake()
+
+    def _sink_failed(self, error: Exception) -> None:
+        self._stop_relay()
+        self._error = error
+        self._wake()
+
+    def _stop_relay(self) -> None:
+        self._sink = None
+        if self._passer is not None:
+            self._passer.relaying = False
 
     def _stop_reading(self) -> None:
         if not self._paused:
@@ -267,7 +291,11 @@ class Http1Connection(asyncio.Protocol):
         self._content_type: bytes | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._framed = False  # Content-Length or chunked: else the body ends when the connection does
+        self._chunked = False
         self._until_close = False
+        self._head_now = False  # the head completed in the read being parsed
+        # A chunked body comes next, none of it parsed: the head ended its read (`relay`).
+        self.body_starts_next = False
         # The first-byte bound: one lazy timer per connection, not one per request (see request).
         self._head_due = 0.0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -285,7 +313,8 @@ class Http1Connection(asyncio.Protocol):
         self._response = response
         self._content_type = None
         self._headers = []
-        self._framed = self._until_close = self.received_any = False
+        self._framed = self._chunked = self._until_close = self.received_any = False
+        self._head_now = self.body_starts_next = False
         self._body.clear()  # what a failed answer left
         self._head_due = head_due
         timer = self._head_timer
@@ -346,12 +375,30 @@ class Http1Connection(asyncio.Protocol):
             self.close()
             return
         response = self._response
+        passer = response._passer
+        if passer is not None:  # a relayed chunked body: whole chunks go past the parser
+            try:
+                passed = passer(data)
+            except Exception as exc:
+                response._sink_failed(exc)
+                return
+            if passed:
+                response._waiting_since = self.loop.time()
+                if passed == 2:
+                    response._consumer_full()
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             response._fail(ConnectionClosed(f"unparsable answer: {exc}"))
             self.close()
             return
+        if self._head_now:
+            self._head_now = False
+            self.body_starts_next = self._chunked and not self._body and not response._eof \
+                and data.endswith(b"\r\n\r\n")
+        elif self.body_starts_next:
+            self.body_starts_next = False
         body = self._body
         if body:
             if response._sink is not None and not response._chunks:  # a relayed stream's read
@@ -389,7 +436,7 @@ class Http1Connection(asyncio.Protocol):
         elif lowered == b"content-length":
             self._framed = True
         elif lowered == b"transfer-encoding":  # framed only if chunked is the last coding
-            self._framed = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+            self._framed = self._chunked = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
 
     def on_headers_complete(self) -> None:
         response = self._response
@@ -399,6 +446,7 @@ class Http1Connection(asyncio.Protocol):
         response.headers = self._headers
         status = response.status
         self._until_close = not self._framed and status >= 200 and status not in (204, 304)
+        self._head_now = True
         if self._content_type is not None:
             response.content_type = self._content_type.decode("latin-1")
         if not response._head.done():

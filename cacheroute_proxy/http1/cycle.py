@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Coroutine, Protocol
 
+from .chunk_pass import ChunkPass, ChunkPasser
 from .wire import CONTINUE, DATE, NO_BODY_STATUSES, UNSAFE_VALUE, Header, check_header, status_line
 
 Handler = Callable[["Cycle"], Coroutine[Any, Any, None]]
@@ -220,17 +221,33 @@ class Cycle:
         while the body streams, and goes through the connection). A stream is a part a token,
         each written on a cold cache when tokens come milliseconds apart: a frame saved is
         saved a token. `write` itself when there is no transport to write to."""
-        conn = self.conn
-        transport = getattr(conn, "transport", None)
-        if not self.started or self.complete or self.head_only or self.disconnected or transport is None:
+        transport = self._streaming_transport()
+        if transport is None:
             return self.write
-        chunked = self.chunked
+        conn, chunked = self.conn, self.chunked
 
         def write_part(body: bytes) -> bool:
             if body and not transport.is_closing():
                 transport.write(b"%x\r\n%b\r\n" % (len(body), body) if chunked else body)
             return conn.write_paused
         return write_part
+
+    def chunk_passer(self, marker: bytes, look_back: int) -> ChunkPasser | None:
+        """For a chunked body relayed into this one (UpstreamResponse.relay): a ChunkPass that
+        writes a read of whole chunks straight to this connection, as the instance framed them,
+        when their data would go on unchanged (it ends a line with no `marker` in its last
+        `look_back` bytes; http1/_chunk_pass.c). None without the C build, or unless this body
+        is chunked and streams."""
+        transport = self._streaming_transport()
+        if ChunkPass is None or transport is None or not self.chunked:
+            return None
+        return ChunkPass(transport, self.conn, marker, look_back)  # type: ignore[no-any-return]
+
+    def _streaming_transport(self) -> Any:
+        """The transport a started body that streams may be written to directly, or None."""
+        if not self.started or self.complete or self.head_only or self.disconnected:
+            return None
+        return getattr(self.conn, "transport", None)
 
     def end(self, body: bytes = b"") -> None:
         """The last part of the body: the response is complete."""
