@@ -167,7 +167,7 @@ def _relay_reads(reads: list[bytes], with_passer: bool) -> tuple[bytes, bool, in
         conn.connection_made(Recorder())  # type: ignore[arg-type]
         response = conn.request(b"POST / HTTP/1.1\r\n\r\n", loop.time() + 60)
         conn.data_received(HEAD)
-        assert conn.body_starts_next
+        assert conn.body_read == b""
         client = Recorder()
 
         def write_part(body: bytes) -> bool:
@@ -245,28 +245,45 @@ def test_through_a_socket_whole_reads_keep_the_instances_framing_and_the_connect
     assert run(main()) == 1
 
 
-def test_a_head_that_brought_body_bytes_along_is_relayed_the_ordinary_way():
+def _relayed(first_writes: list[bytes], then: list[bytes]) -> tuple[list[bytes], list[bytes], int]:
+    """An instance that writes `first_writes` (the head among them), then each of `then`
+    apart: (what reached the relay's sink, what was passed on as it came, reads passed)."""
     async def answer(reader, writer):
-        writer.write(HEAD + chunk(event(1)))
-        for read in (chunk(event(2)), b"0\r\n\r\n"):
+        for read in first_writes:
+            writer.write(read)
             await writer.drain()
             await asyncio.sleep(0.05)
+        for read in then:
             writer.write(read)
+            await writer.drain()
+            await asyncio.sleep(0.05)
 
     async def main():
         async with Server(answer) as server:
             upstream = Upstream(client_settings())
             response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
             pieces: list[bytes] = []
+            client = Recorder()
             relay = StreamRelay(lambda data: pieces.append(data) or False, lambda: None,
-                                passer(Recorder(), ready=False))
+                                passer(client, ready=False))
             assert await upstream.relay(response, relay, relay.passer)
             response.release()
             upstream._pool.close()
-            return pieces, relay.passer.passed
+            return pieces, client.writes, relay.passer.passed
 
-    pieces, passed = run(main())
-    assert b"".join(pieces) == event(1) + event(2) and passed == 0
+    return run(main())
+
+
+def test_a_head_that_brought_body_bytes_along_is_followed_from_them():
+    cut = chunk(event(1))[:20]  # the first chunk, cut by the read: the passer follows it too
+    pieces, passed_on, passed = _relayed([HEAD + cut, chunk(event(1))[20:]], [chunk(event(2)), b"0\r\n\r\n"])
+    assert b"".join(pieces) == event(1) and passed_on == [chunk(event(2))] and passed == 1
+
+
+def test_a_head_split_across_reads_leaves_its_body_to_the_parser():
+    pieces, passed_on, passed = _relayed([HEAD[:30], HEAD[30:] + chunk(event(1))],
+                                         [chunk(event(2)), b"0\r\n\r\n"])
+    assert b"".join(pieces) == event(1) + event(2) and passed_on == [] and passed == 0
 
 
 def test_a_full_client_stops_the_reading_until_the_relay_is_called_again():

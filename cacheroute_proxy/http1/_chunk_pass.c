@@ -1,10 +1,10 @@
 /* cacheroute_proxy.http1._chunk_pass: a relayed stream's reads passed to the client as the
  * instance framed them, with no Python frame in between (client.py, UpstreamResponse.relay).
  *
- * Once a chunked answer's head has arrived alone in its read, every read of its body goes
- * through a ChunkPass first. It follows the framing (where the current chunk ends) across
- * reads. A read that starts and ends at a chunk boundary and holds only whole chunks, none the
- * last, is written to the client's transport as it came when the relay lets it (`relaying`,
+ * Once a chunked answer's head has arrived whole in one read, every read of its body goes
+ * through a ChunkPass first (what that read brought of the body too, before the relay lets it
+ * pass anything). It follows the framing (where the current chunk ends) across reads. A read
+ * that starts and ends at a chunk boundary and holds only whole chunks, none the last, is written to the client's transport as it came when the relay lets it (`relaying`,
  * set by the response while a relay waits; `ready`, by the consumer: it would pass such data
  * on unchanged) and the last chunk's data ends with a line end with no `marker` in its last
  * `look_back` bytes (so the consumer's own tail check would have let it through). Any other

@@ -109,8 +109,8 @@ class UpstreamResponse:
         the body's error (IdleTimeout, the connection's) or the sink's otherwise.
 
         `passer` (chunk_pass.py), the consumer's, takes over from the first relay of a chunked
-        body whose head came alone in its read (so it sees every byte of the body): a read it
-        passes to the client as it came does not reach `sink`."""
+        body whose head came whole in one read (so it can follow every byte of the body): a
+        read it passes to the client as it came does not reach `sink`."""
         while self._chunks:  # what arrived while nothing was handed on
             if sink(self._take()):
                 self._stop_reading()
@@ -123,8 +123,12 @@ class UpstreamResponse:
         if self._eof:
             return True
         loop = self._conn.loop
-        if passer is not None and self._passer is None and self._conn.body_starts_next:
-            self._passer = passer
+        if passer is not None and self._passer is None:
+            body = self._conn.body_read
+            if body is not None:  # every byte of the body so far is known: the passer follows them
+                if body:
+                    passer(body)  # not relaying yet: it only follows the framing
+                self._passer = passer
         self._sink = sink
         if self._passer is not None:
             self._passer.relaying = True
@@ -293,9 +297,12 @@ class Http1Connection(asyncio.Protocol):
         self._framed = False  # Content-Length or chunked: else the body ends when the connection does
         self._chunked = False
         self._until_close = False
+        self._in_head = False  # the parser is inside a head
+        self._head_split = False  # the head being parsed began in an earlier read
         self._head_now = False  # the head completed in the read being parsed
-        # A chunked body comes next, none of it parsed: the head ended its read (`relay`).
-        self.body_starts_next = False
+        # A chunked body's bytes so far, when all of them came in the read that brought its
+        # whole head (b"" when the head ended the read); else None (`relay`).
+        self.body_read: bytes | None = None
         # The first-byte bound: one lazy timer per connection, not one per request (see request).
         self._head_due = 0.0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -314,7 +321,8 @@ class Http1Connection(asyncio.Protocol):
         self._content_type = None
         self._headers = []
         self._framed = self._chunked = self._until_close = self.received_any = False
-        self._head_now = self.body_starts_next = False
+        self._in_head = self._head_split = self._head_now = False
+        self.body_read = None
         self._body.clear()  # what a failed answer left
         self._head_due = head_due
         timer = self._head_timer
@@ -394,11 +402,11 @@ class Http1Connection(asyncio.Protocol):
             self.close()
             return
         if self._head_now:
-            self._head_now = False
-            self.body_starts_next = self._chunked and not self._body and not response._eof \
-                and data.endswith(b"\r\n\r\n")
-        elif self.body_starts_next:
-            self.body_starts_next = False
+            self._note_body_start(data, response)
+        elif self.body_read is not None:
+            self.body_read = None
+        elif self._in_head:
+            self._head_split = True
         body = self._body
         if body:
             if response._sink is not None and not response._chunks:  # a relayed stream's read
@@ -427,7 +435,21 @@ class Http1Connection(asyncio.Protocol):
             response._fail(ConnectionClosed(
                 f"the server closed the connection{f': {exc}' if exc else ''}"))
 
+    def _note_body_start(self, data: bytes, response: UpstreamResponse) -> None:
+        """The read that completed the head: what of a chunked body it brought, if the whole
+        head came in it too (then the head ends at the read's first empty line)."""
+        whole_head = not self._head_split
+        self._head_now, self._head_split = False, self._in_head  # another began (after a 1xx)
+        if self._chunked and whole_head and not self._in_head and not response._eof \
+                and response.status >= 200:
+            self.body_read = data[data.find(b"\r\n\r\n") + 4:]
+        else:
+            self.body_read = None
+
     # --- httptools callbacks ---------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._in_head = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         lowered = name.lower()
         self._headers.append((lowered, value))
@@ -446,7 +468,7 @@ class Http1Connection(asyncio.Protocol):
         response.headers = self._headers
         status = response.status
         self._until_close = not self._framed and status >= 200 and status not in (204, 304)
-        self._head_now = True
+        self._in_head, self._head_now = False, True
         if self._content_type is not None:
             response.content_type = self._content_type.decode("latin-1")
         if not response._head.done():
