@@ -4,12 +4,13 @@
  * Once a chunked answer's head has arrived whole in one read, every read of its body goes
  * through a ChunkPass first (what that read brought of the body too, before the relay lets it
  * pass anything). It follows the framing (where the current chunk ends) across reads. A read
- * that starts and ends at a chunk boundary and holds only whole chunks, none the last, is written to the client's transport as it came when the relay lets it (`relaying`,
- * set by the response while a relay waits; `ready`, by the consumer: it would pass such data
- * on unchanged) and the last chunk's data ends with a line end with no `marker` in its last
- * `look_back` bytes (so the consumer's own tail check would have let it through). Any other
- * read is left to the ordinary path (the parser), which sees the same bytes: the two stay in
- * step because whole chunks leave the parser where it was, before a size line.
+ * that starts and ends at a chunk boundary and holds only whole chunks, none the last, is
+ * written to the client's transport as it came when the relay lets it (`relaying`, set by the
+ * response while a relay waits; `ready`, by the consumer: it would pass such data on unchanged)
+ * and the last chunk's data ends with a line end with no `marker` in its last `look_back` bytes
+ * (so the consumer's own tail check would have let it through). Any other read is left to the
+ * ordinary path (the parser), which sees the same bytes: the two stay in step because whole
+ * chunks leave the parser where it was, before a size line.
  *
  * What it does not follow -- a chunk extension, a size line cut by the read, the last chunk
  * -- it stops following: from then on every read takes the ordinary path.
