@@ -182,7 +182,8 @@ def _relay_reads(reads: list[bytes], with_passer: bool) -> tuple[bytes, bool, in
         for read in reads:
             conn.data_received(read)
         held = relay.flush()
-        return dechunk(b"".join(client.writes)) + held, response._eof, relay.passer.passed if with_passer else 0
+        passed = relay.passer.passed if relay.passer is not None else 0
+        return dechunk(b"".join(client.writes)) + held, response._eof, passed
     finally:
         loop.close()
 
@@ -216,15 +217,19 @@ def test_a_stream_read_a_chunk_at_a_time_passes_all_but_its_first_and_last_reads
 
 
 # --- through a real connection ----------------------------------------------------------------
+def instance_writing(reads: list[bytes], gap_s: float = 0.05) -> Any:
+    """An instance that answers with `reads`, each in a write of its own, `gap_s` apart."""
+    async def answer(reader, writer):
+        for read in reads:
+            writer.write(read)
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+    return answer
+
+
 def test_through_a_socket_whole_reads_keep_the_instances_framing_and_the_connection_is_reused():
     two = chunk(event(2)) + chunk(event(3))
-
-    async def answer(reader, writer):
-        writer.write(HEAD)
-        for read in (chunk(event(1)), two, chunk(DONE_EVENT) + b"0\r\n\r\n"):
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.write(read)
+    answer = instance_writing([HEAD, chunk(event(1)), two, chunk(DONE_EVENT) + b"0\r\n\r\n"])
 
     async def main():
         async with Server(answer) as server:
@@ -245,21 +250,11 @@ def test_through_a_socket_whole_reads_keep_the_instances_framing_and_the_connect
     assert run(main()) == 1
 
 
-def _relayed(first_writes: list[bytes], then: list[bytes]) -> tuple[list[bytes], list[bytes], int]:
-    """An instance that writes `first_writes` (the head among them), then each of `then`
-    apart: (what reached the relay's sink, what was passed on as it came, reads passed)."""
-    async def answer(reader, writer):
-        for read in first_writes:
-            writer.write(read)
-            await writer.drain()
-            await asyncio.sleep(0.05)
-        for read in then:
-            writer.write(read)
-            await writer.drain()
-            await asyncio.sleep(0.05)
-
+def _relayed(reads: list[bytes]) -> tuple[list[bytes], list[bytes], int]:
+    """A stream relayed from an instance writing `reads` apart: (what reached the relay's sink,
+    what was passed on as it came, reads passed)."""
     async def main():
-        async with Server(answer) as server:
+        async with Server(instance_writing(reads)) as server:
             upstream = Upstream(client_settings())
             response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
             pieces: list[bytes] = []
@@ -276,25 +271,19 @@ def _relayed(first_writes: list[bytes], then: list[bytes]) -> tuple[list[bytes],
 
 def test_a_head_that_brought_body_bytes_along_is_followed_from_them():
     cut = chunk(event(1))[:20]  # the first chunk, cut by the read: the passer follows it too
-    pieces, passed_on, passed = _relayed([HEAD + cut, chunk(event(1))[20:]], [chunk(event(2)), b"0\r\n\r\n"])
+    pieces, passed_on, passed = _relayed([HEAD + cut, chunk(event(1))[20:], chunk(event(2)), b"0\r\n\r\n"])
     assert b"".join(pieces) == event(1) and passed_on == [chunk(event(2))] and passed == 1
 
 
 def test_a_head_split_across_reads_leaves_its_body_to_the_parser():
-    pieces, passed_on, passed = _relayed([HEAD[:30], HEAD[30:] + chunk(event(1))],
-                                         [chunk(event(2)), b"0\r\n\r\n"])
+    pieces, passed_on, passed = _relayed([HEAD[:30], HEAD[30:] + chunk(event(1)), chunk(event(2)),
+                                          b"0\r\n\r\n"])
     assert b"".join(pieces) == event(1) + event(2) and passed_on == [] and passed == 0
 
 
 def test_a_full_client_stops_the_reading_until_the_relay_is_called_again():
     events = [event(n) for n in range(6)]
-
-    async def answer(reader, writer):
-        writer.write(HEAD)
-        for read in [*map(chunk, events), b"0\r\n\r\n"]:
-            await writer.drain()
-            await asyncio.sleep(0.02)
-            writer.write(read)
+    answer = instance_writing([HEAD, *map(chunk, events), b"0\r\n\r\n"], gap_s=0.02)
 
     async def main():
         async with Server(answer) as server:

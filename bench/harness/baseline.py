@@ -26,12 +26,14 @@ def baseline_tree(ref: str, into: Path) -> Path:
     return tree
 
 
-def _copy_built_extensions(tree: Path) -> None:
-    for built in ROOT.glob("*/*.so"):
+def _copy_built_extensions(tree: Path, root: Path = ROOT) -> None:
+    """Each extension built in `root`'s packages (`pkg/x.so`, `pkg/sub/x.so`) whose C source
+    `tree` holds unchanged."""
+    for built in [*root.glob("*/*.so"), *root.glob("*/*/*.so")]:
         source = built.with_name(built.name.split(".")[0] + ".c")
-        theirs = tree / source.relative_to(ROOT)
+        theirs = tree / source.relative_to(root)
         if source.exists() and theirs.exists() and theirs.read_bytes() == source.read_bytes():
-            shutil.copy2(built, tree / built.relative_to(ROOT))
+            shutil.copy2(built, tree / built.relative_to(root))
 
 
 def launcher_command(tree: Path) -> tuple[tuple[str, ...], str]:

@@ -55,6 +55,9 @@ BEFORE_FIRST_WRITE = "an earlier tree (a stream's first token written after its 
 # What the trees before this one did on the lean path.
 BOOKED_BEFORE_SENT = "a plain request booked with the sidecar before it was sent"
 DECODES_ALONE = "decodes predicted alone and at the prefills' pace"
+# What the trees before this one did with a stream's reads.
+BEFORE_CHUNK_PASS = "every read of a stream parsed by httptools and framed again in Python"
+TREE_BEFORE_CHUNK_PASS = f"the tree before ({BEFORE_CHUNK_PASS})"
 # The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
 THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
 
@@ -62,9 +65,15 @@ THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % 
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
+    "affinity_vllm_chunk_pass.json": (
+        f"{THREE_AT_TWO_LOADS}: this tree (a stream's reads of whole chunks passed on as the "
+        "engine framed them, in one C call)",
+        ("affinity_vllm_chunk_pass_repeat.json", "affinity_vllm_chunk_pass_third.json",
+         "affinity_vllm_chunk_pass_fourth.json", "affinity_vllm_chunk_pass_fifth.json")),
     "affinity_vllm_booked_when_sent.json": (
-        f"{THREE_AT_TWO_LOADS}: this tree; the third run also beside kv_aware booked-before-send "
-        f"(the tree before's way: {BOOKED_BEFORE_SENT}, by a toggle made for that run, not kept), "
+        f"{THREE_AT_TWO_LOADS}: {TREE_BEFORE_CHUNK_PASS}; the third run also beside kv_aware "
+        f"booked-before-send (an earlier tree's way: {BOOKED_BEFORE_SENT}, by a toggle made for that "
+        "run, not kept), "
         "the fifth beside prompt work weight 20 (kv_aware pw20: "
         "PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=20, not the default)",
         ("affinity_vllm_booked_when_sent_repeat.json", "affinity_vllm_booking_ab.json",
@@ -149,8 +158,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        earlier_peers("peers_before_chunk_pass.json",
+                      f"{TREE_BEFORE_CHUNK_PASS}, on the same AMD EPYC host"),
         earlier_peers("peers_loaded_host.json",
-                      "this tree, an earlier run on a loaded host (CPU pressure about a third of the time)"),
+                      f"{TREE_BEFORE_CHUNK_PASS}, a run on a loaded host (CPU pressure "
+                      "about a third of the time)"),
         earlier_peers("peers_before_booking_after_send.json",
                       f"the tree before ({BOOKED_BEFORE_SENT}; {DECODES_ALONE}), on the same AMD EPYC host"),
         earlier_peers("peers_before_first_write.json", f"{BEFORE_FIRST_WRITE}), on the same AMD EPYC host"),
@@ -184,25 +196,29 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         *_series(results_dir),
         _real_engines(
             "affinity_vllm_two_tokens.json",
-            "kv_aware, least_load and the SGLang router at 40 %, this tree, 2 tokens a request "
+            f"kv_aware, least_load and the SGLang router at 40 %, {TREE_BEFORE_CHUNK_PASS}, 2 tokens a "
+            "request "
             "instead of 32, at the offered rate of the fourth run above (given): what a request "
             "costs with next to nothing to stream; the difference from that run's is the cost of "
             "30 streamed tokens"),
         _real_engines(
             "affinity_vllm_pw20_60.json",
-            "kv_aware against the SGLang router at 60 %, this tree, beside prompt work weight 20 "
+            f"kv_aware against the SGLang router at 60 %, {TREE_BEFORE_CHUNK_PASS}, beside prompt work "
+            "weight 20 "
             "(kv_aware pw20: PROXY_KV_AWARE_PROMPT_WORK_WEIGHT=20, not the default): three runs "
             "each; a prompt kept home until its home's queue is 20× its prefill and "
             "displacement longer than elsewhere, nearly as the SGLang router keeps it"),
         _real_engines(
             "affinity_vllm_sglang_60.json",
-            "kv_aware against the SGLang router at 60 %, this tree: the two alone, twice each"),
+            f"kv_aware against the SGLang router at 60 %, {TREE_BEFORE_CHUNK_PASS}: the two alone, "
+            "twice each"),
         _real_engines(
             "affinity_vllm_two_workers.json",
-            f"{THREE_AT_TWO_LOADS}, this tree: 4 workers (as kv_aware) and 2 (kv_aware 2w)"),
+            f"{THREE_AT_TWO_LOADS}, {TREE_BEFORE_CHUNK_PASS}: 4 workers (as kv_aware) and 2 (kv_aware 2w)"),
         _real_engines(
             "affinity_vllm_two_workers_60.json",
-            "kv_aware, least_load and the SGLang router at 60 %, this tree, 4 workers (as kv_aware) "
+            f"kv_aware, least_load and the SGLang router at 60 %, {TREE_BEFORE_CHUNK_PASS}, 4 workers "
+            "(as kv_aware) "
             "and 2 (kv_aware 2w), at the fifth run's calibration (given), in a quieter hour: every "
             "60 % target met in this file, and 2 workers no better than 4"),
         _real_engines(

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from bench import bench_pressure
-from bench.harness.baseline import launcher_command
+from bench.harness.baseline import _copy_built_extensions, launcher_command
 from bench.harness.cli import name_values
 from bench.harness.contenders import rotated
 from bench.harness.cpu import charged, per_1k
@@ -91,6 +91,22 @@ def test_a_baseline_tree_runs_its_own_launcher_from_inside_it(tmp_path: Path) ->
     assert program == "/bin/sh" and args[1].startswith(f"cd {tmp_path} && exec ")
     assert args[1].endswith("-m cacheroute_proxy run")
     assert launcher_command(tmp_path / "older")[0][1].endswith("-m supervisor run")
+
+
+def test_a_baseline_tree_gets_the_built_extensions_whose_source_it_holds_unchanged(tmp_path: Path) -> None:
+    root, tree = tmp_path / "root", tmp_path / "tree"
+    for base in (root, tree):
+        for package in ("pkg", "pkg/sub"):
+            (base / package).mkdir(parents=True, exist_ok=True)
+    for where, source in (("pkg/_a", b"a"), ("pkg/sub/_b", b"b"), ("pkg/sub/_c", b"c")):
+        (root / f"{where}.c").write_bytes(source)
+        (root / f"{where}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"built " + source)
+    (tree / "pkg/_a.c").write_bytes(b"a")
+    (tree / "pkg/sub/_b.c").write_bytes(b"b")
+    (tree / "pkg/sub/_c.c").write_bytes(b"c, as it was")  # changed since: not copied
+    _copy_built_extensions(tree, root)
+    assert sorted(str(p.relative_to(tree)) for p in tree.rglob("*.so")) == [
+        "pkg/_a.cpython-311-x86_64-linux-gnu.so", "pkg/sub/_b.cpython-311-x86_64-linux-gnu.so"]
 
 
 def test_the_meta_is_read_from_the_end_of_a_stream_or_not_at_all() -> None:

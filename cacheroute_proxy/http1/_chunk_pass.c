@@ -101,6 +101,15 @@ static int tail_passes(ChunkPass *self, const char *buf, Py_ssize_t start, Py_ss
     return 1;
 }
 
+/* The truth of a new reference, which it releases; -1 (an exception set) for NULL or a failure. */
+static int truth_of(PyObject *value) {
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
 static PyObject *ChunkPass_call(ChunkPass *self, PyObject *args, PyObject *kwargs) {
     PyObject *data;
     if (!PyArg_ParseTuple(args, "S", &data))
@@ -129,11 +138,7 @@ static PyObject *ChunkPass_call(ChunkPass *self, PyObject *args, PyObject *kwarg
     if (whole != 1 || !at_boundary || start < 0 || !self->relaying || !self->ready
             || !tail_passes(self, buf, start, end))
         return PyLong_FromLong(0);
-    PyObject *closing = PyObject_CallMethodNoArgs(self->transport, str_is_closing);
-    if (closing == NULL)
-        return NULL;
-    int is_closing = PyObject_IsTrue(closing);
-    Py_DECREF(closing);
+    int is_closing = truth_of(PyObject_CallMethodNoArgs(self->transport, str_is_closing));
     if (is_closing < 0)
         return NULL;
     if (!is_closing) {
@@ -143,11 +148,7 @@ static PyObject *ChunkPass_call(ChunkPass *self, PyObject *args, PyObject *kwarg
         Py_DECREF(written);
     }
     self->passed++;
-    PyObject *paused = PyObject_GetAttr(self->conn, str_write_paused);
-    if (paused == NULL)
-        return NULL;
-    int full = PyObject_IsTrue(paused);
-    Py_DECREF(paused);
+    int full = truth_of(PyObject_GetAttr(self->conn, str_write_paused));
     if (full < 0)
         return NULL;
     return PyLong_FromLong(full ? 2 : 1);
