@@ -461,6 +461,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("gate_wait.json", others.gate_wait_section),
         ("gate_wait_unqueued.json", lambda d: others.gate_wait_section(
             d, "gate_wait_unqueued.json", "Paced streams, none of them waiting (8 clients, 8 places)")),
+        ("gate_wait_chunk_pass.json", lambda d: others.gate_wait_section(
+            d, "gate_wait_chunk_pass.json", "Paced streams, none of them waiting: this tree (a stream's "
+            f"reads of whole chunks passed on in one C call) against {TREE_BEFORE_CHUNK_PASS}")),
         ("metrics.json", settled.metrics_section),
         ("stack_choice.json", settled.stack_choice_section),
         ("wakeup_cost.json", settled.wakeup_cost_section),
