@@ -195,6 +195,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
         _real_engines(
+            "affinity_vllm_chunk_pass_ab.json",
+            f"{THREE_AT_TWO_LOADS}, this tree, beside kv_aware nopass (its workers relaying every read "
+            "in Python, as the tree before did: the C pass-through set aside by a scratch hook on "
+            "PYTHONPATH, not kept), in one interleaved run"),
+        _real_engines(
             "affinity_vllm_two_tokens.json",
             f"kv_aware, least_load and the SGLang router at 40 %, {TREE_BEFORE_CHUNK_PASS}, 2 tokens a "
             "request "
