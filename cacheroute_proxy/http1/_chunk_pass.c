@@ -46,6 +46,14 @@ static int hex_value(unsigned char c) {
     return -1;
 }
 
+/* A read ended inside a chunk, `left` bytes of it (data and CRLF) still to come: noted, and if
+ * only the CRLF's '\n' is left, the read's last byte must be its '\r'. */
+static void cut_inside(ChunkPass *self, const char *buf, Py_ssize_t n, Py_ssize_t left) {
+    self->left = left;
+    if (left == 1 && buf[n - 1] != '\r')
+        self->lost = 1;
+}
+
 /* Walk `buf` from a boundary at `pos`; whole chunks up to the end: 1 with the last one's data
  * span; a chunk cut at the end: 0 (self->left set); anything not followed: -1 (self->lost). */
 static int walk(ChunkPass *self, const char *buf, Py_ssize_t pos, Py_ssize_t n,
@@ -67,12 +75,8 @@ static int walk(ChunkPass *self, const char *buf, Py_ssize_t pos, Py_ssize_t n,
         }
         Py_ssize_t start = i + 2, end = start + (Py_ssize_t)size + 2;
         if (end > n) {
-            self->left = end - n;
-            if (self->left == 1 && buf[n - 1] != '\r') {  /* the CRLF after the data begins wrong */
-                self->lost = 1;
-                return -1;
-            }
-            return 0;
+            cut_inside(self, buf, n, end - n);
+            return self->lost ? -1 : 0;
         }
         if (buf[end - 2] != '\r' || buf[end - 1] != '\n') {
             self->lost = 1;
@@ -111,9 +115,13 @@ static int truth_of(PyObject *value) {
 }
 
 static PyObject *ChunkPass_call(ChunkPass *self, PyObject *args, PyObject *kwargs) {
-    PyObject *data;
-    if (!PyArg_ParseTuple(args, "S", &data))
+    /* One bytes argument, checked by hand: a token's call, where a format string's parse shows. */
+    if (PyTuple_GET_SIZE(args) != 1 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)
+            || !PyBytes_Check(PyTuple_GET_ITEM(args, 0))) {
+        PyErr_SetString(PyExc_TypeError, "ChunkPass takes one bytes argument");
         return NULL;
+    }
+    PyObject *data = PyTuple_GET_ITEM(args, 0);
     if (self->lost)
         return PyLong_FromLong(0);
     const char *buf = PyBytes_AS_STRING(data);
@@ -121,9 +129,7 @@ static PyObject *ChunkPass_call(ChunkPass *self, PyObject *args, PyObject *kwarg
     int at_boundary = self->left == 0;
     if (!at_boundary) {  /* the rest of a chunk in progress first */
         if (n < self->left) {
-            self->left -= n;
-            if (self->left == 1 && buf[n - 1] != '\r')  /* the CRLF after the data, cut */
-                self->lost = 1;
+            cut_inside(self, buf, n, self->left - n);
             return PyLong_FromLong(0);
         }
         pos = self->left;
