@@ -205,23 +205,32 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
-    def reserve_unpredicted(self: Any, lease: Any, job: Any) -> None:
+    def book_unpredicted(self: Any, lease: Any, job: Any) -> None:
         self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, 1.0, 1.0,
                              job.request.decode_tokens, job.request.prompt_tokens)
 
-    async def unwatched(work: Any, cycle: Any) -> Any:
-        return await work
+    class Unwatched:  # a DisconnectWatch watching nothing
+        @staticmethod
+        def absorbed() -> bool:
+            return False
 
-    def forward_at_once(self: Any, lease: Any, job: Any, forward: Any) -> Any:
-        return forward()
+        @staticmethod
+        def disarm() -> None:
+            return None
+
+    def unwatched(cycle: Any) -> Unwatched:
+        return Unwatched()
+
+    def admitted(self: Any, lease: Any, job: Any) -> bool:
+        return True
     return {
         "full": (worker.full, contextlib.nullcontext),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
-        "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "_reserve", reserve_unpredicted)),
-        "without disconnect watch": (worker.full, lambda: replaced(exchange, "run_until_disconnect", unwatched)),
-        "without admission": (worker.full, lambda: replaced(pipeline.Pipeline, "run", forward_at_once)),
+        "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "_book", book_unpredicted)),
+        "without disconnect watch": (worker.full, lambda: replaced(exchange, "watch_disconnect", unwatched)),
+        "without admission": (worker.full, lambda: _without_admission(pipeline.Pipeline, admitted, nothing)),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 
@@ -229,6 +238,12 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
 @contextlib.contextmanager
 def _without_events(cls: Any, nothing: Callable[..., None]) -> Iterator[None]:
     with replaced(cls, "reserve", nothing), replaced(cls, "complete", nothing):
+        yield
+
+
+@contextlib.contextmanager
+def _without_admission(cls: Any, admitted: Callable[..., bool], nothing: Callable[..., None]) -> Iterator[None]:
+    with replaced(cls, "admit_at_once", admitted), replaced(cls, "forwarded", nothing):
         yield
 
 

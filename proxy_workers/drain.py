@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine, Protocol
+from typing import Any, Protocol
 
 from .refusals import RETRY_AFTER_S
 from .sse import cut_meta_event
@@ -96,28 +96,30 @@ class Drain:
                  self.in_flight_at_start, self.streams_at_start, self.cut, self.cut_streams)
 
 
-    async def run(self, response: Response, request: Coroutine[Any, Any, None]) -> None:
-        """Await `request` (one request's handling) in its task, known to be in flight; if the
-        deadline cuts it, finish its response and return normally."""
+    # The server's calls around each request's handling (cacheroute_proxy/http1/draining.py):
+    # plain calls in its own frame, not a coroutine around the handling, which every
+    # resumption of the request's task would pass through.
+    def enter(self, response: Response) -> None:
+        """`response`'s request is in flight, handled in its task."""
+        assert response.task is not None
+        self.active[response.task] = response
+
+    def cut_off(self, response: Response) -> bool:
+        """Asked of a CancelledError in the request's task: if it is our own (the deadline),
+        handled once (a second one, from the server's backstop or the loop's shutdown, goes
+        through): the client is answered, the task's cancellation taken back, and True."""
         task = response.task
-        assert task is not None
-        self.active[task] = response
-        cut = False
-        try:
-            await request
-        except asyncio.CancelledError:
-            if task not in self.cutting:
-                raise
-            # Our own cancellation, handled once (a second one, from the server's backstop or
-            # the loop's shutdown, goes through): answer the client, then end normally.
-            self.cutting.discard(task)
-            cut = True
-            task.uncancel()
-            finish_cut(response)
-        finally:
-            del self.active[task]
-            if self.draining and not cut:
-                self.finished += 1
+        if task not in self.cutting:
+            return False
+        self.cutting.discard(task)
+        task.uncancel()  # type: ignore[union-attr]
+        finish_cut(response)
+        return True
+
+    def leave(self, response: Response, cut: bool) -> None:
+        del self.active[response.task]  # type: ignore[arg-type]
+        if self.draining and not cut:
+            self.finished += 1
 
 
 def finish_cut(response: Response) -> None:

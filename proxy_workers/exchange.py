@@ -145,7 +145,7 @@ class ProxyExchange:
                 trace.route_predicted_ttft_ms = None if predicted is None else round(predicted, 1)
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
-                retry = await run_until_disconnect(self._run(lease, out), out.cycle)
+                retry = await self._attempt_on(lease, out)
             finally:
                 lease.release()
             if not retry:
@@ -161,15 +161,36 @@ class ProxyExchange:
         make it on."""
         return self._attempt < self._retries and self._router.has_alternative(self._tried)
 
-    async def _run(self, lease: Lease, out: Responder) -> bool:
-        """True if the attempt failed before sending anything and another should be made."""
+    async def _attempt_on(self, lease: Lease, out: Responder) -> bool:
+        """One attempt on `lease`'s instance, watched for the client leaving (then nothing more
+        is done, and False). True if it failed before sending anything and another should be
+        made. The lean path (Pipeline.admit_at_once) forwards from this frame: no coroutine
+        between it and the forward (each is paid at every resumption of a request's task)."""
+        watch = watch_disconnect(out.cycle)
+        if watch is None:  # gone before we started watching
+            return False
+        pipeline, job = self._pipeline, self._job
         try:
-            return await self._pipeline.run(lease, self._job, lambda: self._forward(lease, out))
+            if not pipeline.admit_at_once(lease, job):
+                return await pipeline.run_admitted(lease, job, lambda: self._forward(lease, out))
+            failed = True
+            try:
+                retry = await self._forward(lease, out)
+                failed = False
+                return retry
+            finally:
+                pipeline.forwarded(lease, job, failed)
         except HTTPError as exc:  # refused before anything was sent: queue full, timeout, gone
             if isinstance(exc, InstanceLeft) and self._can_retry():  # nothing reached it
                 return True
             out.error(exc, lease)
             return False
+        except asyncio.CancelledError:
+            if not watch.absorbed():
+                raise
+            return False
+        finally:
+            watch.disarm()
 
     async def _forward(self, lease: Lease, out: Responder) -> bool:
         job = self._job
@@ -334,36 +355,57 @@ def meta_spliced(body: bytes, meta: bytes) -> tuple[bytes, bool]:
     return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}", True
 
 
-async def run_until_disconnect(work: Coroutine[Any, Any, T], cycle: Cycle) -> T | None:
-    """Await `work` in this task; if the client disconnects first, cancel it and return None.
+class DisconnectWatch:
+    """Cancels the request's own task if its client disconnects while armed. The server calls
+    back on disconnect (Cycle.on_disconnect), so a silent upstream stall is noticed too, with no
+    task per request waiting on the socket. The CancelledError this causes is the watch's own
+    (`absorbed`); any other cancellation (server shutdown, drain) goes on up."""
 
-    The CancelledError this causes is recognised here and absorbed; any other cancellation
-    (server shutdown, drain) goes on up. The server calls back on disconnect (Cycle.on_disconnect),
-    so a silent upstream stall is noticed too, with no task per request waiting on the socket."""
-    task = cycle.task
-    assert task is not None
-    if cycle.disconnected:  # gone before we started watching
+    __slots__ = ("_cycle", "_task", "_armed", "_gone")
+
+    def __init__(self, cycle: Cycle, task: asyncio.Task[Any]) -> None:
+        self._cycle, self._task = cycle, task
+        self._armed, self._gone = True, False
+        cycle.on_disconnect = self._client_gone
+
+    def _client_gone(self) -> None:
+        if self._armed:  # never cancel a task that already left the watched work
+            self._gone = True
+            self._task.cancel()
+
+    def absorbed(self) -> bool:
+        """Asked of a CancelledError: True (and the task's cancellation taken back) if it came
+        from the client leaving."""
+        if not self._gone:
+            return False
+        self._task.uncancel()
+        return True
+
+    def disarm(self) -> None:
+        self._armed = False
+        self._cycle.on_disconnect = None
+
+
+def watch_disconnect(cycle: Cycle) -> DisconnectWatch | None:
+    """A watch over `cycle` for its own task, armed; None if its client already left."""
+    assert cycle.task is not None
+    return None if cycle.disconnected else DisconnectWatch(cycle, cycle.task)
+
+
+async def run_until_disconnect(work: Coroutine[Any, Any, T], cycle: Cycle) -> T | None:
+    """Await `work` in this task; if the client disconnects first, cancel it and return None."""
+    watch = watch_disconnect(cycle)
+    if watch is None:  # gone before we started watching
         work.close()
         return None
-    state = {"done": False, "gone": False}
-
-    def on_client_gone() -> None:
-        if not state["done"]:  # never cancel a task that already left `work`
-            state["gone"] = True
-            task.cancel()
-
-    cycle.on_disconnect = on_client_gone
     try:
-        result = await work
+        return await work
     except asyncio.CancelledError:
-        if not state["gone"]:
+        if not watch.absorbed():
             raise
-        task.uncancel()
         return None
     finally:
-        state["done"] = True
-        cycle.on_disconnect = None
-    return result
+        watch.disarm()
 
 
 def _instance_header(lease: Lease) -> tuple[bytes, bytes]:

@@ -124,22 +124,22 @@ class Pipeline:
                 admission=AdmissionQueue(self._poll_s))
         return stages
 
-    def run(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> Awaitable[T]:
-        """What brings the request to `forward()`: the lean path when a plain request is
-        admitted at once (`_admit_plain`), else the full pipeline (`run_admitted`). Made here
-        and awaited by the caller, so neither path has a frame more than the other."""
-        stages = self._stages_for(lease)
+    def admit_at_once(self, lease: Lease, job: Job) -> bool:
+        """The lean path (`_admit_plain`): True when a plain request was admitted at once; the
+        caller then forwards it and calls `forwarded` after, with no frame of the pipeline's
+        between the two. False, with nothing done: `run_admitted` takes the request."""
         job.book_when_sent = False
-        if job.request.knowledge is None and self._admit_plain(lease, stages, job):
-            return self._forward_admitted(lease, stages, job, forward)
-        return self.run_admitted(lease, stages, job, forward)
+        if job.request.knowledge is not None or not self._admit_plain(lease, self._stages_for(lease), job):
+            return False
+        self._forwarding(lease, job)
+        return True
 
-    async def run_admitted(self, lease: Lease, stages: InstanceStages, job: Job,
-                           forward: Callable[[], Awaitable[T]]) -> T:
-        """Prepare, wait for the turn and for admission; then `forward()`; clean up on exit.
-        (A coroutine taking the work, not an async context manager: one frame less per
-        request on the hot path.)"""
+    async def run_admitted(self, lease: Lease, job: Job, forward: Callable[[], Awaitable[T]]) -> T:
+        """The full pipeline: prepare, wait for the turn and for admission; then `forward()`;
+        clean up on exit. (A coroutine taking the work, not an async context manager: one
+        frame less per request.)"""
         settings = self._settings
+        stages = self._stages_for(lease)
         if stages.queued >= settings.max_queue_per_instance:
             metrics.admission_rejected(lease.instance.instance_id, "queue_full")
             raise queue_full(f"{stages.queued} requests already wait for {lease.instance.instance_id}")
@@ -172,7 +172,6 @@ class Pipeline:
                 stages.queued -= 1
                 if not ticket.released:
                     stages.order.abandon(ticket)
-            # _forward_admitted's lines, inline: an await less on this path (~2 µs a request).
             failed = True
             try:
                 self._forwarding(lease, job)
@@ -209,18 +208,9 @@ class Pipeline:
         _take_ready_place(stages, trace)
         return True
 
-    async def _forward_admitted(self, lease: Lease, stages: InstanceStages, job: Job,
-                                forward: Callable[[], Awaitable[T]]) -> T:
-        """`forward()` with the ready place held; then the place, the lane and the request's
-        timeline entry are given back, and the next waiter for admission woken."""
-        failed = True
-        try:
-            self._forwarding(lease, job)
-            result = await forward()
-            failed = False
-            return result
-        finally:
-            self._forwarded(lease, stages, job, failed)
+    def forwarded(self, lease: Lease, job: Job, failed: bool) -> None:
+        """After the forward of a request `admit_at_once` admitted (`failed`: it raised)."""
+        self._forwarded(lease, self._stages_for(lease), job, failed)
 
     def _forwarded(self, lease: Lease, stages: InstanceStages, job: Job, failed: bool) -> None:
         """After the forward: the ready place, the lane and the request's timeline entry given

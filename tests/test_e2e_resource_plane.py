@@ -295,5 +295,5 @@ def test_the_agents_reports_and_health_land_in_the_plane(make_cluster, tmp_path)
         agent.process.stop(signal.SIGTERM)
         engine.stop()
         kdn.stop()
-    assert listed(cluster, iid) is None
+    assert listed(cluster, iid) is None, agent.log()
     assert get(f"{cluster.cp_url}/v1/topology/kdn_links")["kdn_links"] == {}  # its links left with it

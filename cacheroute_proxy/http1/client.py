@@ -75,9 +75,10 @@ class UpstreamResponse:
         self._passer: ChunkPasser | None = None  # each read goes through it first (`relay`)
 
     # --- the consumer ----------------------------------------------------------------------
-    async def started(self) -> None:
-        """Wait for the status line and headers."""
-        await self._head
+    def started(self) -> asyncio.Future[None]:
+        """What to await for the status line and headers (the future itself: no coroutine
+        between the request's task and the head)."""
+        return self._head
 
     def time_out(self) -> None:
         """The first-byte timer: fail the wait for the head (a no-op once it arrived)."""

@@ -216,12 +216,17 @@ class Connection(asyncio.Protocol):
     async def _call_app(self, cycle: Cycle) -> None:
         server = self.server
         handler = cycle.handler
+        drain = server.drain
+        drain.enter(cycle)
+        cut = False
         try:
-            await server.drain.run(cycle, handler(cycle) if handler is not None
-                                   else server.app(cycle.scope, cycle.receive, cycle.send))
+            await (handler(cycle) if handler is not None
+                   else server.app(cycle.scope, cycle.receive, cycle.send))
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
-                pass
+                if drain.cut_off(cycle):  # the drain's deadline: answered and ended there
+                    cut = True
+                    return
             elif cycle.disconnected:  # the client left (or its body did not parse): that is all
                 log.debug("the app gave up on a request whose client left: %r", exc)
             else:
@@ -230,6 +235,8 @@ class Connection(asyncio.Protocol):
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        finally:
+            drain.leave(cycle, cut)
         if not cycle.complete:  # returned without finishing its answer
             self._app_failed(cycle)
 

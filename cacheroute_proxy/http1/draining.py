@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Coroutine, Protocol
+from typing import Protocol
 
 from .cycle import Cycle
 
@@ -25,8 +25,16 @@ class Draining(Protocol):
 
     def report(self) -> None: ...
 
-    async def run(self, cycle: Cycle, request: Coroutine[Any, Any, None]) -> None:
-        """Run one request's handling, knowing it is in flight (and ending it if it is cut)."""
+    def enter(self, cycle: Cycle) -> None:
+        """`cycle`'s request is being handled, in its task (`cycle.task`)."""
+
+    def cut_off(self, cycle: Cycle) -> bool:
+        """Asked of a CancelledError in `cycle`'s task: True if the drain's deadline cut the
+        request, which is then answered and ended here (and the task's cancellation taken
+        back); False for any other cancellation."""
+
+    def leave(self, cycle: Cycle, cut: bool) -> None:
+        """`cycle`'s handling is over (`cut`: by the deadline)."""
 
 
 class GracefulExit:
@@ -49,5 +57,11 @@ class GracefulExit:
     def report(self) -> None:
         pass
 
-    async def run(self, cycle: Cycle, request: Coroutine[Any, Any, None]) -> None:
-        await request
+    def enter(self, cycle: Cycle) -> None:
+        pass
+
+    def cut_off(self, cycle: Cycle) -> bool:
+        return False
+
+    def leave(self, cycle: Cycle, cut: bool) -> None:
+        pass
