@@ -184,7 +184,7 @@ class DataPlane:
                                  "detail": f"{type(exc).__name__} (details in the log)"})
         finally:
             elapsed = time.perf_counter() - started
-            metrics.observe_request(endpoint.value, responder.status, elapsed, responder.instance_id)
+            metrics.observe_request(endpoint.route, responder.status, elapsed, responder.instance_id)
             if self._access_log:
                 access_log.write(cycle.method, cycle.path, responder.status, elapsed, trace)
             if responder.spans is not None:
@@ -258,4 +258,4 @@ class ResponseObserver:
         finally:
             endpoint = _DATA_PATHS.get(scope["path"])
             if endpoint is not None:
-                metrics.observe_request(endpoint.value, status, time.perf_counter() - started)
+                metrics.observe_request(endpoint.route, status, time.perf_counter() - started)

@@ -150,7 +150,7 @@ class ProxyExchange:
                 lease.release()
             if not retry:
                 return
-            metrics.retried(self._job.request.endpoint.value, lease.instance.instance_id)
+            metrics.retried(self._job.request.endpoint.route, lease.instance.instance_id)
             self._job.knowledge.prefix_tokens = 0  # KV was pushed to the failed instance only
             trace.retries = attempt + 1
             if self._job.spans is not None:
@@ -321,7 +321,7 @@ class ProxyExchange:
         now = now_ms()
         trace.first_token_ms = now
         trace.actual_ttft_ms = ttft = now - trace.proxy_recv_ms
-        metrics.observe_ttft(job.request.endpoint.value, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
+        metrics.observe_ttft(job.request.endpoint.route, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
         # Always known here: forward() runs only once admitted to ready, and both admission
         # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
         trace.actual_vllm_ttft_ms = trace.actual_vllm_internal_ms = now - trace.forward_start_ms

@@ -198,12 +198,12 @@ class Pipeline:
             return False
         self.plain_path += 1
         trace = job.trace
+        # One instant: entered, prepared (nothing to do), released and admitted in one step.
         trace.proxy_enqueue_ms = trace.prepare_dequeue_ms = trace.prepare_start_ms = \
-            trace.prepare_self_done_ms = now_ms()
+            trace.prepare_self_done_ms = trace.ready_enqueue_ms = trace.ready_dequeue_ms = now_ms()
         trace.prepare_seq = stages.order.pass_through(trace)
         job.prepared = True
         job.key = self._events.new_key()
-        trace.ready_enqueue_ms = trace.ready_dequeue_ms = now_ms()
         job.book_when_sent = True
         _take_ready_place(stages, trace)
         return True

@@ -23,12 +23,21 @@ Temperature = Annotated[float, msgspec.Meta(ge=0, le=100)]
 
 
 class Endpoint(str, Enum):
+    """A proxied route. `path` and `route` are plain attributes, set once: each request reads
+    them, and an Enum's `value` is a property in Python (two calls a read)."""
+
     CHAT = "chat/completions"
     COMPLETIONS = "completions"
 
-    @property
-    def path(self) -> str:
-        return "/v1/" + self.value
+    path: str  # the URL path: "/v1/chat/completions"
+    route: str  # the value as a plain str: the metrics' route label, "chat/completions"
+
+    def __new__(cls, value: str) -> Endpoint:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.path = "/v1/" + value
+        member.route = value
+        return member
 
 
 class PromptSection(msgspec.Struct):

@@ -99,7 +99,7 @@ class CountersReader:
 
 def counter_value(seg: Segment, slot: int, generation: int, lane: int = _INFLIGHT) -> int | None:
     """The count of a (slot, lane) if the slot still carries `generation`, else None."""
-    return CounterWord.count_under(seg.load(seg.geometry.counter_offset(slot, lane)), generation)
+    return CounterWord.count_under(seg.atomic.load_u64(layout.counter_offset(slot, lane)), generation)
 
 
 def claimed_rows(seg: Segment) -> list[int]:

@@ -82,26 +82,25 @@ class SnapshotReader:
         # re-reads the records only then).
         self.generation: Callable[[], int] = functools.partial(seg.atomic.load_u64,
                                                                layout.H_SNAPSHOT_GEN)
+        # When the records now published were written (µs since the epoch; 0: never).
+        self.published_us: Callable[[], int] = functools.partial(seg.atomic.load_u64,
+                                                                 layout.H_SNAPSHOT_PUBLISHED_US)
 
     # Where `generation` reads, for a reader in C (cacheroute_proxy/routing/_least_load.c).
     generation_offset = layout.H_SNAPSHOT_GEN
-
-    def published_us(self) -> int:
-        return self._seg.load(layout.H_SNAPSHOT_PUBLISHED_US)
-
 
     def records(self, span: int) -> tuple[int, ...]:
         """The records of slots 0 .. span-1 as one flat tuple (SNAPSHOT.count fields a slot,
         at SNAPSHOT.index within it; `record_at` decodes one); () if never published."""
         seg = self._seg
-        generation = seg.load(layout.H_SNAPSHOT_GEN)
+        generation = self.generation()
         if generation == self._generation and span <= self._span:
             return self._records
         if generation == 0:
             return ()
         offset = seg.geometry.snapshot_record_offset(generation % 2, 0)
         records = SNAPSHOT.array(span).unpack_from(seg.buf, offset)
-        if seg.load(layout.H_SNAPSHOT_GEN) != generation:
+        if self.generation() != generation:
             # The writer moved on while we read: keep the previous records, if they cover the
             # span asked for (a caller indexes every slot below it); else nothing is known yet.
             return self._records if span <= self._span else ()

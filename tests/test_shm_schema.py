@@ -442,7 +442,6 @@ def test_a_snapshot_read_that_overlaps_a_publish_never_returns_fewer_slots_than_
     """The pressure reader keeps its previous records when the writer moves on mid-read, but
     only if they cover the span asked for: the fast scorer indexes every slot below it (a
     shorter tuple was an IndexError under kv_aware's benchmark)."""
-    from shm_schema import layout
     from shm_schema.records import SnapshotRecord
     from shm_schema.snapshot import SnapshotReader, SnapshotWriter
 
@@ -450,18 +449,16 @@ def test_a_snapshot_read_that_overlaps_a_publish_never_returns_fewer_slots_than_
     writer.publish({0: SnapshotRecord(1, 0, 0, 0, 0, 0)})
     assert len(reader.records(1)) == len(SnapshotRecord._fields)
     writer.publish({0: SnapshotRecord(1, 0, 0, 0, 0, 0), 1: SnapshotRecord(1, 0, 0, 0, 0, 0)})
-    real_load, calls = seg.load, []
+    real_generation, calls = reader.generation, []
 
-    def load_moving_on(offset: int) -> int:  # the second generation load sees a newer publish
-        value = real_load(offset)
-        if offset == layout.H_SNAPSHOT_GEN:
-            calls.append(value)
-            return value + (len(calls) - 1)
-        return value
-    seg.load = load_moving_on  # type: ignore[method-assign]
+    def generation_moving_on() -> int:  # the second generation load sees a newer publish
+        value = real_generation()
+        calls.append(value)
+        return value + (len(calls) - 1)
+    reader.generation = generation_moving_on
     try:
         assert reader.records(2) == ()  # not the one-slot records kept from before
         calls.clear()
         assert len(reader.records(1)) == len(SnapshotRecord._fields)  # those do cover one slot
     finally:
-        seg.load = real_load  # type: ignore[method-assign]
+        reader.generation = real_generation
