@@ -58,6 +58,8 @@ DECODES_ALONE = "decodes predicted alone and at the prefills' pace"
 # What the trees before this one did with a stream's reads.
 BEFORE_CHUNK_PASS = "every read of a stream parsed by httptools and framed again in Python"
 TREE_BEFORE_CHUNK_PASS = f"the tree before ({BEFORE_CHUNK_PASS})"
+# What the tree before this one did on every request's way to the instance's answer.
+BEFORE_FEWER_FRAMES = "a request's task resuming through five coroutines more"
 # The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
 THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
 
@@ -65,9 +67,12 @@ THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % 
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
+    "affinity_vllm_fewer_frames.json": (
+        f"{THREE_AT_TWO_LOADS}: this tree (a request's task resuming through five coroutines fewer)",
+        ("affinity_vllm_fewer_frames_repeat.json",)),
     "affinity_vllm_chunk_pass.json": (
-        f"{THREE_AT_TWO_LOADS}: this tree (a stream's reads of whole chunks passed on as the "
-        "engine framed them, in one C call)",
+        f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_FEWER_FRAMES}; a stream's reads of whole "
+        "chunks passed on as the engine framed them, in one C call, as in this tree)",
         ("affinity_vllm_chunk_pass_repeat.json", "affinity_vllm_chunk_pass_third.json",
          "affinity_vllm_chunk_pass_fourth.json", "affinity_vllm_chunk_pass_fifth.json")),
     "affinity_vllm_booked_when_sent.json": (
@@ -158,6 +163,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        earlier_peers("peers_before_fewer_frames.json",
+                      f"the tree before ({BEFORE_FEWER_FRAMES}), on the same AMD EPYC host"),
         earlier_peers("peers_before_chunk_pass.json",
                       f"{TREE_BEFORE_CHUNK_PASS}, on the same AMD EPYC host"),
         earlier_peers("peers_loaded_host.json",
@@ -196,9 +203,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         *_series(results_dir),
         _real_engines(
             "affinity_vllm_chunk_pass_ab.json",
-            f"{THREE_AT_TWO_LOADS}, this tree, beside kv_aware nopass (its workers relaying every read "
-            "in Python, as the tree before did: the C pass-through set aside by a scratch hook on "
-            "PYTHONPATH, not kept), in one interleaved run"),
+            f"{THREE_AT_TWO_LOADS}, the tree before ({BEFORE_FEWER_FRAMES}), beside kv_aware nopass "
+            "(its workers relaying every read in Python, as the tree before that did: the C "
+            "pass-through set aside by a scratch hook on PYTHONPATH, not kept), in one interleaved run"),
         _real_engines(
             "affinity_vllm_two_tokens.json",
             f"kv_aware, least_load and the SGLang router at 40 %, {TREE_BEFORE_CHUNK_PASS}, 2 tokens a "
@@ -467,8 +474,9 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("gate_wait_unqueued.json", lambda d: others.gate_wait_section(
             d, "gate_wait_unqueued.json", "Paced streams, none of them waiting (8 clients, 8 places)")),
         ("gate_wait_chunk_pass.json", lambda d: others.gate_wait_section(
-            d, "gate_wait_chunk_pass.json", "Paced streams, none of them waiting: this tree (a stream's "
-            f"reads of whole chunks passed on in one C call) against {TREE_BEFORE_CHUNK_PASS}")),
+            d, "gate_wait_chunk_pass.json", "Paced streams, none of them waiting: the tree with a stream's "
+            f"reads of whole chunks passed on in one C call ({BEFORE_FEWER_FRAMES}) against "
+            f"{TREE_BEFORE_CHUNK_PASS}")),
         ("metrics.json", settled.metrics_section),
         ("stack_choice.json", settled.stack_choice_section),
         ("wakeup_cost.json", settled.wakeup_cost_section),
