@@ -2,12 +2,13 @@
 `PROXY_DRAIN_TIMEOUT_S`, then cut what is left cleanly, and say what happened.
 
 :class:`Drain` is the worker's state of leaving: whether it drains, the requests in flight,
-what finished and what was cut. The worker's server (cacheroute_proxy/http1/) runs every
-request through `Drain.run`, calls `begin` when its listeners close, `cut_remaining` at the
-deadline and `report` at the end. At the deadline every request still running is cancelled
-(its lease ends in the exchange's `finally`) and its response finished here: a stream gets a
-`cacheroute_meta` event whose `error` is `worker_drain_deadline` and no `[DONE]`, a request not
-yet answered gets 503 `worker_draining`, so no client hangs on a worker that is leaving.
+what finished and what was cut. The worker's server (cacheroute_proxy/http1/) tells it of
+every request it handles (`enter`, `leave`; `cut_off` for a cancellation), calls `begin` when
+its listeners close, `cut_remaining` at the deadline and `report` at the end. At the deadline
+every request still running is cancelled (its lease ends in the exchange's `finally`) and its
+response finished here: a stream gets a `cacheroute_meta` event whose `error` is
+`worker_drain_deadline` and no `[DONE]`, a request not yet answered gets 503
+`worker_draining`, so no client hangs on a worker that is leaving.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Drain:
                  self.timeout_s)
 
     def cut_remaining(self) -> None:
-        """The deadline: cancel every request still running; `run` ends each response."""
+        """The deadline: cancel every request still running; `cut_off` ends each response."""
         for task, response in list(self.active.items()):
             if response.complete:
                 continue
@@ -94,7 +95,6 @@ class Drain:
         log.info("drained: %d requests finished during the drain (%d were in flight at SIGTERM, "
                  "%d streams); %d cut at the deadline (%d streams)", self.finished,
                  self.in_flight_at_start, self.streams_at_start, self.cut, self.cut_streams)
-
 
     # The server's calls around each request's handling (cacheroute_proxy/http1/draining.py):
     # plain calls in its own frame, not a coroutine around the handling, which every
