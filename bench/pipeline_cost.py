@@ -1,7 +1,8 @@
 """Where a worker's CPU goes on one proxied request, measured in one process with no client
 socket (`python -m bench.pipeline_cost`).
 
-The worker's real parts over a private segment with two instances registered: DataPlane.serve
+The worker's real parts over a private segment with two instances registered and a fresh
+pressure snapshot of them, as the sidecar keeps one: DataPlane.serve
 (body recovery, selection, lease, pipeline, trace, forward, meta, metrics, events) and the real
 upstream client over loopback to canned upstreams on the same event loop. The client side is a
 fake connection that counts the bytes it is given, so nothing of the HTTP server's parsing or
@@ -148,8 +149,7 @@ class Worker:
         settings = Settings(instance_strategy="least_load", ready_concurrency=64, prepare_concurrency=64)
         self.seg = Segment.create_or_attach(self.name, 64, 2, 4096)
         writer = DirectoryWriter(self.seg)
-        for i, port in enumerate(ports):
-            writer.allocate(f"inst-{i}", "127.0.0.1", port)
+        self.instances = [writer.allocate(f"inst-{i}", "127.0.0.1", port) for i, port in enumerate(ports)]
         self.row = WorkerRow.claim(self.seg, 0)
         parts = assemble(settings, self.seg, self.row, 0)
         ctx = parts.ctx
@@ -167,6 +167,15 @@ class Worker:
     def drain_events(self) -> None:
         for _ in self.events.drain(self.row.row):
             pass
+
+    def publish_snapshot(self) -> None:
+        """A fresh pressure snapshot of both instances, as the sidecar keeps one: a request's
+        booking reads its predicted ready wait from it (untimed; fresh for PROXY_SNAPSHOT_STALE_MS,
+        longer than a block)."""
+        from shm_schema.records import SnapshotRecord
+        from shm_schema.snapshot import SnapshotWriter
+        SnapshotWriter(self.seg).publish({
+            record.slot: SnapshotRecord(record.generation, 0, 0, 0, 0, 0) for record in self.instances})
 
     def close(self) -> None:
         from shm_schema import Segment
@@ -268,6 +277,7 @@ async def measure(requests: int, repeats: int,
         for _ in range(repeats):
             for name, (handler, context) in runs.items():
                 gc.collect()
+                worker.publish_snapshot()
                 with context():
                     started = time.process_time()
                     for _ in range(batches):
@@ -275,6 +285,7 @@ async def measure(requests: int, repeats: int,
                         worker.drain_events()
                     elapsed = time.process_time() - started
                 samples[name].append(elapsed / (batches * CONCURRENCY) * 1e6)
+        worker.publish_snapshot()
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(batches):
@@ -299,6 +310,7 @@ async def measure_cold(worker: Worker, runs: dict[str, tuple[Callable[[Any], Awa
         for name, (handler, context) in order:
             with context():
                 cycle = a_cycle()
+                worker.publish_snapshot()
                 evicted[::CACHE_LINE] = lines  # one byte a cache line, through the whole buffer
                 started = time.thread_time_ns()
                 await handler(cycle)

@@ -32,8 +32,15 @@ from shm_schema import (
     layout,
 )
 from shm_schema.bitfields import CounterWord
-from shm_schema.records import SnapshotRecord
-from shm_schema.snapshot import SnapshotReader, record_at
+from shm_schema.records import SNAPSHOT, SnapshotRecord
+from shm_schema.snapshot import SnapshotReader, flat_index, record_at
+
+# A record's fields by position in the flat records (`ready_wait_ms` reads them so).
+_STRIDE = SNAPSHOT.count
+_GENERATION, _PENDING, _DECODING, _NEXT_SLOT_FREE, _PREFILL_FREE = (
+    getattr(SNAPSHOT.index, name) for name in ("generation", "pending_prefill_count",
+                                               "active_decode_count", "next_slot_free_at_us",
+                                               "prefill_free_at_us"))
 
 QUEUE_LANES = ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth")
 _QUEUE_LANE_IDS = tuple(layout.LANE_NAMES.index(name) for name in QUEUE_LANES)
@@ -91,16 +98,23 @@ class LoadView:
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
         """Predicted wait before a new request on `instance` could start prefill, from a fresh
         snapshot, less the completions it has not seen (as `queue_waits`); None if the predicted
-        layer is unknown. (Once per request: one record, not every component.)"""
+        layer is unknown. Once per request (its booking): the four fields it needs read from the
+        flat records by position, with no record built."""
+        if self.mode != "shared":
+            return None
         now_us = clock.now_us()
-        if self.predicted_source(now_us) != "fresh":
+        published = self.snapshots.published_us()
+        if not published or now_us - published > self._stale_us:  # not "fresh"
             return None
-        record = self.snapshots.pressure(instance.slot, instance.generation)
-        if record is None:
+        slot = instance.slot
+        records = self.snapshots.records(slot + 1)
+        at = flat_index(slot, 0)
+        if len(records) < at + _STRIDE or records[at + _GENERATION] != instance.generation:
             return None
-        # Host-wide only; one word, not the span `inflight` unpacks for many instances.
-        inflight = inflight_count(self._seg, instance.slot, instance.generation) if self.mode == "shared" else None
-        return max(_free_in_ms(record, now_us)) * _seen_share(record, inflight)
+        free_at = max(records[at + _NEXT_SLOT_FREE], records[at + _PREFILL_FREE])
+        announced = records[at + _PENDING] + records[at + _DECODING]
+        inflight = inflight_count(self._seg, slot, instance.generation)
+        return backlog_ms(free_at, now_us, 0, 0, 0) * seen_share(announced, inflight)
 
     def decode_batch(self, instance: InstanceSlot) -> int:
         """How many sequences a request sent to `instance` now decodes beside (itself
@@ -212,10 +226,13 @@ def _announced(record: SnapshotRecord) -> int:
 
 
 def _seen_share(record: SnapshotRecord, inflight: int | None) -> float:
-    """The share of the requests the snapshot announces on an instance that are still in flight:
-    below 1 when some ended since (completions reach the sidecar with its next tick), and the
-    predicted wait shrinks in proportion (none in flight: no wait)."""
-    announced = _announced(record)
+    return seen_share(_announced(record), inflight)
+
+
+def seen_share(announced: int, inflight: int | None) -> float:
+    """The share of the `announced` requests the snapshot counts on an instance that are still
+    in flight: below 1 when some ended since (completions reach the sidecar with its next tick),
+    and the predicted wait shrinks in proportion (none in flight: no wait)."""
     return inflight / announced if inflight is not None and inflight < announced else 1.0
 
 
