@@ -163,6 +163,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        earlier_peers("peers_loaded_host_fewer_frames.json",
+                      "this tree, the run before in the same hour (every contender slower than in the "
+                      "run below)"),
+        earlier_peers("peers_before_ready_wait_read.json",
+                      "the tree before (a request's ready wait read through a snapshot record object), "
+                      "in a quieter hour"),
         earlier_peers("peers_before_fewer_frames.json",
                       f"the tree before ({BEFORE_FEWER_FRAMES}), on the same AMD EPYC host"),
         earlier_peers("peers_before_chunk_pass.json",
