@@ -164,8 +164,8 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
         earlier_peers("peers_loaded_host_fewer_frames.json",
-                      "this tree, the run before in the same hour (nginx, the floor and this proxy slower than "
-                      "in the run below)"),
+                      "this tree, the run before in the same hour (nginx, the floor and this proxy "
+                      "slower than in the run below)"),
         earlier_peers("peers_before_ready_wait_read.json",
                       "the tree before (a request's ready wait read through a snapshot record object), "
                       "in a quieter hour"),
