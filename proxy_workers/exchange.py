@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any, Coroutine, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -40,7 +40,6 @@ from .trace import Trace, encode_meta
 from cacheroute_proxy.http1.client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
-T = TypeVar("T")
 log = logging.getLogger("cacheroute.worker")
 
 _encoder = msgspec.json.Encoder()
@@ -390,22 +389,6 @@ def watch_disconnect(cycle: Cycle) -> DisconnectWatch | None:
     """A watch over `cycle` for its own task, armed; None if its client already left."""
     assert cycle.task is not None
     return None if cycle.disconnected else DisconnectWatch(cycle, cycle.task)
-
-
-async def run_until_disconnect(work: Coroutine[Any, Any, T], cycle: Cycle) -> T | None:
-    """Await `work` in this task; if the client disconnects first, cancel it and return None."""
-    watch = watch_disconnect(cycle)
-    if watch is None:  # gone before we started watching
-        work.close()
-        return None
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not watch.absorbed():
-            raise
-        return None
-    finally:
-        watch.disarm()
 
 
 def _instance_header(lease: Lease) -> tuple[bytes, bytes]:

@@ -33,13 +33,20 @@ def flat_index(slot: int, field: int) -> int:
     return _STRIDE * slot + field
 
 
-def record_at(records: Sequence[int], slot: int, generation: int) -> SnapshotRecord | None:
-    """A slot's record from the flat tuple of `SnapshotReader.records`, if the tuple covers
-    the slot and the record describes `generation` (else the instance is unknown to it)."""
-    fields = records[_STRIDE * slot:_STRIDE * (slot + 1)]
-    if len(fields) < _STRIDE or fields[_GENERATION] != generation:
+def fields_at(records: Sequence[int], slot: int, generation: int) -> int | None:
+    """Where `slot`'s fields begin in the flat tuple of `SnapshotReader.records`, if the tuple
+    covers the slot and the record describes `generation`; else None (the instance is unknown
+    to it). A field is then `records[at + SNAPSHOT.index.<name>]`: no record built."""
+    at = _STRIDE * slot
+    if len(records) < at + _STRIDE or records[at + _GENERATION] != generation:
         return None
-    return SNAPSHOT.make(fields)
+    return at
+
+
+def record_at(records: Sequence[int], slot: int, generation: int) -> SnapshotRecord | None:
+    """A slot's record from the flat tuple of `SnapshotReader.records` (as `fields_at`)."""
+    at = fields_at(records, slot, generation)
+    return None if at is None else SNAPSHOT.make(records[at:at + _STRIDE])
 
 
 class SnapshotWriter:

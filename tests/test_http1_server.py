@@ -19,7 +19,7 @@ import pytest
 
 from proxy_workers.app import read_body
 from proxy_workers.drain import Drain
-from proxy_workers.exchange import run_until_disconnect
+from proxy_workers.exchange import watch_disconnect
 from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http1 import BadBody, ClientGone, Cycle, GracefulExit, HeadLimits, Http1Server, head_limits
@@ -29,6 +29,23 @@ LIMIT = 1000
 LARGE_LIMIT = 2 * 1024 * 1024  # /hang-large, /echo-large: bodies far past the read high-water mark
 BIG_CHUNK = b"b" * 65536
 BIG_CHUNKS = 200  # 13 MB: far more than the kernel's socket buffers hold on loopback
+
+
+async def run_until_disconnect(work: Any, cycle: Cycle) -> Any:
+    """Await `work` in this task under the exchange's DisconnectWatch, as its attempt does; if
+    the client disconnects first, cancel it and return None."""
+    watch = watch_disconnect(cycle)
+    if watch is None:  # gone before we started watching
+        work.close()
+        return None
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not watch.absorbed():
+            raise
+        return None
+    finally:
+        watch.disarm()
 
 
 class App:

@@ -33,14 +33,12 @@ from shm_schema import (
 )
 from shm_schema.bitfields import CounterWord
 from shm_schema.records import SNAPSHOT, SnapshotRecord
-from shm_schema.snapshot import SnapshotReader, flat_index, record_at
+from shm_schema.snapshot import SnapshotReader, fields_at, record_at
 
 # A record's fields by position in the flat records (`ready_wait_ms` reads them so).
-_STRIDE = SNAPSHOT.count
-_GENERATION, _PENDING, _DECODING, _NEXT_SLOT_FREE, _PREFILL_FREE = (
-    getattr(SNAPSHOT.index, name) for name in ("generation", "pending_prefill_count",
-                                               "active_decode_count", "next_slot_free_at_us",
-                                               "prefill_free_at_us"))
+_PENDING, _DECODING, _NEXT_SLOT_FREE, _PREFILL_FREE = (
+    getattr(SNAPSHOT.index, name) for name in ("pending_prefill_count", "active_decode_count",
+                                               "next_slot_free_at_us", "prefill_free_at_us"))
 
 QUEUE_LANES = ("active_ready", "active_prepare", "prepare_queue_depth", "ready_queue_depth")
 _QUEUE_LANE_IDS = tuple(layout.LANE_NAMES.index(name) for name in QUEUE_LANES)
@@ -92,8 +90,11 @@ class LoadView:
         published = self.snapshots.published_us()
         if not published:
             return "unavailable"
-        now_us = clock.now_us() if now_us is None else now_us
-        return "fresh" if now_us - published <= self._stale_us else "stale"
+        return "fresh" if self._fresh(published, clock.now_us() if now_us is None else now_us) else "stale"
+
+    def _fresh(self, published_us: int, now_us: int) -> bool:
+        """A snapshot published at `published_us` (0: never) is fresh enough to predict from."""
+        return bool(published_us) and now_us - published_us <= self._stale_us
 
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
         """Predicted wait before a new request on `instance` could start prefill, from a fresh
@@ -103,13 +104,12 @@ class LoadView:
         if self.mode != "shared":
             return None
         now_us = clock.now_us()
-        published = self.snapshots.published_us()
-        if not published or now_us - published > self._stale_us:  # not "fresh"
+        if not self._fresh(self.snapshots.published_us(), now_us):
             return None
         slot = instance.slot
         records = self.snapshots.records(slot + 1)
-        at = flat_index(slot, 0)
-        if len(records) < at + _STRIDE or records[at + _GENERATION] != instance.generation:
+        at = fields_at(records, slot, instance.generation)
+        if at is None:
             return None
         free_at = max(records[at + _NEXT_SLOT_FREE], records[at + _PREFILL_FREE])
         announced = records[at + _PENDING] + records[at + _DECODING]
