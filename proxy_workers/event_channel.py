@@ -8,8 +8,9 @@ sequence, so it is unique on the host while the row is held.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Sequence
+
+import msgspec
 
 from cacheroute_proxy.clock import now_us
 from cacheroute_proxy.doorbell import Bell
@@ -18,8 +19,10 @@ from shm_schema.bitfields import RequestKey
 from shm_schema.events import EventWriter
 
 
-@dataclass
-class LiveRequest:
+class LiveRequest(msgspec.Struct, gc=False):
+    """A request the sidecar has heard of, kept to re-announce it to a new one. A Struct out of
+    the collector's sight: one per request, built without a Python-level __init__."""
+
     slot: int
     generation: int
     reserved_at_us: int
@@ -36,7 +39,6 @@ class EventChannelWriter:
 
     def __init__(self, seg: Segment, row: WorkerRow, spill_limit: int = 65536,
                  ring_requests: bool = True) -> None:
-        self._seg = seg
         self._bell = Bell(seg.name)
         # ring_requests=False (PROXY_SIDECAR_WAKE=heartbeat): a request's events wake no sidecar.
         self._writer = EventWriter(seg, row.row, spill_limit, wake=self._bell.ring,
@@ -44,7 +46,9 @@ class EventChannelWriter:
         # Consecutive keys of this row, from sequence 1: one C call per request.
         self._next_key = itertools.count(RequestKey.pack(row.row, 1)).__next__
         self._live: dict[int, LiveRequest] = {}
-        self._epoch = header.sidecar_epoch(seg)
+        # Read before every event, inline in the per-request ones (`_check_epoch` elsewhere).
+        self._read_epoch = header.sidecar_epoch_reader(seg)
+        self._epoch = self._read_epoch()
         self.resyncs = 0
         self._bell.ring()  # a new worker row: the sidecar looks at once (its reaper watches it)
 
@@ -60,7 +64,8 @@ class EventChannelWriter:
         live = LiveRequest(slot, generation, now_us(), int(service_ms * 1000), int(decode_ms * 1000),
                            decode_tokens, prompt_tokens)
         self._live[key] = live
-        self._check_epoch()
+        if self._read_epoch() != self._epoch:
+            self._resync()
         self._writer.reserve(self._epoch, key, slot, generation, live.reserved_at_us,
                              live.service_us, live.decode_us, decode_tokens, prompt_tokens)
 
@@ -68,13 +73,15 @@ class EventChannelWriter:
         live = self._live.get(key)
         if live is not None and live.first_token_us is None:
             live.first_token_us = now_us()
-            self._check_epoch()
+            if self._read_epoch() != self._epoch:
+                self._resync()
             self._writer.first_token(self._epoch, key, live.slot, live.generation, live.first_token_us)
 
     def complete(self, key: int, failed: bool) -> None:
         live = self._live.pop(key, None)
         if live is not None:
-            self._check_epoch()
+            if self._read_epoch() != self._epoch:
+                self._resync()
             self._writer.complete(self._epoch, key, live.slot, live.generation, now_us(), failed)
 
     def residency(self, slot: int, generation: int, keys: Sequence[int], tokens_each: int,
@@ -106,12 +113,13 @@ class EventChannelWriter:
         return bool(self._live)
 
     def _check_epoch(self) -> None:
-        epoch = header.sidecar_epoch(self._seg)
-        if epoch == self._epoch:
-            return
-        # A new sidecar discards what was written for the old one: replace it with the state of
-        # every request still in flight.
-        self._epoch = epoch
+        if self._read_epoch() != self._epoch:
+            self._resync()
+
+    def _resync(self) -> None:
+        """A new sidecar discards what was written for the old one: replace it with the state of
+        every request still in flight."""
+        epoch = self._epoch = self._read_epoch()
         self._writer.discard_spill()
         self.resyncs += 1
         for key, live in self._live.items():

@@ -43,8 +43,19 @@ from .upstream import Upstream, UpstreamFailure
 log = logging.getLogger("cacheroute.worker")
 
 _encoder = msgspec.json.Encoder()
-# Checks that the instance's answer is one JSON object without building its values.
+# The instance's answer as its members, each kept as its bytes: for the rare answer that
+# carries a cacheroute_meta of its own.
 _object_of_raw = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+class _MetaOf(msgspec.Struct):
+    """What decoding an answer into this checks: one JSON object, every member valid JSON
+    (skipped, nothing built), and whether one is `_cacheroute_meta`."""
+
+    meta: msgspec.Raw = msgspec.field(default=msgspec.UNSET, name="_cacheroute_meta")
+
+
+_meta_of = msgspec.json.Decoder(_MetaOf)
 _JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream")
 _NO_CACHE = (b"cache-control", b"no-cache")
@@ -329,7 +340,7 @@ class ProxyExchange:
         if job.predicted_first_token_ms is not None:
             trace.predict_error_ms = int(now - job.predicted_first_token_ms)
         self._pipeline.first_token(job)
-        trace.decode_start_ms = now_ms()
+        trace.decode_start_ms = now  # decode starts with the first token
 
 
 def with_meta(body: bytes, meta: bytes) -> bytes:
@@ -343,15 +354,17 @@ def with_meta(body: bytes, meta: bytes) -> bytes:
 def meta_spliced(body: bytes, meta: bytes) -> tuple[bytes, bool]:
     """`with_meta`, and whether the instance's object was kept (False: it was wrapped)."""
     try:
-        fields = _object_of_raw.decode(body)
+        own = _meta_of.decode(body).meta
     except (msgspec.DecodeError, RecursionError):
         return _encoder.encode({"raw": body.decode("utf-8", "replace"), _META_KEY: msgspec.Raw(meta)}), False
-    if _META_KEY in fields:  # the instance sent one itself: ours replaces it, as before
+    if own is not msgspec.UNSET:  # the instance sent one itself: ours replaces it, as before
+        fields = _object_of_raw.decode(body)
         fields[_META_KEY] = msgspec.Raw(meta)
         return _encoder.encode(fields), True
-    if not fields:
+    head = body.rstrip()[:-1]  # a valid object: all but its closing brace
+    if head.rstrip().endswith(b"{"):  # no member
         return b'{"_cacheroute_meta":' + meta + b"}", True
-    return body.rstrip()[:-1] + b',"_cacheroute_meta":' + meta + b"}", True
+    return head + b',"_cacheroute_meta":' + meta + b"}", True
 
 
 class DisconnectWatch:

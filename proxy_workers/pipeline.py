@@ -74,6 +74,7 @@ class Job(msgspec.Struct):
     # (`Pipeline.book_sent`, which the exchange hands to Upstream.open): its predictions are
     # off the way to the instance. True until then: an attempt that never left has no booking.
     book_when_sent: bool = False
+    stages: Any = None  # the InstanceStages of the current attempt's instance (Pipeline.forwarded)
     spans: Any = None  # the request's RequestSpans (proxy_workers/spans.py) when spans are on
     client_headers: Any = ()  # the client's, as ASGI gave them: the KDN's traceparent without spans
 
@@ -82,14 +83,16 @@ class Pipeline:
     def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
                  predictors: Any, pressure_of: Any, affinity: AffinityScorer | None = None,
                  bells: AdmissionBells | None = None,
-                 batch_of: Callable[[InstanceSlot], int] = lambda instance: 1) -> None:
+                 booking_of: Callable[[InstanceSlot], tuple[float | None, int]] | None = None) -> None:
         self._settings = settings
         self._affinity = affinity  # told what each instance now holds
         self._events = events
         self._preparer = preparer
         self._predictors = predictors
         self._pressure_of = pressure_of  # (InstanceSlot) -> predicted ready wait ms, or None
-        self._batch_of = batch_of  # (InstanceSlot) -> the batch a request sent there decodes in
+        # (InstanceSlot) -> (its pressure, the batch a request sent there decodes in): one read
+        # for the booking (LoadView.booking); without one, the pressure and a batch of 1.
+        self._booking_of = booking_of or (lambda instance: (pressure_of(instance), 1))
         self._stages: dict[tuple[int, int], InstanceStages] = {}
         self.plain_path = 0  # requests that took the lean path (_admit_plain)
         # Other workers' releases wake this worker's waiters by its bell, or are polled for.
@@ -129,7 +132,10 @@ class Pipeline:
         caller then forwards it and calls `forwarded` after, with no frame of the pipeline's
         between the two. False, with nothing done: `run_admitted` takes the request."""
         job.book_when_sent = False
-        if job.request.knowledge is not None or not self._admit_plain(lease, self._stages_for(lease), job):
+        if job.request.knowledge is not None:
+            return False
+        job.stages = self._stages_for(lease)
+        if not self._admit_plain(lease, job.stages, job):
             return False
         self._forwarding(lease, job)
         return True
@@ -139,7 +145,7 @@ class Pipeline:
         clean up on exit. (A coroutine taking the work, not an async context manager: one
         frame less per request.)"""
         settings = self._settings
-        stages = self._stages_for(lease)
+        stages = job.stages = self._stages_for(lease)
         if stages.queued >= settings.max_queue_per_instance:
             metrics.admission_rejected(lease.instance.instance_id, "queue_full")
             raise queue_full(f"{stages.queued} requests already wait for {lease.instance.instance_id}")
@@ -179,7 +185,7 @@ class Pipeline:
                 failed = False
                 return result
             finally:
-                self._forwarded(lease, stages, job, failed)
+                self.forwarded(lease, job, failed)
         except BaseException:
             if reserved:
                 self._events.complete(job.key, True)
@@ -209,12 +215,10 @@ class Pipeline:
         return True
 
     def forwarded(self, lease: Lease, job: Job, failed: bool) -> None:
-        """After the forward of a request `admit_at_once` admitted (`failed`: it raised)."""
-        self._forwarded(lease, self._stages_for(lease), job, failed)
-
-    def _forwarded(self, lease: Lease, stages: InstanceStages, job: Job, failed: bool) -> None:
-        """After the forward: the ready place, the lane and the request's timeline entry given
-        back, and the next waiter for admission woken."""
+        """After the forward (`failed`: it raised) of a request admitted on `lease`'s instance:
+        the ready place, the lane and the request's timeline entry given back, and the next
+        waiter for admission woken. The caller's when `admit_at_once` admitted it."""
+        stages = job.stages
         stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
         lease.leave(layout.LANE_READY_ACTIVE)
         stages.admission.wake()
@@ -370,9 +374,8 @@ class Pipeline:
             service = predictors.text_service_ms(request.prompt_tokens - held, 0)
         # In the batch it joins: decode slows with the batch (the profile's tpot by batch size),
         # and the slots a burst waits for are held that long.
-        decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens,
-                                      self._batch_of(lease.instance))
-        ready_wait = self._pressure_of(lease.instance)
+        ready_wait, batch = self._booking_of(lease.instance)
+        decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, batch)
         trace.predict_service_ms = round(service, 1)
         trace.predict_decode_ms = round(decode, 1)
         know_prepare = trace.ready_enqueue_ms - (trace.proxy_enqueue_ms or trace.ready_enqueue_ms)

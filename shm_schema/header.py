@@ -5,8 +5,9 @@ Other modules read and change the header through these named accessors, never by
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import layout, process_identity
 from .bitfields import ProcessIdentity
@@ -24,9 +25,13 @@ def next_tie_break(seg: Segment) -> int:
 
 
 def sidecar_epoch(seg: Segment) -> int:
-    """+1 at every sidecar start: events written under an older epoch are discarded.
-    (Once per event on a worker: one atomic load, no other call.)"""
+    """+1 at every sidecar start: events written under an older epoch are discarded."""
     return seg.atomic.load_u64(layout.H_SIDECAR_EPOCH)
+
+
+def sidecar_epoch_reader(seg: Segment) -> Callable[[], int]:
+    """`sidecar_epoch` of `seg` as one C call (a worker reads it before every event)."""
+    return functools.partial(seg.atomic.load_u64, layout.H_SIDECAR_EPOCH)
 
 
 def claim_sidecar(seg: Segment) -> int:

@@ -113,6 +113,9 @@ def test_stream_events_carry_the_same_bytes():
     (b'{"id":"x","n":1}', b'{"id":"x","n":1,"_cacheroute_meta":META}'),
     (b'{"id":"x"}\n', b'{"id":"x","_cacheroute_meta":META}'),
     (b"{}", b'{"_cacheroute_meta":META}'),
+    (b" { \n} ", b'{"_cacheroute_meta":META}'),
+    (b'{"a":{}, "b":[{}]}', b'{"a":{}, "b":[{}],"_cacheroute_meta":META}'),
+    (b'{"a":[1,,2]}', b'{"raw":"{\\"a\\":[1,,2]}","_cacheroute_meta":META}'),
     (b'{"_cacheroute_meta":1,"id":"x"}', b'{"_cacheroute_meta":META,"id":"x"}'),
     (b"[1,2]", b'{"raw":"[1,2]","_cacheroute_meta":META}'),
     (b"not json", b'{"raw":"not json","_cacheroute_meta":META}'),
@@ -353,7 +356,8 @@ def _plane(segment, **overrides: Any) -> tuple[DataPlane, Pipeline, _Upstream, W
     predictors = get_predictors(settings.predictor_profile)
     pipeline = Pipeline(settings, EventChannelWriter(segment, row),
                         KnowledgePreparer(settings, upstream, predictors), predictors,
-                        pressure_of=lambda instance: 40.0, batch_of=router.view.decode_batch)
+                        pressure_of=lambda instance: 40.0,
+                        booking_of=lambda instance: (40.0, router.view.decode_batch(instance)))
     return DataPlane(WorkerContext(settings, 0, router, upstream, pipeline)), pipeline, upstream, row
 
 

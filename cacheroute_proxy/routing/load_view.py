@@ -99,10 +99,30 @@ class LoadView:
     def ready_wait_ms(self, instance: SlotRef) -> float | None:
         """Predicted wait before a new request on `instance` could start prefill, from a fresh
         snapshot, less the completions it has not seen (as `queue_waits`); None if the predicted
-        layer is unknown. Once per request (its booking): the four fields it needs read from the
-        flat records by position, with no record built."""
+        layer is unknown."""
         if self.mode != "shared":
             return None
+        return self._ready_wait(instance, inflight_count(self._seg, instance.slot, instance.generation))
+
+    def decode_batch(self, instance: InstanceSlot) -> int:
+        """How many sequences a request sent to `instance` now decodes beside (itself
+        included), for its predicted decode: the requests in flight there host-wide, at most its
+        registered max_num_seqs. 1 in the per-worker view, which knows no host-wide count."""
+        if self.mode != "shared":
+            return 1
+        return _decode_batch(instance, inflight_count(self._seg, instance.slot, instance.generation))
+
+    def booking(self, instance: InstanceSlot) -> tuple[float | None, int]:
+        """(`ready_wait_ms`, `decode_batch`) of `instance` from one read of its inflight count:
+        what a request's booking predicts from, once per request."""
+        if self.mode != "shared":
+            return None, 1
+        inflight = inflight_count(self._seg, instance.slot, instance.generation)
+        return self._ready_wait(instance, inflight), _decode_batch(instance, inflight)
+
+    def _ready_wait(self, instance: SlotRef, inflight: int | None) -> float | None:
+        """`ready_wait_ms` with the instance's live inflight count read: the four fields it
+        needs read from the flat records by position, with no record built."""
         now_us = clock.now_us()
         if not self._fresh(self.snapshots.published_us(), now_us):
             return None
@@ -113,18 +133,7 @@ class LoadView:
             return None
         free_at = max(records[at + _NEXT_SLOT_FREE], records[at + _PREFILL_FREE])
         announced = records[at + _PENDING] + records[at + _DECODING]
-        inflight = inflight_count(self._seg, slot, instance.generation)
         return backlog_ms(free_at, now_us, 0, 0, 0) * seen_share(announced, inflight)
-
-    def decode_batch(self, instance: InstanceSlot) -> int:
-        """How many sequences a request sent to `instance` now decodes beside (itself
-        included), for its predicted decode: the requests in flight there host-wide, at most its
-        registered max_num_seqs. 1 in the per-worker view, which knows no host-wide count."""
-        if self.mode != "shared":
-            return 1
-        count = inflight_count(self._seg, instance.slot, instance.generation) or 1
-        limit = instance.max_num_seqs
-        return count if not limit or count < limit else limit
 
     def queue_waits(self, instances: Sequence[SlotRef], span: int,
                     inflight: Sequence[int | None]) -> list[tuple[float | None, float]]:
@@ -217,6 +226,13 @@ class LoadView:
                 result["next_slot_ready_in_ms"].append(slot_in)
                 result["prefill_free_in_ms"].append(prefill_in)
         return result
+
+
+def _decode_batch(instance: InstanceSlot, inflight: int | None) -> int:
+    """`LoadView.decode_batch` with the instance's host-wide inflight count read."""
+    count = inflight or 1
+    limit = instance.max_num_seqs
+    return count if not limit or count < limit else limit
 
 
 def _announced(record: SnapshotRecord) -> int:
