@@ -60,9 +60,10 @@ class EventChannelWriter:
         return self._next_key()
 
     def reserve(self, key: int, slot: int, generation: int, service_ms: float, decode_ms: float,
-                decode_tokens: int, prompt_tokens: int) -> None:
-        live = LiveRequest(slot, generation, now_us(), int(service_ms * 1000), int(decode_ms * 1000),
-                           decode_tokens, prompt_tokens)
+                decode_tokens: int, prompt_tokens: int, at_us: int | None = None) -> None:
+        """Released to ready at `at_us` (now, if not given)."""
+        live = LiveRequest(slot, generation, now_us() if at_us is None else at_us, int(service_ms * 1000),
+                           int(decode_ms * 1000), decode_tokens, prompt_tokens)
         self._live[key] = live
         if self._read_epoch() != self._epoch:
             self._resync()

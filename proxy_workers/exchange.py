@@ -36,7 +36,7 @@ from .request_model import ProxyRequest
 from cacheroute_proxy.http1 import Cycle
 from .router import Lease, Router
 from .sse import DONE_EVENT, PASS_TAIL, StreamRelay, cut_meta_event, meta_event
-from .trace import Trace, encode_meta
+from .trace import Trace, encode_meta, tenths
 from cacheroute_proxy.http1.client import UpstreamResponse
 from .upstream import Upstream, UpstreamFailure
 
@@ -145,14 +145,14 @@ class ProxyExchange:
             trace.route_select_end_ms = now_ms()
             age = lease.snapshot_age_ms
             if age is not None:
-                trace.snapshot_age_ms = round(age, 1)
+                trace.snapshot_age_ms = tenths(age)
             trace.instance_id = out.instance_id = lease.instance.instance_id
             choice = lease.choice
             if choice.guard is not None:  # kv_aware
                 trace.affinity_guard = choice.guard.fired
-                trace.affinity_saved_ms = round(choice.affinity.saved_ms, 1)  # type: ignore[union-attr]
+                trace.affinity_saved_ms = tenths(choice.affinity.saved_ms)  # type: ignore[union-attr]
                 predicted = choice.prediction.total_ms  # type: ignore[union-attr]
-                trace.route_predicted_ttft_ms = None if predicted is None else round(predicted, 1)
+                trace.route_predicted_ttft_ms = None if predicted is None else tenths(predicted)
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await self._attempt_on(lease, out)

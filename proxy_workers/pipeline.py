@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
 
+from cacheroute_proxy import clock
 from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.config import Settings
 from shm_schema import Admission, InstanceSlot, layout
@@ -40,7 +41,7 @@ from .refusals import instance_left, queue_full, queue_timeout
 from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
-from .trace import Knowledge, Trace
+from .trace import Knowledge, Trace, tenths
 
 T = TypeVar("T")
 
@@ -83,16 +84,16 @@ class Pipeline:
     def __init__(self, settings: Settings, events: EventChannelWriter, preparer: KnowledgePreparer,
                  predictors: Any, pressure_of: Any, affinity: AffinityScorer | None = None,
                  bells: AdmissionBells | None = None,
-                 booking_of: Callable[[InstanceSlot], tuple[float | None, int]] | None = None) -> None:
+                 booking_of: Callable[[InstanceSlot, int], tuple[float | None, int]] | None = None) -> None:
         self._settings = settings
         self._affinity = affinity  # told what each instance now holds
         self._events = events
         self._preparer = preparer
         self._predictors = predictors
         self._pressure_of = pressure_of  # (InstanceSlot) -> predicted ready wait ms, or None
-        # (InstanceSlot) -> (its pressure, the batch a request sent there decodes in): one read
-        # for the booking (LoadView.booking); without one, the pressure and a batch of 1.
-        self._booking_of = booking_of or (lambda instance: (pressure_of(instance), 1))
+        # (InstanceSlot, now µs) -> (its pressure, the batch a request sent there decodes in):
+        # one read for the booking (LoadView.booking); without one, the pressure and a batch of 1.
+        self._booking_of = booking_of or (lambda instance, now_us: (pressure_of(instance), 1))
         self._stages: dict[tuple[int, int], InstanceStages] = {}
         self.plain_path = 0  # requests that took the lean path (_admit_plain)
         # Other workers' releases wake this worker's waiters by its bell, or are polled for.
@@ -374,19 +375,20 @@ class Pipeline:
             service = predictors.text_service_ms(request.prompt_tokens - held, 0)
         # In the batch it joins: decode slows with the batch (the profile's tpot by batch size),
         # and the slots a burst waits for are held that long.
-        ready_wait, batch = self._booking_of(lease.instance)
+        now_us = clock.now_us()  # one instant for the prediction and the reservation
+        ready_wait, batch = self._booking_of(lease.instance, now_us)
         decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, batch)
-        trace.predict_service_ms = round(service, 1)
-        trace.predict_decode_ms = round(decode, 1)
+        trace.predict_service_ms = tenths(service)
+        trace.predict_decode_ms = tenths(decode)
         know_prepare = trace.ready_enqueue_ms - (trace.proxy_enqueue_ms or trace.ready_enqueue_ms)
         trace.actual_know_prepare_ms = know_prepare
         if ready_wait is not None:
-            trace.predict_queue_wait_ms = round(ready_wait, 1)
-            trace.predict_total_ms = round(know_prepare + ready_wait + service, 1)
-            job.predicted_first_token_ms = time.time() * 1000 + ready_wait + service
+            trace.predict_queue_wait_ms = tenths(ready_wait)
+            trace.predict_total_ms = tenths(know_prepare + ready_wait + service)
+            job.predicted_first_token_ms = now_us / 1000 + ready_wait + service
             trace.pred_first_token_ts_ms = int(job.predicted_first_token_ms)
         self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
-                             decode, request.decode_tokens, request.prompt_tokens)
+                             decode, request.decode_tokens, request.prompt_tokens, now_us)
 
     async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         limit = self._settings.ready_concurrency

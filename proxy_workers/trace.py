@@ -124,6 +124,13 @@ class Meta(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
+def tenths(value: float) -> float:
+    """A trace's predicted or measured milliseconds, to a tenth: `round(value, 1)` but for
+    exact ties, at half its cost (which finds the nearest decimal, for the predictions of
+    every request)."""
+    return round(value * 10) / 10
+
+
 def encode_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
     """`cacheroute_meta` as JSON bytes: the trace and what preparation found and did."""
     return _encoder.encode(Meta(trace, knowledge.kv_ack, knowledge.kv_ready_kids,

@@ -102,7 +102,8 @@ class LoadView:
         layer is unknown."""
         if self.mode != "shared":
             return None
-        return self._ready_wait(instance, inflight_count(self._seg, instance.slot, instance.generation))
+        return self._ready_wait(instance, inflight_count(self._seg, instance.slot, instance.generation),
+                                clock.now_us())
 
     def decode_batch(self, instance: InstanceSlot) -> int:
         """How many sequences a request sent to `instance` now decodes beside (itself
@@ -112,18 +113,17 @@ class LoadView:
             return 1
         return _decode_batch(instance, inflight_count(self._seg, instance.slot, instance.generation))
 
-    def booking(self, instance: InstanceSlot) -> tuple[float | None, int]:
-        """(`ready_wait_ms`, `decode_batch`) of `instance` from one read of its inflight count:
-        what a request's booking predicts from, once per request."""
+    def booking(self, instance: InstanceSlot, now_us: int) -> tuple[float | None, int]:
+        """(`ready_wait_ms`, `decode_batch`) of `instance` at `now_us`, from one read of its
+        inflight count: what a request's booking predicts from, once per request."""
         if self.mode != "shared":
             return None, 1
         inflight = inflight_count(self._seg, instance.slot, instance.generation)
-        return self._ready_wait(instance, inflight), _decode_batch(instance, inflight)
+        return self._ready_wait(instance, inflight, now_us), _decode_batch(instance, inflight)
 
-    def _ready_wait(self, instance: SlotRef, inflight: int | None) -> float | None:
-        """`ready_wait_ms` with the instance's live inflight count read: the four fields it
-        needs read from the flat records by position, with no record built."""
-        now_us = clock.now_us()
+    def _ready_wait(self, instance: SlotRef, inflight: int | None, now_us: int) -> float | None:
+        """`ready_wait_ms` with the instance's live inflight count read, at `now_us`: the four
+        fields it needs read from the flat records by position, with no record built."""
         if not self._fresh(self.snapshots.published_us(), now_us):
             return None
         slot = instance.slot
