@@ -375,17 +375,8 @@ def test_a_reused_connection_the_instance_closed_as_we_sent_is_retried_once_on_a
     """The keep-alive race: the instance closes an idle connection just as a request goes out
     on it. It never read the request, so it is sent again on a new connection; a new
     connection that fails the same way is the instance's failure (502)."""
-    answered: list[int] = []
-
-    async def answer_once_per_connection(reader, writer):
-        if id(writer) in answered:  # the second request on a connection: closed unanswered
-            writer.close()
-            return
-        answered.append(id(writer))
-        writer.write(OK_JSON)
-
     async def main():
-        async with Server(answer_once_per_connection) as server:
+        async with Server(answering_once_per_connection()) as server:
             upstream = Upstream(settings())
             assert await post(upstream, server.port) == (200, "application/json", b'{"ok": true}')
             assert await post(upstream, server.port) == (200, "application/json", b'{"ok": true}')
@@ -403,22 +394,29 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
 
 
+def answering_once_per_connection() -> Callable[[Any, asyncio.StreamWriter], Awaitable[None]]:
+    """A handler that answers a connection's first request and closes it unanswered at its
+    second (the keep-alive race). It keeps the writers it answered, not their id(): a freed
+    writer's id may be the next connection's."""
+    answered: list[asyncio.StreamWriter] = []
+
+    async def answer(reader: Any, writer: asyncio.StreamWriter) -> None:
+        if any(writer is done for done in answered):
+            writer.close()
+            return
+        answered.append(writer)
+        writer.write(OK_JSON)
+    return answer
+
+
 def test_sent_is_called_once_the_request_is_written_and_not_for_one_never_sent():
     """Upstream.open's `sent` (the lean path books a request with it): once a request, also when
     the keep-alive race sends it again; never when there was no connection to write it on."""
-    answered: list[int] = []
     sent: list[int] = []
-
-    async def answer_once_per_connection(reader, writer):
-        if id(writer) in answered:
-            writer.close()
-            return
-        answered.append(id(writer))
-        writer.write(OK_JSON)
 
     async def main():
         upstream = Upstream(settings())
-        async with Server(answer_once_per_connection) as server:
+        async with Server(answering_once_per_connection()) as server:
             for request in range(2):  # the second on a kept-alive connection the instance closes
                 response = await upstream.open("127.0.0.1", server.port, "/x", b"{}",
                                                sent=lambda: sent.append(request))
