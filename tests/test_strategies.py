@@ -4,6 +4,7 @@ plan for least_load, and the LoadView that feeds them from the shared segment.""
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -361,11 +362,14 @@ def test_a_requests_decode_batch_is_the_host_wide_inflight_up_to_the_engines_slo
     assert one.begin(insts[0].slot, insts[0].generation)
     for _ in range(2):
         assert two.begin(insts[0].slot, insts[0].generation)
-    shared = LoadView(seg, "shared")
-    assert shared.decode_batch(engine) == 4           # its 4 slots, however many wait
-    assert shared.decode_batch(insts[0]) == 3          # no known limit: every one in flight
-    assert shared.decode_batch(insts[2]) == 1          # none yet: the request alone
-    assert LoadView(seg, "per_worker", one).decode_batch(insts[0]) == 1
+    shared, now_us = LoadView(seg, "shared"), time.time_ns() // 1000
+
+    def batch(view: LoadView, instance) -> int:
+        return view.booking(instance, now_us)[1]
+    assert batch(shared, engine) == 4           # its 4 slots, however many wait
+    assert batch(shared, insts[0]) == 3          # no known limit: every one in flight
+    assert batch(shared, insts[2]) == 1          # none yet: the request alone
+    assert LoadView(seg, "per_worker", one).booking(insts[0], now_us) == (None, 1)
 
 
 def test_reused_slot_reads_as_unknown_in_the_shared_view(table):

@@ -357,7 +357,7 @@ def _plane(segment, **overrides: Any) -> tuple[DataPlane, Pipeline, _Upstream, W
     pipeline = Pipeline(settings, EventChannelWriter(segment, row),
                         KnowledgePreparer(settings, upstream, predictors), predictors,
                         pressure_of=lambda instance: 40.0,
-                        booking_of=lambda instance, now_us: (40.0, router.view.decode_batch(instance)))
+                        booking_of=lambda instance, now_us: (40.0, router.view.booking(instance, now_us)[1]))
     return DataPlane(WorkerContext(settings, 0, router, upstream, pipeline)), pipeline, upstream, row
 
 

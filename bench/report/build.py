@@ -58,8 +58,10 @@ DECODES_ALONE = "decodes predicted alone and at the prefills' pace"
 # What the trees before this one did with a stream's reads.
 BEFORE_CHUNK_PASS = "every read of a stream parsed by httptools and framed again in Python"
 TREE_BEFORE_CHUNK_PASS = f"the tree before ({BEFORE_CHUNK_PASS})"
-# What the tree before this one did on every request's way to the instance's answer.
+# What earlier trees did on every request's way to the instance's answer.
 BEFORE_FEWER_FRAMES = "a request's task resuming through five coroutines more"
+BEFORE_LEANER_BOOKING = ("each event's sidecar epoch read through two Python calls, the booking "
+                         "reading its instance's inflight count twice and rounding at full cost")
 # The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
 THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
 
@@ -163,14 +165,16 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        earlier_peers("peers_before_leaner_booking.json",
+                      f"the tree before ({BEFORE_LEANER_BOOKING}), on a loaded host"),
         earlier_peers("peers_loaded_host_fewer_frames.json",
-                      "this tree, the run before in the same hour (nginx, the floor and this proxy "
+                      "the tree before, the run before in the same hour (nginx, the floor and this proxy "
                       "slower than in the run below)"),
         earlier_peers("peers_before_ready_wait_read.json",
-                      "the tree before (a request's ready wait read through a snapshot record object), "
+                      "an earlier tree (a request's ready wait read through a snapshot record object), "
                       "in a quieter hour"),
         earlier_peers("peers_before_fewer_frames.json",
-                      f"the tree before ({BEFORE_FEWER_FRAMES}), on the same AMD EPYC host"),
+                      f"an earlier tree ({BEFORE_FEWER_FRAMES}), on the same AMD EPYC host"),
         earlier_peers("peers_before_chunk_pass.json",
                       f"{TREE_BEFORE_CHUNK_PASS}, on the same AMD EPYC host"),
         earlier_peers("peers_loaded_host.json",

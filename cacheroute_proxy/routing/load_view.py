@@ -105,17 +105,12 @@ class LoadView:
         return self._ready_wait(instance, inflight_count(self._seg, instance.slot, instance.generation),
                                 clock.now_us())
 
-    def decode_batch(self, instance: InstanceSlot) -> int:
-        """How many sequences a request sent to `instance` now decodes beside (itself
-        included), for its predicted decode: the requests in flight there host-wide, at most its
-        registered max_num_seqs. 1 in the per-worker view, which knows no host-wide count."""
-        if self.mode != "shared":
-            return 1
-        return _decode_batch(instance, inflight_count(self._seg, instance.slot, instance.generation))
-
     def booking(self, instance: InstanceSlot, now_us: int) -> tuple[float | None, int]:
-        """(`ready_wait_ms`, `decode_batch`) of `instance` at `now_us`, from one read of its
-        inflight count: what a request's booking predicts from, once per request."""
+        """What a request's booking predicts from, once per request, at `now_us`, with one read
+        of the instance's inflight count: (`ready_wait_ms`, its decode batch). The decode batch
+        is how many sequences a request sent to `instance` now decodes beside (itself
+        included): the requests in flight there host-wide, at most its registered max_num_seqs;
+        1 in the per-worker view, which knows no host-wide count."""
         if self.mode != "shared":
             return None, 1
         inflight = inflight_count(self._seg, instance.slot, instance.generation)
@@ -229,7 +224,7 @@ class LoadView:
 
 
 def _decode_batch(instance: InstanceSlot, inflight: int | None) -> int:
-    """`LoadView.decode_batch` with the instance's host-wide inflight count read."""
+    """`LoadView.booking`'s decode batch, from the instance's host-wide inflight count."""
     count = inflight or 1
     limit = instance.max_num_seqs
     return count if not limit or count < limit else limit
