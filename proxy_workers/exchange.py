@@ -38,7 +38,7 @@ from .router import Lease, Router
 from .sse import DONE_EVENT, PASS_TAIL, StreamRelay, cut_meta_event, meta_event
 from .trace import Trace, encode_meta, tenths
 from cacheroute_proxy.http1.client import UpstreamResponse
-from .upstream import Upstream, UpstreamFailure
+from .upstream import SEND_FAILURES, Upstream, UpstreamFailure
 
 log = logging.getLogger("cacheroute.worker")
 
@@ -219,15 +219,16 @@ class ProxyExchange:
         # A local, not kept on the job: the job holding a callable that holds the job would
         # be a reference cycle a request, left to the cyclic GC and its pauses.
         sent = functools.partial(self._pipeline.book_sent, lease, job) if job.book_when_sent else None
+        instance, path = lease.instance, request.endpoint.path
         try:
-            instance = lease.instance
-            response = await self._upstream.open(instance.host, instance.port, request.endpoint.path,
+            response = await self._upstream.send(instance.host, instance.port, path,
                                                  request.encoded_body(), headers, sent)
-        except HTTPError as exc:
+        except SEND_FAILURES as exc:
+            refusal = self._upstream.refusal(exc, instance.host, instance.port, path)
             self._failed(lease)
-            if exc.code == "upstream_unavailable" and self._can_retry():
+            if refusal.code == "upstream_unavailable" and self._can_retry():
                 return True
-            out.error(exc, lease)
+            out.error(refusal, lease)
             return False
         if spans is not None:
             spans.answer_head(response.status)

@@ -12,7 +12,7 @@ stalls mid-way). None of them is the original's 6-hour total.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -25,6 +25,8 @@ from cacheroute_proxy.http1.client import (KEEPALIVE_S, ConnectFailed, HeadTimeo
                                            UpstreamResponse, header_lines, request_line)
 
 _LINE_CACHE_SIZE = 1024
+# What `Upstream.send`'s awaitable raises when no answer head came (`Upstream.refusal`).
+SEND_FAILURES = (ConnectFailed, HeadTimeout, OSError)
 
 
 def base_url(host: str, port: int) -> str:
@@ -81,32 +83,43 @@ class Upstream:
         for `open`: computed once per request, whatever the attempts."""
         return forwarded_block(client_headers, self._dropped)
 
-    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
-                   sent: Callable[[], None] | None = None) -> UpstreamResponse:
-        """POST and wait for the response head; HTTPError 502/504 if that does not happen.
-        `headers`: complete `name: value\r\n` lines (`forwarded`, and the request's own),
-        written between the Host line and the proxy's own headers; `sent`: called once the
-        request is written, before its answer is awaited (not when no connection was had).
+    def send(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
+             sent: Callable[[], None] | None = None) -> Awaitable[UpstreamResponse]:
+        """POST: the awaitable gives the response once its head has arrived, or raises one of
+        SEND_FAILURES (`refusal` says it to the client). `headers`: complete `name: value\r\n`
+        lines (`forwarded`, and the request's own), written between the Host line and the
+        proxy's own headers; `sent`: called once the request is written, before its answer is
+        awaited (not when no connection was had). Not a coroutine: the request's task awaits
+        the pool's own, one frame fewer at each of its resumptions.
 
         The first-byte bound is the connection's own lazy timer (Http1Connection.request: no
         asyncio.timeout, no timer per request); only a new connection's connect has its own."""
         settings = self._settings
         request = b"%s%s%s%d\r\n\r\n%s" % (self._line(path, host, port), headers, self._own,
                                              len(body), body)
+        return self._pool.send(host, port, request, settings.upstream_first_byte_timeout_s,
+                               min(settings.upstream_connect_timeout_s,
+                                   settings.upstream_first_byte_timeout_s), sent)
+
+    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
+                   sent: Callable[[], None] | None = None) -> UpstreamResponse:
+        """`send`, awaited; its failures raised as the client's HTTPError 502/504 (`refusal`)."""
         try:
-            return await self._pool.send(host, port, request, settings.upstream_first_byte_timeout_s,
-                                         min(settings.upstream_connect_timeout_s,
-                                             settings.upstream_first_byte_timeout_s), sent)
-        except ConnectFailed as exc:
-            raise HTTPError(502, "upstream_unavailable",
-                            f"cannot connect to {base_url(host, port)}{path}: {exc}") from None
-        except HeadTimeout:
-            raise HTTPError(504, "upstream_timeout",
-                            f"{base_url(host, port)}{path} sent no response within "
-                            f"{settings.upstream_first_byte_timeout_s:g}s") from None
-        except OSError as exc:  # reset or closed before the head (and not the keep-alive race)
-            raise HTTPError(502, "upstream_unavailable",
-                            f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}") from None
+            return await self.send(host, port, path, body, headers, sent)
+        except SEND_FAILURES as exc:
+            raise self.refusal(exc, host, port, path) from None
+
+    def refusal(self, exc: BaseException, host: str, port: int, path: str) -> HTTPError:
+        """What a failure of `send` tells the client: 502 when no connection was had or it was
+        closed or reset before the head, 504 when the head did not come in time."""
+        if isinstance(exc, ConnectFailed):
+            return HTTPError(502, "upstream_unavailable", f"cannot connect to {base_url(host, port)}{path}: {exc}")
+        if isinstance(exc, HeadTimeout):
+            return HTTPError(504, "upstream_timeout",
+                             f"{base_url(host, port)}{path} sent no response within "
+                             f"{self._settings.upstream_first_byte_timeout_s:g}s")
+        # reset or closed before the head (and not the keep-alive race)
+        return HTTPError(502, "upstream_unavailable", f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}")
 
     def _line(self, path: str, host: str, port: int) -> bytes:
         line = self._lines.get((path, host, port))

@@ -17,6 +17,7 @@ import pytest
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
+from cacheroute_proxy.http1.client import ConnectFailed
 from proxy_workers.app import DataPlane, WorkerContext
 from proxy_workers.exchange import with_meta
 from proxy_workers.knowledge import KnowledgePreparer
@@ -216,17 +217,20 @@ class _Upstream:
     def forwarded(self, client_headers: list[tuple[bytes, bytes]]) -> bytes:
         return b""
 
-    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes,
+    async def send(self, host: str, port: int, path: str, body: bytes, headers: bytes,
                    sent: Callable[[], None] | None = None) -> _Response:
         self.opened.append(port)
         if len(self.opened) == 1:  # no connection: nothing was sent
-            raise HTTPError(502, "upstream_unavailable", "connection refused")
+            raise ConnectFailed("connection refused")
         if sent is not None:
             sent()
         if json.loads(body).get("stream"):
             return _Response([b'data: {"choices":[{"delta":{"content":"tok "}}]}\n\n',
                               b"data: [DONE]\n\n"])
         return _Response([b'{"object":"chat.completion","choices":[]}'])
+
+    def refusal(self, exc: BaseException, host: str, port: int, path: str) -> HTTPError:
+        return HTTPError(502, "upstream_unavailable", str(exc))
 
     async def relay(self, response: _Response, sink: Callable[[bytes], bool], passer: Any = None) -> bool:
         for chunk in response.chunks:
@@ -469,7 +473,7 @@ def test_a_streams_last_events_its_meta_and_done_leave_in_one_write(segment):
         if sent is not None:
             sent()
         return _Response([first, last + b"data: [DONE]\n\n"])  # the last event and the end in one read
-    upstream.open = answered  # type: ignore[method-assign]
+    upstream.send = answered  # type: ignore[method-assign]
 
     async def served() -> _Cycle:
         cycle = _Cycle(_plain_body(stream=True))
