@@ -172,8 +172,13 @@ class DataPlane:
         trace = Trace(proxy_recv_ms=now_ms(), worker=self._ctx.name)
         if self._tag_requests:  # this request's own task: the id does not outlive it
             logs.REQUEST_ID.set(access_log.client_request_id(cycle.headers))
+        if self._tracing is not None:  # its span covers the body's arrival too
+            responder.spans = self._tracing.begin(endpoint.path, cycle.headers, trace)
         try:
-            exchange = await self._exchange(endpoint, cycle, responder, trace)
+            body = cycle.whole_body(self._limit)
+            if body is None:  # more to come (or an error read_body says)
+                body = await self._read_body(cycle, responder)
+            exchange = None if body is None else self._exchange(endpoint, cycle, body, responder, trace)
             if exchange is not None:
                 await exchange.run(responder)
         except Exception as exc:  # a bug: one logged line with the traceback, a JSON 500
@@ -190,23 +195,29 @@ class DataPlane:
             if responder.spans is not None:
                 self._tracing.finish(responder.spans, responder.status)
 
-    async def _exchange(self, endpoint: Endpoint, cycle: Cycle, responder: Responder,
-                        trace: Trace) -> ProxyExchange | None:
-        """The request's exchange, once its body is read and recovered; None if it was answered
-        (or its client left) instead. Awaited before the exchange runs, not around it: one
-        coroutine less between the request's task and the instance's answer."""
-        ctx = self._ctx
-        if self._tracing is not None:
-            responder.spans = self._tracing.begin(endpoint.path, cycle.headers, trace)
+    async def _read_body(self, cycle: Cycle, responder: Responder) -> bytes | None:
+        """The body, read as it arrives; None if the request was answered (or its client left)
+        instead."""
         try:
-            proxy_request = recover(endpoint, await read_body(cycle, self._limit))
+            return await read_body(cycle, self._limit)
         except HTTPError as exc:
             responder.error(exc)
-            return None
         except BadBody:  # answered 400 by the server itself
             responder.status = 400
-            return None
         except ClientGone:  # counted as 499, nothing to answer
+            pass
+        return None
+
+    def _exchange(self, endpoint: Endpoint, cycle: Cycle, body: bytes, responder: Responder,
+                  trace: Trace) -> ProxyExchange | None:
+        """The request's exchange, its body recovered; None if it was answered instead. Built
+        before the exchange runs, not around it: no coroutine between the request's task and
+        the instance's answer."""
+        ctx = self._ctx
+        try:
+            proxy_request = recover(endpoint, body)
+        except HTTPError as exc:
+            responder.error(exc)
             return None
         trace.request_id = proxy_request.request_id
         if self._tag_requests:

@@ -309,6 +309,34 @@ def test_a_body_writer_frames_as_write_does(srv: Running, path: str) -> None:
     assert read_response(sock, buf)[2] == b"next"
 
 
+class _QuietConnection:
+    """What a Cycle tells its connection about reading, ignored."""
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_whole_body_takes_a_body_all_here_and_leaves_anything_else_to_read_body() -> None:
+    def cycle(*parts: bytes, ended: bool = True) -> Cycle:
+        made = Cycle(_QuietConnection(), "POST", b"/echo", b"", [], "1.1", True)  # type: ignore[arg-type]
+        for part in parts:
+            made.feed(part)
+        if ended:
+            made.end_of_body()
+        return made
+    whole = cycle(b"ab", b"cd")
+    assert whole.whole_body(LIMIT) == b"abcd" and whole.whole_body(LIMIT) == b""  # taken, as read_body does
+    assert cycle(b"ab", ended=False).whole_body(LIMIT) is None  # more to come: read_body waits for it
+    large = cycle(b"x" * (LIMIT + 1))
+    assert large.whole_body(LIMIT) is None and large.body_size == LIMIT + 1  # read_body says 413
+    gone = cycle(b"ab")
+    gone.lost()
+    assert gone.whole_body(LIMIT) is None and gone.body_size == 2  # read_body says the client left
+
+
 def test_a_body_over_the_limit_is_413_declared_or_chunked(srv: Running) -> None:
     sock, buf = connect(srv.port), bytearray()
     sock.sendall(post("/echo", b"x" * (LIMIT + 1)))

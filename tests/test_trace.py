@@ -263,6 +263,9 @@ class _Cycle:
         self.sent: list[bytes] = []
         self._body = body
 
+    def whole_body(self, limit: int) -> bytes | None:
+        return self._body
+
     async def read_body(self, limit: int) -> bytes:
         return self._body
 

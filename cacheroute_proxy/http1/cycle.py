@@ -154,6 +154,14 @@ class Cycle:
             self.conn.resume_reading()
         return body
 
+    def whole_body(self, limit: int) -> bytes | None:
+        """The body, taken as `read_body` would, when all of it is here within `limit` and the
+        client is still there (usually: it came with the head); else None, with nothing taken,
+        and `read_body` says what there is. A plain call: no coroutine for the usual case."""
+        if self.more_body or self.disconnected or self.body_size > limit:
+            return None
+        return self._take_body()
+
     async def read_body(self, limit: int) -> bytes:
         """The whole body; BodyTooLarge as soon as what arrived passes `limit` bytes (the rest
         is then dropped as it comes), ClientGone if the client leaves first (BadBody if the body
