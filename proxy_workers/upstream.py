@@ -80,7 +80,7 @@ class Upstream:
 
     def forwarded(self, client_headers: list[Header]) -> bytes:
         """The client's headers that go to the instance (proxy_workers/headers.py), as lines
-        for `open`: computed once per request, whatever the attempts."""
+        for `send`: computed once per request, whatever the attempts."""
         return forwarded_block(client_headers, self._dropped)
 
     def send(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
@@ -112,14 +112,14 @@ class Upstream:
     def refusal(self, exc: BaseException, host: str, port: int, path: str) -> HTTPError:
         """What a failure of `send` tells the client: 502 when no connection was had or it was
         closed or reset before the head, 504 when the head did not come in time."""
+        url = f"{base_url(host, port)}{path}"
         if isinstance(exc, ConnectFailed):
-            return HTTPError(502, "upstream_unavailable", f"cannot connect to {base_url(host, port)}{path}: {exc}")
+            return HTTPError(502, "upstream_unavailable", f"cannot connect to {url}: {exc}")
         if isinstance(exc, HeadTimeout):
-            return HTTPError(504, "upstream_timeout",
-                             f"{base_url(host, port)}{path} sent no response within "
+            return HTTPError(504, "upstream_timeout", f"{url} sent no response within "
                              f"{self._settings.upstream_first_byte_timeout_s:g}s")
         # reset or closed before the head (and not the keep-alive race)
-        return HTTPError(502, "upstream_unavailable", f"{base_url(host, port)}{path}: {type(exc).__name__}: {exc}")
+        return HTTPError(502, "upstream_unavailable", f"{url}: {type(exc).__name__}: {exc}")
 
     def _line(self, path: str, host: str, port: int) -> bytes:
         line = self._lines.get((path, host, port))

@@ -62,6 +62,8 @@ TREE_BEFORE_CHUNK_PASS = f"the tree before ({BEFORE_CHUNK_PASS})"
 BEFORE_FEWER_FRAMES = "a request's task resuming through five coroutines more"
 BEFORE_LEANER_BOOKING = ("each event's sidecar epoch read through two Python calls, the booking "
                          "reading its instance's inflight count twice and rounding at full cost")
+BEFORE_WHOLE_BODY = ("a request's body read and its send to the instance each through a coroutine "
+                     "of the product's own")
 # The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
 THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
 
@@ -69,11 +71,13 @@ THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % 
 # title), then the same run again on the same tree, in order. After the last repeat present,
 # every run of the series is pooled and judged.
 SERIES = {
+    "affinity_vllm_lean_session.json": (f"{THREE_AT_TWO_LOADS}: this tree",
+                                        ("affinity_vllm_lean_session_repeat.json",)),
     "affinity_vllm_fewer_frames.json": (
-        f"{THREE_AT_TWO_LOADS}: this tree (a request's task resuming through five coroutines fewer)",
+        f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING})",
         ("affinity_vllm_fewer_frames_repeat.json",)),
     "affinity_vllm_chunk_pass.json": (
-        f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_FEWER_FRAMES}; a stream's reads of whole "
+        f"{THREE_AT_TWO_LOADS}: an earlier tree ({BEFORE_FEWER_FRAMES}; a stream's reads of whole "
         "chunks passed on as the engine framed them, in one C call, as in this tree)",
         ("affinity_vllm_chunk_pass_repeat.json", "affinity_vllm_chunk_pass_third.json",
          "affinity_vllm_chunk_pass_fourth.json", "affinity_vllm_chunk_pass_fifth.json")),
@@ -165,10 +169,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        earlier_peers("peers_leaner_booking.json",
+                      f"the tree before ({BEFORE_WHOLE_BODY}), in a busy hour"),
         earlier_peers("peers_before_leaner_booking.json",
-                      f"the tree before ({BEFORE_LEANER_BOOKING}), on a loaded host"),
+                      f"an earlier tree ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING}), on a loaded host"),
         earlier_peers("peers_loaded_host_fewer_frames.json",
-                      "the tree before, the run before in the same hour (nginx, the floor and this proxy "
+                      "that earlier tree, the run before in the same hour (nginx, the floor and this proxy "
                       "slower than in the run below)"),
         earlier_peers("peers_before_ready_wait_read.json",
                       "an earlier tree (a request's ready wait read through a snapshot record object), "
@@ -211,6 +217,11 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
             "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
+        _real_engines(
+            "affinity_vllm_before_lean_session.json",
+            f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING}), "
+            "run from an export of that commit right after this tree's two runs, in the same hour "
+            "(no routing code differs between the two)"),
         _real_engines(
             "affinity_vllm_chunk_pass_ab.json",
             f"{THREE_AT_TWO_LOADS}, the tree before ({BEFORE_FEWER_FRAMES}), beside kv_aware nopass "
