@@ -125,9 +125,9 @@ _encoder = msgspec.json.Encoder()
 
 
 def tenths(value: float) -> float:
-    """A trace's predicted or measured milliseconds, to a tenth: `round(value, 1)` but for
-    exact ties, at half its cost (which finds the nearest decimal, for the predictions of
-    every request)."""
+    """A trace's predicted or measured milliseconds, to a tenth: `round(value, 1)` except where
+    value * 10 falls on a half (then the even tenth), at half its cost (`round(value, 1)` finds
+    the nearest decimal exactly; this runs for the predictions of every request)."""
     return round(value * 10) / 10
 
 

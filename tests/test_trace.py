@@ -27,7 +27,7 @@ from proxy_workers.request_model import Endpoint
 from cacheroute_proxy.routing.policy import Choice
 from proxy_workers.router import Lease, Router
 from proxy_workers.sse import cut_meta_event, meta_event
-from proxy_workers.trace import Knowledge, Trace, encode_meta
+from proxy_workers.trace import Knowledge, Trace, encode_meta, tenths
 from proxy_workers.event_channel import EventChannelWriter
 from shm_schema import DirectoryReader, DirectoryWriter, WorkerRow
 from tests.aio import meta_of
@@ -95,6 +95,13 @@ def test_meta_members_are_always_present_error_as_null():
     assert meta == {"trace": {"instance_id": "i"}, "kv_ack": {"ok": True}, "kv_ready_kids": ["K1"],
                     "text_only_kids": ["k2"], "miss_kids": ["nope"], "error": "prepare_failed: x",
                     "resident_kids": []}
+
+
+def test_tenths_rounds_as_round_to_one_decimal_but_on_a_half():
+    for value in (3.27, 12.34, 0.04, 99.96, -1.26, 1e6 + 0.123, 0.0):
+        assert tenths(value) == round(value, 1)
+    # value * 10 on a half: the even tenth (0.35 is a hair below it, so round() gives 0.3)
+    assert (tenths(0.25), tenths(0.35)) == (0.2, 0.4)
 
 
 def test_stream_events_carry_the_same_bytes():

@@ -72,7 +72,14 @@ THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % 
 # every run of the series is pooled and judged.
 SERIES = {
     "affinity_vllm_lean_session.json": (f"{THREE_AT_TWO_LOADS}: this tree",
-                                        ("affinity_vllm_lean_session_repeat.json",)),
+                                        ("affinity_vllm_lean_session_repeat.json",
+                                         "affinity_vllm_lean_session_third.json",
+                                         "affinity_vllm_lean_session_fourth.json")),
+    "affinity_vllm_before_lean_session.json": (
+        f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING}), "
+        "run from an export of that commit in the hour of this tree's runs, after its second and "
+        "its fourth (no routing code differs between the two)",
+        ("affinity_vllm_before_lean_session_repeat.json",)),
     "affinity_vllm_fewer_frames.json": (
         f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING})",
         ("affinity_vllm_fewer_frames_repeat.json",)),
@@ -217,11 +224,6 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "affinity_guard16.json", "the balance guard at 16, kv_aware alone, at the saturation "
             "the guard-4 run measured (given): beside that run, the one that chose 16"),
         *_series(results_dir),
-        _real_engines(
-            "affinity_vllm_before_lean_session.json",
-            f"{THREE_AT_TWO_LOADS}: the tree before ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING}), "
-            "run from an export of that commit right after this tree's two runs, in the same hour "
-            "(no routing code differs between the two)"),
         _real_engines(
             "affinity_vllm_chunk_pass_ab.json",
             f"{THREE_AT_TWO_LOADS}, the tree before ({BEFORE_FEWER_FRAMES}), beside kv_aware nopass "
