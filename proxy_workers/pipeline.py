@@ -72,7 +72,7 @@ class Job(msgspec.Struct):
     kv_instance: tuple[int, int] | None = None
     predicted_first_token_ms: float | None = None  # wall ms, when a fresh snapshot allowed it
     # The lean path books the request with the sidecar once it has left for the instance
-    # (`Pipeline.book_sent`, which the exchange hands to Upstream.open): its predictions are
+    # (`Pipeline.book_sent`, which the exchange hands to Upstream.send): its predictions are
     # off the way to the instance. True until then: an attempt that never left has no booking.
     book_when_sent: bool = False
     stages: Any = None  # the InstanceStages of the current attempt's instance (Pipeline.forwarded)

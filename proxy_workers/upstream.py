@@ -101,14 +101,6 @@ class Upstream:
                                min(settings.upstream_connect_timeout_s,
                                    settings.upstream_first_byte_timeout_s), sent)
 
-    async def open(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
-                   sent: Callable[[], None] | None = None) -> UpstreamResponse:
-        """`send`, awaited; its failures raised as the client's HTTPError 502/504 (`refusal`)."""
-        try:
-            return await self.send(host, port, path, body, headers, sent)
-        except SEND_FAILURES as exc:
-            raise self.refusal(exc, host, port, path) from None
-
     def refusal(self, exc: BaseException, host: str, port: int, path: str) -> HTTPError:
         """What a failure of `send` tells the client: 502 when no connection was had or it was
         closed or reset before the head, 504 when the head did not come in time."""

@@ -113,7 +113,3 @@ class SnapshotReader:
             return self._records if span <= self._span else ()
         self._generation, self._records, self._span = generation, records, span
         return records
-
-    def pressure(self, slot: int, generation: int) -> Pressure | None:
-        """One slot's record if it describes `generation`."""
-        return record_at(self.records(slot + 1), slot, generation)

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 from shm_schema import CounterWord, Segment, WorkerRow, process_identity
 from shm_schema.repair import row_contributions
+from shm_schema.snapshot import SnapshotReader, record_at
 from tests.harness import private_segment_name
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -277,3 +278,9 @@ def _churn_with_stale(row: WorkerRow, slot_gens, seed: int, n_ops: int, stale, t
         stale_results.append(row.end(slot, gen))
     extra = _settle(row, slot_gens, held, targets)
     return {"held": held, "failures": failures + extra[1], "stale_results": stale_results}
+
+
+def published(reader: SnapshotReader, slot: int, generation: int) -> Any:
+    """The slot's published pressure record if it describes `generation` (else None), as a
+    worker's reads find it."""
+    return record_at(reader.records(slot + 1), slot, generation)

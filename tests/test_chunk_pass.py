@@ -17,7 +17,7 @@ from cacheroute_proxy.http1.chunk_pass import NATIVE_CHUNK_PASS, ChunkPass
 from cacheroute_proxy.http1.client import Http1Connection
 from proxy_workers.sse import DONE_EVENT, PASS_TAIL, StreamRelay
 from proxy_workers.upstream import Upstream
-from tests.test_http1_client import Server, run, settings as client_settings
+from tests.test_http1_client import Server, opened, run, settings as client_settings
 
 pytestmark = pytest.mark.skipif(not NATIVE_CHUNK_PASS, reason="the C pass-through was not built")
 
@@ -235,7 +235,7 @@ def test_through_a_socket_whole_reads_keep_the_instances_framing_and_the_connect
         async with Server(answer) as server:
             upstream = Upstream(client_settings())
             for _ in range(2):
-                response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
+                response = await opened(upstream, "127.0.0.1", server.port, "/v1/chat/completions", b"{}")
                 client = Recorder()
                 pieces: list[bytes] = []
                 relay = StreamRelay(lambda data: pieces.append(data) or False, lambda: None,
@@ -256,7 +256,7 @@ def _relayed(reads: list[bytes]) -> tuple[list[bytes], list[bytes], int]:
     async def main():
         async with Server(instance_writing(reads)) as server:
             upstream = Upstream(client_settings())
-            response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/v1/chat/completions", b"{}")
             pieces: list[bytes] = []
             client = Recorder()
             relay = StreamRelay(lambda data: pieces.append(data) or False, lambda: None,
@@ -288,7 +288,7 @@ def test_a_full_client_stops_the_reading_until_the_relay_is_called_again():
     async def main():
         async with Server(answer) as server:
             upstream = Upstream(client_settings())
-            response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/v1/chat/completions", b"{}")
             client = Recorder()  # the relay's sink frames what it writes, as a Cycle does
             relay = StreamRelay(lambda data: client.write(chunk(data)) or False, lambda: None,
                                 passer(client, ready=False))

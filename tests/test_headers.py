@@ -12,7 +12,7 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from proxy_workers.headers import forwarded_block, relayed, replaced, request_dropped, with_defaults
 from proxy_workers.upstream import Upstream
-from tests.test_http1_client import Server, run, settings
+from tests.test_http1_client import Server, opened, run, settings
 
 TRACEPARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 # What a client sends, as uvicorn hands it over (names lower-case, in order).
@@ -90,7 +90,7 @@ def _forward(upstream_settings: Settings, headers: bytes) -> tuple[bytes, list[t
     async def main():
         async with Server(answer) as server:
             upstream = Upstream(upstream_settings)
-            response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions",
+            response = await opened(upstream, "127.0.0.1", server.port, "/v1/chat/completions",
                                            b'{"a":1}', upstream.forwarded(CLIENT) + headers)
             await upstream.read_all(response)
             response.release()

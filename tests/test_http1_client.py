@@ -14,8 +14,8 @@ import uvloop
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.http1.client import (HIGH_WATER, ConnectionClosed, Http1Pool, header_lines,
-                                           request_line)
-from proxy_workers.upstream import Upstream, UpstreamFailure
+                                           UpstreamResponse, request_line)
+from proxy_workers.upstream import SEND_FAILURES, Upstream, UpstreamFailure
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n{"ok": true}'
@@ -77,8 +77,18 @@ def settings(**kw: Any) -> Settings:
                     upstream_idle_timeout_s=kw.pop("idle", 5.0), **kw)
 
 
+async def opened(upstream: Upstream, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
+                 sent: Callable[[], None] | None = None) -> UpstreamResponse:
+    """The exchange's forward: `Upstream.send` awaited, its failures raised as the client's
+    HTTPError 502/504 (`Upstream.refusal`)."""
+    try:
+        return await upstream.send(host, port, path, body, headers, sent)
+    except SEND_FAILURES as exc:
+        raise upstream.refusal(exc, host, port, path) from None
+
+
 async def post(upstream: Upstream, port: int, body: bytes = b"{}") -> tuple[int, str | None, bytes]:
-    response = await upstream.open("127.0.0.1", port, "/v1/chat/completions", body)
+    response = await opened(upstream, "127.0.0.1", port, "/v1/chat/completions", body)
     data = await upstream.read_all(response)
     response.release()
     return response.status, response.content_type, data
@@ -146,7 +156,7 @@ def test_chunked_body_arrives_in_pieces_and_the_connection_is_reused():
         async with Server(answer) as server:
             upstream = Upstream(settings())
             for _ in range(2):
-                response = await upstream.open("127.0.0.1", server.port, "/v1/chat/completions", b"{}")
+                response = await opened(upstream, "127.0.0.1", server.port, "/v1/chat/completions", b"{}")
                 pieces: list[bytes] = []
                 assert await upstream.relay(response, lambda data: pieces.append(data) or False)
                 assert b"".join(pieces) == b"data: 1\n\ndata: [DONE]\n\n" and len(pieces) == 2
@@ -164,7 +174,7 @@ def test_truncated_body_fails_and_is_never_pooled():
     async def main():
         async with Server(answer) as server:
             upstream = Upstream(settings())
-            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             with pytest.raises(UpstreamFailure, match="^upstream_failed: ConnectionClosed"):
                 await upstream.read_all(response)
             response.close()
@@ -251,7 +261,7 @@ def test_large_body_pauses_reading_and_arrives_whole():
     async def main():
         async with Server(large_answer(size)) as server:
             upstream = Upstream(settings())
-            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             await asyncio.sleep(0.3)  # the server writes everything it can meanwhile
             assert response._size <= HIGH_WATER + 256 * 1024  # reading paused near the mark
             total = len(await upstream.read_all(response))
@@ -272,11 +282,11 @@ def test_open_maps_refused_and_silent_instances():
         async with Server(silent) as server:
             free = server.port
         with pytest.raises(HTTPError) as refused:
-            await upstream.open("127.0.0.1", free, "/x", b"{}")
+            await opened(upstream, "127.0.0.1", free, "/x", b"{}")
         assert (refused.value.status, refused.value.code) == (502, "upstream_unavailable")
         async with Server(silent) as server:
             with pytest.raises(HTTPError) as hung:
-                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+                await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             assert (hung.value.status, hung.value.code) == (504, "upstream_timeout")
             await asyncio.sleep(0.2)
             assert server.disconnects == 1  # the proxy closed the connection: the instance can stop
@@ -313,7 +323,7 @@ def test_the_first_byte_bound_counts_from_each_request_on_one_lazy_timer():
             await asyncio.sleep(0.3)  # the first request's bound runs out ~0.1 s into the third
             sent = loop.time()
             with pytest.raises(HTTPError) as hung:
-                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+                await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             waited = loop.time() - sent
         assert (hung.value.status, hung.value.code) == (504, "upstream_timeout")
         assert 1.0 <= waited < 2.5, waited
@@ -330,7 +340,7 @@ def test_reset_before_the_head_is_upstream_unavailable():
         async with Server(reset) as server:
             upstream = Upstream(settings())
             with pytest.raises(HTTPError) as failed:
-                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+                await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             assert (failed.value.status, failed.value.code) == (502, "upstream_unavailable")
 
     run(main())
@@ -359,7 +369,7 @@ def test_idle_bound_counts_only_waits_for_data():
     async def main():
         async with Server(stall) as server:
             upstream = Upstream(settings(idle=0.3))
-            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             got: list[bytes] = []
             with pytest.raises(UpstreamFailure, match="^upstream_idle_timeout"):
                 # a slow client, full after every piece: the time it takes is not counted
@@ -383,7 +393,7 @@ def test_a_reused_connection_the_instance_closed_as_we_sent_is_retried_once_on_a
             connections = server.connections
         async with Server(lambda reader, writer: _close(writer)) as server:
             with pytest.raises(HTTPError) as failed:  # a new connection is not retried
-                await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+                await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             assert (failed.value.status, failed.value.code) == (502, "upstream_unavailable")
             return connections, server.connections
 
@@ -418,13 +428,13 @@ def test_sent_is_called_once_the_request_is_written_and_not_for_one_never_sent()
         upstream = Upstream(settings())
         async with Server(answering_once_per_connection()) as server:
             for request in range(2):  # the second on a kept-alive connection the instance closes
-                response = await upstream.open("127.0.0.1", server.port, "/x", b"{}",
+                response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}",
                                                sent=lambda: sent.append(request))
                 await upstream.read_all(response)
                 response.release()
             free, requests = server.port, len(server.requests)
         with pytest.raises(HTTPError):  # refused: nothing written
-            await Upstream(settings()).open("127.0.0.1", free, "/x", b"{}", sent=lambda: sent.append(-1))
+            await opened(Upstream(settings()), "127.0.0.1", free, "/x", b"{}", sent=lambda: sent.append(-1))
         return requests
 
     assert run(main()) == 3 and sent == [0, 1]  # 3 written: the second request twice
@@ -460,7 +470,7 @@ def test_relay_hands_on_what_each_read_brought_in_one_call_and_reuses_the_connec
         async with Server(answer) as server:
             upstream = Upstream(settings())
             for _ in range(2):
-                response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+                response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
                 calls: list[bytes] = []
                 assert await upstream.relay(response, lambda data: calls.append(data) or False)
                 assert calls == [b"data: 1\n\ndata: 2\n\n", b"data: 3\n\n"]
@@ -477,7 +487,7 @@ def test_a_full_sink_pauses_reading_until_relay_is_called_again():
     async def main():
         async with Server(large_answer(size)) as server:
             upstream = Upstream(settings())
-            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             got: list[int] = []
             returns = []
             while True:
@@ -508,7 +518,7 @@ def test_relay_ends_with_the_sinks_own_error():
     async def main():
         async with Server(one_piece_then_silence) as server:
             upstream = Upstream(settings())
-            response = await upstream.open("127.0.0.1", server.port, "/x", b"{}")
+            response = await opened(upstream, "127.0.0.1", server.port, "/x", b"{}")
             with pytest.raises(RuntimeError, match="consumer broke"):
                 await upstream.relay(response, broken)
             response.close()

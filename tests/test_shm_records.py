@@ -38,6 +38,7 @@ from shm_schema.segment import SegmentLayoutError
 from shm_schema.snapshot import SnapshotReader, SnapshotWriter
 from tests import golden_segment_v3, golden_segment_v4, golden_segment_v5, golden_segment_v6
 from tests.harness import private_segment_name
+from tests.shm_helpers import published
 
 # No example database, and hypothesis's cache out of the (shared) checkout, as in test_fuzz.py.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"cacheroute-hypothesis-{os.getuid()}")
@@ -503,8 +504,8 @@ def test_a_segment_of_the_old_code_reads_the_same(seg) -> None:
             Event(EventKind.RESYNC, 3, RequestKey.pack(1, 2), 1, 4, 1_100_000, service_us=50_000,
                   decode_us=70_000, decode_tokens=7, prompt_tokens=9)]
         snapshots = SnapshotReader(old)
-        assert snapshots.pressure(0, 2) == SnapshotRecord(2, 1, 2, 3_000_000, 4_000_000, 5_000_000, 600_000)
-        assert snapshots.pressure(1, 4) == SnapshotRecord(4, 0, 0, 6_000_000, 6_000_000, 6_000_000, 0)
+        assert published(snapshots, 0, 2) == SnapshotRecord(2, 1, 2, 3_000_000, 4_000_000, 5_000_000, 600_000)
+        assert published(snapshots, 1, 4) == SnapshotRecord(4, 0, 0, 6_000_000, 6_000_000, 6_000_000, 0)
         described = header.describe(old)
         assert (described["sidecar_epoch"], described["directory_seq"], described["sidecar_pid"]) == \
             (3, 10, None)

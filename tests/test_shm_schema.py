@@ -17,7 +17,7 @@ from shm_schema import (CounterWord, DirectoryFull, DirectoryReader, DirectoryWr
                         SegmentError, SegmentLayoutError, SegmentNotFound, WorkerRow,
                         WorkerTableFull, encode_identity, layout, read_all, read_rows)
 from shm_schema.bitfields import JournalWord
-from tests.shm_helpers import count_of, fresh_segment, share_of, unique_name, word_of
+from tests.shm_helpers import count_of, fresh_segment, published, share_of, unique_name, word_of
 
 
 @pytest.fixture
@@ -432,10 +432,10 @@ def test_a_snapshot_publish_writes_only_up_to_its_highest_slot_and_clears_what_i
     writer.publish(full)  # both buffers hold four slots
     for _ in range(3):  # then only slot 0, through both buffers and back
         writer.publish({0: full[0]})
-        assert [reader.pressure(slot, slot + 1) for slot in range(4)] == [full[0], None, None, None]
+        assert [published(reader, slot, slot + 1) for slot in range(4)] == [full[0], None, None, None]
     writer.publish(full)
     SnapshotWriter(seg).publish({1: full[1]})  # a new writer, over a buffer holding four slots
-    assert [reader.pressure(slot, slot + 1) for slot in range(4)] == [None, full[1], None, None]
+    assert [published(reader, slot, slot + 1) for slot in range(4)] == [None, full[1], None, None]
 
 
 def test_a_snapshot_read_that_overlaps_a_publish_never_returns_fewer_slots_than_asked(seg):

@@ -13,6 +13,7 @@ from shm_schema.snapshot import Pressure, SnapshotReader, SnapshotWriter
 from cacheroute_proxy.pace import Pace
 from sidecar.timelines import InstanceTimeline, Timelines
 from tests.harness import private_segment_name
+from tests.shm_helpers import published
 
 
 def test_reservations_chain_prefill_and_hold_slots_through_decode():
@@ -95,15 +96,15 @@ def seg():
 
 def test_snapshot_double_buffer_and_generation_cache(seg):
     writer, reader = SnapshotWriter(seg), SnapshotReader(seg)
-    assert reader.records(4) == () and reader.pressure(0, 1) is None
+    assert reader.records(4) == () and published(reader, 0, 1) is None
     slot = DirectoryWriter(seg).allocate("a", "127.0.0.1", 9001)
     writer.publish({slot.slot: Pressure(slot.generation, 2, 1, 10, 20, 30)})
-    assert reader.pressure(slot.slot, slot.generation) == Pressure(slot.generation, 2, 1, 10, 20, 30)
-    assert reader.pressure(slot.slot, slot.generation + 1) is None  # another generation: unknown
+    assert published(reader, slot.slot, slot.generation) == Pressure(slot.generation, 2, 1, 10, 20, 30)
+    assert published(reader, slot.slot, slot.generation + 1) is None  # another generation: unknown
     first = reader.records(4)
     assert reader.records(4) is first  # generation unchanged: no decode
     writer.publish({slot.slot: Pressure(slot.generation, 0, 0, 1, 1, 1)})
-    assert reader.pressure(slot.slot, slot.generation).pending_prefill_count == 0
+    assert published(reader, slot.slot, slot.generation).pending_prefill_count == 0
     assert reader.published_us() > 0
 
 
