@@ -8,8 +8,9 @@ A Lease is the only way inflight changes on the data plane: `Router.acquire` beg
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.routing.kv_aware import KvAwarePolicy
@@ -128,6 +129,10 @@ class Router:
         self.scorer = self.policy if isinstance(self.policy, LeastLoadPolicy) \
             else LeastLoadPolicy(settings.least_load_weights)
         self._policy_choose = self.policy.choose  # bound: once per selection
+        # What a request's booking predicts from (LoadView.booking), by least_load's selector
+        # where it serves.
+        self.booking: Callable[[InstanceSlot, int], tuple[float | None, int]] = \
+            functools.partial(self.policy.booking, self.view) if self._least_load else self.view.booking
         self._directory_snapshot = self.view.directory.snapshot
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 

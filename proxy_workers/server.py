@@ -177,7 +177,7 @@ def assemble(settings: Settings, seg: Segment, row: WorkerRow, index: int,
     router = Router(settings, seg, row, AffinityScorer(settings, affinity, predictors, preparer,
                                                        engine_prefix.from_settings(settings)))
     pipeline = Pipeline(settings, events, preparer, predictors, router.view.ready_wait_ms, router.affinity,
-                        open_bells(seg, row.row), router.view.booking)
+                        open_bells(seg, row.row), router.booking)
     ctx = WorkerContext(settings=settings, index=index, router=router, upstream=upstream,
                         pipeline=pipeline, tracing=tracing)
     return WorkerParts(ctx, events, links)

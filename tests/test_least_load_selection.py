@@ -61,9 +61,10 @@ def _weights(rng: random.Random) -> dict[str, float]:
     return {n: rng.uniform(0, 0.01) if n == BACKLOG else rng.uniform(0, 2) for n in names}
 
 
-def _instances(seg, rng: random.Random, most: int = 24) -> list:
+def _instances(seg, rng: random.Random, most: int = 24, batch_limits: tuple[int, ...] = (0,)) -> list:
     writer = DirectoryWriter(seg)
-    instances = [writer.allocate(f"i{n}", "127.0.0.1", 9000 + n) for n in range(rng.randint(1, most))]
+    instances = [writer.allocate(f"i{n}", "127.0.0.1", 9000 + n, max_num_seqs=rng.choice(batch_limits))
+                 for n in range(rng.randint(1, most))]
     for inst in rng.sample(instances, rng.randrange(len(instances))):  # holes in the slots
         if len(instances) > 1 and rng.random() < 0.3:
             writer.free(inst.slot)
@@ -184,6 +185,63 @@ def test_the_selector_follows_the_component_path_through_changing_load_and_snaps
         for _ in range(2):
             assert selector.pick(at) is python.select_by_totals(snapshot.alive, expected), step
     assert served
+
+
+# --- the booking's read ----------------------------------------------------------------------------
+@pytest.mark.parametrize("native", SELECTORS)
+@pytest.mark.parametrize("seed", range(40))
+def test_the_selector_books_as_the_view(table, seed, native):
+    """A request's booking (its ready wait and decode batch) from the selector is the view's,
+    bit for bit, for every candidate, fresh, stale or never published, in any batch; it steps
+    aside (None) only where a fresh record describes another generation."""
+    name, seg, row = table
+    rng = random.Random(2000 + seed)
+    instances = _instances(seg, rng, most=12, batch_limits=(0, 0, 1, 2, 3))
+    now = int(time.time() * 1e6)
+    wrong_generation = rng.random() < 0.2
+    published = _load(seg, row, instances, rng, now, wrong_generation)
+    view, snapshot, selector = _selector(LeastLoadPolicy({}, native=native), seg, row)
+    for offset_us in (0, 1_500_000, 2_500_000):  # fresh, still fresh, stale
+        at = now + offset_us
+        fresh = published and offset_us <= STALE_US
+        for inst in snapshot.alive:
+            booked, expected = selector.booking(inst, at), view.booking(inst, at)
+            if wrong_generation and fresh:
+                assert booked is None
+                continue
+            assert booked == expected and type(booked[0]) is type(expected[0])
+            assert booked[0] is None or booked[0].hex() == expected[0].hex()
+            assert (booked[0] is None) is not fresh
+
+
+@pytest.mark.parametrize("native", SELECTORS)
+def test_the_booking_steps_aside_where_its_snapshot_is_history_and_the_router_books_from_the_view(table, native):
+    writer, a, router = _busy_a_idle_b(table, native)
+    view = router.view
+    snapshot = view.directory.snapshot()
+    assert router.choose().instance_id == "b"  # the policy builds its selector
+    selector = router.policy.selector(view, snapshot)
+    inst_a = snapshot.alive[0]
+    assert selector.booking(inst_a, 0) == view.booking(inst_a, 0) == (None, 1)
+    writer.allocate("c", "127.0.0.1", 9003, max_num_seqs=1)  # not one of the selector's candidates
+    c = view.directory.snapshot().alive[2]
+    assert selector.booking(c, 0) is None
+    assert router.booking(c, 0) == view.booking(c, 0) == (None, 1)
+    writer.free(a.slot)  # a's slot changes generation under the old snapshot
+    assert selector.booking(inst_a, 0) is None
+    assert router.booking(inst_a, 0) == view.booking(inst_a, 0) == (None, 1)
+
+
+def test_the_router_books_with_its_policys_selector_where_least_load_chooses(table, monkeypatch):
+    writer, a, router = _busy_a_idle_b(table)
+    b = router.choose()
+    seen: list[Any] = []
+    selector = router.policy.selector(router.view, router.view.directory.snapshot())
+    monkeypatch.setattr(router.view, "booking", lambda instance, now: seen.append(instance))
+    assert router.booking(b, 0) == selector.booking(b, 0) == (None, 1) and not seen
+    name, seg, row = table
+    other = Router(Settings(shm_name=name, instance_strategy="round_robin"), seg, row)
+    assert other.booking == other.view.booking
 
 
 # --- what the selector reads is what shm_schema declares -------------------------------------------

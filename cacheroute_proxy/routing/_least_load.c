@@ -1,4 +1,5 @@
-/* cacheroute_proxy.routing._least_load: least_load's score and choice (least_load.py) in C.
+/* cacheroute_proxy.routing._least_load: least_load's score and choice (least_load.py) in C,
+ * and the booking of the request it chose (LoadView.booking's answer, from the same reads).
  *
  * One Selector per directory snapshot: it reads its candidates' counter halves straight from
  * the shared segment and computes, per candidate, what least_load.least_load_totals computes
@@ -41,6 +42,7 @@ typedef struct {
     Py_ssize_t *generation_offsets;  /* n: each candidate's generation half */
     uint32_t *generations;           /* n: the generation the directory snapshot names */
     Py_ssize_t *inflight_offsets;    /* n: each candidate's inflight count half */
+    uint32_t *batch_limits;          /* n: each candidate's max_num_seqs, 0 for none */
     Py_ssize_t *lane_offsets;        /* n * width: the weighted lanes' count halves */
     double *lane_weights;            /* width: their weights, in the order of the weights */
     double pending_weight, decoding_weight, backlog_weight;
@@ -104,22 +106,40 @@ static int read_doubles(PyObject *seq, Py_ssize_t n, double *into) {
     return ok ? 0 : -1;
 }
 
+/* seq: n ints, each 0 .. 2**32 - 1; `what` says what they are when one is not. */
+static int read_halves(PyObject *seq, Py_ssize_t n, const char *what, uint32_t *into) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return -1;
+    int ok = PySequence_Fast_GET_SIZE(fast) == n;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        unsigned long value = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
+        ok = !(value == (unsigned long)-1 && PyErr_Occurred()) && value <= UINT32_MAX;
+        into[i] = (uint32_t)value;
+    }
+    Py_DECREF(fast);
+    if (!ok && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, what);
+    return ok ? 0 : -1;
+}
+
 static int Selector_init(Selector *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"buffer", "candidates", "ties", "derive", "seq_offset", "seq",
                             "pressure_generation_offset", "generation_offsets", "generations",
                             "inflight_offsets", "lane_offsets", "lane_weights", "pending_weight",
-                            "decoding_weight", "backlog_weight", "stale_us", NULL};
+                            "decoding_weight", "backlog_weight", "stale_us", "batch_limits", NULL};
     PyObject *buffer, *candidates, *ties, *derive, *generation_offsets, *generations;
+    PyObject *batch_limits;
     PyObject *inflight_offsets, *lane_offsets, *lane_weights;
     Py_ssize_t seq_offset, pressure_generation_offset;
     unsigned long long seq;
     long long stale_us;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOnKnOOOOOdddL", names, &buffer,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOnKnOOOOOdddLO", names, &buffer,
                                      &PyTuple_Type, &candidates, &ties, &derive, &seq_offset,
                                      &seq, &pressure_generation_offset, &generation_offsets,
                                      &generations, &inflight_offsets, &lane_offsets,
                                      &lane_weights, &self->pending_weight, &self->decoding_weight,
-                                     &self->backlog_weight, &stale_us))
+                                     &self->backlog_weight, &stale_us, &batch_limits))
         return -1;
     if (self->buffer != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Selector is initialised once");
@@ -159,6 +179,7 @@ static int Selector_init(Selector *self, PyObject *args, PyObject *kwargs) {
     if ((self->generation_offsets = new_array(n, sizeof(Py_ssize_t))) == NULL
         || (self->generations = new_array(n, sizeof(uint32_t))) == NULL
         || (self->inflight_offsets = new_array(n, sizeof(Py_ssize_t))) == NULL
+        || (self->batch_limits = new_array(n, sizeof(uint32_t))) == NULL
         || (self->lane_offsets = new_array(n * width, sizeof(Py_ssize_t))) == NULL
         || (self->lane_weights = new_array(width, sizeof(double))) == NULL
         || (self->pending = new_array(n, sizeof(int64_t))) == NULL
@@ -172,27 +193,15 @@ static int Selector_init(Selector *self, PyObject *args, PyObject *kwargs) {
         || read_doubles(lane_weights, width, self->lane_weights) < 0)
         return -1;
 
-    PyObject *fast = PySequence_Fast(generations, "generations must be a sequence");
+    if (read_halves(generations, n, "one 32-bit generation per candidate", self->generations) < 0
+        || read_halves(batch_limits, n, "one 32-bit batch limit per candidate", self->batch_limits) < 0)
+        return -1;
+
+    /* lane_offsets: n sequences of `width` offsets each, in the order of lane_weights. */
+    PyObject *fast = PySequence_Fast(lane_offsets, "lane offsets must be a sequence");
     if (fast == NULL)
         return -1;
     int ok = PySequence_Fast_GET_SIZE(fast) == n;
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        unsigned long value = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, i));
-        ok = !(value == (unsigned long)-1 && PyErr_Occurred()) && value <= UINT32_MAX;
-        self->generations[i] = (uint32_t)value;
-    }
-    Py_DECREF(fast);
-    if (!ok) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "one 32-bit generation per candidate");
-        return -1;
-    }
-
-    /* lane_offsets: n sequences of `width` offsets each, in the order of lane_weights. */
-    fast = PySequence_Fast(lane_offsets, "lane offsets must be a sequence");
-    if (fast == NULL)
-        return -1;
-    ok = PySequence_Fast_GET_SIZE(fast) == n;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "one lane offset list per candidate");
     for (Py_ssize_t i = 0; ok && i < n; i++)
@@ -229,6 +238,7 @@ static void Selector_dealloc(Selector *self) {
     PyMem_Free(self->generation_offsets);
     PyMem_Free(self->generations);
     PyMem_Free(self->inflight_offsets);
+    PyMem_Free(self->batch_limits);
     PyMem_Free(self->lane_offsets);
     PyMem_Free(self->lane_weights);
     PyMem_Free(self->pending);
@@ -302,14 +312,30 @@ static inline uint64_t word_at(const char *base, Py_ssize_t offset) {
     return __atomic_load_n((const uint64_t *)(base + offset), __ATOMIC_SEQ_CST);
 }
 
-/* The totals into `totals` (n doubles): 0, or 1 when the selector steps aside, -1 on an error. */
-static int compute(Selector *self, int64_t now, double *totals) {
+/* The segment's bytes for the length of one call (a closed segment: ValueError). */
+static int open_buffer(Selector *self, Py_buffer *view) {
     if (self->buffer == NULL) {
         PyErr_SetString(PyExc_ValueError, "a selector without a buffer (never initialised, or cleared)");
         return -1;
     }
+    return PyObject_GetBuffer(self->buffer, view, PyBUF_SIMPLE);
+}
+
+/* What the snapshot offers at `now`, given the pressure generation just read (derived again
+ * where it moved): PRESSURE_NONE when never published or stale, -1 on an error. */
+static int pressure_at(Selector *self, uint64_t pressure_generation, int64_t now) {
+    if ((!self->pressure_known || pressure_generation != self->pressure_generation)
+        && derive(self) < 0)
+        return -1;
+    if (!self->published || now - self->published > self->stale_us)
+        return PRESSURE_NONE;
+    return self->pressure_state;
+}
+
+/* The totals into `totals` (n doubles): 0, or 1 when the selector steps aside, -1 on an error. */
+static int compute(Selector *self, int64_t now, double *totals) {
     Py_buffer view;
-    if (PyObject_GetBuffer(self->buffer, &view, PyBUF_SIMPLE) < 0)
+    if (open_buffer(self, &view) < 0)
         return -1;
     const char *base = view.buf;
     Py_ssize_t n = self->n, width = self->width;
@@ -328,12 +354,9 @@ static int compute(Selector *self, int64_t now, double *totals) {
     PyBuffer_Release(&view);
     if (directory_moved)
         return 1;
-    if ((!self->pressure_known || pressure_generation != self->pressure_generation)
-        && derive(self) < 0)
+    int state = pressure_at(self, pressure_generation, now);  /* NONE: the lanes alone */
+    if (state < 0)
         return -1;
-    int state = self->pressure_state;
-    if (!self->published || now - self->published > self->stale_us)
-        state = PRESSURE_NONE;  /* never published, or stale: the lanes alone */
     if (moved || state == PRESSURE_UNUSABLE)
         return 1;
     int predicted = state == PRESSURE_USABLE && self->has_predicted;
@@ -444,7 +467,72 @@ static PyObject *Selector_totals(Selector *self, PyObject *const *args, Py_ssize
     return totals_list(totals, self->n);
 }
 
+/* booking(instance, now): what a request booked on `instance` at `now` is predicted from, as
+ * LoadView.booking gives it -- (its ready wait in ms, None where the snapshot is stale or was
+ * never published; the batch it decodes in: the instance's live inflight count, at least 1, at
+ * most its batch limit) -- from one read of its halves. None where the selector steps aside:
+ * `instance` is not one of its candidates (another directory snapshot's), the directory moved,
+ * the slot changed generation, or a record describes another generation. */
+static PyObject *Selector_booking(Selector *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "booking(instance, now)");
+        return NULL;
+    }
+    int64_t now = PyLong_AsLongLong(args[1]);
+    if (now == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (open_buffer(self, &view) < 0)
+        return NULL;
+    Py_ssize_t i = 0;
+    while (i < self->n && PyTuple_GET_ITEM(self->candidates, i) != args[0])
+        i++;
+    if (i == self->n) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    const char *base = view.buf;
+    int64_t inflight = half_at(base, self->inflight_offsets[i]);
+    int moved = half_at(base, self->generation_offsets[i]) != self->generations[i];
+    moved |= word_at(base, self->seq_offset) != self->seq;  /* the halves first, as compute */
+    uint64_t pressure_generation = word_at(base, self->pressure_generation_offset);
+    PyBuffer_Release(&view);
+    if (moved)
+        Py_RETURN_NONE;
+    int state = pressure_at(self, pressure_generation, now);
+    if (state < 0)
+        return NULL;
+    if (state == PRESSURE_UNUSABLE)
+        Py_RETURN_NONE;
+    int64_t limit = self->batch_limits[i], batch = inflight ? inflight : 1;
+    if (limit && batch >= limit)
+        batch = limit;
+    PyObject *wait;
+    if (state == PRESSURE_NONE) {
+        wait = Py_NewRef(Py_None);
+    } else {
+        /* load_view._ready_wait: until the later free time, in ms, never negative; times the
+         * share of the requests the snapshot announced that are still in flight. */
+        int64_t free_at = self->free_at[i], announced = self->announced[i];
+        double free_in = free_at > now ? (double)(free_at - now) / 1000.0 : 0.0;
+        double share = inflight < announced ? (double)inflight / (double)announced : 1.0;
+        if ((wait = PyFloat_FromDouble(free_in * share)) == NULL)
+            return NULL;
+    }
+    PyObject *count = PyLong_FromLongLong(batch);
+    if (count == NULL) {
+        Py_DECREF(wait);
+        return NULL;
+    }
+    PyObject *booking = PyTuple_Pack(2, wait, count);
+    Py_DECREF(wait);
+    Py_DECREF(count);
+    return booking;
+}
+
 static PyMethodDef Selector_methods[] = {
+    {"booking", (PyCFunction)(void (*)(void))Selector_booking, METH_FASTCALL,
+     "booking(instance, now) -> (ready wait ms or None, decode batch), or None when the selector steps aside."},
     {"pick", (PyCFunction)(void (*)(void))Selector_pick, METH_FASTCALL,
      "pick(now) -> the candidate with the lowest total, or None when the selector steps aside."},
     {"totals", (PyCFunction)(void (*)(void))Selector_totals, METH_FASTCALL,

@@ -114,7 +114,7 @@ class LoadView:
         if self.mode != "shared":
             return None, 1
         inflight = inflight_count(self._seg, instance.slot, instance.generation)
-        return self._ready_wait(instance, inflight, now_us), _decode_batch(instance, inflight)
+        return self._ready_wait(instance, inflight, now_us), decode_batch(instance.max_num_seqs, inflight)
 
     def _ready_wait(self, instance: SlotRef, inflight: int | None, now_us: int) -> float | None:
         """`ready_wait_ms` with the instance's live inflight count read, at `now_us`: the four
@@ -223,10 +223,10 @@ class LoadView:
         return result
 
 
-def _decode_batch(instance: InstanceSlot, inflight: int | None) -> int:
-    """`LoadView.booking`'s decode batch, from the instance's host-wide inflight count."""
+def decode_batch(limit: int, inflight: int | None) -> int:
+    """`LoadView.booking`'s decode batch, from the instance's host-wide inflight count and its
+    max_num_seqs (`limit`, 0 for none known)."""
     count = inflight or 1
-    limit = instance.max_num_seqs
     return count if not limit or count < limit else limit
 
 
