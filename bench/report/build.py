@@ -64,6 +64,8 @@ BEFORE_LEANER_BOOKING = ("each event's sidecar epoch read through two Python cal
                          "reading its instance's inflight count twice and rounding at full cost")
 BEFORE_WHOLE_BODY = ("a request's body read and its send to the instance each through a coroutine "
                      "of the product's own")
+BEFORE_SELECTOR_BOOKING = ("each request's booking read from the load view through a dozen Python "
+                           "calls, not from least_load's selector")
 # The judged real-engine scenario's contenders and loads since the ABC…CBA order was rotated.
 THREE_AT_TWO_LOADS = "kv_aware against least_load and the SGLang router at 40 % and 60 %"
 
@@ -176,10 +178,12 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("routing.json", lambda d: routing.section(d, charts_dir, link_base)),
         ("peers.json", lambda d: peers.section(d, charts_dir, link_base)),
+        earlier_peers("peers_before_selector_booking.json", f"the tree before ({BEFORE_SELECTOR_BOOKING})"),
         earlier_peers("peers_leaner_booking.json",
-                      f"the tree before ({BEFORE_WHOLE_BODY}), in a busy hour"),
+                      f"an earlier tree ({BEFORE_SELECTOR_BOOKING}; {BEFORE_WHOLE_BODY}), in a busy hour"),
         earlier_peers("peers_before_leaner_booking.json",
-                      f"an earlier tree ({BEFORE_WHOLE_BODY}; {BEFORE_LEANER_BOOKING}), on a loaded host"),
+                      f"an earlier tree ({BEFORE_SELECTOR_BOOKING}; {BEFORE_WHOLE_BODY}; "
+                      f"{BEFORE_LEANER_BOOKING}), on a loaded host"),
         earlier_peers("peers_loaded_host_fewer_frames.json",
                       "that earlier tree, the run before in the same hour (nginx, the floor and this proxy "
                       "slower than in the run below)"),
