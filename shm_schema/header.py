@@ -24,13 +24,9 @@ def next_tie_break(seg: Segment) -> int:
     return seg.atomic.fetch_add_u64(layout.H_TIE_COUNTER, 1)
 
 
-def sidecar_epoch(seg: Segment) -> int:
-    """+1 at every sidecar start: events written under an older epoch are discarded."""
-    return seg.atomic.load_u64(layout.H_SIDECAR_EPOCH)
-
-
 def sidecar_epoch_reader(seg: Segment) -> Callable[[], int]:
-    """`sidecar_epoch` of `seg` as one C call (a worker reads it before every event)."""
+    """The sidecar epoch of `seg` (+1 at every sidecar start: events written under an older
+    epoch are discarded), read by one C call: a worker reads it before every event."""
     return functools.partial(seg.atomic.load_u64, layout.H_SIDECAR_EPOCH)
 
 

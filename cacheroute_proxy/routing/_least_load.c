@@ -511,7 +511,7 @@ static PyObject *Selector_booking(Selector *self, PyObject *const *args, Py_ssiz
     if (state == PRESSURE_NONE) {
         wait = Py_NewRef(Py_None);
     } else {
-        /* load_view._ready_wait: until the later free time, in ms, never negative; times the
+        /* load_view.ready_wait: until the later free time, in ms, never negative; times the
          * share of the requests the snapshot announced that are still in flight. */
         int64_t free_at = self->free_at[i], announced = self->announced[i];
         double free_in = free_at > now ? (double)(free_at - now) / 1000.0 : 0.0;

@@ -30,7 +30,7 @@ from shm_schema import CountersReader, DirectorySnapshot, InstanceSlot, layout
 from shm_schema.records import SNAPSHOT
 from shm_schema.snapshot import SnapshotReader, flat_index
 
-from .load_view import LoadView, backlog_ms, decode_batch, seen_share
+from .load_view import LoadView, backlog_ms, decode_batch, ready_wait
 from .policy import Choice, Components, Cursor
 from .round_robin import RoundRobinPolicy
 
@@ -350,7 +350,7 @@ class PythonSelector:
         if self._records is None:
             return None  # a record of another generation: the view's
         _, _, free_at, announced, _ = self._records
-        return backlog_ms(free_at[index], now, 0, 0, 0) * seen_share(announced[index], inflight), batch
+        return ready_wait(free_at[index], now, announced[index], inflight), batch
 
     def _predicted(self, now: int, inflight: Sequence[int]) -> list[tuple[float, Sequence[Any]]]:
         """The weighted predicted columns: pending, decoding, backlog."""

@@ -127,8 +127,7 @@ class LoadView:
         if at is None:
             return None
         free_at = max(records[at + _NEXT_SLOT_FREE], records[at + _PREFILL_FREE])
-        announced = records[at + _PENDING] + records[at + _DECODING]
-        return backlog_ms(free_at, now_us, 0, 0, 0) * seen_share(announced, inflight)
+        return ready_wait(free_at, now_us, records[at + _PENDING] + records[at + _DECODING], inflight)
 
     def queue_waits(self, instances: Sequence[SlotRef], span: int,
                     inflight: Sequence[int | None]) -> list[tuple[float | None, float]]:
@@ -251,6 +250,14 @@ def _backlog_ms(record: SnapshotRecord, now_us: int, inflight: int | None) -> fl
     return backlog_ms(max(record.next_slot_free_at_us, record.prefill_free_at_us), now_us,
                       0 if inflight is None else inflight, _announced(record),
                       record.marginal_backlog_us)
+
+
+def ready_wait(free_at_us: int, now_us: int, announced: int, inflight: int | None) -> float:
+    """A request's predicted wait on an instance before its prefill could start: until
+    `free_at_us` (the backlog without the unseen requests' charge), times the share of the
+    `announced` requests still in flight. The one spelling of the booking's wait (the C
+    selector's `booking` computes the same)."""
+    return backlog_ms(free_at_us, now_us, 0, 0, 0) * seen_share(announced, inflight)
 
 
 def backlog_ms(free_at_us: int, now_us: int, inflight: int, announced: int, marginal_us: int) -> float:
