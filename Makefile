@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # sits in the environment (make imports the environment) is not a command-line choice: ignored.
 from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
-.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity bench-idle bench-gate soak clean-shm clean
+.PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity bench-idle bench-gate bench-flow-profile soak clean-shm clean
 
 # setup.py builds the C parts (shm_schema/_lanes.c, cacheroute_proxy/routing/_least_load.c) into
 # the checkout: an edit rebuilds them.
@@ -150,6 +150,14 @@ bench-peers: $(STAMP)
 	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk)
 	$(PY) -m pip install --quiet -e '.[bench]' || echo 'bench-peers: the bench extra did not install; what needs it is skipped (see notes)'
 	$(PY) -m bench.peers --out bench/results/peers.json $(call from_command_line,BACKEND,--backend) $(if $(QUICK),--quick,) $(if $(ISOLATE),--isolate,)
+
+# Where a plain request's CPU goes in the running proxy: bench-peers' plain point (proxy-w2-ll and
+# the relay floor, wrk c32), CPU per request by role, then py-spy over every process: user time
+# by layer and by function (~1 min; BACKEND=sim|starlette, default sim; needs ptrace: root).
+bench-flow-profile: $(STAMP)
+	command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk)
+	$(PY) -c 'import importlib.metadata as m; m.version("py-spy")' 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.flow_profile --out bench/results/flow_profile.json $(call from_command_line,BACKEND,--backend)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
 # three simulated instances that keep KV (one at half speed) and a simulated KDN, at 60 % of the

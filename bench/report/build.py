@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.report import affinity, affinity_vllm, blocks, hotpath, others, peers, routing, settled
+from bench.report import affinity, affinity_vllm, blocks, flow_profile, hotpath, others, peers, routing, settled
 
 HEADER = """# Benchmarks
 
@@ -485,6 +485,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
             "instance's share and the guard at 4 (as kv_aware)"),
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
+        (flow_profile.FILE, flow_profile.section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
         ("prefix_keys.json", others.prefix_keys_section),
         ("events.json", others.events_section),

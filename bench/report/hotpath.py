@@ -1,9 +1,11 @@
 """The hot path's A/B probes (bench/results/hotpath*.json, bench/hotpath.py): one section a file,
-a row a contender (medians over the repeats), the settings each side ran with, and the ratios to
-nginx where it ran."""
+a row a contender (medians over the repeats) with the strategy it ran, the settings each side ran
+with, the change's paired ratio where a baseline ran beside it, and the ratios to nginx where it
+ran."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.report import blocks
@@ -27,12 +29,14 @@ def section(data: dict[str, Any], file_name: str) -> str:
                                  ("the baseline (`base-*`) over that", method.get("base_env") or {})) if env]
     if settings:
         parts.append("Settings: " + "; ".join(settings) + ".")
-    rows = [[f"`{c['name']}`", num(c.get("kind")), num(c.get("workers")),
+    rows = [[f"`{c['name']}`", num(c.get("kind")), num(c.get("workers")), num(c.get("strategy")),
              *[num((c.get("median") or {}).get(key)) for key, _ in columns],
              num(sum(r.get("errors", 0) for r in c.get("runs") or []))] for c in contenders]
     parts.append(f"Medians over {num(method.get('repeats'))} repeats of "
                  f"{num(method.get('seconds_per_point'))} s points (`base-*`: the proxy as it was at the `--baseline` commit, in the same run):\n\n"
-                 + table(["contender", "kind", "workers", *[head for _, head in columns], "errors"], rows))
+                 + table(["contender", "kind", "workers", "strategy", *[head for _, head in columns], "errors"], rows))
+    parts += [paired for c in contenders if c.get("kind") == "proxy" and not c["name"].startswith("base-")
+              if (paired := _paired_cpu(c, contenders))]
     to_nginx = data.get("ratios_to_nginx") or {}
     if to_nginx:
         keys = list(dict.fromkeys(k for values in to_nginx.values() for k in values))
@@ -40,3 +44,23 @@ def section(data: dict[str, Any], file_name: str) -> str:
         parts.append("Ratios to nginx in the same run:\n\n" + table(["contender", *keys], rows_to_nginx))
     parts += [blocks.method(data), blocks.notes(data)]
     return "\n\n".join(p for p in parts if p)
+
+
+def _paired_cpu(proxy: dict[str, Any], contenders: list[dict[str, Any]]) -> str:
+    """The proxy's CPU per request at c32 over its baseline's (`base-<n>w` beside `proxy-<n>w`),
+    repeat by repeat: a change smaller than the host's drift between repeats shows here first."""
+    base = next((c for c in contenders if c["name"] == "base-" + proxy["name"].removeprefix("proxy-")), None)
+    if base is None:
+        return ""
+
+    def by_repeat(contender: dict[str, Any]) -> dict[int, float]:
+        return {r["repeat"]: r["cpu_s_per_1k"] for r in contender.get("runs") or []
+                if r.get("scenario") == "json_c32" and r.get("cpu_s_per_1k")}
+
+    ours, theirs = by_repeat(proxy), by_repeat(base)
+    ratios = [ours[k] / theirs[k] for k in sorted(ours.keys() & theirs.keys())]
+    if not ratios:
+        return ""
+    return (f"`{proxy['name']}` over `{base['name']}`, CPU per request at c32 repeat by repeat: "
+            f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f}; "
+            f"lower in {sum(r < 1 for r in ratios)} of {len(ratios)}).")
