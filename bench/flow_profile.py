@@ -5,10 +5,11 @@ bench.pipeline_cost profiles a worker in one process with no client socket, unde
 whose fixed cost per call makes often-called functions weigh more than they do. This asks the
 running proxy, on bench-peers' plain-request point: its instances (sim or starlette), this
 proxy as it runs there (`proxy-w2-ll`: 2 workers, least_load) and the relay floor
-(`relay-floor-w2`), wrk at c32 with keep-alive and its chat body. For each contender two points
-of the same length: one unprofiled, for its CPU per request by role, user and system time apart
-(/proc); then one with py-spy sampling every process of its tree, Python and native frames
-(`--native`).
+(`relay-floor-w2`), wrk at c32 with keep-alive and its chat body; or, with `--load stream`, its
+long-stream point (16 clients streaming 256 tokens each, bench.peers.stream_load), where a
+"request" is one whole stream. For each contender two points of the same length: one
+unprofiled, for its CPU per request by role, user and system time apart (/proc); then one with
+py-spy sampling every process of its tree, Python and native frames (`--native`).
 
 System time is the kernel's (socket reads and writes, epoll, wake-ups): one row. User time is
 split by py-spy's samples. py-spy counts a thread blocked in epoll (or in waitpid, as the floor's parent) as running, and
@@ -50,6 +51,7 @@ from bench.harness.cpu import tree_by_role
 from bench.harness.processes import StartError
 from bench.harness.results import Run, tool_versions, write_report
 from bench.harness.wrk import run_wrk
+from bench.peers import stream_load
 from bench.peers.measure import write_script
 from bench.peers.plan import BACKENDS, KNOWN, RunConfig
 from bench.peers.runner import instances_for
@@ -185,6 +187,39 @@ def own_time(stacks: Iterable[tuple[list[Frame], int]], cpu: RequestCpu | None,
 
 
 # --- the run -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Load:
+    """What drives a point: bench-peers' plain requests (wrk) or its long streams."""
+
+    name: str
+    cfg: RunConfig
+    script: Path
+
+    def run(self, url: str) -> tuple[dict[str, Any], int]:
+        """One point against `url`: the load's summary and the requests (whole streams) served."""
+        cfg = self.cfg
+        if self.name == "plain":
+            result = run_wrk(url, self.script, cfg.high_concurrency, cfg.duration_s)
+            return result, result.get("requests") or 0
+        result = stream_load.run_process(url, cfg.long_stream_concurrency, cfg.duration_s, cfg.long_stream_tokens)
+        return result, result.get("streams_ok") or 0
+
+    def warm_up(self, url: str) -> None:
+        if self.name == "plain":
+            run_wrk(url, self.script, self.cfg.high_concurrency, self.cfg.warmup_s)
+        else:
+            stream_load.run_process(url, self.cfg.long_stream_concurrency, self.cfg.warmup_s,
+                                    self.cfg.long_stream_tokens)
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        if self.name == "plain":
+            return (f"wrk -t1 -c{cfg.high_concurrency}, keep-alive, bench-peers' chat body "
+                    f"(max_tokens {cfg.max_tokens}); a request is one answer")
+        return (f"bench.peers.stream_load, {cfg.long_stream_concurrency} clients, streams of "
+                f"{cfg.long_stream_tokens} tokens; a request is one whole stream")
+
+
 def py_spy() -> str:
     found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(found).exists():
@@ -209,25 +244,24 @@ def cpu_times(processes: dict[str, list[psutil.Process]]) -> dict[str, tuple[flo
     return found
 
 
-def unprofiled_point(contender: Contender, script: Path, cfg: RunConfig) -> tuple[dict[str, Any], dict[str, RequestCpu]]:
-    """wrk against the contender; the result and each role's CPU per request."""
+def unprofiled_point(contender: Contender, load: Load) -> tuple[dict[str, Any], dict[str, RequestCpu]]:
+    """The load against the contender; its summary and each role's CPU per request."""
     processes = processes_by_role(contender)
     before = cpu_times(processes)
-    result = run_wrk(contender.url, script, cfg.high_concurrency, cfg.duration_s)
+    result, requests = load.run(contender.url)
     after = cpu_times(processes)
-    requests = result.get("requests") or 0
     cpu = {role: RequestCpu((after[role][0] - before[role][0]) / requests * 1e6,
                             (after[role][1] - before[role][1]) / requests * 1e6)
            for role in processes if requests}
     return result, cpu
 
 
-def profiled_point(contender: Contender, script: Path, cfg: RunConfig, rate: int,
+def profiled_point(contender: Contender, load: Load, rate: int,
                    scratch: Path) -> tuple[dict[str, Any], dict[str, list[tuple[list[Frame], int]]]]:
-    """wrk against the contender with py-spy sampling each of its processes (but the
-    launcher) inside the run; the wrk result and the stacks by role."""
+    """The load against the contender with py-spy sampling each of its processes (but the
+    launcher) inside the run; the load's summary and the stacks by role."""
     spy, spies = py_spy(), []
-    sampled = max(1, round(cfg.duration_s) - 2)  # inside the wrk run: no idle head or tail sampled
+    sampled = max(1, round(load.cfg.duration_s) - 2)  # inside the run: no idle head or tail sampled
     for role, procs in processes_by_role(contender).items():
         for proc in procs if role != "launcher" else ():
             out = scratch / f"{contender.name}-{role}-{proc.pid}.txt"
@@ -235,7 +269,7 @@ def profiled_point(contender: Contender, script: Path, cfg: RunConfig, rate: int
                 [spy, "record", "--pid", str(proc.pid), "--rate", str(rate), "--duration", str(sampled),
                  "--native", "--format", "raw", "--output", str(out)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
-    result = run_wrk(contender.url, script, cfg.high_concurrency, cfg.duration_s)
+    result, _ = load.run(contender.url)
     stacks: dict[str, list[tuple[list[Frame], int]]] = {}
     for role, out, proc in spies:
         _, err = proc.communicate(timeout=sampled + 60)
@@ -250,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench/results/flow_profile.json"))
     p.add_argument("--backend", choices=BACKENDS, default="sim")
+    p.add_argument("--load", choices=("plain", "stream"), default="plain",
+                   help="bench-peers' plain requests (wrk c32) or its long streams")
     p.add_argument("--seconds", type=float, default=12.0, help="per point")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples a second")
     p.add_argument("--top", type=int, default=40, help="functions listed per role")
@@ -273,19 +309,19 @@ def main(argv: list[str] | None = None) -> int:
             scratch = Path(tmp)
             instances = stack.enter_context(instances_for(args.backend, cfg))
             contenders = [stack.enter_context(KNOWN[name].build(instances, cfg)) for name in CONTENDERS]
-            script = write_script(scratch, cfg.max_tokens)
+            load = Load(args.load, cfg, write_script(scratch, cfg.max_tokens))
             for contender in contenders:
-                run_wrk(contender.url, script, cfg.high_concurrency, cfg.warmup_s)
+                load.warm_up(contender.url)
             for contender in contenders:
-                plain, cpu = unprofiled_point(contender, script, cfg)
-                profiled, stacks = profiled_point(contender, script, cfg, args.rate, scratch)
-                say(f"{contender.name}: {plain['rps']:.0f} req/s, profiled {profiled['rps']:.0f}")
+                plain, cpu = unprofiled_point(contender, load)
+                profiled, stacks = profiled_point(contender, load, args.rate, scratch)
+                say(f"{contender.name}: {_rate(plain):.0f} req/s, profiled {_rate(profiled):.0f}")
                 points[contender.name] = {
-                    "unprofiled": {**{k: plain.get(k) for k in ("requests", "rps", "p50_ms", "errors")},
+                    "unprofiled": {**_summary(plain),
                                    "cpu_us_per_request": {role: {"user": round(c.user_us, 2),
                                                                  "system": round(c.system_us, 2)}
                                                           for role, c in cpu.items()}},
-                    "profiled": {k: profiled.get(k) for k in ("requests", "rps", "p50_ms", "errors")}}
+                    "profiled": _summary(profiled)}
                 for role, role_stacks in stacks.items():
                     profiles[f"{contender.name} {role}"] = own_time(role_stacks, cpu.get(role), args.top)
     except StartError as exc:
@@ -297,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.out, {
         **provenance.record(),
         "versions": tool_versions(("uvloop", "httptools", "msgspec", "py-spy")),
-        "method": {"load": f"wrk -t1 -c{cfg.high_concurrency}, keep-alive, bench-peers' chat body "
-                           f"(max_tokens {cfg.max_tokens})",
+        "load": args.load,
+        "method": {"load": load.describe(),
                    "instances": f"{cfg.instances} {args.backend}" + (f", time scale {cfg.time_scale:g}"
                                                                      if args.backend == "sim" else ""),
                    "contenders": "bench-peers' " + " and ".join(CONTENDERS), "seconds_per_point": args.seconds,
@@ -309,6 +345,16 @@ def main(argv: list[str] | None = None) -> int:
         "points": points, "profiles": profiles,
     })
     return 0
+
+
+def _rate(result: dict[str, Any]) -> float:
+    """Requests (whole streams) a second of a load's summary."""
+    return result.get("rps") or result.get("streams_per_s") or 0.0
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    return {"requests": result.get("requests", result.get("streams_ok")), "rps": _rate(result),
+            "errors": result.get("errors")}
 
 
 if __name__ == "__main__":

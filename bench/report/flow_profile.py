@@ -1,5 +1,6 @@
-"""The section for bench/results/flow_profile.json (bench/flow_profile.py): where a plain
-request's CPU goes in the running proxy, by layer against the relay floor, then by function."""
+"""The sections for bench/results/flow_profile*.json (bench/flow_profile.py): where a plain
+request's (or a whole stream's) CPU goes in the running proxy, by layer against the relay floor,
+then by function."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 from bench.report import blocks
 from bench.report.fmt import num, table
 
-FILE = "flow_profile.json"
+FILES = ("flow_profile.json", "flow_profile_stream.json")
 PROXY, FLOOR = "proxy-w2-ll", "relay-floor-w2"
+TITLES = {"plain": "Where a plain request's CPU goes, in flow, by function",
+          "stream": "Where a stream's CPU goes, in flow, by function (a request: one whole stream)"}
 
 
-def section(data: dict[str, Any]) -> str:
-    parts = ["## Where a plain request's CPU goes, in flow, by function", *blocks.header_blocks(data, FILE)]
+def section(data: dict[str, Any], file_name: str) -> str:
+    parts = [f"## {TITLES.get(data.get('load') or 'plain', file_name)}", *blocks.header_blocks(data, file_name)]
     points = data.get("points") or {}
     if points:
         parts.append("CPU per request of each role at the unprofiled point (µs, user + system), and the "

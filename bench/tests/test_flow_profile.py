@@ -13,6 +13,7 @@ import pytest
 from bench import flow_profile
 from bench.flow_profile import EVENT_LOOP, LIBRARIES, LOOP, PRODUCT, RELAY, Frame, RequestCpu, own_time, parse_raw
 from bench.report.flow_profile import section
+from cacheroute_sim.processes import segment_prefix
 
 RUN = "_run_module_as_main (<frozen runpy>:198);main (proxy_workers/__main__.py:29);Runner.run (asyncio/runners.py:118)"
 RAW = "\n".join([
@@ -49,12 +50,15 @@ def test_each_sample_is_charged_to_what_spent_it() -> None:
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk not installed")
-def test_a_short_run_profiles_the_proxy_and_the_floor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("load", ["plain", "stream"])
+def test_a_short_run_profiles_the_proxy_and_the_floor(tmp_path: Path, load: str) -> None:
     flow_profile.py_spy()  # the bench extra is installed where this runs (.ci/run)
     before = set(os.listdir("/dev/shm"))
     out = tmp_path / "flow.json"
-    assert flow_profile.main(["--seconds", "4", "--rate", "100", "--top", "10", "--out", str(out)]) == 0
+    assert flow_profile.main(["--load", load, "--seconds", "4", "--rate", "100", "--top", "10",
+                              "--out", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["load"] == load
     assert set(data["points"]) == {"proxy-w2-ll", "relay-floor-w2"}
     assert all(p["unprofiled"]["errors"] == 0 and p["unprofiled"]["requests"] > 0 for p in data["points"].values())
     workers = data["profiles"]["proxy-w2-ll workers"]
@@ -64,6 +68,8 @@ def test_a_short_run_profiles_the_proxy_and_the_floor(tmp_path: Path) -> None:
              (("proxy", workers), ("floor", floor))}
     assert share["proxy"][PRODUCT] > share["floor"][PRODUCT]  # the product's work is the proxy's own
     assert len(workers["functions"]) <= 10
-    assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("cacheroute_bench")}
-    text = section(data)
+    ours = segment_prefix("cacheroute_bench")  # this test process's segments, not a neighbour's
+    assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith(ours)}
+    text = section(data, "flow_profile.json")
     assert "| `proxy-w2-ll` | workers |" in text and "By layer, µs per request:" in text
+    assert text.startswith("## Where a stream's CPU goes" if load == "stream" else "## Where a plain request's")
