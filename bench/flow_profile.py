@@ -45,10 +45,9 @@ from typing import Any, Iterable
 
 import psutil
 
-from bench.harness.cli import Progress, stop_on_sigterm
+from bench.harness.cli import Progress, measured, stop_on_sigterm
 from bench.harness.contenders import Contender, ProxyContender, proxy_role
 from bench.harness.cpu import tree_by_role
-from bench.harness.processes import StartError
 from bench.harness.results import Run, tool_versions, write_report
 from bench.harness.wrk import run_wrk
 from bench.peers import stream_load
@@ -195,29 +194,24 @@ class Load:
     cfg: RunConfig
     script: Path
 
-    def run(self, url: str) -> tuple[dict[str, Any], int]:
-        """One point against `url`: the load's summary and the requests (whole streams) served."""
+    def run(self, url: str, seconds: float | None = None) -> tuple[dict[str, Any], int]:
+        """One point against `url` (of `seconds`, else the run's point length): the load's
+        summary and the requests (whole streams) served."""
         cfg = self.cfg
+        seconds = cfg.duration_s if seconds is None else seconds
         if self.name == "plain":
-            result = run_wrk(url, self.script, cfg.high_concurrency, cfg.duration_s)
+            result = run_wrk(url, self.script, cfg.high_concurrency, seconds)
             return result, result.get("requests") or 0
-        result = stream_load.run_process(url, cfg.long_stream_concurrency, cfg.duration_s, cfg.long_stream_tokens)
+        result = stream_load.run_process(url, cfg.long_stream_concurrency, seconds, cfg.long_stream_tokens)
         return result, result.get("streams_ok") or 0
 
-    def warm_up(self, url: str) -> None:
-        if self.name == "plain":
-            run_wrk(url, self.script, self.cfg.high_concurrency, self.cfg.warmup_s)
-        else:
-            stream_load.run_process(url, self.cfg.long_stream_concurrency, self.cfg.warmup_s,
-                                    self.cfg.long_stream_tokens)
 
-    def describe(self) -> str:
-        cfg = self.cfg
-        if self.name == "plain":
-            return (f"wrk -t1 -c{cfg.high_concurrency}, keep-alive, bench-peers' chat body "
-                    f"(max_tokens {cfg.max_tokens}); a request is one answer")
-        return (f"bench.peers.stream_load, {cfg.long_stream_concurrency} clients, streams of "
-                f"{cfg.long_stream_tokens} tokens; a request is one whole stream")
+def describe_load(name: str, cfg: RunConfig) -> str:
+    if name == "plain":
+        return (f"wrk -t1 -c{cfg.high_concurrency}, keep-alive, bench-peers' chat body "
+                f"(max_tokens {cfg.max_tokens}); a request is one answer")
+    return (f"bench.peers.stream_load, {cfg.long_stream_concurrency} clients, streams of "
+            f"{cfg.long_stream_tokens} tokens; a request is one whole stream")
 
 
 def py_spy() -> str:
@@ -292,6 +286,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def measure(args: argparse.Namespace, cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both points of each contender: what each served and its CPU by role ("points"), and the
+    profile of each of its roles ("profiles")."""
+    say = Progress()
+    points: dict[str, Any] = {}
+    profiles: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="flow-profile-") as tmp, contextlib.ExitStack() as stack:
+        scratch = Path(tmp)
+        instances = stack.enter_context(instances_for(args.backend, cfg))
+        contenders = [stack.enter_context(KNOWN[name].build(instances, cfg)) for name in CONTENDERS]
+        load = Load(args.load, cfg, write_script(scratch, cfg.max_tokens))
+        for contender in contenders:
+            load.run(contender.url, cfg.warmup_s)  # warm up
+        for contender in contenders:
+            plain, cpu = unprofiled_point(contender, load)
+            profiled, stacks = profiled_point(contender, load, args.rate, scratch)
+            say(f"{contender.name}: {_rate(plain):.0f} req/s, profiled {_rate(profiled):.0f}")
+            points[contender.name] = {
+                "unprofiled": {**_summary(plain),
+                               "cpu_us_per_request": {role: {"user": round(c.user_us, 2),
+                                                             "system": round(c.system_us, 2)}
+                                                      for role, c in cpu.items()}},
+                "profiled": _summary(profiled)}
+            for role, role_stacks in stacks.items():
+                profiles[f"{contender.name} {role}"] = own_time(role_stacks, cpu.get(role), args.top)
+    return points, profiles
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.seconds < 4 or args.rate < 1:
@@ -300,41 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("wrk not found: apt-get install -y wrk")
     py_spy()
     cfg = RunConfig(out=str(args.out), duration_s=args.seconds, backends=[args.backend])
-    provenance, say = Run("bench.flow_profile", argv), Progress()
+    provenance = Run("bench.flow_profile", argv)
     stop_on_sigterm()
-    points: dict[str, dict[str, Any]] = {}
-    profiles: dict[str, dict[str, Any]] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="flow-profile-") as tmp, contextlib.ExitStack() as stack:
-            scratch = Path(tmp)
-            instances = stack.enter_context(instances_for(args.backend, cfg))
-            contenders = [stack.enter_context(KNOWN[name].build(instances, cfg)) for name in CONTENDERS]
-            load = Load(args.load, cfg, write_script(scratch, cfg.max_tokens))
-            for contender in contenders:
-                load.warm_up(contender.url)
-            for contender in contenders:
-                plain, cpu = unprofiled_point(contender, load)
-                profiled, stacks = profiled_point(contender, load, args.rate, scratch)
-                say(f"{contender.name}: {_rate(plain):.0f} req/s, profiled {_rate(profiled):.0f}")
-                points[contender.name] = {
-                    "unprofiled": {**_summary(plain),
-                                   "cpu_us_per_request": {role: {"user": round(c.user_us, 2),
-                                                                 "system": round(c.system_us, 2)}
-                                                          for role, c in cpu.items()}},
-                    "profiled": _summary(profiled)}
-                for role, role_stacks in stacks.items():
-                    profiles[f"{contender.name} {role}"] = own_time(role_stacks, cpu.get(role), args.top)
-    except StartError as exc:
-        print(f"a contender did not start: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: everything started was stopped", file=sys.stderr)
-        return 130
+    done, code = measured(lambda: measure(args, cfg))
+    if done is None:
+        return code
+    points, profiles = done
     write_report(args.out, {
         **provenance.record(),
         "versions": tool_versions(("uvloop", "httptools", "msgspec", "py-spy")),
         "load": args.load,
-        "method": {"load": load.describe(),
+        "method": {"load": describe_load(args.load, cfg),
                    "instances": f"{cfg.instances} {args.backend}" + (f", time scale {cfg.time_scale:g}"
                                                                      if args.backend == "sim" else ""),
                    "contenders": "bench-peers' " + " and ".join(CONTENDERS), "seconds_per_point": args.seconds,

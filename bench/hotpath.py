@@ -40,10 +40,9 @@ from typing import Any
 
 from bench.harness.backends import InstanceSpec, SimInstances
 from bench.harness.baseline import baseline_tree
-from bench.harness.cli import name_values, stop_on_sigterm
+from bench.harness.cli import measured, name_values, stop_on_sigterm
 from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                                       RelayFloorContender, rotated)
-from bench.harness.processes import StartError
 from bench.harness.results import Run, tool_versions, write_report
 from bench.harness.stats import median, ratio
 from bench.harness.wrk import run_wrk, wrk_point, wrk_post_script
@@ -194,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = Run("bench.hotpath", argv)
     deadline = time.monotonic() + args.budget
     stop_on_sigterm()
-    try:
+
+    def work() -> tuple[list[Contender], dict[str, list[dict[str, Any]]]]:
         # The temp dir outlives the contenders: a baseline proxy runs from inside it.
         with tempfile.TemporaryDirectory(prefix="hotpath-") as tmp, contextlib.ExitStack() as stack:
             instances = stack.enter_context(SimInstances(
@@ -202,13 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                 time_scale=args.time_scale))
             baseline = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
             contenders = [stack.enter_context(c) for c in build_contenders(args, instances, baseline)]
-            runs = measure(contenders, args, Path(tmp), deadline)
-    except StartError as exc:
-        print(f"a contender did not start: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: everything started was stopped", file=sys.stderr)
-        return 130
+            return contenders, measure(contenders, args, Path(tmp), deadline)
+
+    done, code = measured(work)
+    if done is None:
+        return code
+    contenders, runs = done
     results = report(args, provenance, contenders, runs)
     print_table(results["contenders"], args.stream)
     if args.out:

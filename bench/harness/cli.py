@@ -1,12 +1,18 @@
 """What every benchmark's command line shares: repeated NAME=VALUE options, SIGTERM stopping a
-run the way Ctrl-C does (so every `with` stops what it started), and progress lines stamped
-with the seconds since the run began."""
+run the way Ctrl-C does (so every `with` stops what it started), the exit code of a run that
+could not start or was stopped, and progress lines stamped with the seconds since the run
+began."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+from bench.harness.processes import StartError
+
+T = TypeVar("T")
 
 
 def name_values(items: list[str]) -> dict[str, str]:
@@ -31,6 +37,20 @@ def stop_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def measured(work: Callable[[], T], what: str = "a contender") -> tuple[T | None, int]:
+    """Run a benchmark's measuring part, whose `with`s stop what it started: (its result, 0);
+    or, said on stderr, (None, 1) when `what` did not start, (None, 130) when the run was
+    interrupted (Ctrl-C, or SIGTERM through stop_on_sigterm)."""
+    try:
+        return work(), 0
+    except StartError as exc:
+        print(f"{what} did not start: {exc}", file=sys.stderr)
+        return None, 1
+    except KeyboardInterrupt:
+        print("interrupted: everything started was stopped", file=sys.stderr)
+        return None, 130
 
 
 class Progress:

@@ -10,8 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.harness.cli import stop_on_sigterm
-from bench.harness.processes import StartError
+from bench.harness.cli import measured, stop_on_sigterm
 from bench.harness.results import Run, write_report
 from bench.routing.run import reanalysed, run_benchmark
 from bench.routing.scenario import Scenario, contender_defs, quick
@@ -65,14 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         defs = [d for d in defs if d.name in args.contenders]
     repeats = args.repeats or (1 if args.quick else 3)
-    try:
-        results = run_benchmark(scenario, defs, repeats, Run("bench.routing", argv))
-    except StartError as exc:  # the simulated instances themselves
-        print(f"the simulated instances did not start: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; every started process was stopped", file=sys.stderr)
-        return 130
+    results, code = measured(lambda: run_benchmark(scenario, defs, repeats, Run("bench.routing", argv)),
+                             "the simulated instances")  # a contender that does not start is left out
+    if results is None:
+        return code
     print_checks(results)
     if args.out:
         write(args.out, results)
