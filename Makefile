@@ -154,12 +154,13 @@ bench-peers: $(STAMP)
 # Where a plain request's CPU goes in the running proxy: bench-peers' plain point (proxy-w2-ll and
 # the relay floor, wrk c32), CPU per request by role, then py-spy over every process: user time
 # by layer and by function; then the same for its long streams, a request being one stream
-# (~2 min; BACKEND=sim|starlette, default sim; needs ptrace: root).
+# (~4 min; BACKEND=sim|starlette, default sim; needs ptrace: root; the workers idle between a
+# stream's tokens, so its points are longer and sampled faster).
 bench-flow-profile: $(STAMP)
 	command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk)
 	$(PY) -c 'import importlib.metadata as m; m.version("py-spy")' 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.flow_profile --out bench/results/flow_profile.json $(call from_command_line,BACKEND,--backend)
-	$(PY) -m bench.flow_profile --load stream --out bench/results/flow_profile_stream.json $(call from_command_line,BACKEND,--backend)
+	$(PY) -m bench.flow_profile --load stream --seconds 30 --rate 400 --out bench/results/flow_profile_stream.json $(call from_command_line,BACKEND,--backend)
 
 # kv_aware (shared index, per-worker indexes, 1 worker) against least_load and round_robin over
 # three simulated instances that keep KV (one at half speed) and a simulated KDN, at 60 % of the
