@@ -268,7 +268,7 @@ def profiled_point(contender: Contender, load: Load, rate: int,
     for role, out, proc in spies:
         _, err = proc.communicate(timeout=sampled + 60)
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"py-spy on {contender.name} {role} failed: {err.strip()[-400:]}")
+            raise SystemExit(f"py-spy on {contender.name} {role} failed: {err.strip()[-400:]}")
         stacks.setdefault(role, []).extend(parse_raw(out.read_text()))
     return result, stacks
 
