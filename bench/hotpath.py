@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,7 +148,8 @@ def build_contenders(args: argparse.Namespace, instances: SimInstances,
     for workers in args.workers:
         if baseline is not None:
             found.append(ProxyContender(f"base-{workers}w", instances, workers, args.strategy,
-                                        extra_env={**env, **name_values(args.base_env)}, tree=baseline))
+                                        extra_env={**env, **name_values(args.base_env)}, tree=baseline,
+                                        python=args.base_python))
         found.append(ProxyContender(f"proxy-{workers}w", instances, workers, args.strategy,
                                     extra_env=env))
     if args.nginx:
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
                    help="for the --baseline contenders only, over --proxy-env (e.g. one setting "
                         "A/B on the same tree: --baseline HEAD --base-env NAME=VALUE)")
+    p.add_argument("--base-python", metavar="PATH", default=None,
+                   help="run the --baseline contenders on this interpreter, whose environment holds "
+                        "the product's dependencies (an interpreter A/B: --baseline HEAD)")
     p.add_argument("--budget", type=float, default=300.0, help="stop measuring after this many s")
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     return p
@@ -236,11 +242,20 @@ def report(args: argparse.Namespace, provenance: Run, contenders: list[Contender
                    "instance": f"one sim_instance, time scale {args.time_scale:g}, max_tokens 8",
                    "proxy_env": {**PROXY_ENV, **name_values(args.proxy_env)},
                    "base_env": name_values(args.base_env),
+                   "python": _interpreter(sys.executable),
+                   "base_python": _interpreter(args.base_python) if args.base_python else None,
                    "cpu": "user+sys delta of the contender's process tree over the wrk run",
                    "added_p50": "median over repeats of (p50 - direct p50 of the same repeat)"},
         "contenders": rows, "ratios_to_nginx": ratios,
         "notes": ["smoke probe on a shared 2-core machine: read orders of magnitude, not digits"],
     }
+
+
+def _interpreter(path: str) -> str:
+    """The interpreter at `path`: its real file and the version it reports."""
+    done = subprocess.run([path, "-c", "import sys; print(sys.version.split()[0])"],
+                          capture_output=True, text=True, check=False)
+    return f"{os.path.realpath(path)} {done.stdout.strip() or '(did not start)'}"
 
 
 if __name__ == "__main__":

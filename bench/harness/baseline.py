@@ -36,10 +36,11 @@ def _copy_built_extensions(tree: Path, root: Path = ROOT) -> None:
             shutil.copy2(built, tree / built.relative_to(root))
 
 
-def launcher_command(tree: Path) -> tuple[tuple[str, ...], str]:
+def launcher_command(tree: Path, python: str | None = None) -> tuple[tuple[str, ...], str]:
     """(arguments, program) that run that tree's launcher (`... run`; `supervisor` before the
-    product package) from inside it: `python -m` puts the working directory first on sys.path,
-    and the workers it starts inherit it."""
+    product package) from inside it, on `python` (else this interpreter): `python -m` puts the
+    working directory first on sys.path, and the workers it starts inherit it and the
+    interpreter."""
     module = "cacheroute_proxy" if (tree / "cacheroute_proxy" / "__main__.py").exists() else "supervisor"
-    script = f"cd {shlex.quote(str(tree))} && exec {shlex.quote(sys.executable)} -m {module} run"
+    script = f"cd {shlex.quote(str(tree))} && exec {shlex.quote(python or sys.executable)} -m {module} run"
     return ("-c", script), "/bin/sh"

@@ -126,19 +126,20 @@ class DirectContender(Contender):
 
 class ProxyContender(ProcessContender):
     """This proxy via `python -m cacheroute_proxy run` (or, with `tree`, as it was in that
-    baseline tree: bench/harness/baseline.py): free ports, a private segment, no simulated
-    instances of its own; every instance of `instances` registered on its control plane."""
+    baseline tree: bench/harness/baseline.py; with `python`, on that interpreter): free ports,
+    a private segment, no simulated instances of its own; every instance of `instances`
+    registered on its control plane."""
 
     kind = "proxy"
 
     def __init__(self, name: str, instances: Instances, workers: int, strategy: str,
                  load_view: str = "shared", extra_env: dict[str, str] | None = None,
-                 tree: Path | None = None) -> None:
+                 tree: Path | None = None, python: str | None = None) -> None:
         super().__init__(name)
         self.instances = instances
         self.workers = workers
         self.strategy = strategy
-        command, program = launcher_command(tree) if tree else (("-m", "cacheroute_proxy", "run"), None)
+        command, program = launcher_command(tree, python) if tree else (("-m", "cacheroute_proxy", "run"), python)
         env = {"PROXY_LOAD_VIEW": load_view,
                # Registered once by us, never heartbeated: a TTL longer than any run.
                "PROXY_INSTANCE_TTL_S": "86400", "PROXY_LOG_LEVEL": "warning", **(extra_env or {})}

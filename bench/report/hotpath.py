@@ -29,6 +29,9 @@ def section(data: dict[str, Any], file_name: str) -> str:
                                  ("the baseline (`base-*`) over that", method.get("base_env") or {})) if env]
     if settings:
         parts.append("Settings: " + "; ".join(settings) + ".")
+    if method.get("base_python"):
+        parts.append(f"Interpreters: every proxy `{method.get('python')}`, but the baseline (`base-*`) "
+                     f"`{method['base_python']}`.")
     rows = [[f"`{c['name']}`", num(c.get("kind")), num(c.get("workers")), num(c.get("strategy")),
              *[num((c.get("median") or {}).get(key)) for key, _ in columns],
              num(sum(r.get("errors", 0) for r in c.get("runs") or []))] for c in contenders]

@@ -250,6 +250,8 @@ def test_every_recorded_result_is_a_section_with_its_command_and_machine_and_no_
     assert text.count("> **Settled**") == 4
     assert "`python -m bench.hotpath --workers 1,2 --baseline REF --nginx" in text
     assert "| `proxy-1w` | proxy | 1 | round_robin | 0.33 | 3,432 | 0.26 | 0 |" in text  # hotpath.json's medians
+    assert ("Interpreters: every proxy `/root/.pyenv/versions/3.11.7/bin/python3.11 3.11.7`, but the "
+            "baseline (`base-*`) `/usr/bin/python3.11 3.11.2`.") in text  # hotpath_interpreter.json
     # An A/B's change repeat by repeat (hotpath_selector_booking.json: least_load, 7 repeats).
     assert ("`proxy-2w` over `base-2w`, CPU per request at c32 repeat by repeat: 0.849, 0.854, 0.840, "
             "0.994, 0.895, 0.873, 0.901 (median 0.873; lower in 7 of 7).") in text

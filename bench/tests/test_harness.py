@@ -91,6 +91,8 @@ def test_a_baseline_tree_runs_its_own_launcher_from_inside_it(tmp_path: Path) ->
     assert program == "/bin/sh" and args[1].startswith(f"cd {tmp_path} && exec ")
     assert args[1].endswith("-m cacheroute_proxy run")
     assert launcher_command(tmp_path / "older")[0][1].endswith("-m supervisor run")
+    assert launcher_command(tmp_path, "/opt/other/bin/python")[0][1].endswith(
+        "&& exec /opt/other/bin/python -m cacheroute_proxy run")  # an interpreter A/B
 
 
 def test_a_baseline_tree_gets_the_built_extensions_whose_source_it_holds_unchanged(tmp_path: Path) -> None:
