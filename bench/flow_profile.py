@@ -214,9 +214,15 @@ def describe_load(name: str, cfg: RunConfig) -> str:
             f"{cfg.long_stream_tokens} tokens; a request is one whole stream")
 
 
+def find_py_spy() -> str | None:
+    """py-spy on the PATH or beside this interpreter (the `bench` extra's), else None."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
 def py_spy() -> str:
-    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(found).exists():
+    found = find_py_spy()
+    if found is None:
         raise SystemExit("py-spy not found: pip install -e '.[bench]'")
     return found
 
