@@ -46,8 +46,8 @@ from typing import Any, Iterable
 import psutil
 
 from bench.harness.cli import Progress, measured, stop_on_sigterm
-from bench.harness.contenders import Contender, ProxyContender, proxy_role
-from bench.harness.cpu import tree_by_role
+from bench.harness.contenders import Contender
+from bench.harness.cpu import process_tree, user_system_s
 from bench.harness.results import Run, tool_versions, write_report
 from bench.harness.wrk import run_wrk
 from bench.peers import stream_load
@@ -228,19 +228,17 @@ def py_spy() -> str:
 
 
 def processes_by_role(contender: Contender) -> dict[str, list[psutil.Process]]:
-    """The contender's processes by role: this proxy's launcher, sidecar and workers; the
-    floor's as one role."""
-    if isinstance(contender, ProxyContender):
-        return tree_by_role(contender.pids(), proxy_role)
-    return tree_by_role(contender.pids(), lambda proc, roots: "relay")
+    """The contender's processes by role (this proxy's launcher, sidecar and workers); the
+    floor's, which has none, as one role."""
+    return contender.processes_by_role() or {"relay": process_tree(contender.pids())}
 
 
 def cpu_times(processes: dict[str, list[psutil.Process]]) -> dict[str, tuple[float, float]]:
     """(user, system) seconds so far of each role's processes."""
     found = {}
     for role, procs in processes.items():
-        times = [p.cpu_times() for p in procs]
-        found[role] = (sum(t.user for t in times), sum(t.system for t in times))
+        times = [user_system_s(proc) for proc in procs]
+        found[role] = (sum(user for user, _ in times), sum(system for _, system in times))
     return found
 
 

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import psutil
+
 from bench.harness.contenders import Contender, proxy_role
 from bench.harness.processes import HOST, START_TIMEOUT_S, StartError, answers_ok, http_json, wait_for
-from bench.harness.cpu import tree_cpu_s_by_role
+from bench.harness.cpu import tree_by_role
 from cacheroute_sim.processes import ROOT, ChildProcess, SupervisorPorts, free_port
 from tests.real_engine.engines import MAX_NUM_SEQS, TINY_MODEL, VllmEngine
 from tests.real_engine.registration import AgentRegistration
@@ -178,10 +180,10 @@ class ProxyWithAgents(Contender):
         roots = [self._child.pid] if self._child and self._child.running() else []
         return roots + [a.process.pid for a in self._agents if a.process.running()]
 
-    def cpu_seconds_by_role(self) -> dict[str, float]:
+    def processes_by_role(self) -> dict[str, list[psutil.Process]]:
         agents = {a.process.pid for a in self._agents}
-        return tree_cpu_s_by_role(self.pids(), lambda proc, roots: "agents" if proc.pid in agents
-                                  else proxy_role(proc, roots - agents))
+        return tree_by_role(self.pids(), lambda proc, roots: "agents" if proc.pid in agents
+                            else proxy_role(proc, roots - agents))
 
     def describe(self) -> dict[str, Any]:
         env = {k: v for k, v in self.env.items()

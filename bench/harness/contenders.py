@@ -22,11 +22,13 @@ import signal
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
+import psutil
+
 from bench.harness.backends import Instances
 from bench.harness.baseline import launcher_command
 from bench.harness.processes import (HOST, START_TIMEOUT_S, Started, StartError, Supervisor, answers_ok,
                                      http_json, remove_dir, scratch_dir, wait_for)
-from bench.harness.cpu import tree_cpu_s, tree_cpu_s_by_role, tree_rss_bytes
+from bench.harness.cpu import cpu_s, tree_by_role, tree_cpu_s, tree_rss_bytes
 from cacheroute_sim.processes import ChildProcess, free_port
 
 T = TypeVar("T")
@@ -72,10 +74,14 @@ class Contender(Started):
         """user + system seconds of the process tree so far (take deltas)."""
         return tree_cpu_s(self.pids())
 
-    def cpu_seconds_by_role(self) -> dict[str, float]:
-        """cpu_seconds() split by the role of each process in the tree; {} when a contender
-        has no roles worth telling apart."""
+    def processes_by_role(self) -> dict[str, list[psutil.Process]]:
+        """The live processes of the tree by role; {} when a contender has no roles worth
+        telling apart."""
         return {}
+
+    def cpu_seconds_by_role(self) -> dict[str, float]:
+        """cpu_seconds() split by role (processes_by_role)."""
+        return {role: sum(cpu_s(proc) for proc in procs) for role, procs in self.processes_by_role().items()}
 
     def rss_mb(self) -> float:
         return tree_rss_bytes(self.pids()) / 1e6
@@ -161,8 +167,8 @@ class ProxyContender(ProcessContender):
         self.supervisor.stop()  # it stops its workers and sidecar and unlinks the segment
         remove_dir(self.log_dir)
 
-    def cpu_seconds_by_role(self) -> dict[str, float]:
-        return tree_cpu_s_by_role(self.pids(), proxy_role)
+    def processes_by_role(self) -> dict[str, list[psutil.Process]]:
+        return tree_by_role(self.pids(), proxy_role)
 
     def _register(self, i: int) -> None:
         status, body = http_json("POST", f"{self.supervisor.cp_url}/v1/instance/register",

@@ -25,13 +25,18 @@ def process_tree(pids: list[int]) -> list[psutil.Process]:
     return list(found.values())
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    """user + system CPU seconds of one process so far; 0 for one that has ended."""
+def user_system_s(proc: psutil.Process) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process so far; zeros for one that has ended."""
     try:
         times = proc.cpu_times()
     except psutil.Error:
-        return 0.0
-    return times.user + times.system
+        return 0.0, 0.0
+    return times.user, times.system
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """user + system CPU seconds of one process so far; 0 for one that has ended."""
+    return sum(user_system_s(proc))
 
 
 def tree_cpu_s(pids: list[int]) -> float:
@@ -52,13 +57,6 @@ def tree_by_role(pids: list[int], role_of: RoleOf) -> dict[str, list[psutil.Proc
             continue
         found.setdefault(role, []).append(proc)
     return found
-
-
-def tree_cpu_s_by_role(pids: list[int], role_of: RoleOf) -> dict[str, float]:
-    """tree_cpu_s split by role (tree_by_role); seconds are summed per role (take deltas, as
-    above)."""
-    return {role: sum(cpu_s(proc) for proc in procs)
-            for role, procs in tree_by_role(pids, role_of).items()}
 
 
 def tree_rss_bytes(pids: list[int]) -> int:

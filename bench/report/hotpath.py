@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench.peers.targets import per_repeat_ratios
 from bench.report import blocks
 from bench.report.fmt import num, ratio, table
 
@@ -55,13 +56,7 @@ def _paired_cpu(proxy: dict[str, Any], contenders: list[dict[str, Any]]) -> str:
     base = next((c for c in contenders if c["name"] == "base-" + proxy["name"].removeprefix("proxy-")), None)
     if base is None:
         return ""
-
-    def by_repeat(contender: dict[str, Any]) -> dict[int, float]:
-        return {r["repeat"]: r["cpu_s_per_1k"] for r in contender.get("runs") or []
-                if r.get("scenario") == "json_c32" and r.get("cpu_s_per_1k")}
-
-    ours, theirs = by_repeat(proxy), by_repeat(base)
-    ratios = [ours[k] / theirs[k] for k in sorted(ours.keys() & theirs.keys())]
+    ratios = [r for r in per_repeat_ratios(proxy, base, "json_c32", "cpu_s_per_1k") if r is not None]
     if not ratios:
         return ""
     return (f"`{proxy['name']}` over `{base['name']}`, CPU per request at c32 repeat by repeat: "
