@@ -13,9 +13,10 @@ from_command_line = $(if $(filter command line,$(origin $(1))),$(2) $($(1)))
 
 .PHONY: install install-vllm peers run-workers config-doc test test-vllm bench-pressure-vllm bench-affinity-vllm bench bench-events bench-pressure bench-routing bench-report bench-peers bench-affinity bench-idle bench-gate bench-flow-profile soak clean-shm clean
 
-# setup.py builds the C parts (shm_schema/_lanes.c, cacheroute_proxy/routing/_least_load.c) into
-# the checkout: an edit rebuilds them.
-$(STAMP): pyproject.toml setup.py shm_schema/_lanes.c cacheroute_proxy/routing/_least_load.c cacheroute_proxy/http1/_chunk_pass.c
+# setup.py builds the C parts (shm_schema/_lanes.c, shm_schema/_ring.c,
+# cacheroute_proxy/routing/_least_load.c, cacheroute_proxy/http1/_chunk_pass.c) into the
+# checkout: an edit rebuilds them.
+$(STAMP): pyproject.toml setup.py shm_schema/_lanes.c shm_schema/_ring.c cacheroute_proxy/routing/_least_load.c cacheroute_proxy/http1/_chunk_pass.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -191,4 +192,4 @@ clean-shm: $(STAMP)
 	$(PY) -m cacheroute_proxy shm unlink$(if $(FORCE), --force,)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_DIR) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so cacheroute_proxy/routing/_least_load.*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_DIR) .cache *.egg-info build .pytest_cache shm_schema/_lanes.*.so shm_schema/_ring.*.so cacheroute_proxy/routing/_least_load.*.so cacheroute_proxy/http1/_chunk_pass.*.so

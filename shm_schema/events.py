@@ -33,14 +33,22 @@ record object is built on either path.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from . import layout
 from .bitfields import EventTag, SlotGeneration
 from .records import EVENT, WORD, EventKind, ResidencyPayload
 from .segment import Segment
 
-__all__ = ["Event", "EventHandlers", "EventKind", "EventReader", "EventWriter", "residency"]
+try:  # the ring write in C (shm_schema/_ring.c), built by `pip install` where a compiler is
+    from ._ring import RingWriter as _NativeRing
+except ImportError:  # pragma: no cover - no compiler at install: PythonRing below
+    _NativeRing = None
+
+NATIVE_RING = _NativeRing is not None
+
+__all__ = ["NATIVE_RING", "Event", "EventHandlers", "EventKind", "EventReader", "EventWriter",
+           "PythonRing", "residency"]
 
 _PACK_INTO = EVENT.struct.pack_into
 _SIZE = EVENT.size
@@ -85,26 +93,35 @@ class EventWriter:
     """
 
     def __init__(self, seg: Segment, row: int, spill_limit: int = 65536,
-                 wake: Callable[[], None] | None = None, ring_requests: bool = True) -> None:
+                 wake: Callable[[], None] | None = None, ring_requests: bool = True,
+                 native: bool = NATIVE_RING) -> None:
         geometry = seg.geometry
-        self._buf = seg.buf
-        self._load = seg.atomic.load_u64
-        self._store = seg.atomic.store_u64
         self._fetch_add = seg.atomic.fetch_add_u64
         base = geometry.row_offset(row)
-        self._tail_offset = base + layout.R_RING_TAIL
-        self._head_offset = base + layout.R_RING_HEAD
         self._dropped_offset = base + layout.R_EVENTS_DROPPED
-        # Rung after an event is published while the sidecar sleeps (header.set_sidecar_sleeping).
-        self._wake = wake
-        self._ring_requests = ring_requests  # False: a request's RESERVE and PREFIX ring no one
-        self._ring_base = geometry.ring_offset(row)
-        self._capacity = geometry.ring_capacity
-        self._tail = self._load(self._tail_offset)
+        # `wake` is rung after an event is published while the sidecar sleeps
+        # (header.set_sidecar_sleeping); ring_requests=False: a request's RESERVE and PREFIX
+        # ring no one.
+        self._ring_requests = ring_requests
+        where = (base + layout.R_RING_TAIL, base + layout.R_RING_HEAD, _SLEEPING,
+                 geometry.ring_offset(row), geometry.ring_capacity, _SIZE // WORD, wake)
+        if native:
+            assert _NativeRing is not None
+            ring: Any = _NativeRing(seg.buf, *where)
+            seg.on_close(ring.close)  # it holds the segment's buffer
+        else:
+            ring = PythonRing(seg, *where)
+        self._ring = ring
+        # put(record, wakes=True) -> False when the ring is full: one call an event.
+        self._put: Callable[..., bool] = ring.put
         self._spill: collections.deque[tuple[int, ...]] = collections.deque()
         self._spill_limit = spill_limit
-        self.written = 0
         self.dropped = 0
+
+    @property
+    def written(self) -> int:
+        """Events this writer published into the ring."""
+        return self._ring.written
 
     @property
     def spilled(self) -> int:
@@ -129,7 +146,7 @@ class EventWriter:
         """Quiet: it wakes no sleeping sidecar (see the module's docstring)."""
         record = (_FIRST_TOKEN | (epoch << _EPOCH_SHIFT), request_key,
                   (slot << _SLOT_SHIFT) | generation, t_us, 0, 0, 0, 0)
-        return (not self._spill and self._put(record, wakes=False)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, False)) or self._spill_or_drop(record)
 
     def complete(self, epoch: int, request_key: int, slot: int, generation: int, t_us: int,
                  failed: bool) -> bool:
@@ -137,7 +154,7 @@ class EventWriter:
         first token (see the module's docstring)."""
         record = (_COMPLETE | (epoch << _EPOCH_SHIFT), request_key,
                   (slot << _SLOT_SHIFT) | generation, t_us, int(failed), 0, 0, 0)
-        return (not self._spill and self._put(record, wakes=False)) or self._spill_or_drop(record)
+        return (not self._spill and self._put(record, False)) or self._spill_or_drop(record)
 
     def resident(self, epoch: int, slot: int, generation: int, t_us: int, keys: tuple[int, ...],
                  tokens_each: int) -> bool:
@@ -186,15 +203,35 @@ class EventWriter:
         self.flush()
         return True
 
-    def _put(self, record: tuple[int, ...], wakes: bool = True) -> bool:
+
+class PythonRing:
+    """The C RingWriter (shm_schema/_ring.c) in Python, where the install built none: the same
+    positions (over the segment, where the C one takes its buffer) and the same `put`, step
+    for step (tests/test_event_ring.py holds them word for word)."""
+
+    def __init__(self, seg: Segment, tail_offset: int, head_offset: int, sleeping_offset: int,
+                 ring_offset: int, capacity: int, record_words: int,
+                 wake: Callable[[], None] | None = None) -> None:
+        if record_words != _SIZE // WORD:
+            raise ValueError(f"an event record is {_SIZE // WORD} words, not {record_words}")
+        self._buf = seg.buf
+        self._load, self._store = seg.atomic.load_u64, seg.atomic.store_u64
+        self._tail_offset, self._head_offset = tail_offset, head_offset
+        self._sleeping_offset, self._ring_offset = sleeping_offset, ring_offset
+        self._capacity = capacity
+        self._wake = wake
+        self._tail = self._load(tail_offset)
+        self.written = 0
+
+    def put(self, record: tuple[int, ...], wakes: bool = True) -> bool:
         tail = self._tail
         if tail - self._load(self._head_offset) >= self._capacity:
             return False
-        _PACK_INTO(self._buf, self._ring_base + _SIZE * (tail % self._capacity), *record)
+        _PACK_INTO(self._buf, self._ring_offset + _SIZE * (tail % self._capacity), *record)
         self._tail = tail + 1
         self._store(self._tail_offset, tail + 1)  # publish after the record is written
         self.written += 1
-        if wakes and self._wake is not None and self._load(_SLEEPING):
+        if wakes and self._wake is not None and self._load(self._sleeping_offset):
             self._wake()
         return True
 
@@ -215,7 +252,7 @@ class EventHandlers(NamedTuple):
     other: Callable[[Event], None]
 
 
-FULL_SCAN_EVERY = 20  # scans (100 ms at the default 5 ms poll): see EventReader.scan
+FULL_SCAN_EVERY = 10  # scans (100 ms at the default 10 ms poll): see EventReader.scan
 SCAN_STEP = 8         # rows a scan reads further while the last one it read is claimed
 
 
@@ -244,7 +281,7 @@ class EventReader:
     def scan(self) -> RingScan:
         """Identity, ring tail and head and drop count of every row the sidecar must look at,
         on every poll. Each row is a page of its own (its ring follows its header), and on a
-        shared machine touching 64 pages every 5 ms cost more than the events; so a scan reads
+        shared machine touching 64 pages at every poll cost more than the events; so a scan reads
         the rows up to one past the highest claimed one, and further while the last row read is
         claimed: a worker claims the lowest free row (WorkerRow.claim), so a new row is there.
         Every FULL_SCAN_EVERY-th scan reads all rows, for the one way around that (a row

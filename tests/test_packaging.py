@@ -22,6 +22,7 @@ import pytest
 from cacheroute_proxy.http1.chunk_pass import NATIVE_CHUNK_PASS
 from cacheroute_proxy.routing.least_load import NATIVE_SELECTION
 from shm_schema.counters import NATIVE_UPDATES
+from shm_schema.events import NATIVE_RING
 from tests.harness import ROOT, Process, SupervisorPorts, get, http, post, wait_until
 
 # One parallel test worker runs them all: they share the module's wheel, built once.
@@ -68,6 +69,7 @@ def test_the_wheel_holds_the_product_and_its_data_only(wheel: Path) -> None:
     # Each compiled part beside the Python it mirrors (built here: this machine has a compiler).
     built = {name.split(".")[0] for name in names if name.endswith(".so")}
     assert built == ({"shm_schema/_lanes"} if NATIVE_UPDATES else set()) | (
+        {"shm_schema/_ring"} if NATIVE_RING else set()) | (
         {"cacheroute_proxy/routing/_least_load"} if NATIVE_SELECTION else set()) | (
         {"cacheroute_proxy/http1/_chunk_pass"} if NATIVE_CHUNK_PASS else set())
 
