@@ -7,10 +7,10 @@ In one process, on a real private Segment (default geometry, READY_CONCURRENCY 6
 instances registered through DirectoryWriter, four claimed worker rows, each with the workers'
 own producer (proxy_workers.event_channel.EventChannelWriter, so the events are exactly those a worker
 writes), and the sidecar's consumer (sidecar.pressure.PressurePublisher, with the affinity
-models the sidecar runs). Every 5 ms (half PROXY_EVENT_POLL_MS' default: ticks half as full) the
-producers write one poll interval's worth of requests, spread over instances and rows, and then
-`tick()` runs as the sidecar's loop runs it: drain every row, apply to the timelines, publish
-the pressure snapshot (at most every 10 ms, at least every 100 ms). The steady state holds ~32 requests in flight
+models the sidecar runs). Every 5 ms (PROXY_EVENT_POLL_MS' default) the producers write one
+poll interval's worth of requests, spread over instances and rows, and then `tick()` runs as the
+sidecar's loop runs it: drain every row, apply to the timelines, publish the pressure snapshot
+(at most every 10 ms, at least every 100 ms). The steady state holds ~32 requests in flight
 per instance at 4,000 requests/s in all: a streaming request writes reserve, first token (30%
 into its life) and complete; a non-streaming one reserve and complete (the worker reports no
 first token for a whole answer).
@@ -47,7 +47,7 @@ MODES = ("stream", "non_stream")
 READY_CONCURRENCY = 64
 IN_FLIGHT_PER_INSTANCE = 32
 REQUESTS_PER_S = 4000
-POLL_S = 0.005          # the tick interval measured
+POLL_S = 0.005          # PROXY_EVENT_POLL_MS default
 WORKER_ROWS = 4
 FIRST_TOKEN_AT = 0.3    # of a streaming request's life
 WARMUP_TICKS = 60
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=WARMUP_TICKS)
     p.add_argument("--measured", type=int, default=MEASURED_TICKS, help="ticks per repeat")
     p.add_argument("--poll-ms", type=float, default=POLL_S * 1000,
-                   help="tick interval (default 5; 0 = back to back, "
+                   help="tick interval (default: PROXY_EVENT_POLL_MS' default; 0 = back to back, "
                         "caches warm: the code's own cost without what a 5 ms sleep evicts)")
     p.add_argument("--baseline", metavar="GIT_REF", default=None,
                    help="also measure the product as it was at GIT_REF, interleaved")

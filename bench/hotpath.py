@@ -97,7 +97,8 @@ def measure(contenders: list[Contender], args: argparse.Namespace, lua_dir: Path
         for name, stream, connections in scenarios(args.stream):
             for contender in rotated(contenders, repeat):
                 if time.monotonic() > deadline:
-                    print(f"budget of {args.budget:g} s spent: stopping early", file=sys.stderr)
+                    print(f"budget of {args.budget:g} s spent in repeat {repeat + 1} of {args.repeats}: "
+                          "stopping early (--budget)", file=sys.stderr)
                     return runs
                 result = wrk_point(contender, luas[stream], connections, args.seconds)
                 runs[contender.name].append({"scenario": name, "repeat": repeat, **result})
@@ -105,6 +106,16 @@ def measure(contenders: list[Contender], args: argparse.Namespace, lua_dir: Path
                       f"  {result['rps']:8.0f} req/s  cpu/1k {result.get('cpu_s_per_1k', 0):.3f}"
                       f"  errors {result['errors']}", file=sys.stderr, flush=True)
     return runs
+
+
+def whole_repeats(runs: dict[str, list[dict[str, Any]]], scenario_count: int) -> int:
+    """The repeats in which every contender measured every scenario (--budget may cut the last)."""
+    points: dict[int, int] = {}
+    for contender_runs in runs.values():
+        for run in contender_runs:
+            points[run["repeat"]] = points.get(run["repeat"], 0) + 1
+    whole = len(runs) * scenario_count
+    return sum(1 for count in points.values() if count == whole)
 
 
 def medians(runs: list[dict[str, Any]], direct: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -236,7 +247,8 @@ def report(args: argparse.Namespace, provenance: Run, contenders: list[Contender
         "versions": tool_versions(("uvloop", "httptools", "aiohttp", "msgspec"), (("wrk", "--version"),)),
         "method": {"tool": "wrk -t1 -s post.lua, one thread, keep-alive",
                    "order": "per repeat: each scenario, each contender, order rotated each repeat",
-                   "warmup": f"1 s at c{HIGH_CONCURRENCY} per contender", "repeats": args.repeats,
+                   "warmup": f"1 s at c{HIGH_CONCURRENCY} per contender",
+                   "repeats": whole_repeats(runs, len(scenarios(args.stream))), "repeats_asked": args.repeats,
                    "seconds_per_point": args.seconds, "pinning": None,
                    "client_headers": "openai_sdk" if args.sdk_headers else "wrk",
                    "instance": f"one sim_instance, time scale {args.time_scale:g}, max_tokens 8",

@@ -286,9 +286,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         "before its predecessor exits)"), ge=1, le=1024)] = 64
     event_ring_capacity: Annotated[int, Env("PROXY_EVENT_RING_CAPACITY", SHARED_MEMORY,
                                             "events per worker ring", ge=64, le=1 << 20)] = 1024
-    event_poll_ms: Annotated[float, Env("PROXY_EVENT_POLL_MS", SHARED_MEMORY, (
-        "how often the sidecar drains the rings while events come; it publishes at most every "
-        "10 ms, so a shorter poll drains sooner without publishing sooner"), gt=0)] = 10.0
+    event_poll_ms: Annotated[float, Env("PROXY_EVENT_POLL_MS", SHARED_MEMORY,
+                                        "how often the sidecar drains the rings", gt=0)] = 5.0
     reaper_interval_s: Annotated[float, Env("PROXY_REAPER_INTERVAL_S", SHARED_MEMORY, (
         "how often the sidecar looks for dead workers; one it watches (pidfd) is reaped as it "
         "exits"), gt=0)] = 1.0

@@ -252,7 +252,7 @@ class EventHandlers(NamedTuple):
     other: Callable[[Event], None]
 
 
-FULL_SCAN_EVERY = 10  # scans (100 ms at the default 10 ms poll): see EventReader.scan
+FULL_SCAN_EVERY = 20  # scans (100 ms at the default 5 ms poll): see EventReader.scan
 SCAN_STEP = 8         # rows a scan reads further while the last one it read is claimed
 
 
