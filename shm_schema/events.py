@@ -52,6 +52,7 @@ __all__ = ["NATIVE_RING", "Event", "EventHandlers", "EventKind", "EventReader", 
 
 _PACK_INTO = EVENT.struct.pack_into
 _SIZE = EVENT.size
+_RECORD_WORDS = _SIZE // WORD
 _EPOCH_SHIFT = EventTag.EPOCH_SHIFT
 _KIND_MASK = EventTag.KIND_MASK
 _SLOT_SHIFT = SlotGeneration.SLOT_SHIFT
@@ -104,7 +105,7 @@ class EventWriter:
         # ring no one.
         self._ring_requests = ring_requests
         where = (base + layout.R_RING_TAIL, base + layout.R_RING_HEAD, _SLEEPING,
-                 geometry.ring_offset(row), geometry.ring_capacity, _SIZE // WORD, wake)
+                 geometry.ring_offset(row), geometry.ring_capacity, _RECORD_WORDS, wake)
         if native:
             assert _NativeRing is not None
             ring: Any = _NativeRing(seg.buf, *where)
@@ -212,8 +213,8 @@ class PythonRing:
     def __init__(self, seg: Segment, tail_offset: int, head_offset: int, sleeping_offset: int,
                  ring_offset: int, capacity: int, record_words: int,
                  wake: Callable[[], None] | None = None) -> None:
-        if record_words != _SIZE // WORD:
-            raise ValueError(f"an event record is {_SIZE // WORD} words, not {record_words}")
+        if record_words != _RECORD_WORDS:
+            raise ValueError(f"an event record is {_RECORD_WORDS} words, not {record_words}")
         self._buf = seg.buf
         self._load, self._store = seg.atomic.load_u64, seg.atomic.store_u64
         self._tail_offset, self._head_offset = tail_offset, head_offset

@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any, Iterator, Sequence
 
-from shm_schema import CounterWord, Segment, WorkerRow, process_identity
+from shm_schema import CounterWord, Segment, WorkerRow, layout, process_identity
 from shm_schema.repair import row_contributions
 from shm_schema.snapshot import SnapshotReader, record_at
 from tests.harness import private_segment_name
@@ -45,10 +45,11 @@ def segment_with_row(instance_capacity: int = 64, worker_capacity: int = 2,
 
 
 @contextlib.contextmanager
-def fresh_segment(instance_capacity: int = 8, worker_capacity: int = 8) -> Iterator[Segment]:
+def fresh_segment(instance_capacity: int = 8, worker_capacity: int = 8,
+                  ring_capacity: int = layout.DEFAULT_RING_CAPACITY) -> Iterator[Segment]:
     """A newly created segment under a unique name; closed and unlinked on exit."""
     name = unique_name()
-    seg = Segment.create_or_attach(name, instance_capacity, worker_capacity)
+    seg = Segment.create_or_attach(name, instance_capacity, worker_capacity, ring_capacity)
     try:
         assert seg.created, f"{name} already existed"
         yield seg

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Iterator
 
 import pytest
 
 from shm_schema import Segment, header, layout
 from shm_schema.events import NATIVE_RING, EventReader, EventWriter
-from tests.shm_helpers import unique_name
+from shm_schema.records import EVENT
+from tests.shm_helpers import fresh_segment
 
 RING = 64  # records: small, so the writers fill it and wrap around
 
@@ -26,16 +26,8 @@ def test_the_install_built_the_c_ring_write():
     assert NATIVE_RING
 
 
-@contextlib.contextmanager
-def _segment() -> Iterator[Segment]:
-    name = unique_name()
-    seg = Segment.create_or_attach(name, 4, 2, ring_capacity=RING)
-    try:
-        yield seg
-    finally:
-        with contextlib.suppress(Exception):
-            seg.close()
-        Segment.unlink(name)
+def _segment() -> contextlib.AbstractContextManager[Segment]:
+    return fresh_segment(4, 2, ring_capacity=RING)
 
 
 def _words(seg: Segment) -> tuple[int, ...]:
@@ -43,7 +35,7 @@ def _words(seg: Segment) -> tuple[int, ...]:
     geometry = seg.geometry
     base = geometry.row_offset(0)
     ring = geometry.ring_offset(0)
-    records = bytes(seg.buf[ring:ring + 64 * RING])
+    records = bytes(seg.buf[ring:ring + EVENT.size * RING])
     return (seg.load(base + layout.R_RING_TAIL), seg.load(base + layout.R_RING_HEAD),
             hash(records))
 
@@ -118,6 +110,6 @@ def test_a_record_of_the_wrong_shape_is_refused():
                 ring.put((-1, 0, 0, 0, 0, 0, 0, 0))
             assert ring.written == 0 and seg.load(base + layout.R_RING_TAIL) == 0
             with pytest.raises(ValueError, match="outside"):
-                RingWriter(seg.buf, base, base, 0, len(seg.buf) - 64, RING, 8)
+                RingWriter(seg.buf, base, base, 0, len(seg.buf) - EVENT.size, RING, 8)
         finally:
             ring.close()
