@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.backends import InstanceSpec, SimInstances
-from bench.harness.baseline import baseline_tree
+from bench.harness.baseline import baseline_tree, commit_of
 from bench.harness.cli import measured, name_values, stop_on_sigterm
 from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                                       RelayFloorContender, rotated)
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nginx not found: apt-get install -y nginx-light", file=sys.stderr)
         return 2
     provenance = Run("bench.hotpath", argv)
+    baseline_commit = commit_of(args.baseline) if args.baseline else None
     deadline = time.monotonic() + args.budget
     stop_on_sigterm()
 
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if done is None:
         return code
     contenders, runs = done
-    results = report(args, provenance, contenders, runs)
+    results = report(args, provenance, contenders, runs, baseline_commit)
     print_table(results["contenders"], args.stream)
     if args.out:
         write_report(args.out, results, indent=1)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args: argparse.Namespace, provenance: Run, contenders: list[Contender],
-           runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+           runs: dict[str, list[dict[str, Any]]], baseline_commit: str | None = None) -> dict[str, Any]:
     rows = [{**c.describe(), "runs": runs[c.name], "median": medians(runs[c.name], runs["direct"])}
             for c in contenders]
     nginx = next((r for r in rows if r["kind"] == "nginx"), None)
@@ -244,6 +245,7 @@ def report(args: argparse.Namespace, provenance: Run, contenders: list[Contender
                                    if k.endswith((".rps", ".cpu_s_per_1k")) and nginx["median"].get(k)}
     return {
         **provenance.record(),
+        "baseline_commit": baseline_commit,  # what --baseline named then (kept out of the report)
         "versions": tool_versions(("uvloop", "httptools", "aiohttp", "msgspec"), (("wrk", "--version"),)),
         "method": {"tool": "wrk -t1 -s post.lua, one thread, keep-alive",
                    "order": "per repeat: each scenario, each contender, order rotated each repeat",

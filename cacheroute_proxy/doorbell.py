@@ -1,14 +1,14 @@
 """The sidecar's doorbell: how a worker wakes an idle sidecar instead of the sidecar polling.
 
-Busy, the sidecar drains the workers' event rings every PROXY_EVENT_POLL_MS. As soon as a tick
-finds no event, it sets the header's `sidecar_sleeping` word, looks at the rings once more, and
-sleeps until its doorbell rings or its next periodic duty (the snapshot heartbeat) is due. A
-worker that publishes an event then loads that word and, when it is set, rings: one datagram to
-the sidecar's socket. Either the sidecar's last look sees the event or the worker sees the word
-(both are sequentially consistent atomics), so an event that rings never waits for the
-heartbeat (first tokens and completions do not ring: shm_schema/events.py). What changes inside
-the sidecar and is published at its next tick (an engine's KV events) rings the bell from there
-(`ring_here`).
+Busy, the sidecar drains the workers' event rings every PROXY_EVENT_POLL_MS (busier, at each
+publish: sidecar/pressure.py). As soon as a tick finds no event, it sets the header's
+`sidecar_sleeping` word, looks at the rings once more, and sleeps until its doorbell rings or
+its next periodic duty (the snapshot heartbeat) is due. A worker that publishes an event then
+loads that word and, when it is set, rings: one datagram to the sidecar's socket. Either the
+sidecar's last look sees the event or the worker sees the word (both are sequentially
+consistent atomics), so an event that rings never waits for the heartbeat (first tokens and
+completions do not ring: shm_schema/events.py). What changes inside the sidecar and is
+published at its next tick (an engine's KV events) rings the bell from there (`ring_here`).
 
 The socket is a Unix datagram socket in the abstract namespace, named after the segment: no file
 to clean up, gone with the sidecar, private to the host's network namespace. A ring that cannot

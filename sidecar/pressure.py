@@ -1,12 +1,13 @@
 """Draining the workers' event rings into the timelines and publishing pressure snapshots.
 
 Runs on the sidecar's loop every few milliseconds (PROXY_EVENT_POLL_MS) while events come
-often, else when a worker's doorbell ring says one came. Publishes when something changed (at
-once after a ring; while polling, at most every `min_publish_interval_s`) and at least every
-`heartbeat_s`, so a worker can tell a quiet sidecar (fresh snapshot, nothing pending) from a
-dead one (the snapshot ages past PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the
-header's sidecar heartbeat. A snapshot holds absolute times computed on events, so
-republishing an unchanged one changes nothing but its age.
+often (busier, as often as it publishes), else when a worker's doorbell ring says one came.
+Publishes when something changed (at once after a ring; while polling, at most every
+`min_publish_interval_s`) and at least every `heartbeat_s`, so a worker can tell a quiet
+sidecar (fresh snapshot, nothing pending) from a dead one (the snapshot ages past
+PROXY_SNAPSHOT_STALE_MS). Every publish also stamps the header's sidecar heartbeat. A snapshot
+holds absolute times computed on events, so republishing an unchanged one changes nothing but
+its age.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ log = logging.getLogger("cacheroute.sidecar.pressure")
 POLL_WHILE_GAP_BELOW = 2.0
 MAX_GAP_POLLS = 8.0
 GAP_WEIGHT = 0.25
+# Polling, a tick that took at least this many events is busy: the next one is sure to find
+# some, so it comes when the next publish is due rather than after one poll (run).
+BUSY_TICK_EVENTS = 4
 
 
 @dataclass
@@ -67,7 +71,7 @@ class PressurePublisher:
         # Called when a row was claimed, released or reused: the reaper watches a new worker.
         self.on_rows_changed: list[Callable[[], None]] = []
         self._dirty = True
-        self._last_publish = 0.0
+        self._last_publish = 0.0  # time.monotonic(): the pacing must not follow the wall clock
         self._events_at = time.monotonic()  # the last tick that took events (run)
         self._event_gap_s = 0.0  # their mean gap: from 0, polling until it says otherwise
         self._paced = True  # publishes at most every min_publish_interval_s (run: while polling)
@@ -80,8 +84,8 @@ class PressurePublisher:
         self._handlers = EventHandlers(timelines.reserve, timelines.first_token,
                                        timelines.complete, self._apply_other)
 
-    def tick(self) -> bool:
-        """Drain the rings, publish what is due; True if any event was taken."""
+    def tick(self) -> int:
+        """Drain the rings, publish what is due; the events taken."""
         now = time.time()
         consumed = self.stats.consumed
         scan = self._reader.scan()
@@ -97,14 +101,14 @@ class PressurePublisher:
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 10.0
             self._housekeeping(now)
-        if (self._dirty and (not self._paced or now - self._last_publish >= self._min_interval)) \
-                or now - self._last_publish >= self._heartbeat:
+        since = time.monotonic() - self._last_publish
+        if (self._dirty and (not self._paced or since >= self._min_interval)) or since >= self._heartbeat:
             self._publish(now)
         if self.affinity is not None:
             self.affinity.publish()
         if self.homes is not None:
             self.homes.tick(now, self._home_candidates)
-        return self.stats.consumed != consumed
+        return self.stats.consumed - consumed
 
     async def run(self, poll_s: float, doorbell: Doorbell | None) -> None:
         """Tick every `poll_s` while events come often; otherwise sleep until a worker rings the
@@ -117,48 +121,58 @@ class PressurePublisher:
         tick's events counted once) are taken by the next poll with fewer wakes than rings; far
         apart -- requests tens of milliseconds or more apart, as on a real engine -- a poll
         after each would find nothing, so the sidecar sleeps from the tick that took one until
-        the next rings (first tokens and completions ring no one: shm_schema/events.py)."""
+        the next rings (first tokens and completions ring no one: shm_schema/events.py).
+        Busier -- a tick took BUSY_TICK_EVENTS or more -- the polls between two publishes are
+        left out."""
         self._doorbell = doorbell
         if doorbell is not None and self.affinity is not None:
             self.affinity.on_change = doorbell.ring_here
+        tick_s = poll_s  # how long the sidecar slept before this tick, if no ring woke it
         while True:
             took = self._safe_tick()
             if took:
-                self._time_events(poll_s)
+                self._time_events(poll_s, tick_s)
             # Polling, publishes are paced by the minimum interval; a tick a ring woke publishes
             # what it took at once (a wake of its own for it would cost as much as the tick).
-            self._paced = doorbell is None or (took and self._event_gap_s < POLL_WHILE_GAP_BELOW * poll_s)
-            if self._paced:
-                await asyncio.sleep(poll_s)
+            if doorbell is None or (took > 0 and self._event_gap_s < POLL_WHILE_GAP_BELOW * poll_s):
+                # Busy, a tick between two publishes would only drain events, which carry their
+                # own times: the next tick is the next publish's, its sleep the pacing.
+                busy = took >= BUSY_TICK_EVENTS
+                tick_s = max(poll_s, self._next_publish_in()) if busy else poll_s
+                self._paced = not busy
+                await asyncio.sleep(tick_s)
                 continue
+            self._paced = False
+            tick_s = poll_s
             doorbell.settle()  # the tick published what changed before it
             header.set_sidecar_sleeping(self._seg, True)
             if not self._events_waiting():  # else written before the word was set: no ring comes
                 await doorbell.wait(self._next_publish_in() if self._dirty else self._heartbeat)
             header.set_sidecar_sleeping(self._seg, False)
 
-    def _time_events(self, poll_s: float) -> None:
-        """The moving average of the time between ticks that take events. A gap counts at most
-        MAX_GAP_POLLS polls: after a quiet spell, a few close events bring back the polling."""
+    def _time_events(self, poll_s: float, tick_s: float) -> None:
+        """The moving average of the time between ticks that take events, in polls: a busy
+        tick's `tick_s`, longer than a poll, counts as one. A gap counts at most MAX_GAP_POLLS
+        polls: after a quiet spell, a few close events bring back the polling."""
         now = time.monotonic()
-        gap = min(now - self._events_at, MAX_GAP_POLLS * poll_s)
+        gap = min((now - self._events_at) * poll_s / tick_s, MAX_GAP_POLLS * poll_s)
         self._events_at = now
         self._event_gap_s += GAP_WEIGHT * (gap - self._event_gap_s)
 
     def _next_publish_in(self) -> float:
         """Seconds until the minimum interval lets the publish held back go out."""
-        return max(0.0, self._last_publish + self._min_interval - time.time())
+        return max(0.0, self._last_publish + self._min_interval - time.monotonic())
 
     def _events_waiting(self) -> bool:
         """An unread event in any ring: one scan, none of a tick's work."""
         return bool(self._reader.scan().unread)
 
-    def _safe_tick(self) -> bool:
+    def _safe_tick(self) -> int:
         try:
             return self.tick()
         except Exception:  # a bug in one tick must not stop the next
             log.exception("event channel tick failed")
-            return False
+            return 0
 
     def drain_dead_row(self, row: int) -> None:
         """Before a dead worker's row is freed: take what it wrote, then drop what it held."""
@@ -237,7 +251,7 @@ class PressurePublisher:
             records[instance.slot] = pressure
         self._writer.publish(records)
         header.sidecar_heartbeat(self._seg)
-        self._last_publish = now
+        self._last_publish = time.monotonic()
         self._dirty = False
         self.stats.published += 1
 

@@ -161,6 +161,30 @@ def test_dropped_events_stay_counted_after_the_worker_is_gone(seg_name):
     assert publisher.stats.dropped_by_workers == 20
 
 
+def test_a_wall_clock_set_back_does_not_hold_the_publishes(seg_name, monkeypatch):
+    """Publishes are paced on the monotonic clock: with the wall clock set back an hour (an NTP
+    step), the heartbeat and a changed snapshot still go out on time."""
+    from sidecar import pressure
+
+    _, seg = seg_name
+    row = WorkerRow.claim(seg, 0)
+    writer = EventWriter(seg, row.row)
+    publisher = pressure.PressurePublisher(seg, epoch=0, ready_slots=8, min_publish_interval_s=0.01,
+                                           heartbeat_s=0.05)
+    publisher.tick()
+    published = publisher.stats.published
+    wall = time.time
+    monkeypatch.setattr(pressure.time, "time", lambda: wall() - 3600)
+    time.sleep(0.06)
+    publisher.tick()  # nothing changed: the heartbeat's publish
+    writer.complete(0, 1, 0, 1, int(wall() * 1e6), failed=False)
+    time.sleep(0.02)
+    publisher.tick()  # a change, the minimum interval past
+    assert publisher.stats.published == published + 2
+    assert publisher._next_publish_in() <= 0.01
+    row.release()
+
+
 def test_one_scan_sees_every_rows_owner_unread_events_and_drops(seg_name):
     """What the sidecar reads of every row on every poll, in one struct call, against the
     rows' own headers (read_rows) and the rings themselves, ring wrap included."""
@@ -215,6 +239,10 @@ def test_a_scan_reads_the_claimed_rows_and_finds_new_ones_at_once_or_within_a_fu
 # The tests of close events poll 20 ms apart, their steps 5 ms apart: under two polls apart on a
 # busy machine too (polled 1 ms apart, a starved test's steps came far apart: another regime).
 CLOSE_RUN_POLL_S = 0.02
+
+
+# The busy run polls every 5 ms and publishes at most every 50 ms: ten polls a publish.
+BUSY_RUN_POLL_S, BUSY_RUN_PUBLISH_S = 0.005, 0.05
 
 
 def _reserve(rig, request: int) -> int:
@@ -400,6 +428,32 @@ def test_events_close_together_are_polled_for_not_rung_for_each(seg_name):
         assert len(rig.ticks) < events / 8
 
     _sidecar_on_its_doorbell(seg_name, scenario, poll_s=CLOSE_RUN_POLL_S, min_publish_interval_s=0.0)
+
+
+def test_busy_the_sidecar_ticks_when_a_publish_is_due_not_every_poll(seg_name):
+    """Events coming many a poll: a tick between two publishes would only drain events (they
+    carry their own times), so a busy sidecar sleeps until the next publish is due, and each of
+    its ticks publishes; it still polls (no rings) and sleeps again when the events stop."""
+    import asyncio
+
+    async def scenario(rig) -> None:
+        await _until(rig.sleeping, 5)
+        published, ticks = rig.publisher.stats.published, len(rig.ticks)
+        events, started = 400, time.monotonic()
+        for request in range(1, events + 1):
+            _reserve(rig, request)
+            if request % 10 == 0:
+                await asyncio.sleep(0.005)  # ten events every poll
+        elapsed = time.monotonic() - started
+        await _until(lambda: rig.publisher.stats.consumed == events and rig.sleeping(), 5)
+        polls, publishes_due = elapsed / BUSY_RUN_POLL_S, elapsed / BUSY_RUN_PUBLISH_S
+        ticked, publishes = len(rig.ticks) - ticks, rig.publisher.stats.published - published
+        assert ticked < polls / 2, (ticked, polls)  # not a tick every poll
+        assert ticked <= publishes_due + 4, (ticked, publishes_due)
+        assert publishes >= ticked - 3, (publishes, ticked)  # the busy ticks publish
+        assert rig.doorbell.rings <= 3  # polled for, not rung for
+
+    _sidecar_on_its_doorbell(seg_name, scenario, poll_s=BUSY_RUN_POLL_S, min_publish_interval_s=BUSY_RUN_PUBLISH_S)
 
 
 def test_a_tick_a_ring_woke_publishes_at_once(seg_name):

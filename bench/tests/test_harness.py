@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +16,7 @@ import psutil
 import pytest
 
 from bench import bench_pressure
-from bench.harness.baseline import _copy_built_extensions, launcher_command
+from bench.harness.baseline import _copy_built_extensions, commit_of, launcher_command
 from bench.harness.cli import name_values
 from bench.harness.contenders import rotated
 from bench.harness.cpu import charged, per_1k
@@ -23,6 +24,7 @@ from bench.harness.processes import http_json, wait_for
 from bench.harness.results import Run, run_record, write_report
 from bench.harness.stats import median, ratio
 from bench.harness.streamed import meta_of, stream_chat
+from cacheroute_sim.processes import ROOT
 
 
 def test_a_median_leaves_unknown_values_out_and_a_ratio_needs_a_positive_base() -> None:
@@ -109,6 +111,14 @@ def test_a_baseline_tree_gets_the_built_extensions_whose_source_it_holds_unchang
     _copy_built_extensions(tree, root)
     assert sorted(str(p.relative_to(tree)) for p in tree.rglob("*.so")) == [
         "pkg/_a.cpython-311-x86_64-linux-gnu.so", "pkg/sub/_b.cpython-311-x86_64-linux-gnu.so"]
+
+
+def test_a_baseline_ref_is_recorded_as_the_commit_it_names_when_the_run_starts() -> None:
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert commit_of("HEAD") == head[:12]  # not "HEAD", which moves with the next commit
+    with pytest.raises(SystemExit, match="--baseline no-such-ref"):
+        commit_of("no-such-ref")
 
 
 def test_the_meta_is_read_from_the_end_of_a_stream_or_not_at_all() -> None:
