@@ -51,6 +51,12 @@ class LinkTimeline:
     longer (or shorter) the link's transfers really take than the link's bandwidth predicts,
     learned from each acknowledged inject; kv_aware prices a transfer with it."""
 
+    @staticmethod
+    def clock() -> float:
+        """The link's times never leave the worker: monotonic, so a wall clock set back (an NTP
+        step) does not make the link look busy for as long."""
+        return time.monotonic()
+
     def __init__(self, pace_step: float = 0.0) -> None:
         self.free_at = 0.0
         self.on_wire_until = 0.0
@@ -108,7 +114,8 @@ class KnowledgePreparer:
         """How long a transfer asked now would wait for the link: the longer of this worker's
         own queue, as its timeline predicts it, and the host's, `queued_tokens` of KV the
         requests of every worker routed there are still pulling (kv_aware's claims)."""
-        own = self.link(instance_id, kdn_addr).wait_s(time.time()) * 1000
+        link = self.link(instance_id, kdn_addr)
+        own = link.wait_s(link.clock()) * 1000
         return max(own, self.pull_ms(instance_id, kdn_addr, queued_tokens))
 
     def pull_ms(self, instance_id: str, kdn_addr: str, tokens: int) -> float:
@@ -208,17 +215,17 @@ class KnowledgePreparer:
         trace.kdn_link_source = kdn_link.source
         transfer_s = kdn_link.transfer_ms(predictors, transfer_tokens) / 1000  # the same estimate as IWS's
         link = self.link(instance.instance_id, spec.kdn_addr)
-        queued_at = time.time()
+        queued_at = link.clock()
         predicted_end = link.reserve(queued_at, transfer_s)
         async with link.lock:
-            started = time.time()
+            started = link.clock()
             trace.kdn_link_wait_ms = int((started - queued_at) * 1000)
             link.on_wire_until = started + transfer_s
             try:
                 await self._inject(request, instance, result, trace, effective, trace_headers)
             finally:
                 link.on_wire_until = 0.0
-                ended = time.time()
+                ended = link.clock()
                 link.done(predicted_end, ended)
             if trace.kvcache_actual_path == "kv_injected":
                 link.pace.observe(transfer_s, ended - started)

@@ -19,7 +19,6 @@ this module runs the stages of one request through them.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -309,7 +308,7 @@ class Pipeline:
             instance_id = lease.instance.instance_id
             timeline = self._preparer.link(instance_id, spec.kdn_addr)
             kdn_link = self._preparer.kdn_links.link_for(instance_id, spec.kdn_addr)
-            now = time.time()
+            now = timeline.clock()
             resident = len(lease.resident_kids)
             decision = decide(request, ready_wait, timeline.wait_s(now) * 1000, kdn_link,
                               self._predictors, self._settings, timeline.net_wait_s(now) * 1000,

@@ -28,7 +28,7 @@ from proxy_workers.kdn_links import (
     measured_from,
     sidecar_links_url,
 )
-from proxy_workers.knowledge import KnowledgePreparer
+from proxy_workers.knowledge import KnowledgePreparer, LinkTimeline
 from proxy_workers.predictors import get_predictors
 from proxy_workers.request_model import Endpoint, recover
 from proxy_workers.trace import Knowledge, Trace
@@ -167,13 +167,13 @@ def test_the_kv_reservation_uses_the_same_estimate_and_says_which_link():
         request, trace, result = _request(2600), Trace(), Knowledge(kv_ready_kids=["k1"])
         instance = InstanceSlot(slot=0, generation=1, instance_id="inst-a", host="127.0.0.1", port=9001,
                                 alive=True, registered_at_ms=0, last_seen_ms=0, qps_1m=None)
-        started = time.time()
+        started = LinkTimeline.clock()
         task = asyncio.create_task(preparer._kv_inject(request, instance, result, trace))
         await asyncio.sleep(0.05)
         predicted_end = preparer.link("inst-a", KDN).free_at
         upstream.session.go.set()
         await task
-        return predicted_end - started, time.time() - started, trace
+        return predicted_end - started, LinkTimeline.clock() - started, trace
 
     reserved_s, took_s, trace = asyncio.run(run())
     expected_s = (7 + PREDICTORS.kv_transfer_ms(2600, 200.0)) / 1000  # the whole KV, not the aligned 2560

@@ -214,9 +214,10 @@ def test_round_robin_ignores_hints():
     assert [rr.select(["a", "b"], hints) for _ in range(4)] == ["a", "b", "a", "b"]
 
 
-def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls():
+def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls(monkeypatch):
     """The KV pull marks the link as carrying a transfer (what a text fetch would meet) from
-    its real start to its end, and the link reads idle again after."""
+    its real start to its end, and the link reads idle again after. The link's times are the
+    worker's own: a wall clock set back an hour meanwhile does not add an hour to its wait."""
     class _Ack:
         def __init__(self, gate: asyncio.Event) -> None:
             self.status, self._gate = 200, gate
@@ -231,7 +232,7 @@ def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls():
         async def read(self) -> bytes:
             return b'{"ok": true}'
 
-    async def run() -> tuple[float, float, float, str]:
+    async def run() -> tuple[float, float, float, str, float, float]:
         gate = asyncio.Event()
         session = SimpleNamespace(post=lambda url, json, timeout, **kw: _Ack(gate))
         preparer = KnowledgePreparer(SETTINGS, SimpleNamespace(session=session), PREDICTORS)
@@ -242,10 +243,16 @@ def test_a_kv_inject_is_on_the_wire_while_the_instance_pulls():
         pull = asyncio.create_task(preparer._kv_inject(request, instance, knowledge, trace))  # type: ignore[arg-type]
         await asyncio.sleep(0.01)
         link = preparer.link("i", "127.0.0.1:9101")
-        during = link.net_wait_s(time.time())
+        during = link.net_wait_s(link.clock())
+        before_step = preparer.link_wait_ms("i", "127.0.0.1:9101")
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() - 3600)  # an NTP step back
+        after_step = preparer.link_wait_ms("i", "127.0.0.1:9101")
         gate.set()
         await pull
-        return during, link.net_wait_s(time.time()), link.on_wire_until, trace.kvcache_actual_path
+        return (during, link.net_wait_s(link.clock()), link.on_wire_until, trace.kvcache_actual_path,
+                before_step, after_step)
 
-    during, after, on_wire, path = asyncio.run(run())
+    during, after, on_wire, path, before_step, after_step = asyncio.run(run())
     assert during > 0 and (after, on_wire, path) == (0.0, 0.0, "kv_injected")
+    assert 0 < after_step <= before_step
