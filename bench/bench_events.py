@@ -41,13 +41,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from cacheroute_proxy.config import Settings
+
 ROOT = Path(__file__).resolve().parent.parent
 INSTANCE_COUNTS = (2, 16)
 MODES = ("stream", "non_stream")
 READY_CONCURRENCY = 64
 IN_FLIGHT_PER_INSTANCE = 32
 REQUESTS_PER_S = 4000
-POLL_S = 0.005          # PROXY_EVENT_POLL_MS default
+POLL_S = Settings().event_poll_ms / 1000  # the sidecar's poll (PROXY_EVENT_POLL_MS)
 WORKER_ROWS = 4
 FIRST_TOKEN_AT = 0.3    # of a streaming request's life
 WARMUP_TICKS = 60
@@ -63,7 +65,6 @@ class Scenario:
     """A segment, its producers and the sidecar's publisher, in a steady state of requests."""
 
     def __init__(self, instances: int, mode: str, seed: int) -> None:
-        from cacheroute_proxy.config import Settings
         from proxy_workers.event_channel import EventChannelWriter
         from shm_schema import DirectoryWriter, Segment, WorkerRow, header
         from sidecar.affinity import AffinityModels

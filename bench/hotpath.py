@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.backends import InstanceSpec, SimInstances
-from bench.harness.baseline import baseline_tree, commit_of
+from bench.harness.baseline import baseline_tree
 from bench.harness.cli import measured, name_values, stop_on_sigterm
 from bench.harness.contenders import (Contender, DirectContender, NginxContender, ProxyContender,
                                       RelayFloorContender, rotated)
-from bench.harness.results import Run, tool_versions, write_report
+from bench.harness.results import Run, git_commit, tool_versions, write_report
 from bench.harness.stats import median, ratio
 from bench.harness.wrk import run_wrk, wrk_point, wrk_post_script
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nginx not found: apt-get install -y nginx-light", file=sys.stderr)
         return 2
     provenance = Run("bench.hotpath", argv)
-    baseline_commit = commit_of(args.baseline) if args.baseline else None
+    baseline_commit = git_commit(args.baseline) if args.baseline else None  # before HEAD moves
     deadline = time.monotonic() + args.budget
     stop_on_sigterm()
 

@@ -26,15 +26,6 @@ def baseline_tree(ref: str, into: Path) -> Path:
     return tree
 
 
-def commit_of(ref: str) -> str:
-    """The commit `ref` names now (a results file records it: HEAD moves); SystemExit if none."""
-    named = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "--verify", f"{ref}^{{commit}}"],
-                           capture_output=True, text=True, check=False)
-    if named.returncode != 0:
-        raise SystemExit(f"--baseline {ref}: {named.stderr.strip() or 'not a commit'}")
-    return named.stdout.strip()
-
-
 def _copy_built_extensions(tree: Path, root: Path = ROOT) -> None:
     """Each extension built in `root`'s packages (`pkg/x.so`, `pkg/sub/x.so`) whose C source
     `tree` holds unchanged."""
