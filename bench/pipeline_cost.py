@@ -10,7 +10,9 @@ socket writes is in the figures: this is the part of a request that is this prod
 
 Variants, interleaved block by block in the same process (CPU time per request; the median
 and the fastest of the repeats, a part's cost being the difference of the fastest blocks):
-- `full`: every part;
+- `full`: every part (a plain request: the lean path, proxy_workers/plain_path.py);
+- `exchange`: the same request through the exchange and the pipeline, as a request the lean
+  path does not take goes;
 - `without metrics`, `without events`, `without meta`, `without predictions`, `without
   disconnect watch`, `without admission`: the same with one part replaced by a no-op or its
   bare minimum (the metric files' writes; the reserve/complete events to the sidecar; encoding
@@ -209,14 +211,14 @@ def a_cycle(connection: Any = None) -> Any:
 
 
 def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
-    from proxy_workers import event_channel, exchange, metrics, pipeline
+    from proxy_workers import event_channel, exchange, metrics, pipeline, plain_path
 
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
-    def book_unpredicted(self: Any, lease: Any, job: Any) -> None:
-        self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, 1.0, 1.0,
-                             job.request.decode_tokens, job.request.prompt_tokens)
+    def book_unpredicted(self: Any, lease: Any, request: Any, trace: Any, key: int, knowledge: Any = None) -> None:
+        self._events.reserve(key, lease.instance.slot, lease.instance.generation, 1.0, 1.0,
+                             request.decode_tokens, request.prompt_tokens)
 
     class Unwatched:  # a DisconnectWatch watching nothing
         @staticmethod
@@ -232,14 +234,20 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
 
     def admitted(self: Any, lease: Any, job: Any) -> bool:
         return True
+
+    def admitted_plain(self: Any, lease: Any, trace: Any) -> tuple[Any, int]:
+        trace.proxy_enqueue_ms = trace.ready_enqueue_ms = 0  # read by the booking and the forward
+        return self._stages_for(lease), 0
     return {
         "full": (worker.full, contextlib.nullcontext),
+        # the same request through the exchange, as every request went before the lean path
+        "exchange": (worker.full, lambda: replaced(plain_path.PlainPath, "takes", lambda self, request: False)),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
         "without meta": (worker.full, lambda: _without_meta(exchange)),
-        "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "_book", book_unpredicted)),
-        "without disconnect watch": (worker.full, lambda: replaced(exchange, "watch_disconnect", unwatched)),
-        "without admission": (worker.full, lambda: _without_admission(pipeline.Pipeline, admitted, nothing)),
+        "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "book", book_unpredicted)),
+        "without disconnect watch": (worker.full, lambda: _replaced_in((exchange, plain_path), "watch_disconnect", unwatched)),
+        "without admission": (worker.full, lambda: _without_admission(pipeline.Pipeline, admitted, admitted_plain, nothing)),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
 
@@ -251,8 +259,10 @@ def _without_events(cls: Any, nothing: Callable[..., None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _without_admission(cls: Any, admitted: Callable[..., bool], nothing: Callable[..., None]) -> Iterator[None]:
-    with replaced(cls, "admit_at_once", admitted), replaced(cls, "forwarded", nothing):
+def _without_admission(cls: Any, admitted: Callable[..., bool], admitted_plain: Callable[..., Any],
+                       nothing: Callable[..., None]) -> Iterator[None]:
+    with replaced(cls, "admit_at_once", admitted), replaced(cls, "admit_plain", admitted_plain), \
+            replaced(cls, "forwarded", nothing), replaced(cls, "leave_ready", nothing):
         yield
 
 
@@ -260,6 +270,14 @@ def _without_admission(cls: Any, admitted: Callable[..., bool], nothing: Callabl
 def _without_meta(exchange: Any) -> Iterator[None]:
     with replaced(exchange, "encode_meta", lambda *a, **k: b"{}"), \
             replaced(exchange, "meta_spliced", lambda body, meta: (body, True)):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced_in(modules: tuple[Any, ...], name: str, value: Any) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(replaced(module, name, value))
         yield
 
 

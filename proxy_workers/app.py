@@ -40,6 +40,7 @@ from . import access_log, metrics
 from .exchange import ProxyExchange, Responder
 from cacheroute_proxy.http1 import BadBody, BodyTooLarge, ClientGone, Cycle, Handler
 from .pipeline import Pipeline
+from .plain_path import PlainExchange, PlainPath
 from .request_model import Endpoint, recover
 from .router import Router
 from .model_list import ModelList
@@ -110,9 +111,12 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
             return from_http_error(exc)
         return Response(metrics.render(ctx.router.view), media_type=CONTENT_TYPE_LATEST)
 
+    plane = DataPlane(ctx)
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, **ctx.identity(), "outliers": ctx.router.outliers.describe(),
-                             "admission": ctx.pipeline.describe_admission()})
+                             "admission": ctx.pipeline.describe_admission(),
+                             "lean_path": plane.plain.describe()})
 
     async def health(request: Request) -> Response:  # can the proxy serve a request now?
         alive = len(ctx.router.view.directory.snapshot().alive)
@@ -141,7 +145,7 @@ def build_app(ctx: WorkerContext, lifespan: Any = None) -> WorkerApp:
         *(Route(path, sidecar_read(settings, debug_guard), methods=["GET"]) for path in SIDECAR_READS),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
-    return WorkerApp(DataPlane(ctx).routes(), ResponseObserver(app, ctx.name))
+    return WorkerApp(plane.routes(), ResponseObserver(app, ctx.name))
 
 
 _DATA_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS}
@@ -161,6 +165,8 @@ class DataPlane:
         self._access_log = ctx.settings.log_each_request
         self._tag_requests = ctx.settings.log_each_request or ctx.settings.log_format == "json"
         self._tracing = ctx.tracing  # None: no spans, and the off path is this one check
+        self.plain = PlainPath(ctx.router, ctx.pipeline, ctx.upstream, self._retries,
+                               spans=ctx.tracing is not None)
 
     def routes(self) -> dict[tuple[str, bytes], Handler]:
         return {("POST", endpoint.path.encode()): functools.partial(self.serve, endpoint)
@@ -209,10 +215,10 @@ class DataPlane:
         return None
 
     def _exchange(self, endpoint: Endpoint, cycle: Cycle, body: bytes, responder: Responder,
-                  trace: Trace) -> ProxyExchange | None:
-        """The request's exchange, its body recovered; None if it was answered instead. Built
-        before the exchange runs, not around it: no coroutine between the request's task and
-        the instance's answer."""
+                  trace: Trace) -> ProxyExchange | PlainExchange | None:
+        """The request's exchange, its body recovered (the lean one for a plain request it
+        takes, plain_path.py); None if it was answered instead. Built before the exchange runs,
+        not around it: no coroutine between the request's task and the instance's answer."""
         ctx = self._ctx
         try:
             proxy_request = recover(endpoint, body)
@@ -222,6 +228,8 @@ class DataPlane:
         trace.request_id = proxy_request.request_id
         if self._tag_requests:
             access_log.tag_from_body(trace)
+        if self.plain.takes(proxy_request):
+            return PlainExchange(self.plain, proxy_request, trace, cycle.headers)
         return ProxyExchange(ctx.router, ctx.pipeline, ctx.upstream, proxy_request, trace,
                              retries=self._retries, client_headers=cycle.headers, spans=responder.spans)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -34,9 +34,9 @@ from .pipeline import Job, Pipeline
 from .refusals import InstanceLeft
 from .request_model import ProxyRequest
 from cacheroute_proxy.http1 import Cycle
-from .router import Lease, Router
+from .router import Lease, Router, Slots
 from .sse import DONE_EVENT, PASS_TAIL, StreamRelay, cut_meta_event, meta_event
-from .trace import Trace, encode_meta, tenths
+from .trace import EMPTY_KNOWLEDGE, Knowledge, Trace, encode_meta, tenths
 from cacheroute_proxy.http1.client import UpstreamResponse
 from .upstream import SEND_FAILURES, Upstream, UpstreamFailure
 
@@ -116,7 +116,10 @@ class Responder:
 class ProxyExchange:
     def __init__(self, router: Router, pipeline: Pipeline, upstream: Upstream,
                  request: ProxyRequest, trace: Trace, retries: int = 0,
-                 client_headers: list[Header] | None = None, spans: Any = None) -> None:
+                 client_headers: list[Header] | None = None, spans: Any = None,
+                 tried: Slots = frozenset(), attempts_made: int = 0, lease: Lease | None = None) -> None:
+        """`tried`, `attempts_made` and `lease`: what the lean path (plain_path.py) did before
+        handing the request over, and the lease its last choice took, for the next attempt."""
         self._router = router
         self._pipeline = pipeline
         self._upstream = upstream
@@ -124,35 +127,29 @@ class ProxyExchange:
         self._retries = retries
         self._client_headers = client_headers or []
         self._forwarded = b""  # the client's headers for the instance, as lines
-        self._attempt = 0
-        self._tried: frozenset[tuple[int, int]] = frozenset()
+        self._attempt = attempts_made
+        self._tried = tried
+        self._chosen = lease
 
     async def run(self, out: Responder) -> None:
         trace = self._job.trace
         try:
             self._forwarded = self._upstream.forwarded(self._client_headers)
         except HTTPError as exc:  # a header no instance may see: refused before any selection
-            out.error(exc)
+            out.error(exc, self._chosen)
             return
-        for attempt in range(1 + self._retries):
+        for attempt in range(self._attempt, 1 + self._retries):
             self._attempt = attempt
-            trace.route_select_start_ms = now_ms()
-            try:
-                lease = self._router.acquire(self._tried, self._job.request)
-            except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
-                out.error(exc)
-                return
-            trace.route_select_end_ms = now_ms()
-            age = lease.snapshot_age_ms
-            if age is not None:
-                trace.snapshot_age_ms = tenths(age)
-            trace.instance_id = out.instance_id = lease.instance.instance_id
-            choice = lease.choice
-            if choice.guard is not None:  # kv_aware
-                trace.affinity_guard = choice.guard.fired
-                trace.affinity_saved_ms = tenths(choice.affinity.saved_ms)  # type: ignore[union-attr]
-                predicted = choice.prediction.total_ms  # type: ignore[union-attr]
-                trace.route_predicted_ttft_ms = None if predicted is None else tenths(predicted)
+            lease, self._chosen = self._chosen, None
+            if lease is None:
+                trace.route_select_start_ms = now_ms()
+                try:
+                    lease = self._router.acquire(self._tried, self._job.request)
+                except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
+                    out.error(exc)
+                    return
+                trace.route_select_end_ms = now_ms()
+                chosen(lease, trace, out)
             self._tried |= {(lease.instance.slot, lease.instance.generation)}
             try:
                 retry = await self._attempt_on(lease, out)
@@ -169,7 +166,7 @@ class ProxyExchange:
     def _can_retry(self) -> bool:
         """Asked only once an attempt failed: another is allowed, and there is an instance to
         make it on."""
-        return self._attempt < self._retries and self._router.has_alternative(self._tried)
+        return can_retry(self._router, self._attempt, self._retries, self._tried)
 
     async def _attempt_on(self, lease: Lease, out: Responder) -> bool:
         """One attempt on `lease`'s instance, watched for the client leaving (then nothing more
@@ -224,124 +221,176 @@ class ProxyExchange:
             response = await self._upstream.send(instance.host, instance.port, path,
                                                  request.encoded_body(), headers, sent)
         except SEND_FAILURES as exc:
-            refusal = self._upstream.refusal(exc, instance.host, instance.port, path)
-            self._failed(lease)
-            if refusal.code == "upstream_unavailable" and self._can_retry():
-                return True
-            out.error(refusal, lease)
-            return False
-        if spans is not None:
-            spans.answer_head(response.status)
-        if response.status < 400 and lease.claim is not None:
-            lease.claim.prompt_taken()
-        if response.status >= 500:
-            self._failed(lease)
-            if response.status in _RETRY_STATUSES and self._can_retry():
-                response.close()
-                return True
-        finished = False
-        try:
-            if response.status >= 400:
-                await self._relay_error(response, out, lease)
-            elif request.stream:
-                await self._relay_stream(response, out, lease)
-            else:
-                await self._relay_whole(response, out, lease)
-            finished = True
-        finally:
-            # A fully read response goes back to the pool; anything else (cancelled, failed)
-            # closes the connection so the instance stops work on it.
-            response.release() if finished and response.at_eof() else response.close()
-        return False
-
-    async def _relay_error(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
-        """Upstream 4xx/5xx keep their status, headers and body."""
-        try:
-            body = await self._upstream.read_all(response)
-        except UpstreamFailure as exc:
-            out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
-            return
-        out.whole(response.status, with_defaults(relayed(response.headers), _JSON), body, lease)
-
-    async def _relay_stream(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
-        job = self._job
-        trace = job.trace
-        cycle = out.cycle
-        headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
-        headers.append(_instance_header(lease))
-        out.start(200, headers)  # at once, as the instance sent its own: a client may time its wait
-        relay = StreamRelay(cycle.body_writer(), lambda: self._first_token(job),
-                            cycle.chunk_passer(*PASS_TAIL))
-        error: str | None = None
-        try:
-            while not await self._upstream.relay(response, relay, relay.passer):
-                await cycle.writable()  # the client is slow: the instance waits with it
-        except UpstreamFailure as exc:
-            error = exc.reason
-            if job.spans is not None:
-                job.spans.error = error
-        self._account(lease, error is None)
-        trace.forward_end_ms = now_ms()
-        # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
-        # What the relay held goes first, in the same write: the events before the instance's
-        # [DONE] (also when the stream failed after it), or a line the end cut short (not after
-        # a failure, where the cut meta event must not merge into it).
-        if error is None:
-            final = relay.flush() + meta_event(trace, job.knowledge.error, job.knowledge) + DONE_EVENT
-        else:
-            final = (relay.flush() if relay.saw_done else b"") + cut_meta_event(trace, error, job.knowledge)
-        lease.release()  # before the end of the stream leaves, as for a whole answer
-        cycle.end(final)
-
-    async def _relay_whole(self, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
-        job = self._job
-        trace = job.trace
-        try:
-            body = await self._upstream.read_all(response)
-        except UpstreamFailure as exc:
-            self._account(lease, False)
-            out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
-            return
-        self._account(lease, True)
-        trace.forward_end_ms = now_ms()
-        body, kept = meta_spliced(body, encode_meta(trace, job.knowledge.error, job.knowledge))
-        headers = relayed(response.headers)
-        # The instance's content type describes its JSON object, still there; a wrapped answer
-        # is the proxy's JSON.
-        headers = with_defaults(headers, _JSON) if kept else replaced(headers, _JSON)
-        out.whole(200, headers, body, lease)
-
-    def _account(self, lease: Lease, ok: bool) -> None:
-        if ok:
-            self._router.outliers.succeeded((lease.instance.slot, lease.instance.generation))
-        else:
-            self._failed(lease)
-
-    def _failed(self, lease: Lease) -> None:
-        """A failure the client did not cause; the line when it ejects the instance (rare, so
-        logged: with JSON logs it carries the id of the request that tipped it)."""
-        instance = lease.instance
-        outliers = self._router.outliers
-        if outliers.failed((instance.slot, instance.generation)):
-            metrics.ejected(instance.instance_id)
-            log.warning("instance %s ejected from this worker's candidates for %.0fs after %d "
-                        "failures in a row", instance.instance_id, outliers.eject_s, outliers.threshold)
+            return refused(self._upstream, self._router, lease, exc, path, out, self._can_retry)
+        return await relay_answer(self._upstream, self._router, response, out, lease, trace,
+                                  job.knowledge, request.stream, lambda: self._first_token(job),
+                                  self._can_retry, spans)
 
     def _first_token(self, job: Job) -> None:
-        trace = job.trace
-        now = now_ms()
-        trace.first_token_ms = now
-        trace.actual_ttft_ms = ttft = now - trace.proxy_recv_ms
-        metrics.observe_ttft(job.request.endpoint.route, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
-        # Always known here: forward() runs only once admitted to ready, and both admission
-        # paths (pipeline._without_waiting, pipeline._admit) set ready_dequeue_ms first.
-        trace.actual_vllm_ttft_ms = trace.actual_vllm_internal_ms = now - trace.forward_start_ms
-        if trace.proxy_enqueue_ms is not None:
-            trace.actual_total_ms = now - trace.proxy_enqueue_ms
-        if job.predicted_first_token_ms is not None:
-            trace.predict_error_ms = int(now - job.predicted_first_token_ms)
-        self._pipeline.first_token(job)
-        trace.decode_start_ms = now  # decode starts with the first token
+        first_token_seen(job.trace, job.request.endpoint.route, job.predicted_first_token_ms)
+        self._pipeline.first_token(job.key)
+
+
+# --- what both paths do (this exchange and the lean one, plain_path.py) ----------------------
+def chosen(lease: Lease, trace: Trace, out: Responder) -> None:
+    """The trace and the answer learn the instance a selection chose, and how."""
+    age = lease.snapshot_age_ms
+    if age is not None:
+        trace.snapshot_age_ms = tenths(age)
+    trace.instance_id = out.instance_id = lease.instance.instance_id
+    choice = lease.choice
+    if choice.guard is not None:  # kv_aware
+        trace.affinity_guard = choice.guard.fired
+        trace.affinity_saved_ms = tenths(choice.affinity.saved_ms)  # type: ignore[union-attr]
+        predicted = choice.prediction.total_ms  # type: ignore[union-attr]
+        trace.route_predicted_ttft_ms = None if predicted is None else tenths(predicted)
+
+
+def can_retry(router: Router, attempt: int, retries: int, tried: Slots) -> bool:
+    """After attempt `attempt` (from 0) failed: another is allowed, and there is an instance
+    outside `tried` to make it on."""
+    return attempt < retries and router.has_alternative(tried)
+
+
+def note_outcome(router: Router, lease: Lease, ok: bool) -> None:
+    if ok:
+        router.outliers.succeeded((lease.instance.slot, lease.instance.generation))
+    else:
+        note_failure(router, lease)
+
+
+def note_failure(router: Router, lease: Lease) -> None:
+    """A failure the client did not cause; the line when it ejects the instance (rare, so
+    logged: with JSON logs it carries the id of the request that tipped it)."""
+    instance = lease.instance
+    outliers = router.outliers
+    if outliers.failed((instance.slot, instance.generation)):
+        metrics.ejected(instance.instance_id)
+        log.warning("instance %s ejected from this worker's candidates for %.0fs after %d "
+                    "failures in a row", instance.instance_id, outliers.eject_s, outliers.threshold)
+
+
+async def relay_error(upstream: Upstream, response: UpstreamResponse, out: Responder, lease: Lease) -> None:
+    """Upstream 4xx/5xx keep their status, headers and body."""
+    try:
+        body = await upstream.read_all(response)
+    except UpstreamFailure as exc:
+        out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
+        return
+    out.whole(response.status, with_defaults(relayed(response.headers), _JSON), body, lease)
+
+
+def refused(upstream: Upstream, router: Router, lease: Lease, exc: BaseException, path: str,
+            out: Responder, may_retry: Callable[[], bool]) -> bool:
+    """No answer head came (`exc`, one of SEND_FAILURES): True to try another instance (nothing
+    reached this one, and `may_retry()`), else the refusal answered."""
+    instance = lease.instance
+    refusal = upstream.refusal(exc, instance.host, instance.port, path)
+    note_failure(router, lease)
+    if refusal.code == "upstream_unavailable" and may_retry():
+        return True
+    out.error(refusal, lease)
+    return False
+
+
+async def relay_answer(upstream: Upstream, router: Router, response: UpstreamResponse, out: Responder,
+                       lease: Lease, trace: Trace, knowledge: Knowledge, stream: bool,
+                       on_first: Callable[[], None], may_retry: Callable[[], bool],
+                       spans: Any = None) -> bool:
+    """The instance's answer, its head come: True to try another instance (a 502 or 503, nothing
+    sent yet, and `may_retry()`); else relayed (an error as it is, a stream as it comes, a JSON
+    answer whole with the meta), and False."""
+    status = response.status
+    if spans is not None:
+        spans.answer_head(status)
+    if status < 400 and lease.claim is not None:
+        lease.claim.prompt_taken()
+    if status >= 500:
+        note_failure(router, lease)
+        if status in _RETRY_STATUSES and may_retry():
+            response.close()
+            return True
+    finished = False
+    try:
+        if status >= 400:
+            await relay_error(upstream, response, out, lease)
+        elif stream:
+            await relay_stream(upstream, router, response, out, lease, trace, on_first, knowledge, spans)
+        else:
+            await relay_whole(upstream, router, response, out, lease, trace, knowledge)
+        finished = True
+    finally:
+        # A fully read response goes back to the pool; anything else (cancelled, failed)
+        # closes the connection so the instance stops work on it.
+        response.release() if finished and response.at_eof() else response.close()
+    return False
+
+
+async def relay_whole(upstream: Upstream, router: Router, response: UpstreamResponse, out: Responder,
+                      lease: Lease, trace: Trace, knowledge: Knowledge) -> None:
+    """The instance's JSON answer, read whole, to the client with `cacheroute_meta` spliced in."""
+    try:
+        body = await upstream.read_all(response)
+    except UpstreamFailure as exc:
+        note_failure(router, lease)
+        out.json(502, {"error": "upstream_failed", "detail": exc.reason}, lease)
+        return
+    note_outcome(router, lease, True)
+    trace.forward_end_ms = now_ms()
+    body, kept = meta_spliced(body, encode_meta(trace, knowledge.error, knowledge))
+    headers = relayed(response.headers)
+    # The instance's content type describes its JSON object, still there; a wrapped answer
+    # is the proxy's JSON.
+    headers = with_defaults(headers, _JSON) if kept else replaced(headers, _JSON)
+    out.whole(200, headers, body, lease)
+
+
+async def relay_stream(upstream: Upstream, router: Router, response: UpstreamResponse, out: Responder,
+                       lease: Lease, trace: Trace, on_first: Callable[[], None],
+                       knowledge: Knowledge = EMPTY_KNOWLEDGE, spans: Any = None) -> None:
+    """The instance's stream to the client as it comes (`on_first` at its first piece), then
+    `cacheroute_meta` and `[DONE]`; the lease ends before the end leaves."""
+    cycle = out.cycle
+    headers = with_defaults(relayed(response.headers), _SSE, _NO_CACHE)
+    headers.append(_instance_header(lease))
+    out.start(200, headers)  # at once, as the instance sent its own: a client may time its wait
+    relay = StreamRelay(cycle.body_writer(), on_first, cycle.chunk_passer(*PASS_TAIL))
+    error: str | None = None
+    try:
+        while not await upstream.relay(response, relay, relay.passer):
+            await cycle.writable()  # the client is slow: the instance waits with it
+    except UpstreamFailure as exc:
+        error = exc.reason
+        if spans is not None:
+            spans.error = error
+    note_outcome(router, lease, error is None)
+    trace.forward_end_ms = now_ms()
+    # [DONE] only after a clean end, so a client can tell a truncated stream from a whole one.
+    # What the relay held goes first, in the same write: the events before the instance's
+    # [DONE] (also when the stream failed after it), or a line the end cut short (not after
+    # a failure, where the cut meta event must not merge into it).
+    if error is None:
+        final = relay.flush() + meta_event(trace, knowledge.error, knowledge) + DONE_EVENT
+    else:
+        final = (relay.flush() if relay.saw_done else b"") + cut_meta_event(trace, error, knowledge)
+    lease.release()  # before the end of the stream leaves, as for a whole answer
+    cycle.end(final)
+
+
+def first_token_seen(trace: Trace, route: str, predicted_first_token_ms: float | None) -> None:
+    """A stream's first piece came: its times in the trace, its TTFT in the metrics."""
+    now = now_ms()
+    trace.first_token_ms = now
+    trace.actual_ttft_ms = ttft = now - trace.proxy_recv_ms  # type: ignore[operator]
+    metrics.observe_ttft(route, trace.instance_id or metrics.NO_INSTANCE, ttft / 1000)
+    # Always known here: forward() runs only once admitted to ready, and every admission path
+    # (pipeline.admit_plain, _without_waiting, _admit) sets ready_dequeue_ms first.
+    trace.actual_vllm_ttft_ms = trace.actual_vllm_internal_ms = now - trace.forward_start_ms  # type: ignore[operator]
+    if trace.proxy_enqueue_ms is not None:
+        trace.actual_total_ms = now - trace.proxy_enqueue_ms
+    if predicted_first_token_ms is not None:
+        trace.predict_error_ms = int(now - predicted_first_token_ms)
+    trace.decode_start_ms = now  # decode starts with the first token
 
 
 def with_meta(body: bytes, meta: bytes) -> bytes:

@@ -40,7 +40,7 @@ from .refusals import instance_left, queue_full, queue_timeout
 from .release_order import ReleaseOrder, Ticket
 from .request_model import ProxyRequest
 from .router import Lease
-from .trace import Knowledge, Trace, tenths
+from .trace import EMPTY_KNOWLEDGE, Knowledge, Trace, tenths
 
 T = TypeVar("T")
 
@@ -94,7 +94,7 @@ class Pipeline:
         # one read for the booking (LoadView.booking); without one, the pressure and a batch of 1.
         self._booking_of = booking_of or (lambda instance, now_us: (pressure_of(instance), 1))
         self._stages: dict[tuple[int, int], InstanceStages] = {}
-        self.plain_path = 0  # requests that took the lean path (_admit_plain)
+        self.plain_path = 0  # attempts admitted the lean way (admit_plain)
         # Other workers' releases wake this worker's waiters by its bell, or are polled for.
         self.bells = bells
         self._poll_s = POLL_S if bells is None else POLL_S_WITH_BELLS
@@ -128,15 +128,18 @@ class Pipeline:
         return stages
 
     def admit_at_once(self, lease: Lease, job: Job) -> bool:
-        """The lean path (`_admit_plain`): True when a plain request was admitted at once; the
-        caller then forwards it and calls `forwarded` after, with no frame of the pipeline's
-        between the two. False, with nothing done: `run_admitted` takes the request."""
+        """The lean path (`admit_plain`) for a request the exchange runs: True when a plain
+        request was admitted at once; the caller then forwards it and calls `forwarded` after,
+        with no frame of the pipeline's between the two. False, with nothing done:
+        `run_admitted` takes the request."""
         job.book_when_sent = False
         if job.request.knowledge is not None:
             return False
-        job.stages = self._stages_for(lease)
-        if not self._admit_plain(lease, job.stages, job):
+        admitted = self.admit_plain(lease, job.trace)
+        if admitted is None:
             return False
+        job.stages, job.key = admitted
+        job.prepared = job.book_when_sent = True
         self._forwarding(lease, job)
         return True
 
@@ -191,42 +194,46 @@ class Pipeline:
                 self._events.complete(job.key, True)
             raise
 
-    def _admit_plain(self, lease: Lease, stages: InstanceStages, job: Job) -> bool:
+    def admit_plain(self, lease: Lease, trace: Trace) -> tuple[InstanceStages, int] | None:
         """The lean path of a request with no knowledge: when nothing of this worker's waits for
         the instance (no turn to keep, nobody queued for admission) and the instance admits it
-        at once, it is released, reserved and admitted here, with the trace and events of the
-        full path's no-wait case but none of its machinery. False, with nothing done,
-        otherwise: the full path runs."""
+        at once, it is released, reserved and admitted here, with the trace of the full path's
+        no-wait case but none of its machinery: the instance's stages and the request's event
+        key. The caller books it once sent (`book`) and gives its place back after
+        (`leave_ready`). None, with nothing done, otherwise: the full path runs."""
+        stages = self._stages_for(lease)
         if stages.queued or stages.admission.busy or not stages.order.settled:
-            return False
+            return None
         if lease.try_admit(layout.LANE_READY_ACTIVE, self._settings.ready_concurrency) \
                 is not Admission.ADMITTED:
-            return False
+            return None
         self.plain_path += 1
-        trace = job.trace
         # One instant: entered, prepared (nothing to do), released and admitted in one step.
         trace.proxy_enqueue_ms = trace.prepare_dequeue_ms = trace.prepare_start_ms = \
             trace.prepare_self_done_ms = trace.ready_enqueue_ms = trace.ready_dequeue_ms = now_ms()
         trace.prepare_seq = stages.order.pass_through(trace)
-        job.prepared = True
-        job.key = self._events.new_key()
-        job.book_when_sent = True
         _take_ready_place(stages, trace)
-        return True
+        return stages, self._events.new_key()
 
     def forwarded(self, lease: Lease, job: Job, failed: bool) -> None:
         """After the forward (`failed`: it raised) of a request admitted on `lease`'s instance:
-        the ready place, the lane and the request's timeline entry given back, and the next
-        waiter for admission woken. The caller's when `admit_at_once` admitted it."""
-        stages = job.stages
-        stages.ready_places.discard(job.trace.ready_worker_idx)  # type: ignore[arg-type]
+        `leave_ready`. The caller's when `admit_at_once` admitted it."""
+        self.leave_ready(lease, job.stages, job.trace.ready_worker_idx, job.key, failed,
+                         booked=not job.book_when_sent)
+
+    def leave_ready(self, lease: Lease, stages: InstanceStages, place: int | None, key: int,
+                    failed: bool, booked: bool) -> None:
+        """The ready place (`place`, the trace's ready_worker_idx) and the lane given back, the
+        next waiter for admission woken, and the request's timeline entry (`key`) ended if it
+        was `booked` (else it never left, and the sidecar never heard of it)."""
+        stages.ready_places.discard(place)  # type: ignore[arg-type]
         lease.leave(layout.LANE_READY_ACTIVE)
         stages.admission.wake()
         bells = self.bells
         if bells is not None and bells.others_wait(lease.instance, len(stages.admission)):
             bells.ring_others(lease.instance.slot)
-        if not job.book_when_sent:  # else it never left, and the sidecar never heard of it
-            self._events.complete(job.key, failed)
+        if booked:
+            self._events.complete(key, failed)
 
     def _forwarding(self, lease: Lease, job: Job) -> None:
         """The instance is about to hold the request's prompt prefix (vLLM's prefix cache keeps
@@ -253,8 +260,9 @@ class Pipeline:
             self._affinity.prepared(lease.instance, job.request, lease.claim,
                                     knowledge.kv_ready_kids if knowledge.kv_ack.get("ok") else ())
 
-    def first_token(self, job: Job) -> None:
-        self._events.first_token(job.key)
+    def first_token(self, key: int) -> None:
+        """The request of event key `key` saw its first token."""
+        self._events.first_token(key)
 
     # --- stages ------------------------------------------------------------------------------
     def _without_waiting(self, lease: Lease, stages: InstanceStages, job: Job,
@@ -360,9 +368,13 @@ class Pipeline:
         self._book(lease, job)
 
     def _book(self, lease: Lease, job: Job) -> None:
-        """Tell the sidecar the request is released to ready, with its predicted service (and
-        the trace, what was predicted)."""
-        request, trace, knowledge = job.request, job.trace, job.knowledge
+        job.predicted_first_token_ms = self.book(lease, job.request, job.trace, job.key, job.knowledge)
+
+    def book(self, lease: Lease, request: ProxyRequest, trace: Trace, key: int,
+             knowledge: Knowledge = EMPTY_KNOWLEDGE) -> float | None:
+        """Tell the sidecar the request of event key `key` is released to ready, with its
+        predicted service (and the trace, what was predicted); when its first token is
+        predicted (wall ms), if a fresh snapshot allowed it."""
         predictors = self._predictors
         knowledge_tokens = request.knowledge.knowledge_tokens if request.knowledge else 0
         if knowledge.prefix_tokens:  # the instance holds the knowledge's KV: pull + residual prefill
@@ -379,15 +391,17 @@ class Pipeline:
         decode = predictors.decode_ms(request.prompt_tokens + knowledge_tokens, request.decode_tokens, batch)
         trace.predict_service_ms = tenths(service)
         trace.predict_decode_ms = tenths(decode)
-        know_prepare = trace.ready_enqueue_ms - (trace.proxy_enqueue_ms or trace.ready_enqueue_ms)
+        know_prepare = trace.ready_enqueue_ms - (trace.proxy_enqueue_ms or trace.ready_enqueue_ms)  # type: ignore[operator]
         trace.actual_know_prepare_ms = know_prepare
+        predicted = None
         if ready_wait is not None:
             trace.predict_queue_wait_ms = tenths(ready_wait)
             trace.predict_total_ms = tenths(know_prepare + ready_wait + service)
-            job.predicted_first_token_ms = now_us / 1000 + ready_wait + service
-            trace.pred_first_token_ts_ms = int(job.predicted_first_token_ms)
-        self._events.reserve(job.key, lease.instance.slot, lease.instance.generation, service,
+            predicted = now_us / 1000 + ready_wait + service
+            trace.pred_first_token_ts_ms = int(predicted)
+        self._events.reserve(key, lease.instance.slot, lease.instance.generation, service,
                              decode, request.decode_tokens, request.prompt_tokens, now_us)
+        return predicted
 
     async def _admit(self, lease: Lease, stages: InstanceStages, job: Job) -> None:
         limit = self._settings.ready_concurrency

@@ -136,6 +136,12 @@ class Router:
         self._directory_snapshot = self.view.directory.snapshot
         self.outliers = OutlierTracker(settings.eject_after_failures, settings.eject_s)
 
+    @property
+    def weighs_prompts(self) -> bool:
+        """The choice hashes a request's prompt and claims what it brings (kv_aware with its
+        index): the request needs the exchange's affinity work around the forward."""
+        return self._kv_aware
+
     def choose(self, exclude: Slots = frozenset(), request: ProxyRequest | None = None) -> InstanceSlot:
         return self._choose(exclude, request).instance
 

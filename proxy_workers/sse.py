@@ -12,7 +12,7 @@ from typing import Callable
 
 from cacheroute_proxy.http1.chunk_pass import ChunkPasser
 
-from .trace import Knowledge, Trace, encode_meta
+from .trace import EMPTY_KNOWLEDGE, Knowledge, Trace, encode_meta
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _MARKER = b"[DONE]"
@@ -105,7 +105,7 @@ class StreamRelay(DoneStripper):
 
 def meta_event(trace: Trace, error: str | None, knowledge: Knowledge | None = None) -> bytes:
     """The stream's `cacheroute_meta` event (without knowledge: its lists and ack empty)."""
-    meta = encode_meta(trace, error, knowledge if knowledge is not None else Knowledge())
+    meta = encode_meta(trace, error, knowledge if knowledge is not None else EMPTY_KNOWLEDGE)
     return b"event: cacheroute_meta\ndata: " + meta + b"\n\n"
 
 

@@ -131,8 +131,22 @@ def tenths(value: float) -> float:
     return round(value * 10) / 10
 
 
-def encode_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
-    """`cacheroute_meta` as JSON bytes: the trace and what preparation found and did."""
+def _encoded_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
     return _encoder.encode(Meta(trace, knowledge.kv_ack, knowledge.kv_ready_kids,
                                 knowledge.text_only_kids, knowledge.miss_kids, error,
                                 knowledge.resident_kids))
+
+
+# A request without knowledge (the lean path's; `Pipeline.book`'s default): read, never written.
+EMPTY_KNOWLEDGE = Knowledge()
+# The meta of such a request without error, around its trace: built once, not a Meta and its
+# members for every request.
+_PLAIN_HEAD = b'{"trace":'
+_PLAIN_TAIL = _encoded_meta(Trace(), None, EMPTY_KNOWLEDGE)[len(_PLAIN_HEAD) + 2:]
+
+
+def encode_meta(trace: Trace, error: str | None, knowledge: Knowledge) -> bytes:
+    """`cacheroute_meta` as JSON bytes: the trace and what preparation found and did."""
+    if knowledge is EMPTY_KNOWLEDGE and error is None:
+        return _PLAIN_HEAD + _encoder.encode(trace) + _PLAIN_TAIL
+    return _encoded_meta(trace, error, knowledge)

@@ -75,6 +75,17 @@ def test_every_field_encodes_under_its_wire_name_in_lifecycle_order():
     assert list(meta["trace"].values()) == list(range(1, len(TRACE_KEYS) + 1))
 
 
+def test_the_meta_of_a_request_without_knowledge_is_the_same_bytes_built_once():
+    """encode_meta builds the members of EMPTY_KNOWLEDGE's meta once; they must be what a
+    Meta of an empty Knowledge encodes to, and an error or any knowledge takes the general way."""
+    from proxy_workers.trace import EMPTY_KNOWLEDGE
+
+    trace = Trace(**{name: i + 1 for i, name in enumerate(TRACE_KEYS)})
+    assert encode_meta(trace, None, EMPTY_KNOWLEDGE) == encode_meta(trace, None, Knowledge())
+    assert _decoded(encode_meta(trace, "cut", EMPTY_KNOWLEDGE))["error"] == "cut"
+    assert EMPTY_KNOWLEDGE == Knowledge()  # read, never written
+
+
 def test_a_field_never_set_is_absent_and_a_zero_is_present():
     trace = Trace(proxy_recv_ms=1700000000000, worker="w0-pid1", request_id=0)
     trace.kdn_link_wait_ms = 0
@@ -400,7 +411,8 @@ def test_a_plain_request_takes_the_lean_path_and_reports_what_the_pipeline_would
     plane, pipeline, upstream, row = _plane(segment)
     status, body = asyncio.run(_serve(plane, _plain_body(stream)))
     assert status == 200 and upstream.opened[0] != upstream.opened[1]  # retried elsewhere
-    assert pipeline.plain_path == 2  # both attempts went the lean way
+    assert pipeline.plain_path == 2  # both attempts were admitted the lean way...
+    assert plane.plain.served == 1  # ...by the lean path (plain_path.py), not the exchange
     lean = meta_of(body) if stream else json.loads(body)["_cacheroute_meta"]
     lean_events = _events_of(segment, row)
     kinds = [kind for kind, _, _ in lean_events]
@@ -411,7 +423,7 @@ def test_a_plain_request_takes_the_lean_path_and_reports_what_the_pipeline_would
     # same events for the sidecar, but for the refused attempt's booking and its failure.
     with fresh_segment() as other:
         full_plane, full_pipeline, _, full_row = _plane(other)
-        full_pipeline._admit_plain = lambda *args: False  # type: ignore[method-assign]
+        full_pipeline.admit_plain = lambda *args: None  # type: ignore[method-assign]
         _, full_body = asyncio.run(_serve(full_plane, _plain_body(stream)))
         full_events = _events_of(other, full_row)
     full = meta_of(full_body) if stream else json.loads(full_body)["_cacheroute_meta"]
@@ -471,7 +483,62 @@ def test_a_requests_decode_is_predicted_for_the_batch_it_joins(segment):
 def test_a_scheduler_request_keeps_the_full_pipeline(segment):
     plane, pipeline, _, _ = _plane(segment, injection_strategy="iws")
     status, _ = asyncio.run(_serve(plane, _scheduler_body(stream=False)))
-    assert status == 200 and pipeline.plain_path == 0
+    assert status == 200 and pipeline.plain_path == 0 and plane.plain.served == 0
+
+
+@pytest.mark.parametrize("strategy, spans, lean", [
+    ("least_load", False, True), ("round_robin", False, True),
+    ("kv_aware", False, False),  # it hashes the prompt and claims what the request brings
+    ("least_load", True, False),  # spans: the exchange opens one per attempt
+])
+def test_which_plain_requests_take_the_lean_path(segment, strategy, spans, lean):
+    from proxy_workers.plain_path import PlainPath
+    from proxy_workers.request_model import recover
+    from proxy_workers.server import assemble
+
+    settings = Settings(instance_strategy=strategy, shm_name=segment.name)
+    ctx = assemble(settings, segment, WorkerRow.claim(segment, 0), 0, object() if spans else None).ctx
+    path = PlainPath(ctx.router, ctx.pipeline, ctx.upstream, 1, spans=ctx.tracing is not None)
+    assert path.takes(recover(Endpoint.CHAT, _plain_body(stream=True))) is lean
+    assert path.takes(recover(Endpoint.CHAT, _scheduler_body(stream=False))) is False  # knowledge
+
+
+def test_a_plain_request_its_instance_makes_wait_waits_in_the_pipeline_on_the_same_choice(segment):
+    """Every ready place of both instances held by another worker: the lean path hands the
+    request, with the instance it chose, to the exchange, whose pipeline waits for a place;
+    one frees and the request is served there, its wait in the trace."""
+    from shm_schema import layout
+
+    plane, pipeline, upstream, row = _plane(segment, ready_concurrency=1)
+    upstream.opened.append(0)  # no refused first connection here: nothing fails
+    other = WorkerRow.claim(segment, 1)
+    instances = DirectoryReader(segment).snapshot().alive
+    for instance in instances:
+        assert other.try_admit(layout.LANE_READY_ACTIVE, instance.slot, instance.generation, 1).name == "ADMITTED"
+
+    router = plane.plain.router
+    choices: list[str] = []
+
+    def acquire(*args: Any) -> Lease:
+        lease = Router.acquire(router, *args)
+        choices.append(lease.instance.instance_id)
+        return lease
+
+    router.acquire = acquire  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[int, bytes]:
+        loop = asyncio.get_running_loop()
+        for instance in instances:
+            loop.call_later(0.05, other.remove, layout.LANE_READY_ACTIVE, instance.slot, instance.generation)
+        return await _serve(plane, _plain_body(stream=False))
+
+    status, body = asyncio.run(scenario())
+    trace = json.loads(body)["_cacheroute_meta"]["trace"]
+    assert status == 200 and plane.plain.served == 1 and pipeline.plain_path == 0
+    assert len(upstream.opened) == 2 and "retries" not in trace  # one attempt...
+    assert choices == [trace["instance_id"]]  # ...on the one choice made
+    assert trace["ready_dequeue_ms"] - trace["ready_enqueue_ms"] >= 40
+    assert row.release() == {}  # the lease and every lane given back
 
 
 def test_a_streams_last_events_its_meta_and_done_leave_in_one_write(segment):
@@ -503,7 +570,7 @@ def test_an_instance_that_left_while_the_request_waited_leaves_it_to_another(seg
 
     plane, pipeline, upstream, _ = _plane(segment)
     upstream.opened.append(0)  # no refused connection here: the instance leaving is the failure
-    pipeline._admit_plain = lambda *args: False  # type: ignore[method-assign]
+    pipeline.admit_plain = lambda *args: None  # type: ignore[method-assign]
     admitted = Lease.try_admit
     asked: list[str] = []
 

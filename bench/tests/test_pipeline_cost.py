@@ -18,7 +18,7 @@ def test_a_short_run_measures_every_variant_and_removes_what_it_made(tmp_path: P
     cold = json.loads(out.read_text())["cold"]
     assert set(cold) == set(results) and all(r["median_us"] > 0 for r in cold.values())
     assert cold["full"]["part_us"] is None and cold["relay floor"]["part_us"] is not None
-    assert set(results) == {"full", "without metrics", "without events", "without meta",
+    assert set(results) == {"full", "exchange", "without metrics", "without events", "without meta",
                             "without predictions", "without disconnect watch", "without admission",
                             "relay floor"}
     assert all(r["median_us"] > 0 for r in results.values())
