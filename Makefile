@@ -88,6 +88,12 @@ bench: $(STAMP)
 	$(PY) -m bench.pipeline_cost --out bench/results/pipeline_cost.json
 	$(PY) -m bench.bench_prefix_keys --out bench/results/prefix_keys.json
 
+# bench/pipeline_cost.py's variants counted in instructions a request by callgrind, which a noisy
+# machine does not move (~10 min; VARIANTS=full,exchange,...: those only).
+bench-instructions: $(STAMP)
+	command -v valgrind >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind)
+	$(PY) -m bench.instructions --out bench/results/instructions.json $(call from_command_line,VARIANTS,--variants)
+
 # The proxy at rest: its tree's CPU over 60 s without traffic (BASELINE=<git ref>: that ref too,
 # interleaved).
 bench-idle: $(STAMP)

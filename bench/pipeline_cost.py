@@ -189,12 +189,18 @@ class Worker:
 @contextlib.asynccontextmanager
 async def canned_worker() -> AsyncIterator[Worker]:
     """A Worker over two canned upstreams on this loop; all of it closed afterwards."""
+    from proxy_workers.server import settle_collector
+
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(CannedUpstream, "127.0.0.1", 0) for _ in range(2)]
     worker = Worker([s.sockets[0].getsockname()[1] for s in servers])
+    thresholds = gc.get_threshold()
+    settle_collector()  # the collector as a worker sets it: what a request allocates weighs as there
     try:
         yield worker
     finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
         worker.close()
         for server in servers:
             server.close()
@@ -208,6 +214,10 @@ def a_cycle(connection: Any = None) -> Any:
     cycle.feed(BODY)
     cycle.end_of_body()
     return cycle
+
+
+VARIANTS = ("full", "exchange", "without metrics", "without events", "without meta", "without predictions",
+            "without disconnect watch", "without admission", "relay floor")
 
 
 def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
@@ -238,9 +248,9 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
     def admitted_plain(self: Any, lease: Any, trace: Any) -> tuple[Any, int]:
         trace.proxy_enqueue_ms = trace.ready_enqueue_ms = 0  # read by the booking and the forward
         return self._stages_for(lease), 0
-    return {
+    runs = {
         "full": (worker.full, contextlib.nullcontext),
-        # the same request through the exchange, as every request went before the lean path
+        # the same request through the exchange, as one the lean path does not take goes
         "exchange": (worker.full, lambda: replaced(plain_path.PlainPath, "takes", lambda self, request: False)),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
@@ -250,6 +260,8 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
         "without admission": (worker.full, lambda: _without_admission(pipeline.Pipeline, admitted, admitted_plain, nothing)),
         "relay floor": (worker.floor, contextlib.nullcontext),
     }
+    assert tuple(runs) == VARIANTS
+    return runs
 
 
 @contextlib.contextmanager

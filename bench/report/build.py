@@ -486,6 +486,7 @@ def build(results_dir: Path, out: Path, charts_dir: Path | None) -> tuple[str, l
         ("select.json", others.select_section),
         ("pipeline_cost.json", others.pipeline_cost_section),
         ("pipeline_cost_metrics_ab.json", others.pipeline_cost_ab_section),
+        ("instructions.json", others.instructions_section),
         *((name, lambda d, name=name: flow_profile.section(d, name)) for name in flow_profile.FILES),
         ("prefix_keys.json", others.prefix_keys_section),
         ("events.json", others.events_section),

@@ -1,6 +1,7 @@
 """Sections for the results files in their own shapes: the selection path
 (bench/results/select.json, bench/bench_select.py), a worker's own CPU per request
-(pipeline_cost.json, bench/pipeline_cost.py, and pipeline_cost_metrics_ab.json, an A/B of it),
+(pipeline_cost.json, bench/pipeline_cost.py, pipeline_cost_metrics_ab.json, an A/B of it, and
+instructions.json, bench/instructions.py, its variants in instructions),
 naming a chat prompt's blocks as the engine does (prefix_keys.json, bench/bench_prefix_keys.py),
 the sidecar's event cost (events*.json, bench/bench_events.py), predicted pressure
 (pressure.json and pressure_vllm.json, bench/bench_pressure.py: simulated instances, and real
@@ -162,6 +163,26 @@ def _pressure(title: str, file_name: str, data: dict[str, Any]) -> str:
         parts.append(f"Load average at the start: {num(data['loadavg_at_start'])}")
     if data.get("loadavg"):
         parts.append(f"Load average at the end: {num(data['loadavg'])}")
+    return "\n\n".join(p for p in parts if p)
+
+
+def instructions_section(data: dict[str, Any]) -> str:
+    """bench/results/instructions.json (bench/instructions.py): pipeline_cost's variants counted
+    in instructions a request by callgrind, which the machine's load does not move."""
+    results = data.get("results") or {}
+    full = (results.get("full") or {}).get("per_request")
+    floor = (results.get("relay floor") or {}).get("per_request")
+    product = None if full is None or floor is None else full - floor
+    rows = [[name, num(r.get("per_request")), DASH if r.get("part") is None else num(r["part"]),
+             DASH if r.get("part") is None or not product else f"{num(100 * r['part'] / product)} %"]
+            for name, r in results.items()]
+    parts = ["## A worker's own instructions per request (callgrind)",
+             *blocks.header_blocks(data, "instructions.json")]
+    if rows:
+        parts.append(f"Instructions a request, {num(data.get('requests'))} requests between the two runs "
+                     f"of each variant; the product's own (full − relay floor): {num(product)}:\n\n" +
+                     table(["variant", "instructions a request", "full − this", "of the product's own"], rows))
+    parts.append(blocks.method(data))
     return "\n\n".join(p for p in parts if p)
 
 
