@@ -7,8 +7,8 @@ watch, `cacheroute_meta`, the metrics -- with the same parts (Router, Pipeline.a
 book / leave_ready, Upstream) and the same trace and events (tests/test_trace.py holds the
 two paths to it), but without the exchange's layers: no Job, no frame per stage, no meta
 object built for knowledge it does not have. Each frame a request's task passes through is
-paid again at each of its resumptions, each object at each request: on a proxy whose own work
-is a few tens of microseconds a request, those layers were most of it (bench/hotpath.py).
+paid again at each of its resumptions, each object at each request; what the layers cost is
+the `exchange` variant of bench/instructions.py and bench/pipeline_cost.py (BENCHMARKS.md).
 
 What the lean path does not take: knowledge or a Scheduler body (the pipeline prepares it),
 kv_aware (it hashes the prompt and claims what the request brings), spans (OpenTelemetry:
@@ -33,6 +33,7 @@ from .request_model import ProxyRequest
 from .router import Lease, Router, Slots
 from .trace import EMPTY_KNOWLEDGE, Trace
 from .upstream import SEND_FAILURES, Upstream
+
 
 class PlainPath:
     """A worker's lean path: which requests it takes, and what it runs them with."""
