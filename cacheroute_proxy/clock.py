@@ -5,12 +5,12 @@ are compared by readers against their own clock."""
 
 from __future__ import annotations
 
-import time
+from time import time_ns
 
 
 def now_ms() -> int:
-    return int(time.time() * 1000)
+    return time_ns() // 1_000_000  # (cheaper than int(time.time() * 1000), and exact)
 
 
 def now_us() -> int:
-    return time.time_ns() // 1000  # (cheaper than int(time.time() * 1e6), and exact)
+    return time_ns() // 1000

@@ -56,6 +56,10 @@ class Upstream:
         self._dropped = request_dropped(replace_authorization=bool(settings.openai_api_key),
                                         replace_trace_context=replace_trace_context)
         self._session: aiohttp.ClientSession | None = None
+        # The last client headers `forwarded` turned into lines, and those lines: a client
+        # sends the same headers request after request, on one connection and on the next.
+        self._last_headers: list[Header] = []
+        self._last_block = b""
         self._pool = Http1Pool(settings.upstream_pool_size, KEEPALIVE_S)
         # Request line and Host per (path, host, port): built once, not per request.
         self._lines: dict[tuple[str, str, int], bytes] = {}
@@ -80,8 +84,13 @@ class Upstream:
 
     def forwarded(self, client_headers: list[Header]) -> bytes:
         """The client's headers that go to the instance (proxy_workers/headers.py), as lines
-        for `send`: computed once per request, whatever the attempts."""
-        return forwarded_block(client_headers, self._dropped)
+        for `send`: computed once per request, whatever the attempts, and not again for the
+        same headers as the last request's."""
+        if client_headers == self._last_headers:
+            return self._last_block
+        block = forwarded_block(client_headers, self._dropped)  # HTTPError: not kept
+        self._last_headers, self._last_block = list(client_headers), block
+        return block
 
     def send(self, host: str, port: int, path: str, body: bytes, headers: bytes = b"",
              sent: Callable[[], None] | None = None) -> Awaitable[UpstreamResponse]:

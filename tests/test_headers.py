@@ -55,6 +55,19 @@ def test_a_value_with_cr_or_lf_is_refused(value):
     assert (refused.value.status, refused.value.code) == (400, "invalid_header")
 
 
+def test_the_same_headers_as_the_last_requests_are_forwarded_as_the_same_lines():
+    upstream = Upstream(Settings())
+    first = upstream.forwarded(CLIENT)
+    assert first == FORWARDED and upstream.forwarded(list(CLIENT)) is first  # not built again
+    other = [*CLIENT[:-1], (b"x-tag", b"three")]
+    assert upstream.forwarded(other) == FORWARDED.replace(b"x-tag: two", b"x-tag: three")
+    with pytest.raises(HTTPError):  # refused, and not kept: refused again
+        upstream.forwarded([(b"x-bad", b"a\r\nb")])
+    with pytest.raises(HTTPError):
+        upstream.forwarded([(b"x-bad", b"a\r\nb")])
+    assert upstream.forwarded(CLIENT) == FORWARDED
+
+
 INSTANCE = [
     (b"date", b"Mon, 01 Jan 2024 00:00:00 GMT"), (b"server", b"uvicorn"),
     (b"content-length", b"120"), (b"content-type", b"application/json"),

@@ -300,6 +300,20 @@ def test_text_service(p70: Predictors) -> None:
         p70.text_service_ms(-1, 0)
 
 
+def test_text_service_is_kept_by_length_and_the_memo_stays_bounded(p70: Predictors,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What text_service_ms keeps is what it computes (asked again, any split of the same
+    total), and the memo starts afresh past TEXT_SERVICE_KEPT lengths."""
+    from proxy_workers.predictors import model
+
+    monkeypatch.setattr(model, "TEXT_SERVICE_KEPT", 8)
+    fresh = Predictors(p70.profile)
+    for tokens in range(0, 400, 7):
+        first = fresh.text_service_ms(tokens, 0)
+        assert first == p70.prefill_ms(tokens + 36) == fresh.text_service_ms(0, tokens)
+        assert len(fresh._text_service) <= 8
+
+
 def test_kvcache_service_composition(p70: Predictors) -> None:
     s = p70.kvcache_service(200, 4000)
     assert isinstance(s, KvcacheService)

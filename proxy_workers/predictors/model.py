@@ -25,6 +25,10 @@ from proxy_workers.predictors.profile import (
     load_profile,
 )
 
+# Prompt lengths whose text prefill a Predictors keeps (text_service_ms): more than the lengths a
+# workload repeats, few enough to stay small; past it the memo starts afresh.
+TEXT_SERVICE_KEPT = 4096
+
 
 class KvcacheService(NamedTuple):
     """Prefill service time of a kvcache-mode request, ms and tokens."""
@@ -53,6 +57,7 @@ class Predictors:
         "_redis_gb_per_token",
         "_redis_intercept",
         "_redis_slope",
+        "_text_service",
         "_tpot_max_bs",
         "_tpot_table",
         "_transfer_mb_per_token",
@@ -91,6 +96,7 @@ class Predictors:
         self._redis_gb_per_token = kv.redis_gb_per_token
         self._transfer_mb_per_token = kv.transfer_mb_per_token
         self._utilisation = kv.link_utilisation
+        self._text_service: dict[int, float] = {}  # text_service_ms by total tokens
 
     def __repr__(self) -> str:
         return f"Predictors(profile={self.profile.name!r})"
@@ -192,7 +198,12 @@ class Predictors:
             raise ValueError("text_service_ms: token counts must be >= 0, got "
                              f"prompt={prompt_tokens!r}, knowledge={knowledge_tokens!r}")
         total = prompt_tokens + knowledge_tokens + self._header
-        return self._prefill_bs1(max(1, total))
+        known = self._text_service.get(total)
+        if known is None:  # a worker books the same few prompt lengths over and over
+            if len(self._text_service) >= TEXT_SERVICE_KEPT:
+                self._text_service.clear()
+            known = self._text_service[total] = self._prefill_bs1(max(1, total))
+        return known
 
     def kvcache_service(self, prompt_tokens: int, knowledge_tokens: int) -> KvcacheService:
         """Prefill service of a kvcache-mode request: the aligned
