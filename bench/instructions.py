@@ -29,9 +29,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.harness.cli import measured, stop_on_sigterm
 from bench.harness.results import Run, tool_versions, write_report
 
 WARM_REQUESTS = 192
+RUN_TIMEOUT_S = 900
 _COLLECTED = re.compile(rb"Collected : (\d+)")
 
 
@@ -56,11 +58,17 @@ def instructions(variant: str, requests: int) -> int:
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                sys.executable, "-m", "bench.instructions", "--drive", variant, str(requests)]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    done = subprocess.run(command, capture_output=True, env=env, timeout=900, check=False)
-    found = _COLLECTED.search(done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"callgrind run of {variant!r} failed ({done.returncode}): "
-                           f"{done.stderr.decode(errors='replace')[-2000:]}")
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env) as child:
+        try:
+            _, stderr = child.communicate(timeout=RUN_TIMEOUT_S)
+        except BaseException:  # interrupted, or too long: the run stops first, removing its segment
+            child.terminate()
+            child.communicate(timeout=60)
+            raise
+    found = _COLLECTED.search(stderr)
+    if child.returncode != 0 or found is None:
+        raise RuntimeError(f"callgrind run of {variant!r} failed ({child.returncode}): "
+                           f"{stderr.decode(errors='replace')[-2000:]}")
     return int(found.group(1))
 
 
@@ -84,19 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--drive", nargs=2, metavar=("VARIANT", "REQUESTS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    stop_on_sigterm()  # unwinds through every `with`: a run's segment is removed, a run is stopped
     if args.drive:  # one run, under valgrind
-        asyncio.run(drive(args.drive[0], int(args.drive[1])))
-        return 0
+        return measured(lambda: asyncio.run(drive(args.drive[0], int(args.drive[1]))), "the run")[1]
     if shutil.which("valgrind") is None:
         print("bench.instructions: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
     from bench import pipeline_cost
     names = [v for v in args.variants.split(",") if v] or list(pipeline_cost.VARIANTS)
     run = Run("bench.instructions", argv)
-    counts = {}
-    for name in names:
-        counts[name] = per_request(name, args.requests)
-        print(f"{name:28s} {counts[name]:12,.0f} instructions a request", flush=True)
+    counts: dict[str, float] = {}
+
+    def count_each() -> None:
+        for name in names:
+            counts[name] = per_request(name, args.requests)
+            print(f"{name:28s} {counts[name]:12,.0f} instructions a request", flush=True)
+    status = measured(count_each, "a callgrind run")[1]
+    if status:
+        return status
     report: dict[str, Any] = {
         **run.record(), "versions": tool_versions(commands=(("valgrind", "--version"),)),
         "requests": args.requests, "results": results(counts),

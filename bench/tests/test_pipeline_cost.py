@@ -86,3 +86,33 @@ def test_instructions_count_what_a_request_executes_under_callgrind(tmp_path: Pa
     assert not {name for name in set(os.listdir("/dev/shm")) - before if "cacheroute_cost" in name}
     text = instructions_section(json.loads(out.read_text()))
     assert "| relay floor |" in text and "100 %" in text
+
+
+def test_an_instructions_run_stopped_by_sigterm_removes_its_segment() -> None:
+    """A run (what valgrind runs) stopped mid-way, as a Ctrl-C or a SIGTERM to the benchmark
+    stops it: it unwinds, says so, and leaves no segment behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    before = set(os.listdir("/dev/shm"))
+
+    def its_segments() -> set[str]:
+        return {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("cacheroute_cost_")}
+
+    run = subprocess.Popen([sys.executable, "-m", "bench.instructions", "--drive", "full", "10000000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not its_segments():
+            assert run.poll() is None and time.monotonic() < deadline, "the run made no segment"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGTERM)
+        out, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 130 and b"interrupted" in out
+    assert not its_segments()
