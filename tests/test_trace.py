@@ -435,11 +435,13 @@ def test_a_plain_request_takes_the_lean_path_and_reports_what_the_pipeline_would
     assert lean_events == full_events[2:]
 
 
-def test_a_plain_request_leaves_no_reference_cycle(segment):
-    """Everything a request made is freed as its last reference goes, retry included: nothing
-    is left for the cyclic collector, whose passes would stall the worker (a job holding a
-    callable that holds the job did, for ~1 % of requests at c1)."""
+@pytest.mark.parametrize("lean", [True, False], ids=["lean path", "exchange"])
+def test_a_plain_request_leaves_no_reference_cycle(segment, lean):
+    """Everything a request made is freed as its last reference goes, retry included, on either
+    path: nothing is left for the cyclic collector, whose passes would stall the worker (a job
+    holding a callable that holds the job did, for ~1 % of requests at c1)."""
     plane, pipeline, upstream, _ = _plane(segment)
+    plane.plain.open = lean
     asyncio.run(_serve(plane, _plain_body(stream=False)))  # warm: what lives on is made
     gc.collect()
     gc.disable()
