@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import re
 import shutil
@@ -46,10 +45,7 @@ async def drive(variant: str, requests: int) -> None:
         worker.publish_snapshot()
         with context():
             for count in (WARM_REQUESTS, requests):
-                for _ in range(count // pipeline_cost.CONCURRENCY):
-                    await asyncio.gather(*(handler(pipeline_cost.a_cycle())
-                                           for _ in range(pipeline_cost.CONCURRENCY)))
-                    worker.drain_events()
+                await pipeline_cost.serve_batches(worker, handler, count // pipeline_cost.CONCURRENCY)
                 gc.collect()
 
 

@@ -221,7 +221,7 @@ VARIANTS = ("full", "exchange", "without metrics", "without events", "without me
 
 
 def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]], Callable[[], Any]]]:
-    from proxy_workers import event_channel, exchange, metrics, pipeline, plain_path
+    from proxy_workers import event_channel, exchange, metrics, pipeline, plain_path, relay
 
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
@@ -254,7 +254,7 @@ def variants(worker: Worker) -> dict[str, tuple[Callable[[Any], Awaitable[None]]
         "exchange": (worker.full, lambda: replaced(plain_path.PlainPath, "takes", lambda self, request: False)),
         "without metrics": (worker.full, lambda: replaced(metrics, "observe_request", nothing)),
         "without events": (worker.full, lambda: _without_events(event_channel.EventChannelWriter, nothing)),
-        "without meta": (worker.full, lambda: _without_meta(exchange)),
+        "without meta": (worker.full, lambda: _without_meta(relay)),
         "without predictions": (worker.full, lambda: replaced(pipeline.Pipeline, "book", book_unpredicted)),
         "without disconnect watch": (worker.full, lambda: _replaced_in((exchange, plain_path), "watch_disconnect", unwatched)),
         "without admission": (worker.full, lambda: _without_admission(pipeline.Pipeline, admitted, admitted_plain, nothing)),
@@ -279,9 +279,9 @@ def _without_admission(cls: Any, admitted: Callable[..., bool], admitted_plain: 
 
 
 @contextlib.contextmanager
-def _without_meta(exchange: Any) -> Iterator[None]:
-    with replaced(exchange, "encode_meta", lambda *a, **k: b"{}"), \
-            replaced(exchange, "meta_spliced", lambda body, meta: (body, True)):
+def _without_meta(relay: Any) -> Iterator[None]:
+    with replaced(relay, "encode_meta", lambda *a, **k: b"{}"), \
+            replaced(relay, "meta_spliced", lambda body, meta: (body, True)):
         yield
 
 
@@ -293,6 +293,14 @@ def _replaced_in(modules: tuple[Any, ...], name: str, value: Any) -> Iterator[No
         yield
 
 
+async def serve_batches(worker: Worker, handler: Callable[[Any], Awaitable[None]], batches: int) -> None:
+    """`batches` rounds of CONCURRENCY requests at once, the event ring drained after each, as
+    the sidecar would."""
+    for _ in range(batches):
+        await asyncio.gather(*(handler(a_cycle()) for _ in range(CONCURRENCY)))
+        worker.drain_events()
+
+
 async def measure(requests: int, repeats: int,
                   cold_requests: int = 0) -> tuple[dict[str, list[float]], dict[str, list[float]], pstats.Stats]:
     """Per variant: CPU µs per request of each warm block, each cold request's; and the profile."""
@@ -302,25 +310,20 @@ async def measure(requests: int, repeats: int,
         samples: dict[str, list[float]] = {name: [] for name in runs}
         batches = max(1, requests // CONCURRENCY)
         for handler, _ in runs.values():  # warm every path (pools, plans, caches)
-            for _ in range(10):
-                await asyncio.gather(*(handler(a_cycle()) for _ in range(CONCURRENCY)))
+            await serve_batches(worker, handler, 10)
         for _ in range(repeats):
             for name, (handler, context) in runs.items():
                 gc.collect()
                 worker.publish_snapshot()
                 with context():
                     started = time.process_time()
-                    for _ in range(batches):
-                        await asyncio.gather(*(handler(a_cycle()) for _ in range(CONCURRENCY)))
-                        worker.drain_events()
+                    await serve_batches(worker, handler, batches)
                     elapsed = time.process_time() - started
                 samples[name].append(elapsed / (batches * CONCURRENCY) * 1e6)
         worker.publish_snapshot()
         profiler = cProfile.Profile()
         profiler.enable()
-        for _ in range(batches):
-            await asyncio.gather(*(worker.full(a_cycle()) for _ in range(CONCURRENCY)))
-            worker.drain_events()
+        await serve_batches(worker, worker.full, batches)
         profiler.disable()
         return samples, cold, pstats.Stats(profiler)
 

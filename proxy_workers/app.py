@@ -37,10 +37,11 @@ from cacheroute_proxy.http import (
 from cacheroute_proxy.routing.report import instance_loads
 
 from . import access_log, metrics
-from .exchange import ProxyExchange, Responder
+from .exchange import ProxyExchange
 from cacheroute_proxy.http1 import BadBody, BodyTooLarge, ClientGone, Cycle, Handler
 from .pipeline import Pipeline
 from .plain_path import PlainExchange, PlainPath
+from .relay import Responder
 from .request_model import Endpoint, recover
 from .router import Router
 from .model_list import ModelList

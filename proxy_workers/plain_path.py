@@ -4,8 +4,8 @@ that needs nothing of the pipeline, in one coroutine from the choice to the last
 It does what the exchange (exchange.py) does for such a request -- lease, host-wide ready
 admission, booking with the sidecar once sent, retries before the first byte, the disconnect
 watch, `cacheroute_meta`, the metrics -- with the same parts (Router, Pipeline.admit_plain /
-book / leave_ready, Upstream) and the same trace and events (tests/test_trace.py holds the
-two paths to it), but without the exchange's layers: no Job, no frame per stage, no meta
+book / leave_ready, Upstream, relay.py) and the same trace and events (tests/test_trace.py
+holds the two paths to it), but without the exchange's layers: no Job, no frame per stage, no meta
 object built for knowledge it does not have. Each frame a request's task passes through is
 paid again at each of its resumptions, each object at each request; what the layers cost is
 the `exchange` variant of bench/instructions.py and bench/pipeline_cost.py (BENCHMARKS.md).
@@ -25,8 +25,9 @@ from cacheroute_proxy.clock import now_ms
 from cacheroute_proxy.http import HTTPError
 
 from . import metrics
-from .exchange import (ProxyExchange, Responder, can_retry, chosen, first_token_seen, refused,
-                       relay_answer, watch_disconnect)
+from .exchange import ProxyExchange
+from .relay import (Responder, can_retry, first_token_seen, refused, relay_answer, select,
+                    watch_disconnect)
 from .headers import Header
 from .pipeline import Pipeline
 from .request_model import ProxyRequest
@@ -87,14 +88,9 @@ class PlainExchange:
         body = request.upstream_body
         for attempt in range(1 + path.retries):
             self._attempt = attempt
-            trace.route_select_start_ms = now_ms()
-            try:
-                lease = router.acquire(self._tried, request)
-            except HTTPError as exc:  # answered without cacheroute_meta: the trace is not sent
-                out.error(exc)
+            lease = select(router, self._tried, request, trace, out)
+            if lease is None:
                 return
-            trace.route_select_end_ms = now_ms()
-            chosen(lease, trace, out)
             watch = watch_disconnect(out.cycle)
             if watch is None:  # gone before anything was sent
                 lease.release()

@@ -10,7 +10,7 @@ order they have in the JSON. Each defaults to None, and a None field is left out
 and is kept.
 
 `encode_meta` is the one place `cacheroute_meta` is encoded: the JSON answer splices its bytes
-in (exchange.with_meta), the stream sends them as its last event (sse.meta_event).
+in (relay.with_meta), the stream sends them as its last event (sse.meta_event).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 
 from proxy_workers.app import read_body
 from proxy_workers.drain import Drain
-from proxy_workers.exchange import watch_disconnect
+from proxy_workers.relay import watch_disconnect
 from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http1 import BadBody, ClientGone, Cycle, GracefulExit, HeadLimits, Http1Server, head_limits

@@ -19,7 +19,7 @@ from cacheroute_proxy.config import Settings
 from cacheroute_proxy.http import HTTPError
 from cacheroute_proxy.http1.client import ConnectFailed
 from proxy_workers.app import DataPlane, WorkerContext
-from proxy_workers.exchange import with_meta
+from proxy_workers.relay import with_meta
 from proxy_workers.knowledge import KnowledgePreparer
 from proxy_workers.pipeline import Pipeline
 from proxy_workers.predictors import get_predictors
